@@ -1,0 +1,40 @@
+# Set-up and the two commands README.md gives: `make demo` and `make test`.
+# Each creates/updates .venv; on a machine without CUDA it installs the CPU build of torch
+# first (installing megatron-core into an empty environment would pull a multi-GB CUDA torch).
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+TORCH_CPU ?= torch==2.13.0
+DEMO_ARGS ?=
+
+.PHONY: venv demo test lint check bench-cpu clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
+	@if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
+	  echo "no CUDA device: installing the CPU build of torch ($(TORCH_CPU)) first"; \
+	  $(BIN)/python -m pip install -q "$(TORCH_CPU)"; \
+	fi
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(BIN)/python examples/train_gpt.py $(DEMO_ARGS)
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench-cpu: $(VENV)/.installed
+	$(BIN)/python benchmarks/hook_overhead.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

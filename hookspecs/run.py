@@ -1,0 +1,357 @@
+"""The host-side training-run helper: fires the hooks in order and guarantees shutdown.
+
+:class:`TrainingRun` is a context manager around one training run. Entering it fires
+``mcgraph_configure``; leaving it, by any path, fires ``mcgraph_shutdown`` exactly once with
+the reason: normal end (``completed``), ``break``/``sys.exit(0)`` before the last step
+(``early_exit``), an exception (``exception``), ``KeyboardInterrupt`` (``interrupted``) or
+SIGTERM (``signal``). SIGTERM is turned into a :class:`SignalReceived` exception so the
+stack unwinds through the host's ``finally`` blocks and the shutdown hook; afterwards the
+previous handler's behaviour applies (the default one terminates the process by the same
+signal). A failing shutdown hook never hides the exception that ended the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pluggy
+
+logger = logging.getLogger(__name__)
+
+
+class ShutdownReason(str, enum.Enum):
+    """Why a run ended (the ``reason`` of ``mcgraph_shutdown``)."""
+
+    COMPLETED = "completed"
+    EARLY_EXIT = "early_exit"
+    EXCEPTION = "exception"
+    INTERRUPTED = "interrupted"
+    SIGNAL = "signal"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class SignalReceived(BaseException):
+    """Raised in the main thread when a handled signal (SIGTERM) arrives during a run.
+
+    A ``BaseException`` so that a host's ``except Exception`` does not swallow it.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"received {signal.Signals(signum).name}")
+
+
+def merge_kwargs(
+    results: list[dict[str, Any] | None], what: str, base: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Merge keyword-argument dicts contributed by plugins (collected hook results).
+
+    :param results: The hook's collected results; ``None`` entries are skipped.
+    :param what: What the kwargs are for, used in the error message.
+    :param base: The host's own kwargs, merged first.
+    :raises ValueError: if two contributions set the same key to different values.
+    """
+    merged: dict[str, Any] = dict(base or {})
+    for contribution in results:
+        for key, value in (contribution or {}).items():
+            if key in merged and merged[key] != value:
+                raise ValueError(
+                    f"{what}: conflicting values for {key!r}: {merged[key]!r} and {value!r}; "
+                    f"make the host and its plugins agree on {key!r}"
+                )
+            merged[key] = value
+    return merged
+
+
+def _classify(exc: BaseException | None, completed: bool) -> ShutdownReason:
+    if exc is None:
+        return ShutdownReason.COMPLETED if completed else ShutdownReason.EARLY_EXIT
+    if isinstance(exc, SignalReceived):
+        return ShutdownReason.SIGNAL
+    if isinstance(exc, KeyboardInterrupt):
+        return ShutdownReason.INTERRUPTED
+    if isinstance(exc, SystemExit) and exc.code in (0, None):
+        return ShutdownReason.EARLY_EXIT
+    return ShutdownReason.EXCEPTION
+
+
+class TrainingRun:
+    """Fires the lifecycle hooks of one training run in order.
+
+    Typical host code::
+
+        pm = get_plugin_manager()
+        with TrainingRun(pm, config=args, train_iters=args.train_iters) as run:
+            model_parallel_cuda_manual_seed(**run.rng_options(base={"seed": 1234}))
+            run.rng_initialized()
+            config = TransformerConfig(**run.model_config_kwargs(base=my_fields))
+            ... build the model; with run.model_build_context(): wrap it in DDP ...
+            run.model_built(model=model, optimizer=opt, model_config=config,
+                            seq_length=S, micro_batch_size=B)
+            fwd_bwd = run.forward_backward_func(get_forward_backward_func())
+            for step in range(run.start_step, args.train_iters):
+                with run.train_step(step) as metrics:
+                    ... fwd_bwd(...); optimizer.step(); metrics["loss"] = loss
+
+    :param pluginmanager: A manager from :func:`hookspecs.get_plugin_manager`.
+    :param config: The host's configuration object, passed to the configuration hooks.
+    :param train_iters: The step at which training completes (exclusive); ending earlier
+        without an exception is an ``early_exit``.
+    :param start_step: The first step of this run (greater than 0 when resuming).
+    :param handle_signals: Signals turned into a clean shutdown (SIGTERM by default).
+        Installed only from the main thread, and never over a handler set to ``SIG_IGN``.
+    """
+
+    def __init__(
+        self,
+        pluginmanager: pluggy.PluginManager,
+        config: Any,
+        *,
+        train_iters: int,
+        start_step: int = 0,
+        handle_signals: tuple[int, ...] = (signal.SIGTERM,),
+    ) -> None:
+        if start_step < 0 or train_iters < start_step:
+            raise ValueError(
+                f"TrainingRun: need 0 <= start_step <= train_iters, got start_step={start_step}"
+                f" and train_iters={train_iters}"
+            )
+        self.pluginmanager = pluginmanager
+        self.hook = pluginmanager.hook
+        self.config = config
+        self.train_iters = train_iters
+        self.start_step = start_step
+        self.shutdown_reason: ShutdownReason | None = None
+        self._handle_signals = handle_signals
+        self._previous_handlers: dict[int, Any] = {}
+        self._pending_signal: int | None = None
+        self._entered = False
+        self._shutting_down = False
+        self._train_started = False
+        self._warmup_steps: int | None = None
+        self._next_step = start_step
+
+    # -- context manager ---------------------------------------------------------------------
+
+    def __enter__(self) -> TrainingRun:
+        if self._entered:
+            raise RuntimeError("a TrainingRun can be entered only once; create a new one")
+        self._entered = True
+        self._install_signal_handlers()
+        try:
+            self.hook.mcgraph_configure.call_historic(
+                kwargs={"config": self.config, "pluginmanager": self.pluginmanager}
+            )
+        except BaseException as exc:
+            self._finish(exc)
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        return self._finish(exc)
+
+    @property
+    def last_step(self) -> int | None:
+        """The last training step that finished, or ``None`` before the first one."""
+        return self._next_step - 1 if self._next_step > self.start_step else None
+
+    @property
+    def warmup_steps(self) -> int | None:
+        """The warm-up length the plugins answered (known once training started)."""
+        return self._warmup_steps
+
+    # -- set-up hooks ------------------------------------------------------------------------
+
+    def model_config_kwargs(self, base: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``TransformerConfig`` keyword arguments: ``base`` plus the plugins' contributions."""
+        self._check_active()
+        results = self.hook.mcgraph_model_config_kwargs(config=self.config)
+        return merge_kwargs(results, "TransformerConfig", base)
+
+    def rng_options(self, base: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``model_parallel_cuda_manual_seed`` keyword arguments: ``base`` plus the plugins'."""
+        self._check_active()
+        results = self.hook.mcgraph_rng_options(config=self.config)
+        return merge_kwargs(results, "model_parallel_cuda_manual_seed", base)
+
+    def rng_initialized(self) -> None:
+        """Tell the plugins the RNG has been seeded (they check the active tracker)."""
+        self._check_active()
+        self.hook.mcgraph_rng_initialized(config=self.config)
+
+    @contextlib.contextmanager
+    def model_build_context(self) -> Iterator[None]:
+        """Enter every context manager the plugins ask for while the host builds DDP."""
+        self._check_active()
+        with contextlib.ExitStack() as stack:
+            for manager in self.hook.mcgraph_model_build_context(config=self.config):
+                stack.enter_context(manager)
+            yield
+
+    def model_built(
+        self,
+        *,
+        model: list[Any],
+        optimizer: Any,
+        model_config: Any,
+        seq_length: int,
+        micro_batch_size: int,
+    ) -> None:
+        """Tell the plugins the DDP-wrapped model chunks and the optimizer exist."""
+        self._check_active()
+        self.hook.mcgraph_model_built(
+            model=model,
+            optimizer=optimizer,
+            model_config=model_config,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+        )
+
+    def forward_backward_func(self, forward_backward_func: Any) -> Any:
+        """The forward/backward callable to use, possibly wrapped by plugins."""
+        self._check_active()
+        return self.hook.mcgraph_forward_backward_func(forward_backward_func=forward_backward_func)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def train_step(self, step: int) -> Iterator[dict[str, Any]]:
+        """One training step: start (and post-warmup) hooks on entry, end hook on success.
+
+        Yields a dict the host fills with the step's metrics for ``mcgraph_train_step_end``.
+        Steps must be consecutive from ``start_step``: the capture step depends on it.
+        """
+        self._check_active()
+        if step != self._next_step:
+            raise ValueError(
+                f"TrainingRun.train_step(step={step}): the next step is {self._next_step}; "
+                "steps must run consecutively from start_step (resume with a new TrainingRun "
+                "and start_step instead)"
+            )
+        if not self._train_started:
+            self._start_training()
+        self.hook.mcgraph_train_step_start(step=step)
+        if self._warmup_steps is not None and step - self.start_step == self._warmup_steps:
+            self.hook.mcgraph_post_warmup_step(step=step, start_step=self.start_step)
+        metrics: dict[str, Any] = {}
+        yield metrics
+        self._next_step = step + 1
+        self.hook.mcgraph_train_step_end(step=step, metrics=metrics)
+
+    @contextlib.contextmanager
+    def evaluation(self) -> Iterator[dict[str, Any]]:
+        """An evaluation pass: start hook on entry, end hook (with the metrics) on success."""
+        self._check_active()
+        step = self._next_step - 1
+        self.hook.mcgraph_evaluation_start(step=step)
+        metrics: dict[str, Any] = {}
+        yield metrics
+        self.hook.mcgraph_evaluation_end(step=step, metrics=metrics)
+
+    def disable_forward_pre_hook(self, model: list[Any], param_sync: bool) -> None:
+        """Disable the DDP forward pre-hooks through the perform hook."""
+        self._check_active()
+        self.hook.mcgraph_disable_forward_pre_hook(model=model, param_sync=param_sync)
+
+    def enable_forward_pre_hook(self, model: list[Any]) -> None:
+        """Enable the DDP forward pre-hooks through the perform hook."""
+        self._check_active()
+        self.hook.mcgraph_enable_forward_pre_hook(model=model)
+
+    def _start_training(self) -> None:
+        warmup = self.hook.mcgraph_warmup_steps(config=self.config)
+        if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, int)
+                                   or warmup < 0):
+            raise ValueError(
+                f"mcgraph_warmup_steps answered {warmup!r}; a plugin must answer a "
+                "non-negative int or None"
+            )
+        self._warmup_steps = warmup
+        self._train_started = True
+        self.hook.mcgraph_train_start(start_step=self.start_step, train_iters=self.train_iters)
+
+    def _check_active(self) -> None:
+        if not self._entered:
+            raise RuntimeError("use the TrainingRun as a context manager: `with run: ...`")
+        if self.shutdown_reason is not None:
+            raise RuntimeError(f"this TrainingRun has shut down ({self.shutdown_reason})")
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def _finish(self, exc: BaseException | None) -> bool:
+        """Fire the shutdown hook once; return True to swallow ``exc`` (see signals)."""
+        if self.shutdown_reason is not None:
+            return False
+        reason = _classify(exc, completed=self._next_step >= self.train_iters)
+        self.shutdown_reason = reason
+        self._shutting_down = True
+        try:
+            self.hook.mcgraph_shutdown(reason=reason, exception=exc)
+        except BaseException as shutdown_exc:
+            if exc is None:
+                raise
+            logger.error(
+                "mcgraph_shutdown raised while the run was ending with %r; "
+                "the original exception is re-raised",
+                exc,
+                exc_info=shutdown_exc,
+            )
+            exc.add_note(f"during mcgraph_shutdown, another exception occurred: {shutdown_exc!r}")
+        finally:
+            self._restore_signal_handlers()
+        return self._apply_previous_signal_behaviour(exc)
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            logger.debug("TrainingRun outside the main thread: signals are not handled")
+            return
+        for signum in self._handle_signals:
+            previous = signal.getsignal(signum)
+            if previous is signal.SIG_IGN:
+                continue
+            self._previous_handlers[signum] = previous
+            signal.signal(signum, self._on_signal)
+
+    def _restore_signal_handlers(self) -> None:
+        for signum, previous in self._previous_handlers.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        already = self._pending_signal is not None
+        self._pending_signal = signum
+        if self._shutting_down or already:
+            logger.warning("%s received again during shutdown", signal.Signals(signum).name)
+            return
+        logger.warning(
+            "%s received: ending the run cleanly (shutdown hooks run first)",
+            signal.Signals(signum).name,
+        )
+        raise SignalReceived(signum)
+
+    def _apply_previous_signal_behaviour(self, exc: BaseException | None) -> bool:
+        signum = self._pending_signal
+        if signum is None:
+            return False
+        previous = self._previous_handlers.get(signum)
+        if callable(previous):
+            previous(signum, None)
+            logger.info("the previous %s handler returned: the program continues",
+                        signal.Signals(signum).name)
+            return isinstance(exc, SignalReceived)
+        # SIG_DFL (or a handler not set from Python): terminate by the same signal.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return False  # not reached for terminating signals

@@ -1,0 +1,369 @@
+"""Hook specifications: every hook a host fires or a plugin may implement, by lifecycle.
+
+Conventions (they matter, pluggy enforces only some of them):
+
+* Hosts call hooks with keyword arguments only; specs take plain named parameters with no
+  defaults and no ``*``.
+* A plugin may accept any subset of a hook's parameters.
+* Each spec says how its result is used: *notification* (results ignored), *collected*
+  (the host receives a list with one entry per implementation that returned non-``None``),
+  *firstresult* (the first non-``None`` result wins) or *historic* (replayed to plugins
+  registered later).
+* "Perform" hooks are ``firstresult``: a default implementation (the host's, registered
+  ``trylast``) performs the operation and other plugins wrap it with
+  ``@hookimpl(wrapper=True)`` and ``try: return (yield) finally: ...``.
+* No hook is ever called from inside a captured or replayed CUDA graph. Hooks are Python
+  and cost about 1-3 µs each; they run between graph replays, never inside them. The
+  capture itself happens between :func:`mcgraph_before_capture` and
+  :func:`mcgraph_after_capture`.
+
+The order in which :class:`hookspecs.TrainingRun` fires them is documented in
+``docs/hooks.md`` and checked by the tests.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hookspecs import hookspec
+
+if TYPE_CHECKING:
+    import argparse
+    from contextlib import AbstractContextManager
+
+    import pluggy
+
+    from hookspecs.run import ShutdownReason
+
+
+# -------------------------------------------------------------------------------------------
+# Configuration: before anything is built or any device memory is touched.
+# -------------------------------------------------------------------------------------------
+
+
+@hookspec
+def mcgraph_add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add command-line options to the host's argument parser.
+
+    Fired by the host before it parses its command line (outside :class:`TrainingRun`).
+
+    :param parser: The host's ``argparse.ArgumentParser``; add options or groups to it.
+
+    Result: notification; return values are ignored.
+    """
+
+
+@hookspec(historic=True)
+def mcgraph_configure(config: Any, pluginmanager: pluggy.PluginManager) -> None:
+    """Validate and complete the host's configuration before anything is built.
+
+    Fired once per run when :class:`TrainingRun` is entered, before distributed
+    initialisation, RNG seeding and model build. A plugin that finds the configuration
+    unusable raises (``ValueError`` or a subclass) and the run ends with
+    :func:`mcgraph_shutdown` (reason ``exception``). A plugin may change the host's config
+    in place only to apply a documented auto-fix, and must log each change.
+
+    :param config: The host's configuration object, whatever its shape (an argparse
+        namespace, a Megatron-Bridge-style nested config, a ``TransformerConfig``).
+    :param pluginmanager: The run's plugin manager; a plugin may register per-run helper
+        plugins on it here, and may call hooks through ``pluginmanager.hook``.
+
+    Result: historic notification; plugins registered later receive the call on
+    registration; return values are ignored.
+    """
+
+
+@hookspec
+def mcgraph_model_config_kwargs(config: Any) -> dict[str, Any] | None:
+    """Contribute keyword arguments for the host's ``TransformerConfig``.
+
+    Fired by the host (:meth:`TrainingRun.model_config_kwargs`) after configure, before it
+    constructs its ``TransformerConfig``. Field names must be those of the installed
+    megatron-core (a plugin translates its own settings).
+
+    :param config: The host's configuration object, as given to :func:`mcgraph_configure`.
+
+    Result: collected; the host merges the dicts with :func:`hookspecs.merge_kwargs`, which
+    refuses two plugins setting the same field to different values.
+    """
+
+
+@hookspec
+def mcgraph_rng_options(config: Any) -> dict[str, Any] | None:
+    """Contribute keyword arguments for ``model_parallel_cuda_manual_seed``.
+
+    Fired by the host (:meth:`TrainingRun.rng_options`) after distributed initialisation,
+    before it seeds the RNG.
+
+    :param config: The host's configuration object.
+
+    Result: collected; merged like :func:`mcgraph_model_config_kwargs`.
+    """
+
+
+@hookspec
+def mcgraph_rng_initialized(config: Any) -> None:
+    """Inspect the RNG state after the host has seeded it.
+
+    Fired by the host (:meth:`TrainingRun.rng_initialized`) right after
+    ``model_parallel_cuda_manual_seed``. A plugin raises if the active RNG tracker cannot
+    serve what it configured (for example a tracker that is not CUDA-graph safe).
+
+    :param config: The host's configuration object.
+
+    Result: notification.
+    """
+
+
+# -------------------------------------------------------------------------------------------
+# Model build.
+# -------------------------------------------------------------------------------------------
+
+
+@hookspec
+def mcgraph_model_build_context(config: Any) -> AbstractContextManager[Any] | None:
+    """Provide a context manager the host enters while it wraps the model in DDP.
+
+    Fired by the host (:meth:`TrainingRun.model_build_context`) before it constructs
+    ``DistributedDataParallel``; the host enters every returned context manager, in order,
+    for the duration of the DDP construction (for example a CUDA stream that later graph
+    captures must share).
+
+    :param config: The host's configuration object.
+
+    Result: collected; ``None`` means "nothing to enter".
+    """
+
+
+@hookspec
+def mcgraph_model_built(
+    model: list[Any],
+    optimizer: Any,
+    model_config: Any,
+    seq_length: int,
+    micro_batch_size: int,
+) -> None:
+    """The model (DDP-wrapped chunks) and optimizer exist; training has not started.
+
+    Fired by the host (:meth:`TrainingRun.model_built`) once per run.
+
+    :param model: The list of model chunks, each wrapped in megatron-core DDP.
+    :param optimizer: The megatron-core optimizer.
+    :param model_config: The ``TransformerConfig`` the model was built with.
+    :param seq_length: The fixed sequence length of every micro-batch.
+    :param micro_batch_size: The fixed micro-batch size.
+
+    Result: notification.
+    """
+
+
+@hookspec(firstresult=True)
+def mcgraph_forward_backward_func(forward_backward_func: Any) -> Any:
+    """Return the forward/backward callable the host must use for training and evaluation.
+
+    Fired by the host (:meth:`TrainingRun.forward_backward_func`) once, after
+    :func:`mcgraph_model_built`, with megatron-core's ``get_forward_backward_func()``.
+    A perform hook: the host's default implementation returns the callable unchanged; a
+    plugin wraps it with ``@hookimpl(wrapper=True)`` (``func = yield; return wrap(func)``).
+    The returned callable keeps megatron-core's keyword-only signature.
+
+    :param forward_backward_func: megatron-core's forward/backward schedule.
+
+    Result: firstresult.
+    """
+
+
+# -------------------------------------------------------------------------------------------
+# Training loop.
+# -------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def mcgraph_warmup_steps(config: Any) -> int | None:
+    """Number of eager training steps before the post-warmup step.
+
+    Asked by :class:`TrainingRun` when it starts training. If no plugin answers, the run
+    has no post-warmup step and :func:`mcgraph_post_warmup_step` never fires.
+
+    :param config: The host's configuration object.
+
+    Result: firstresult; a non-negative int.
+    """
+
+
+@hookspec
+def mcgraph_train_start(start_step: int, train_iters: int) -> None:
+    """Training begins (first call of :meth:`TrainingRun.train_step`).
+
+    :param start_step: The first step of this run (greater than 0 when resuming).
+    :param train_iters: The step at which training completes (exclusive).
+
+    Result: notification.
+    """
+
+
+@hookspec
+def mcgraph_train_step_start(step: int) -> None:
+    """A training step begins, before its forward/backward.
+
+    :param step: The step about to run.
+
+    Result: notification.
+    """
+
+
+@hookspec
+def mcgraph_post_warmup_step(step: int, start_step: int) -> None:
+    """The first step after the warm-up steps begins, before its forward/backward.
+
+    Fired exactly once per run, right after :func:`mcgraph_train_step_start`, for the step
+    where ``step - start_step == warmup_steps`` (counted from the start step, so a resumed
+    run warms up again). Per-layer CUDA graphs are captured here; the step then runs on
+    the captured graphs.
+
+    :param step: The step about to run.
+    :param start_step: The first step of this run.
+
+    Result: notification.
+    """
+
+
+@hookspec
+def mcgraph_train_step_end(step: int, metrics: dict[str, Any]) -> None:
+    """A training step has finished (forward/backward and optimizer step).
+
+    Not fired for a step that raised. Do not synchronise the device here: metric values
+    may be device tensors still being computed.
+
+    :param step: The step that finished.
+    :param metrics: What the host reports for the step (host-defined keys).
+
+    Result: notification.
+    """
+
+
+@hookspec(firstresult=True)
+def mcgraph_disable_forward_pre_hook(model: list[Any], param_sync: bool) -> bool | None:
+    """Disable the DDP forward pre-hooks (the param all-gather overlap hooks).
+
+    A perform hook fired by the host or by a plugin around a CUDA graph capture. The host's
+    default implementation calls ``disable_forward_pre_hook(param_sync=...)`` on every DDP
+    chunk; another plugin may take over by returning ``True`` first or wrap it.
+
+    :param model: The list of DDP-wrapped model chunks.
+    :param param_sync: Whether to force a synchronous parameter all-gather now.
+
+    Result: firstresult; ``True`` once performed.
+    """
+
+
+@hookspec(firstresult=True)
+def mcgraph_enable_forward_pre_hook(model: list[Any]) -> bool | None:
+    """Enable the DDP forward pre-hooks again.
+
+    A perform hook, the counterpart of :func:`mcgraph_disable_forward_pre_hook`. The host's
+    default implementation calls ``enable_forward_pre_hook()`` on every DDP chunk.
+
+    :param model: The list of DDP-wrapped model chunks.
+
+    Result: firstresult; ``True`` once performed.
+    """
+
+
+# -------------------------------------------------------------------------------------------
+# Evaluation.
+# -------------------------------------------------------------------------------------------
+
+
+@hookspec
+def mcgraph_evaluation_start(step: int) -> None:
+    """Evaluation begins (the model is about to be put in eval mode).
+
+    :param step: The last training step that finished.
+
+    Result: notification.
+    """
+
+
+@hookspec
+def mcgraph_evaluation_end(step: int, metrics: dict[str, Any]) -> None:
+    """Evaluation finished without error.
+
+    :param step: The last training step that finished.
+    :param metrics: What the host reports for the evaluation (host-defined keys).
+
+    Result: notification.
+    """
+
+
+# -------------------------------------------------------------------------------------------
+# CUDA graph events (fired by the CUDA graph plugin through the plugin manager).
+# -------------------------------------------------------------------------------------------
+
+
+@hookspec
+def mcgraph_before_capture(step: int, impl: str, scope: list[str]) -> None:
+    """A CUDA graph capture is about to start.
+
+    For per-layer (``transformer_engine``) graphs this is inside
+    :func:`mcgraph_post_warmup_step`, with the forward pre-hooks already disabled; for
+    ``full_iteration`` graphs it is inside the forward/backward call of the capture step.
+
+    :param step: The training step of the capture (evaluation captures report the last
+        training step).
+    :param impl: ``"local"`` or ``"transformer_engine"``.
+    :param scope: The captured scopes, e.g. ``["full_iteration"]`` or ``["attn", "mlp"]``.
+
+    Result: notification. A hook that raises aborts the capture.
+    """
+
+
+@hookspec
+def mcgraph_after_capture(
+    step: int, impl: str, scope: list[str], seconds: float, graph_count: int
+) -> None:
+    """A CUDA graph capture finished successfully.
+
+    :param step: As in :func:`mcgraph_before_capture`.
+    :param impl: As in :func:`mcgraph_before_capture`.
+    :param scope: As in :func:`mcgraph_before_capture`.
+    :param seconds: Wall-clock capture time (device synchronised before and after).
+    :param graph_count: Number of CUDA graphs now held.
+
+    Result: notification.
+    """
+
+
+@hookspec
+def mcgraph_report(report: Any) -> None:
+    """The run report: what CUDA graphs bought this run.
+
+    Fired once, at shutdown, before graphs are freed. ``report`` has ``to_dict()`` (plain,
+    JSON-ready values) and ``format_table()``; see ``cudagraph_plugin.report.RunReport``.
+
+    :param report: The run report.
+
+    Result: notification.
+    """
+
+
+# -------------------------------------------------------------------------------------------
+# Shutdown.
+# -------------------------------------------------------------------------------------------
+
+
+@hookspec
+def mcgraph_shutdown(reason: ShutdownReason, exception: BaseException | None) -> None:
+    """The run ends: free everything that was created for it.
+
+    Fired exactly once per run by :class:`TrainingRun`, on every exit path, from a
+    ``finally``. Implement cleanup with ``@hookimpl(wrapper=True)`` and
+    ``try: return (yield) finally: cleanup()`` so it runs even if another plugin's
+    implementation raises.
+
+    :param reason: Why the run ended: ``completed``, ``early_exit``, ``exception``,
+        ``interrupted`` (KeyboardInterrupt) or ``signal`` (SIGTERM).
+    :param exception: The exception that ended the run, or ``None``.
+
+    Result: notification.
+    """
