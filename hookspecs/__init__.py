@@ -28,6 +28,7 @@ from hookspecs.run import (  # noqa: E402
     ShutdownReason,
     SignalReceived,
     TrainingRun,
+    call_hook,
     merge_kwargs,
 )
 
@@ -37,6 +38,7 @@ __all__ = [
     "ShutdownReason",
     "SignalReceived",
     "TrainingRun",
+    "call_hook",
     "get_plugin_manager",
     "hookimpl",
     "hookspec",

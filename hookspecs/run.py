@@ -27,7 +27,7 @@ import pluggy
 logger = logging.getLogger(__name__)
 
 
-class ShutdownReason(str, enum.Enum):
+class ShutdownReason(enum.StrEnum):
     """Why a run ended (the ``reason`` of ``mcgraph_shutdown``)."""
 
     COMPLETED = "completed"
@@ -35,9 +35,6 @@ class ShutdownReason(str, enum.Enum):
     EXCEPTION = "exception"
     INTERRUPTED = "interrupted"
     SIGNAL = "signal"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class SignalReceived(BaseException):
@@ -71,6 +68,40 @@ def merge_kwargs(
                 )
             merged[key] = value
     return merged
+
+
+def blame(pluginmanager: pluggy.PluginManager, hook_name: str, exc: BaseException) -> None:
+    """Add a note naming the plugin whose ``hook_name`` implementation raised ``exc``.
+
+    pluggy propagates a plugin's exception unchanged; the traceback tells which
+    implementation raised it. Only the innermost hook call adds the note.
+    """
+    if not isinstance(exc, Exception) or getattr(exc, "_mcgraph_blamed", False):
+        return
+    hook = getattr(pluginmanager.hook, hook_name)
+    owners = {
+        impl.function.__code__: impl.plugin_name
+        for impl in hook.get_hookimpls()
+        if hasattr(impl.function, "__code__")
+    }
+    culprit = None
+    tb = exc.__traceback__
+    while tb is not None:
+        culprit = owners.get(tb.tb_frame.f_code, culprit)
+        tb = tb.tb_next
+    if culprit is not None:
+        exc.add_note(f"raised by plugin {culprit!r} in its {hook_name} implementation")
+        exc._mcgraph_blamed = True  # type: ignore[attr-defined]
+
+
+def call_hook(pluginmanager: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> Any:
+    """Call ``hook_name`` with keyword arguments; an exception gets a note naming the
+    plugin that raised it (see :func:`blame`)."""
+    try:
+        return getattr(pluginmanager.hook, hook_name)(**kwargs)
+    except BaseException as exc:
+        blame(pluginmanager, hook_name, exc)
+        raise
 
 
 def _classify(exc: BaseException | None, completed: bool) -> ShutdownReason:
@@ -141,7 +172,10 @@ class TrainingRun:
         self._warmup_steps: int | None = None
         self._next_step = start_step
 
-    # -- context manager ---------------------------------------------------------------------
+    def _call(self, hook_name: str, **kwargs: Any) -> Any:
+        return call_hook(self.pluginmanager, hook_name, **kwargs)
+
+    # -- context manager ----------------------------------------------------------------------
 
     def __enter__(self) -> TrainingRun:
         if self._entered:
@@ -153,6 +187,7 @@ class TrainingRun:
                 kwargs={"config": self.config, "pluginmanager": self.pluginmanager}
             )
         except BaseException as exc:
+            blame(self.pluginmanager, "mcgraph_configure", exc)
             self._finish(exc)
             raise
         return self
@@ -175,26 +210,26 @@ class TrainingRun:
     def model_config_kwargs(self, base: dict[str, Any] | None = None) -> dict[str, Any]:
         """``TransformerConfig`` keyword arguments: ``base`` plus the plugins' contributions."""
         self._check_active()
-        results = self.hook.mcgraph_model_config_kwargs(config=self.config)
+        results = self._call("mcgraph_model_config_kwargs", config=self.config)
         return merge_kwargs(results, "TransformerConfig", base)
 
     def rng_options(self, base: dict[str, Any] | None = None) -> dict[str, Any]:
         """``model_parallel_cuda_manual_seed`` keyword arguments: ``base`` plus the plugins'."""
         self._check_active()
-        results = self.hook.mcgraph_rng_options(config=self.config)
+        results = self._call("mcgraph_rng_options", config=self.config)
         return merge_kwargs(results, "model_parallel_cuda_manual_seed", base)
 
     def rng_initialized(self) -> None:
         """Tell the plugins the RNG has been seeded (they check the active tracker)."""
         self._check_active()
-        self.hook.mcgraph_rng_initialized(config=self.config)
+        self._call("mcgraph_rng_initialized", config=self.config)
 
     @contextlib.contextmanager
     def model_build_context(self) -> Iterator[None]:
         """Enter every context manager the plugins ask for while the host builds DDP."""
         self._check_active()
         with contextlib.ExitStack() as stack:
-            for manager in self.hook.mcgraph_model_build_context(config=self.config):
+            for manager in self._call("mcgraph_model_build_context", config=self.config):
                 stack.enter_context(manager)
             yield
 
@@ -209,7 +244,8 @@ class TrainingRun:
     ) -> None:
         """Tell the plugins the DDP-wrapped model chunks and the optimizer exist."""
         self._check_active()
-        self.hook.mcgraph_model_built(
+        self._call(
+            "mcgraph_model_built",
             model=model,
             optimizer=optimizer,
             model_config=model_config,
@@ -220,9 +256,11 @@ class TrainingRun:
     def forward_backward_func(self, forward_backward_func: Any) -> Any:
         """The forward/backward callable to use, possibly wrapped by plugins."""
         self._check_active()
-        return self.hook.mcgraph_forward_backward_func(forward_backward_func=forward_backward_func)
+        return self._call(
+            "mcgraph_forward_backward_func", forward_backward_func=forward_backward_func
+        )
 
-    # -- the loop ----------------------------------------------------------------------------
+    # -- the loop -----------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def train_step(self, step: int) -> Iterator[dict[str, Any]]:
@@ -240,45 +278,46 @@ class TrainingRun:
             )
         if not self._train_started:
             self._start_training()
-        self.hook.mcgraph_train_step_start(step=step)
+        self._call("mcgraph_train_step_start", step=step)
         if self._warmup_steps is not None and step - self.start_step == self._warmup_steps:
-            self.hook.mcgraph_post_warmup_step(step=step, start_step=self.start_step)
+            self._call("mcgraph_post_warmup_step", step=step, start_step=self.start_step)
         metrics: dict[str, Any] = {}
         yield metrics
         self._next_step = step + 1
-        self.hook.mcgraph_train_step_end(step=step, metrics=metrics)
+        self._call("mcgraph_train_step_end", step=step, metrics=metrics)
 
     @contextlib.contextmanager
     def evaluation(self) -> Iterator[dict[str, Any]]:
         """An evaluation pass: start hook on entry, end hook (with the metrics) on success."""
         self._check_active()
         step = self._next_step - 1
-        self.hook.mcgraph_evaluation_start(step=step)
+        self._call("mcgraph_evaluation_start", step=step)
         metrics: dict[str, Any] = {}
         yield metrics
-        self.hook.mcgraph_evaluation_end(step=step, metrics=metrics)
+        self._call("mcgraph_evaluation_end", step=step, metrics=metrics)
 
     def disable_forward_pre_hook(self, model: list[Any], param_sync: bool) -> None:
         """Disable the DDP forward pre-hooks through the perform hook."""
         self._check_active()
-        self.hook.mcgraph_disable_forward_pre_hook(model=model, param_sync=param_sync)
+        self._call("mcgraph_disable_forward_pre_hook", model=model, param_sync=param_sync)
 
     def enable_forward_pre_hook(self, model: list[Any]) -> None:
         """Enable the DDP forward pre-hooks through the perform hook."""
         self._check_active()
-        self.hook.mcgraph_enable_forward_pre_hook(model=model)
+        self._call("mcgraph_enable_forward_pre_hook", model=model)
 
     def _start_training(self) -> None:
-        warmup = self.hook.mcgraph_warmup_steps(config=self.config)
-        if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, int)
-                                   or warmup < 0):
+        warmup = self._call("mcgraph_warmup_steps", config=self.config)
+        if warmup is not None and (
+            isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0
+        ):
             raise ValueError(
                 f"mcgraph_warmup_steps answered {warmup!r}; a plugin must answer a "
                 "non-negative int or None"
             )
         self._warmup_steps = warmup
         self._train_started = True
-        self.hook.mcgraph_train_start(start_step=self.start_step, train_iters=self.train_iters)
+        self._call("mcgraph_train_start", start_step=self.start_step, train_iters=self.train_iters)
 
     def _check_active(self) -> None:
         if not self._entered:
@@ -286,7 +325,7 @@ class TrainingRun:
         if self.shutdown_reason is not None:
             raise RuntimeError(f"this TrainingRun has shut down ({self.shutdown_reason})")
 
-    # -- shutdown ----------------------------------------------------------------------------
+    # -- shutdown -----------------------------------------------------------------------------
 
     def _finish(self, exc: BaseException | None) -> bool:
         """Fire the shutdown hook once; return True to swallow ``exc`` (see signals)."""
@@ -296,7 +335,7 @@ class TrainingRun:
         self.shutdown_reason = reason
         self._shutting_down = True
         try:
-            self.hook.mcgraph_shutdown(reason=reason, exception=exc)
+            self._call("mcgraph_shutdown", reason=reason, exception=exc)
         except BaseException as shutdown_exc:
             if exc is None:
                 raise
@@ -345,8 +384,10 @@ class TrainingRun:
         previous = self._previous_handlers.get(signum)
         if callable(previous):
             previous(signum, None)
-            logger.info("the previous %s handler returned: the program continues",
-                        signal.Signals(signum).name)
+            logger.info(
+                "the previous %s handler returned: the program continues",
+                signal.Signals(signum).name,
+            )
             return isinstance(exc, SignalReceived)
         # SIG_DFL (or a handler not set from Python): terminate by the same signal.
         logging.shutdown()

@@ -1,0 +1,27 @@
+"""The entry-point module (group ``mcgraph``, name ``cudagraph``).
+
+Stateless: it adds the command-line flags and, when a run is configured, validates the
+configuration and registers a fresh :class:`~cudagraph_plugin.plugin.CudaGraphPlugin` for
+that run on the run's plugin manager.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from cudagraph_plugin.cli import add_cuda_graph_arguments
+from cudagraph_plugin.plugin import CudaGraphPlugin
+from hookspecs import hookimpl
+
+RUN_PLUGIN_NAME = "cudagraph-run"
+
+
+@hookimpl
+def mcgraph_add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_cuda_graph_arguments(parser)
+
+
+@hookimpl
+def mcgraph_configure(config: Any, pluginmanager: Any) -> None:
+    pluginmanager.register(CudaGraphPlugin.configure(config, pluginmanager), name=RUN_PLUGIN_NAME)
