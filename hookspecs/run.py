@@ -19,12 +19,17 @@ import os
 import signal
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import pluggy
 
 logger = logging.getLogger(__name__)
+
+# Managers that already served a run: configure is historic, so reusing one would replay
+# the old run's configuration to late plugins. Weak, so finished runs' managers go away.
+_USED_MANAGERS: weakref.WeakSet[pluggy.PluginManager] = weakref.WeakSet()
 
 
 class ShutdownReason(enum.StrEnum):
@@ -78,16 +83,18 @@ def blame(pluginmanager: pluggy.PluginManager, hook_name: str, exc: BaseExceptio
     """
     if not isinstance(exc, Exception) or getattr(exc, "_mcgraph_blamed", False):
         return
-    hook = getattr(pluginmanager.hook, hook_name)
-    owners = {
-        impl.function.__code__: impl.plugin_name
-        for impl in hook.get_hookimpls()
-        if hasattr(impl.function, "__code__")
-    }
+    impls = getattr(pluginmanager.hook, hook_name).get_hookimpls()
     culprit = None
     tb = exc.__traceback__
     while tb is not None:
-        culprit = owners.get(tb.tb_frame.f_code, culprit)
+        frame = tb.tb_frame
+        for impl in impls:
+            if getattr(impl.function, "__code__", None) is not frame.f_code:
+                continue
+            # Two instances of one plugin class share the code: the frame's self decides.
+            owner = getattr(impl.function, "__self__", None)
+            if owner is None or frame.f_locals.get("self") is owner:
+                culprit = impl.plugin_name
         tb = tb.tb_next
     if culprit is not None:
         exc.add_note(f"raised by plugin {culprit!r} in its {hook_name} implementation")
@@ -112,7 +119,7 @@ def _classify(exc: BaseException | None, completed: bool) -> ShutdownReason:
     if isinstance(exc, KeyboardInterrupt):
         return ShutdownReason.INTERRUPTED
     if isinstance(exc, SystemExit) and exc.code in (0, None):
-        return ShutdownReason.EARLY_EXIT
+        return ShutdownReason.COMPLETED if completed else ShutdownReason.EARLY_EXIT
     return ShutdownReason.EXCEPTION
 
 
@@ -141,6 +148,11 @@ class TrainingRun:
     :param start_step: The first step of this run (greater than 0 when resuming).
     :param handle_signals: Signals turned into a clean shutdown (SIGTERM by default).
         Installed only from the main thread, and never over a handler set to ``SIG_IGN``.
+        A signal that arrives while ``mcgraph_configure`` runs (inside ``__enter__``)
+        propagates as :class:`SignalReceived` even when a previous Python handler returns,
+        since the ``with`` body cannot be skipped.
+
+    One plugin manager serves one run: create a new one with ``get_plugin_manager()``.
     """
 
     def __init__(
@@ -170,6 +182,7 @@ class TrainingRun:
         self._shutting_down = False
         self._train_started = False
         self._warmup_steps: int | None = None
+        self._post_warmup_fired = False
         self._next_step = start_step
 
     def _call(self, hook_name: str, **kwargs: Any) -> Any:
@@ -180,6 +193,12 @@ class TrainingRun:
     def __enter__(self) -> TrainingRun:
         if self._entered:
             raise RuntimeError("a TrainingRun can be entered only once; create a new one")
+        if self.pluginmanager in _USED_MANAGERS:
+            raise RuntimeError(
+                "this plugin manager already served a TrainingRun (its configure history and "
+                "per-run plugins belong to that run); call get_plugin_manager() for each run"
+            )
+        _USED_MANAGERS.add(self.pluginmanager)
         self._entered = True
         self._install_signal_handlers()
         try:
@@ -279,7 +298,14 @@ class TrainingRun:
         if not self._train_started:
             self._start_training()
         self._call("mcgraph_train_step_start", step=step)
-        if self._warmup_steps is not None and step - self.start_step == self._warmup_steps:
+        if (
+            self._warmup_steps is not None
+            and step - self.start_step == self._warmup_steps
+            and not self._post_warmup_fired
+        ):
+            # Marked before the call: a host retrying a failed capture step must not capture
+            # twice (the hook fires exactly once per run).
+            self._post_warmup_fired = True
             self._call("mcgraph_post_warmup_step", step=step, start_step=self.start_step)
         metrics: dict[str, Any] = {}
         yield metrics
@@ -296,15 +322,15 @@ class TrainingRun:
         yield metrics
         self._call("mcgraph_evaluation_end", step=step, metrics=metrics)
 
-    def disable_forward_pre_hook(self, model: list[Any], param_sync: bool) -> None:
-        """Disable the DDP forward pre-hooks through the perform hook."""
+    def disable_forward_pre_hook(self, model: list[Any], param_sync: bool) -> bool | None:
+        """Disable the DDP forward pre-hooks through the perform hook (True once done)."""
         self._check_active()
-        self._call("mcgraph_disable_forward_pre_hook", model=model, param_sync=param_sync)
+        return self._call("mcgraph_disable_forward_pre_hook", model=model, param_sync=param_sync)
 
-    def enable_forward_pre_hook(self, model: list[Any]) -> None:
-        """Enable the DDP forward pre-hooks through the perform hook."""
+    def enable_forward_pre_hook(self, model: list[Any]) -> bool | None:
+        """Enable the DDP forward pre-hooks through the perform hook (True once done)."""
         self._check_active()
-        self._call("mcgraph_enable_forward_pre_hook", model=model)
+        return self._call("mcgraph_enable_forward_pre_hook", model=model)
 
     def _start_training(self) -> None:
         warmup = self._call("mcgraph_warmup_steps", config=self.config)

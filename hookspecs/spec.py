@@ -279,7 +279,7 @@ def mcgraph_enable_forward_pre_hook(model: list[Any]) -> bool | None:
 def mcgraph_evaluation_start(step: int) -> None:
     """Evaluation begins (the model is about to be put in eval mode).
 
-    :param step: The last training step that finished.
+    :param step: The last training step that finished (``start_step - 1`` before the first).
 
     Result: notification.
     """
@@ -289,7 +289,7 @@ def mcgraph_evaluation_start(step: int) -> None:
 def mcgraph_evaluation_end(step: int, metrics: dict[str, Any]) -> None:
     """Evaluation finished without error.
 
-    :param step: The last training step that finished.
+    :param step: The last training step that finished (``start_step - 1`` before the first).
     :param metrics: What the host reports for the evaluation (host-defined keys).
 
     Result: notification.

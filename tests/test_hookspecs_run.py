@@ -1,0 +1,405 @@
+"""TrainingRun fires the lifecycle hooks in order; merge_kwargs merges plugin contributions."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from typing import Any
+
+import pytest
+
+from hookspecs import ShutdownReason, TrainingRun, get_plugin_manager, hookimpl, merge_kwargs
+
+
+@pytest.fixture
+def pm():
+    return get_plugin_manager(load_entrypoints=False)
+
+
+class Recorder:
+    """Records every hook TrainingRun fires, with the arguments that identify the call."""
+
+    def __init__(self, warmup: Any = None) -> None:
+        self.warmup = warmup
+        self.calls: list[tuple[Any, ...]] = []
+
+    @hookimpl
+    def mcgraph_configure(self, config, pluginmanager):
+        self.calls.append(("configure", config))
+
+    @hookimpl
+    def mcgraph_model_config_kwargs(self, config):
+        self.calls.append(("model_config_kwargs",))
+
+    @hookimpl
+    def mcgraph_rng_options(self, config):
+        self.calls.append(("rng_options",))
+
+    @hookimpl
+    def mcgraph_rng_initialized(self, config):
+        self.calls.append(("rng_initialized",))
+
+    @hookimpl
+    def mcgraph_model_build_context(self, config):
+        self.calls.append(("model_build_context",))
+
+    @hookimpl
+    def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
+        self.calls.append(("model_built", seq_length, micro_batch_size))
+
+    @hookimpl
+    def mcgraph_forward_backward_func(self, forward_backward_func):
+        self.calls.append(("forward_backward_func",))
+
+    @hookimpl
+    def mcgraph_warmup_steps(self, config):
+        self.calls.append(("warmup_steps",))
+        return self.warmup
+
+    @hookimpl
+    def mcgraph_train_start(self, start_step, train_iters):
+        self.calls.append(("train_start", start_step, train_iters))
+
+    @hookimpl
+    def mcgraph_train_step_start(self, step):
+        self.calls.append(("train_step_start", step))
+
+    @hookimpl
+    def mcgraph_post_warmup_step(self, step, start_step):
+        self.calls.append(("post_warmup_step", step, start_step))
+
+    @hookimpl
+    def mcgraph_train_step_end(self, step, metrics):
+        self.calls.append(("train_step_end", step, dict(metrics)))
+
+    @hookimpl
+    def mcgraph_evaluation_start(self, step):
+        self.calls.append(("evaluation_start", step))
+
+    @hookimpl
+    def mcgraph_evaluation_end(self, step, metrics):
+        self.calls.append(("evaluation_end", step, dict(metrics)))
+
+    @hookimpl
+    def mcgraph_shutdown(self, reason, exception):
+        self.calls.append(("shutdown", reason, exception))
+
+    def names(self) -> list[str]:
+        return [call[0] for call in self.calls]
+
+
+def fake_forward_backward(step: int) -> float:
+    return 1.0 / (step + 1)
+
+
+def run_fake_host(pm, *, train_iters: int, start_step: int = 0, config: Any = "cfg") -> TrainingRun:
+    """A torch-free host loop calling TrainingRun the way a Megatron-Core loop does."""
+    with TrainingRun(pm, config, train_iters=train_iters, start_step=start_step) as run:
+        run.model_config_kwargs(base={"num_layers": 2})
+        run.rng_options(base={"seed": 1234})
+        run.rng_initialized()
+        with run.model_build_context():
+            model = [object()]
+        run.model_built(
+            model=model,
+            optimizer=object(),
+            model_config=object(),
+            seq_length=8,
+            micro_batch_size=2,
+        )
+        fwd_bwd = run.forward_backward_func(fake_forward_backward)
+        for step in range(run.start_step, train_iters):
+            with run.train_step(step) as metrics:
+                metrics["loss"] = fwd_bwd(step)
+        with run.evaluation() as metrics:
+            metrics["val_loss"] = 0.5
+    return run
+
+
+# -- order ----------------------------------------------------------------------------------
+
+
+def test_exact_hook_order_over_a_short_run(pm):
+    rec = Recorder(warmup=2)
+    pm.register(rec)
+    before = signal.getsignal(signal.SIGTERM)
+
+    run = run_fake_host(pm, train_iters=4)
+
+    def step(n):
+        return [("train_step_start", n), ("train_step_end", n, {"loss": 1.0 / (n + 1)})]
+
+    assert rec.calls == [
+        ("configure", "cfg"),
+        ("model_config_kwargs",),
+        ("rng_options",),
+        ("rng_initialized",),
+        ("model_build_context",),
+        ("model_built", 8, 2),
+        ("forward_backward_func",),
+        ("warmup_steps",),
+        ("train_start", 0, 4),
+        *step(0),
+        *step(1),
+        ("train_step_start", 2),
+        ("post_warmup_step", 2, 0),
+        ("train_step_end", 2, {"loss": 1.0 / 3}),
+        *step(3),
+        ("evaluation_start", 3),
+        ("evaluation_end", 3, {"val_loss": 0.5}),
+        ("shutdown", ShutdownReason.COMPLETED, None),
+    ]
+    assert run.shutdown_reason is ShutdownReason.COMPLETED
+    assert run.last_step == 3
+    assert run.warmup_steps == 2
+    assert signal.getsignal(signal.SIGTERM) == before, "SIGTERM handler not restored"
+
+
+def test_configure_is_historic_for_plugins_registered_during_the_run(pm):
+    late = Recorder()
+    with TrainingRun(pm, "cfg", train_iters=0):
+        pm.register(late)
+    assert late.calls == [
+        ("configure", "cfg"),
+        ("shutdown", ShutdownReason.COMPLETED, None),
+    ]
+
+
+def test_plugin_registered_in_configure_gets_configure_once(pm):
+    helper = Recorder()
+
+    class Registrar:
+        @hookimpl
+        def mcgraph_configure(self, pluginmanager):
+            pluginmanager.register(helper)
+
+    pm.register(Registrar())
+    run_fake_host(pm, train_iters=1)
+    assert helper.names().count("configure") == 1
+    assert helper.names()[0] == "configure"
+    assert helper.names()[-1] == "shutdown"
+
+
+def test_model_build_context_enters_every_manager_around_the_build(pm):
+    events = []
+
+    def plugin(label):
+        class ContextPlugin:
+            @hookimpl
+            def mcgraph_model_build_context(self, config):
+                @contextlib.contextmanager
+                def ctx():
+                    events.append(f"enter {label}")
+                    yield
+                    events.append(f"exit {label}")
+
+                return ctx()
+
+        return ContextPlugin()
+
+    class NoContext:
+        @hookimpl
+        def mcgraph_model_build_context(self, config):
+            return None
+
+    pm.register(plugin("a"))
+    pm.register(NoContext())
+    pm.register(plugin("b"))
+    with TrainingRun(pm, None, train_iters=0) as run, run.model_build_context():
+        events.append("build DDP")
+    # pluggy calls the last registered first; the exit stack unwinds in reverse.
+    assert events == ["enter b", "enter a", "build DDP", "exit a", "exit b"]
+
+
+def test_set_up_helpers_merge_plugin_contributions(pm):
+    class Contributor:
+        @hookimpl
+        def mcgraph_model_config_kwargs(self, config):
+            return {"cuda_graph_impl": config}
+
+        @hookimpl
+        def mcgraph_rng_options(self, config):
+            return {"te_rng_tracker": True}
+
+    pm.register(Contributor())
+    with TrainingRun(pm, "local", train_iters=0) as run:
+        assert run.model_config_kwargs(base={"num_layers": 2}) == {
+            "num_layers": 2,
+            "cuda_graph_impl": "local",
+        }
+        assert run.rng_options(base={"seed": 3}) == {"seed": 3, "te_rng_tracker": True}
+        with pytest.raises(ValueError, match="te_rng_tracker"):
+            run.rng_options(base={"te_rng_tracker": False})
+
+
+# -- post-warmup step -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("start_step", [0, 7])
+@pytest.mark.parametrize("warmup", [0, 1, 3, 4])
+def test_post_warmup_fires_once_relative_to_start_step(pm, warmup, start_step):
+    rec = Recorder(warmup=warmup)
+    pm.register(rec)
+    run_fake_host(pm, train_iters=start_step + 5, start_step=start_step)
+
+    post = [call for call in rec.calls if call[0] == "post_warmup_step"]
+    assert post == [("post_warmup_step", start_step + warmup, start_step)]
+    index = rec.calls.index(post[0])
+    assert rec.calls[index - 1] == ("train_step_start", start_step + warmup)
+    assert rec.calls[index + 1][:2] == ("train_step_end", start_step + warmup)
+    starts = [call[1] for call in rec.calls if call[0] == "train_step_start"]
+    assert starts == list(range(start_step, start_step + 5))
+
+
+@pytest.mark.parametrize("warmup", [5, 100])
+def test_post_warmup_never_fires_when_training_ends_first(pm, warmup):
+    rec = Recorder(warmup=warmup)
+    pm.register(rec)
+    run_fake_host(pm, train_iters=5)
+    assert "post_warmup_step" not in rec.names()
+
+
+def test_post_warmup_never_fires_when_no_plugin_answers(pm):
+    rec = Recorder(warmup=None)
+    pm.register(rec)
+    run = run_fake_host(pm, train_iters=6)
+    assert "warmup_steps" in rec.names()
+    assert "post_warmup_step" not in rec.names()
+    assert run.warmup_steps is None
+
+
+def test_warmup_is_asked_once_per_run(pm):
+    rec = Recorder(warmup=1)
+    pm.register(rec)
+    run_fake_host(pm, train_iters=4)
+    assert rec.names().count("warmup_steps") == 1
+    assert rec.names().count("train_start") == 1
+
+
+def test_each_run_warms_up_again(pm):
+    """A second run in the same process (a resume) gets its own post-warmup step."""
+    rec = Recorder(warmup=1)
+    pm.register(rec)
+    run_fake_host(pm, train_iters=3)
+    pm2 = get_plugin_manager(load_entrypoints=False)
+    pm2.register(rec)
+    run_fake_host(pm2, train_iters=6, start_step=3)
+    post = [call for call in rec.calls if call[0] == "post_warmup_step"]
+    assert post == [("post_warmup_step", 1, 0), ("post_warmup_step", 4, 3)]
+
+
+def test_a_plugin_manager_serves_one_run(pm):
+    """configure is historic: reusing a manager would replay the old run's configuration."""
+    run_fake_host(pm, train_iters=1)
+    with pytest.raises(RuntimeError, match="already served a TrainingRun"):
+        with TrainingRun(pm, None, train_iters=1):
+            pass
+
+
+def test_post_warmup_fires_once_even_if_the_host_retries_the_capture_step(pm):
+    """The spec says "fired exactly once per run". A step that raised is not finished, so
+    a host that catches the error may run the same step again; today the retry fires
+    mcgraph_post_warmup_step a second time (run.py, ``train_step``: no fired-once flag)."""
+    rec = Recorder(warmup=1)
+    pm.register(rec)
+    with TrainingRun(pm, None, train_iters=3) as run:
+        step, failed_once = 0, False
+        while step < 3:
+            try:
+                with run.train_step(step):
+                    if step == 1 and not failed_once:
+                        failed_once = True
+                        raise RuntimeError("transient error in the capture step")
+            except RuntimeError:
+                continue
+            step += 1
+    assert [call for call in rec.calls if call[0] == "post_warmup_step"] == [
+        ("post_warmup_step", 1, 0)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("start_step", "steps"),
+    [
+        (0, [0, 2]),  # a skipped step
+        (0, [1]),  # not starting at start_step
+        (5, [0]),  # ignoring start_step
+        (0, [0, 0]),  # a repeated step
+        (0, [0, 1, 0]),  # going back
+    ],
+)
+def test_non_consecutive_steps_raise(pm, start_step, steps):
+    rec = Recorder(warmup=0)
+    pm.register(rec)
+    with pytest.raises(ValueError, match="consecutive"):
+        with TrainingRun(pm, None, train_iters=10, start_step=start_step) as run:
+            for step in steps:
+                with run.train_step(step):
+                    pass
+    assert rec.calls[-1][:2] == ("shutdown", ShutdownReason.EXCEPTION)
+    assert isinstance(rec.calls[-1][2], ValueError)
+    assert rec.names().count("shutdown") == 1
+
+
+@pytest.mark.parametrize("answer", [-1, True, False, "2", 1.5, [1]])
+def test_bad_warmup_answer_raises(pm, answer):
+    rec = Recorder(warmup=answer)
+    pm.register(rec)
+    with pytest.raises(ValueError, match="mcgraph_warmup_steps answered") as excinfo:
+        run_fake_host(pm, train_iters=3)
+    assert repr(answer) in str(excinfo.value)
+    assert "train_step_start" not in rec.names()
+    assert rec.calls[-1] == ("shutdown", ShutdownReason.EXCEPTION, excinfo.value)
+
+
+def test_train_step_end_sees_the_metrics_the_host_filled(pm):
+    rec = Recorder()
+    pm.register(rec)
+    run_fake_host(pm, train_iters=2)
+    ends = [call for call in rec.calls if call[0] == "train_step_end"]
+    assert ends == [("train_step_end", 0, {"loss": 1.0}), ("train_step_end", 1, {"loss": 0.5})]
+
+
+def test_start_step_must_not_exceed_train_iters(pm):
+    with pytest.raises(ValueError, match="start_step"):
+        TrainingRun(pm, None, train_iters=3, start_step=4)
+    with pytest.raises(ValueError, match="start_step"):
+        TrainingRun(pm, None, train_iters=3, start_step=-1)
+
+
+# -- merge_kwargs ---------------------------------------------------------------------------
+
+
+def test_merge_kwargs_merges_in_order():
+    assert merge_kwargs([{"a": 1}, {"b": 2}], "X") == {"a": 1, "b": 2}
+    assert list(merge_kwargs([{"b": 2}, {"a": 1}], "X")) == ["b", "a"]
+
+
+def test_merge_kwargs_skips_none_and_empty():
+    assert merge_kwargs([None, {"a": 1}, None, {}], "X") == {"a": 1}
+    assert merge_kwargs([], "X") == {}
+    assert merge_kwargs([None], "X", base=None) == {}
+
+
+def test_merge_kwargs_starts_from_base_without_mutating_it():
+    base = {"seed": 1}
+    merged = merge_kwargs([{"te_rng_tracker": True}], "X", base=base)
+    assert merged == {"seed": 1, "te_rng_tracker": True}
+    assert base == {"seed": 1}
+
+
+def test_merge_kwargs_accepts_agreeing_values():
+    assert merge_kwargs([{"a": 1}, {"a": 1}], "X", base={"a": 1}) == {"a": 1}
+
+
+@pytest.mark.parametrize(
+    ("results", "base"),
+    [
+        ([{"cuda_graph_impl": "local"}, {"cuda_graph_impl": "transformer_engine"}], None),
+        ([{"cuda_graph_impl": "local"}], {"cuda_graph_impl": "none"}),
+        ([None, {"cuda_graph_impl": 1}, {"other": 2, "cuda_graph_impl": 2}], None),
+    ],
+)
+def test_merge_kwargs_conflict_names_the_key_and_the_target(results, base):
+    with pytest.raises(ValueError, match=r"TransformerConfig: .*'cuda_graph_impl'"):
+        merge_kwargs(results, "TransformerConfig", base=base)

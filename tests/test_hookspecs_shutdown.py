@@ -1,0 +1,401 @@
+"""TrainingRun fires mcgraph_shutdown exactly once, with the right reason, on every exit path."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from hookspecs import (
+    ShutdownReason,
+    SignalReceived,
+    TrainingRun,
+    get_plugin_manager,
+    hookimpl,
+)
+
+
+@pytest.fixture
+def pm():
+    return get_plugin_manager(load_entrypoints=False)
+
+
+class ShutdownRecorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[ShutdownReason, BaseException | None]] = []
+
+    @hookimpl
+    def mcgraph_shutdown(self, reason, exception):
+        self.calls.append((reason, exception))
+
+
+@pytest.fixture
+def rec(pm):
+    recorder = ShutdownRecorder()
+    pm.register(recorder)
+    return recorder
+
+
+def loop(run: TrainingRun, train_iters: int, body=None) -> None:
+    for step in range(run.start_step, train_iters):
+        with run.train_step(step):
+            if body is not None:
+                body(step)
+
+
+# -- in-process exit paths ------------------------------------------------------------------
+
+
+def test_normal_end_is_completed(pm, rec):
+    with TrainingRun(pm, None, train_iters=3) as run:
+        loop(run, 3)
+    assert rec.calls == [(ShutdownReason.COMPLETED, None)]
+    assert run.shutdown_reason is ShutdownReason.COMPLETED
+
+
+def test_resumed_run_that_reaches_train_iters_is_completed(pm, rec):
+    with TrainingRun(pm, None, train_iters=5, start_step=3) as run:
+        loop(run, 5)
+    assert rec.calls == [(ShutdownReason.COMPLETED, None)]
+
+
+def test_break_before_train_iters_is_early_exit(pm, rec):
+    with TrainingRun(pm, None, train_iters=10) as run:
+        for step in range(10):
+            with run.train_step(step):
+                pass
+            if step == 2:
+                break
+    assert rec.calls == [(ShutdownReason.EARLY_EXIT, None)]
+    assert run.last_step == 2
+
+
+def test_leaving_before_any_step_is_early_exit(pm, rec):
+    with TrainingRun(pm, None, train_iters=10):
+        pass
+    assert rec.calls == [(ShutdownReason.EARLY_EXIT, None)]
+
+
+@pytest.mark.parametrize("code", [0, None])
+def test_sys_exit_success_before_train_iters_is_early_exit(pm, rec, code):
+    def body(step):
+        if step == 1:
+            sys.exit(code)
+
+    with pytest.raises(SystemExit) as excinfo:
+        with TrainingRun(pm, None, train_iters=10) as run:
+            loop(run, 10, body)
+    assert rec.calls == [(ShutdownReason.EARLY_EXIT, excinfo.value)]
+
+
+def test_sys_exit_success_after_the_last_step_is_completed(pm, rec):
+    """run.py's docstring: ``sys.exit(0)`` *before the last step* is an early exit. A host
+    that exits with status 0 after every step has run has completed its run (today
+    ``_classify`` answers early_exit for any successful SystemExit)."""
+    with pytest.raises(SystemExit):
+        with TrainingRun(pm, None, train_iters=3) as run:
+            loop(run, 3)
+            sys.exit(0)
+    assert [reason for reason, _ in rec.calls] == [ShutdownReason.COMPLETED]
+
+
+@pytest.mark.parametrize("code", [1, "fatal: bad data"])
+def test_sys_exit_failure_is_exception(pm, rec, code):
+    with pytest.raises(SystemExit) as excinfo:
+        with TrainingRun(pm, None, train_iters=10) as run:
+            loop(run, 10, lambda step: sys.exit(code))
+    assert rec.calls == [(ShutdownReason.EXCEPTION, excinfo.value)]
+
+
+def test_exception_in_a_step_is_passed_and_propagates(pm, rec):
+    ended = []
+
+    class StepEnds:
+        @hookimpl
+        def mcgraph_train_step_end(self, step):
+            ended.append(step)
+
+    pm.register(StepEnds())
+    error = RuntimeError("CUDA out of memory")
+
+    def body(step):
+        if step == 2:
+            raise error
+
+    with pytest.raises(RuntimeError) as excinfo:
+        with TrainingRun(pm, None, train_iters=5) as run:
+            loop(run, 5, body)
+    assert excinfo.value is error
+    assert rec.calls == [(ShutdownReason.EXCEPTION, error)]
+    assert rec.calls[0][1] is error
+    assert ended == [0, 1], "train_step_end must not fire for the step that raised"
+
+
+def test_keyboard_interrupt_is_interrupted(pm, rec):
+    interrupt = KeyboardInterrupt()
+
+    def body(step):
+        raise interrupt
+
+    with pytest.raises(KeyboardInterrupt) as excinfo:
+        with TrainingRun(pm, None, train_iters=5) as run:
+            loop(run, 5, body)
+    assert excinfo.value is interrupt
+    assert rec.calls == [(ShutdownReason.INTERRUPTED, interrupt)]
+
+
+def test_configure_raising_shuts_down_once_and_propagates(pm, rec):
+    error = ValueError("cuda_graph_scope full_iteration requires cuda_graph_impl='local'")
+    body_ran = []
+
+    class Refuses:
+        @hookimpl
+        def mcgraph_configure(self):
+            raise error
+
+    pm.register(Refuses())
+    run = TrainingRun(pm, None, train_iters=3)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(ValueError) as excinfo:
+        with run:
+            body_ran.append(True)
+    assert excinfo.value is error
+    assert body_ran == []
+    assert rec.calls == [(ShutdownReason.EXCEPTION, error)]
+    assert run.shutdown_reason is ShutdownReason.EXCEPTION
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_failing_shutdown_does_not_hide_the_original_exception(pm, rec, caplog):
+    class BrokenCleanup:
+        @hookimpl
+        def mcgraph_shutdown(self):
+            raise OSError("cleanup failed")
+
+    pm.register(BrokenCleanup())
+    original = RuntimeError("step failed")
+
+    def body(step):
+        raise original
+
+    with pytest.raises(RuntimeError) as excinfo:
+        with TrainingRun(pm, None, train_iters=3) as run:
+            loop(run, 3, body)
+    assert excinfo.value is original
+    notes = getattr(original, "__notes__", [])
+    assert any("mcgraph_shutdown" in note and "cleanup failed" in note for note in notes), notes
+    assert "mcgraph_shutdown raised" in caplog.text
+    # The recorder was registered first, so pluggy called it after the broken one: an
+    # implementation that raises stops the others (pluggy's contract), which is why
+    # cleanup belongs in wrapper=True implementations.
+    assert rec.calls == []
+
+
+def test_failing_shutdown_propagates_when_the_run_ended_cleanly(pm):
+    error = OSError("cleanup failed")
+
+    class BrokenCleanup:
+        @hookimpl
+        def mcgraph_shutdown(self):
+            raise error
+
+    pm.register(BrokenCleanup())
+    with pytest.raises(OSError) as excinfo:
+        with TrainingRun(pm, None, train_iters=1) as run:
+            loop(run, 1)
+    assert excinfo.value is error
+    assert run.shutdown_reason is ShutdownReason.COMPLETED
+
+
+@pytest.mark.parametrize("original", [None, RuntimeError("step failed")])
+def test_wrapper_cleanup_runs_even_when_another_shutdown_raises(pm, original):
+    events = []
+
+    class Cleanup:
+        @hookimpl(wrapper=True)
+        def mcgraph_shutdown(self, reason):
+            events.append(f"before {reason}")
+            try:
+                return (yield)
+            finally:
+                events.append("cleanup")
+
+    class Broken:
+        @hookimpl
+        def mcgraph_shutdown(self):
+            events.append("broken")
+            raise OSError("cleanup failed")
+
+    # Registered first: a wrapper wraps every plain implementation whatever the order.
+    pm.register(Cleanup())
+    pm.register(Broken())
+    expected = OSError if original is None else RuntimeError
+
+    def body(step):
+        if original is not None:
+            raise original
+
+    with pytest.raises(expected):
+        with TrainingRun(pm, None, train_iters=1) as run:
+            loop(run, 1, body)
+    reason = "completed" if original is None else "exception"
+    assert events == [f"before {reason}", "broken", "cleanup"]
+
+
+def test_shutdown_fires_once_even_if_exit_is_called_again(pm, rec):
+    run = TrainingRun(pm, None, train_iters=0)
+    with run:
+        pass
+    run.__exit__(None, None, None)
+    assert rec.calls == [(ShutdownReason.COMPLETED, None)]
+
+
+def test_using_the_run_after_shutdown_raises(pm, rec):
+    with TrainingRun(pm, None, train_iters=2) as run:
+        loop(run, 1)
+    with pytest.raises(RuntimeError, match="shut down"):
+        run.model_config_kwargs()
+    with pytest.raises(RuntimeError, match="shut down"):
+        with run.train_step(1):
+            pass
+    with pytest.raises(RuntimeError, match="shut down"):
+        with run.evaluation():
+            pass
+    with pytest.raises(RuntimeError, match="only once"):
+        with run:
+            pass
+    assert len(rec.calls) == 1
+
+
+def test_using_the_run_before_entering_raises(pm, rec):
+    run = TrainingRun(pm, None, train_iters=2)
+    with pytest.raises(RuntimeError, match="context manager"):
+        run.rng_options()
+    with pytest.raises(RuntimeError, match="context manager"):
+        with run.train_step(0):
+            pass
+    with pytest.raises(RuntimeError, match="context manager"):
+        run.forward_backward_func(print)
+    assert rec.calls == []
+
+
+def test_signal_handler_is_installed_only_during_the_run(pm, rec):
+    before = signal.getsignal(signal.SIGTERM)
+    with TrainingRun(pm, None, train_iters=0) as run:
+        during = signal.getsignal(signal.SIGTERM)
+    assert during != before
+    assert getattr(during, "__self__", None) is run
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_signal_received_is_a_base_exception():
+    """A host's ``except Exception`` must not swallow it."""
+    assert not issubclass(SignalReceived, Exception)
+    assert SignalReceived(signal.SIGTERM).signum == signal.SIGTERM
+
+
+# -- SIGTERM, in a subprocess ---------------------------------------------------------------
+
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from hookspecs import TrainingRun, get_plugin_manager, hookimpl
+
+    mode = sys.argv[1]
+
+    class Printer:
+        @hookimpl
+        def mcgraph_shutdown(self, reason, exception):
+            print(f"shutdown {reason} {type(exception).__name__}", flush=True)
+            if mode == "during_shutdown":
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)
+                print("shutdown hook finished", flush=True)
+
+    def previous_handler(signum, frame):
+        print(f"previous handler {signum}", flush=True)
+
+    if mode == "python_handler":
+        signal.signal(signal.SIGTERM, previous_handler)
+    elif mode == "ignored":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    iters = 3 if mode == "during_shutdown" else 1000
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(Printer())
+    with TrainingRun(pm, None, train_iters=iters) as run:
+        for step in range(iters):
+            with run.train_step(step):
+                if step == 2 and mode != "during_shutdown":
+                    print("ready", flush=True)
+                    deadline = time.monotonic() + 20
+                    while time.monotonic() < deadline:
+                        time.sleep(0.01)
+    print(f"after run handler_restored={signal.getsignal(signal.SIGTERM) is previous_handler}",
+          flush=True)
+    """
+)
+
+
+def start_child(tmp_path, mode: str) -> subprocess.Popen[str]:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    return subprocess.Popen(
+        [sys.executable, str(script), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def run_child_and_terminate(tmp_path, mode: str) -> tuple[int, list[str], str]:
+    """Start the child, wait until it is inside a step, send SIGTERM, collect its output."""
+    proc = start_child(tmp_path, mode)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out.splitlines(), err
+
+
+def test_sigterm_with_default_handler_shuts_down_then_dies_by_sigterm(tmp_path):
+    returncode, lines, err = run_child_and_terminate(tmp_path, "default")
+    assert lines == ["shutdown signal SignalReceived"], err
+    assert returncode == -signal.SIGTERM, err
+
+
+def test_sigterm_with_python_handler_calls_it_after_shutdown(tmp_path):
+    returncode, lines, err = run_child_and_terminate(tmp_path, "python_handler")
+    assert lines == [
+        "shutdown signal SignalReceived",
+        f"previous handler {int(signal.SIGTERM)}",
+        "after run handler_restored=True",
+    ], err
+    assert returncode == 0, err
+
+
+def test_sigterm_during_shutdown_lets_shutdown_finish_then_dies(tmp_path):
+    proc = start_child(tmp_path, "during_shutdown")
+    out, err = proc.communicate(timeout=15)
+    assert out.splitlines() == ["shutdown completed NoneType", "shutdown hook finished"], err
+    assert proc.returncode == -signal.SIGTERM, err
+
+
+def test_sigterm_ignored_before_the_run_stays_ignored(tmp_path):
+    proc = start_child(tmp_path, "ignored")
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        # The step keeps sleeping: the signal changed nothing.
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.communicate(timeout=0.5)
+    finally:
+        proc.kill()
+        proc.communicate()
