@@ -152,7 +152,8 @@ def _is_te_tracker(tracker: Any) -> bool:
         from megatron.core.extensions.transformer_engine import TECudaRNGStatesTracker
     except ImportError:
         return False
-    return isinstance(tracker, TECudaRNGStatesTracker)
+    # Without Transformer Engine the name is bound to a placeholder, not a class.
+    return isinstance(TECudaRNGStatesTracker, type) and isinstance(tracker, TECudaRNGStatesTracker)
 
 
 def te_available() -> bool:

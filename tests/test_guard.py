@@ -1,0 +1,160 @@
+"""The static-shape guard: changed inputs after capture raise instead of replaying."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cudagraph_plugin.guard import ShapeGuard, StaticShapeError, signature
+
+
+def batches(n: int, seq: int = 8, mbs: int = 2, dtype=torch.int64):
+    return iter([{"tokens": torch.zeros(mbs, seq, dtype=dtype), "mask": None} for _ in range(n)])
+
+
+def call(guard: ShapeGuard, n: int = 2, record: bool = False, **overrides):
+    kwargs = {
+        "num_microbatches": n,
+        "seq_length": 8,
+        "micro_batch_size": 2,
+        "data_iterator": batches(n),
+    }
+    kwargs.update(overrides)
+    iterator = guard.check_call("training", 3, kwargs, record=record)
+    return [next(iterator) for _ in range(kwargs["num_microbatches"])]
+
+
+def armed() -> ShapeGuard:
+    guard = ShapeGuard()
+    call(guard, record=True)
+    guard.commit("training")
+    assert guard.is_armed("training")
+    return guard
+
+
+def test_signature_covers_nested_tensors_and_leaves():
+    sig = signature({"b": (torch.zeros(2, 3), 4), "a": torch.ones(1, dtype=torch.bfloat16)})
+    assert sig == (
+        ("batch['a']", "shape (1,) dtype torch.bfloat16"),
+        ("batch['b'][0]", "shape (2, 3) dtype torch.float32"),
+        ("batch['b'][1]", "int"),
+    )
+
+
+def test_unarmed_guard_passes_the_iterator_through():
+    guard = ShapeGuard()
+    it = batches(1)
+    assert guard.check_call("training", 0, {"data_iterator": it}, record=False) is it
+
+
+def test_same_inputs_replay_fine():
+    guard = armed()
+    for _ in range(3):
+        assert len(call(guard)) == 2
+
+
+def test_shape_change_raises_naming_the_tensor_and_fix():
+    guard = armed()
+    with pytest.raises(StaticShapeError) as info:
+        call(
+            guard,
+            data_iterator=iter(
+                [{"tokens": torch.zeros(2, 16, dtype=torch.int64), "mask": None}] * 2
+            ),
+        )
+    message = str(info.value)
+    assert "micro-batch 0" in message and "batch['tokens']" in message
+    assert "(2, 8)" in message and "(2, 16)" in message
+    assert "stale buffers" in message and "Fix:" in message and "step 3" in message
+
+
+def test_dtype_change_raises():
+    guard = armed()
+    with pytest.raises(StaticShapeError, match="dtype torch.int32"):
+        call(guard, data_iterator=batches(2, dtype=torch.int32))
+
+
+def test_leaf_type_change_raises():
+    guard = armed()
+    changed = iter([{"tokens": torch.zeros(2, 8, dtype=torch.int64), "mask": torch.ones(1)}] * 2)
+    with pytest.raises(StaticShapeError, match="mask"):
+        call(guard, data_iterator=changed)
+
+
+@pytest.mark.parametrize(
+    "key,value", [("num_microbatches", 3), ("seq_length", 16), ("micro_batch_size", 4)]
+)
+def test_call_argument_change_raises_before_any_batch_is_drawn(key, value):
+    guard = armed()
+    drawn = []
+
+    def counting():
+        while True:
+            drawn.append(1)
+            yield {"tokens": torch.zeros(2, 8, dtype=torch.int64), "mask": None}
+
+    with pytest.raises(StaticShapeError, match=f"{key}={value}"):
+        guard.check_call(
+            "training",
+            4,
+            {
+                "num_microbatches": 2,
+                "seq_length": 8,
+                "micro_batch_size": 2,
+                key: value,
+                "data_iterator": counting(),
+            },
+            record=False,
+        )
+    assert drawn == []
+
+
+def test_more_microbatches_drawn_than_captured_raises():
+    guard = armed()
+    iterator = guard.check_call(
+        "training",
+        5,
+        {
+            "num_microbatches": 2,
+            "seq_length": 8,
+            "micro_batch_size": 2,
+            "data_iterator": batches(3),
+        },
+        record=False,
+    )
+    next(iterator), next(iterator)
+    with pytest.raises(StaticShapeError, match="saw 2 micro-batch"):
+        next(iterator)
+
+
+def test_stages_and_model_chunks_are_separate():
+    guard = armed()
+    # validation was never recorded: anything goes there
+    it = guard.check_call("validation", 5, {"data_iterator": batches(1, seq=99)}, record=False)
+    assert next(it)["tokens"].shape == (2, 99)
+    chunked = ShapeGuard()
+    its = chunked.check_call(
+        "training",
+        0,
+        {"num_microbatches": 1, "data_iterator": [batches(1), None, batches(1, seq=4)]},
+        record=True,
+    )
+    assert its[1] is None
+    next(its[0]), next(its[2])
+    chunked.commit("training")
+    its = chunked.check_call(
+        "training",
+        1,
+        {"num_microbatches": 1, "data_iterator": [batches(1), None, batches(1, seq=8)]},
+        record=False,
+    )
+    next(its[0])
+    with pytest.raises(StaticShapeError, match="model chunk 2"):
+        next(its[2])
+
+
+def test_disarm_forgets_the_reference():
+    guard = armed()
+    guard.disarm()
+    assert not guard.is_armed("training")
+    call(guard, seq_length=16, data_iterator=batches(2, seq=16))

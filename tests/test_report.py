@@ -1,0 +1,157 @@
+"""The run report: verdict, timing without steady-state syncs, table and JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cpu_redirect import cpu_redirect
+
+from cudagraph_plugin.report import MemorySnapshot, RunReport, StepTimer, verdict
+
+
+@pytest.mark.parametrize(
+    "eager,replay,expected",
+    [
+        ([10.0, 10.1, 9.9], [2.0, 2.1, 2.0], "faster"),
+        ([10.0, 10.0, 10.0], [10.1, 10.0, 10.1], "no_gain"),
+        ([10.0, 10.0], [10.19, 10.2], "no_gain"),  # inside the 2% noise floor
+        ([41.36, 41.36], [42.0, 42.0], "no_gain"),  # the Qwen3 case: 1.5% slower is noise
+        ([10.0, 10.0, 10.0], [12.0, 12.0, 12.1], "slower"),
+    ],
+)
+def test_verdict(eager, replay, expected):
+    result, speedup, noise, text = verdict(eager, replay)
+    assert result == expected
+    assert speedup == pytest.approx(
+        sorted(eager)[len(eager) // 2] / sorted(replay)[len(replay) // 2], rel=0.02
+    )
+    assert noise >= 0.02
+    if expected == "slower":
+        assert "SLOWER" in text
+    if expected == "no_gain":
+        assert "NOT faster" in text
+
+
+def test_noisy_samples_widen_the_noise():
+    result, _, noise, _ = verdict([10.0, 14.0, 6.0, 10.0], [9.0, 9.0, 9.0])
+    assert noise > 0.1
+    assert result == "no_gain"
+
+
+@pytest.mark.parametrize(
+    "eager,replay,hint", [([], [1.0], "warmup_steps >= 2"), ([1.0], [], "no step ran after")]
+)
+def test_unknown_verdict_says_what_is_missing(eager, replay, hint):
+    result, speedup, _, text = verdict(eager, replay)
+    assert result == "unknown" and speedup is None and hint in text
+
+
+def test_cpu_timer_measures_each_step():
+    timer = StepTimer(use_cuda=False)
+    for step in range(3):
+        timer.start(step)
+        sum(range(10000))
+        timer.stop(step)
+    timer.start(3)  # never stopped: a step that raised
+    timer.discard(3)
+    durations = timer.durations_ms()
+    assert sorted(durations) == [0, 1, 2]
+    assert all(value > 0 for value in durations.values())
+
+
+def test_cuda_timer_uses_events_and_one_sync(monkeypatch):
+    with cpu_redirect():
+        import torch
+
+        syncs = []
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(1))
+        timer = StepTimer(use_cuda=True)
+        for step in range(4):
+            timer.start(step)
+            timer.stop(step)
+        assert syncs == []  # nothing synchronises in the steady state
+        assert len(timer.durations_ms()) == 4
+        assert syncs == [1]
+
+
+def make_report(**overrides) -> RunReport:
+    fields = dict(
+        impl="local",
+        scope=["full_iteration"],
+        graphs_captured=True,
+        no_graph_reason=None,
+        warmup_steps=3,
+        start_step=0,
+        capture_step=3,
+        capture_seconds=0.5,
+        graph_count=1,
+        steps_timed=10,
+        eager_steps=[1, 2],
+        eager_step_ms=20.0,
+        replay_steps=[4, 5, 6],
+        replay_step_ms=4.0,
+        speedup=5.0,
+        verdict="faster",
+        verdict_text="replay is 5.00x faster than eager",
+        noise=0.02,
+        memory_before_capture=MemorySnapshot(1000.0, 1200.0, 1500.0),
+        memory_after_capture=MemorySnapshot(1064.0, 1300.0, 1520.0),
+        peak_allocated_at_end_mib=1600.0,
+        allocated_after_free_mib=1000.0,
+        fallback_step=None,
+        graphs_freed=1,
+        shutdown_reason="completed",
+        device="NVIDIA H200",
+        versions={"torch": "2.11", "megatron-core": "0.16.1", "transformer-engine": None},
+    )
+    fields.update(overrides)
+    return RunReport(**fields)
+
+
+def test_report_memory_overheads():
+    data = make_report().to_dict()
+    assert data["memory_overhead_mib"] == pytest.approx(64.0)
+    assert data["memory_overhead_pct"] == pytest.approx(6.4)
+    assert data["peak_overhead_mib"] == pytest.approx(100.0)
+    assert data["peak_overhead_pct"] == pytest.approx(100 / 15)
+
+
+def test_report_json_round_trip(tmp_path):
+    path = make_report().write_json(tmp_path / "sub" / "report.json")
+    data = json.loads(path.read_text())
+    assert data["speedup"] == 5.0
+    assert data["memory_before_capture"]["allocated_mib"] == 1000.0
+    assert data["versions"]["megatron-core"] == "0.16.1"
+
+
+def test_table_for_a_captured_run():
+    table = make_report().format_table()
+    assert "impl=local scope=full_iteration on NVIDIA H200" in table
+    assert "1 graph(s) at step 3 in 0.500 s" in table
+    assert "20.000 ms (median of 2, steps 1-2)" in table
+    assert "4.000 ms (median of 3, steps 4-6)" in table
+    assert "+64 MiB, +6.4%" in table
+    assert "1 graph(s) freed" in table
+
+
+def test_table_when_nothing_was_captured():
+    table = make_report(
+        graphs_captured=False,
+        no_graph_reason="no CUDA device",
+        capture_step=None,
+        capture_seconds=None,
+        graph_count=0,
+        replay_steps=[],
+        replay_step_ms=None,
+        speedup=None,
+        verdict="unknown",
+        memory_before_capture=None,
+        memory_after_capture=None,
+        peak_allocated_at_end_mib=None,
+        allocated_after_free_mib=None,
+        graphs_freed=0,
+        device="cpu",
+    ).format_table()
+    assert "NO GRAPH CAPTURED: no CUDA device" in table
+    assert "replay step" not in table and "memory" not in table
