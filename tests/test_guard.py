@@ -70,7 +70,7 @@ def test_shape_change_raises_naming_the_tensor_and_fix():
 
 def test_dtype_change_raises():
     guard = armed()
-    with pytest.raises(StaticShapeError, match="dtype torch.int32"):
+    with pytest.raises(StaticShapeError, match=r"dtype torch\.int32"):
         call(guard, data_iterator=batches(2, dtype=torch.int32))
 
 
