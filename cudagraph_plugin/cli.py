@@ -65,9 +65,12 @@ def _non_negative_int(text: str) -> int:
 
 
 def _flags(parser: argparse.ArgumentParser, dest: str) -> list[str]:
-    """Both spellings of a flag, minus any the parser already has."""
+    """Both spellings of a flag, or none when the parser already has either: the host's
+    own definition (its choices, its default) then governs both spellings' meaning."""
     spellings = ["--" + dest.replace("_", "-"), "--" + dest]
-    return [flag for flag in spellings if flag not in parser._option_string_actions]
+    if any(flag in parser._option_string_actions for flag in spellings):
+        return []
+    return spellings
 
 
 def add_cuda_graph_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,10 +119,9 @@ def add_cuda_graph_arguments(parser: argparse.ArgumentParser) -> None:
     ]
     for dest, kwargs in options:
         flags = _flags(parser, dest)
-        if len(flags) < 2:
+        if not flags:
             logger.debug("parser already has %s; keeping its definition", dest)
-            if not flags:
-                continue
+            continue
         group.add_argument(*flags, dest=dest, **kwargs)
 
 
@@ -149,6 +151,9 @@ def apply_overrides(
     """Apply command-line CUDA-graph overrides to ``config`` like Megatron-Bridge's harness.
 
     ``None`` leaves a value as the recipe has it. Returns the changes, each logged once.
+    Scopes are written as names, as a recipe holds them before megatron-core's
+    ``TransformerConfig.__post_init__`` turns them into enum members: apply overrides to the
+    recipe, before the model config is finalised (as the harness does).
     """
     changes: list[str] = []
 

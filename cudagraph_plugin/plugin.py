@@ -110,6 +110,7 @@ class CudaGraphPlugin:
         self.fallback_decided = False
         self.fallback_step: int | None = None
         self.report: RunReport | None = None
+        self.allocated_after_free_mib: float | None = None
 
     @classmethod
     def configure(cls, config: Any, pluginmanager: Any) -> CudaGraphPlugin:
@@ -439,10 +440,25 @@ class CudaGraphPlugin:
 
     @hookimpl(wrapper=True)
     def mcgraph_shutdown(self, reason: Any, exception: BaseException | None) -> Any:
+        # The report goes out before the other plugins' shutdown implementations run (they
+        # may close the sinks it is written to); graphs are freed after them, whatever
+        # happened before.
+        report_error: Exception | None = None
         try:
-            return (yield)
+            self._emit_report(str(reason))
+        except Exception as exc:
+            report_error = exc
+        try:
+            result = yield
+        except BaseException:
+            if report_error is not None:
+                logger.error("the run report also failed", exc_info=report_error)
+            raise
         finally:
-            self._shut_down(str(reason))
+            self._release_all(str(reason))
+        if report_error is not None:
+            raise report_error
+        return result
 
     def _release(self) -> int:
         """Free every graph this run holds; safe to call in any phase."""
@@ -458,21 +474,29 @@ class CudaGraphPlugin:
         gc.collect()
         return freed
 
-    def _shut_down(self, reason: str) -> None:
+    def _release_all(self, reason: str) -> None:
         if self.phase is Phase.SHUT_DOWN:
             return
         self.phase = Phase.SHUT_DOWN
         self.graphs_freed += self._release()
-        # The peak statistic never decreases, so reading it after the release is exact.
-        peak_at_end = MemorySnapshot.take().peak_allocated_mib if self.captures else None
-        allocated_after_free = None
         if self.cuda:
             import torch
 
             torch.cuda.empty_cache()
-            allocated_after_free = torch.cuda.memory_allocated() / MIB
-        logger.info("shutdown (%s): freed %d CUDA graph(s)", reason, self.graphs_freed)
-        self.report = self._build_report(reason, peak_at_end, allocated_after_free)
+            self.allocated_after_free_mib = torch.cuda.memory_allocated() / MIB
+        before = self.memory_before.allocated_mib if self.memory_before else None
+        logger.info(
+            "shutdown (%s): %d CUDA graph(s) freed; allocated memory now %s MiB (before "
+            "capture: %s MiB)",
+            reason,
+            self.graphs_freed,
+            _fmt_mib(self.allocated_after_free_mib),
+            _fmt_mib(before),
+        )
+
+    def _emit_report(self, reason: str) -> None:
+        peak_at_end = MemorySnapshot.take().peak_allocated_mib if self.captures else None
+        self.report = self._build_report(reason, peak_at_end)
         logger.info("CUDA graph report:\n%s", self.report.format_table())
         if self.report.verdict in ("slower", "no_gain"):
             logger.warning("CUDA graphs did not pay off: %s", self.report.verdict_text)
@@ -481,9 +505,7 @@ class CudaGraphPlugin:
             logger.info("CUDA graph report written to %s", path)
         call_hook(self.pm, "mcgraph_report", report=self.report)
 
-    def _build_report(
-        self, reason: str, peak_at_end: float | None, allocated_after_free: float | None
-    ) -> RunReport:
+    def _build_report(self, reason: str, peak_at_end: float | None) -> RunReport:
         eager, replay, durations = self._samples()
         if self.captures:
             result, speedup, noise, text = verdict(
@@ -520,13 +542,16 @@ class CudaGraphPlugin:
             memory_before_capture=self.memory_before,
             memory_after_capture=self.memory_after,
             peak_allocated_at_end_mib=peak_at_end,
-            allocated_after_free_mib=allocated_after_free,
             fallback_step=self.fallback_step,
-            graphs_freed=self.graphs_freed,
+            graphs_held=self.graph_count,
             shutdown_reason=reason,
             device=_device_name(self.cuda),
             versions=compat.versions(),
         )
+
+
+def _fmt_mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
 
 
 def _device_name(cuda: bool) -> str:

@@ -1,6 +1,7 @@
 """Environment preflight: the environment facts the CUDA-graph constraints name.
 
-* ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` needs ``NCCL_GRAPH_REGISTER=0``
+* ``expandable_segments:True`` in ``PYTORCH_CUDA_ALLOC_CONF`` (or torch 2.9+'s
+  ``PYTORCH_ALLOC_CONF``) needs ``NCCL_GRAPH_REGISTER=0``
   (megatron-core asserts it for TE graphs on every arch and for local graphs before
   sm_100). NCCL reads its environment when it initialises, so the variable is set here
   when NCCL has not started yet (and the change is logged), otherwise the run fails with
@@ -15,11 +16,14 @@ import os
 from collections.abc import Callable, MutableMapping
 
 from cudagraph_plugin.settings import Settings
-from cudagraph_plugin.validation import CudaGraphConfigError, Violation
+from cudagraph_plugin.validation import (
+    EXPANDABLE,
+    CudaGraphConfigError,
+    Violation,
+    expandable_segments_source,
+)
 
 logger = logging.getLogger("cudagraph_plugin")
-
-EXPANDABLE = "expandable_segments:True"
 
 
 def preflight(
@@ -44,7 +48,8 @@ def preflight(
     env = os.environ if environ is None else environ
     changes: list[str] = []
     violations: list[Violation] = []
-    if EXPANDABLE in env.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+    alloc_var = expandable_segments_source(env)
+    if alloc_var:
         register = env.get("NCCL_GRAPH_REGISTER")
         if register is None:
             if nccl_initialized():
@@ -53,7 +58,7 @@ def preflight(
                         ("NCCL_GRAPH_REGISTER",),
                         "unset",
                         "Setting NCCL_GRAPH_REGISTER=0 to avoid illegal memory access when using "
-                        f"CUDA Graph with PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE} is needed, but NCCL "
+                        f"CUDA Graph with {alloc_var}={EXPANDABLE} is needed, but NCCL "
                         "is already initialised and has read its environment",
                         "export NCCL_GRAPH_REGISTER=0 before the process starts (or before "
                         "init_process_group), or drop expandable_segments:True",
@@ -63,16 +68,16 @@ def preflight(
                 if not dry_run:
                     env["NCCL_GRAPH_REGISTER"] = "0"
                 changes.append(
-                    f"set NCCL_GRAPH_REGISTER=0: PYTORCH_CUDA_ALLOC_CONF has {EXPANDABLE} and "
+                    f"set NCCL_GRAPH_REGISTER=0: {alloc_var} has {EXPANDABLE} and "
                     "CUDA graphs are on (NCCL is not initialised yet, so it takes effect)"
                 )
         elif register != "0":
             violations.append(
                 Violation(
-                    ("NCCL_GRAPH_REGISTER", "PYTORCH_CUDA_ALLOC_CONF"),
-                    repr((register, env["PYTORCH_CUDA_ALLOC_CONF"])),
+                    ("NCCL_GRAPH_REGISTER", alloc_var),
+                    repr((register, env[alloc_var])),
                     "Setting NCCL_GRAPH_REGISTER=0 to avoid illegal memory access when using CUDA "
-                    f"Graph with PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE}",
+                    f"Graph with {alloc_var}={EXPANDABLE}",
                     "export NCCL_GRAPH_REGISTER=0, or drop expandable_segments:True",
                 )
             )

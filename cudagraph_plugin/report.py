@@ -161,9 +161,8 @@ class RunReport:
     memory_before_capture: MemorySnapshot | None
     memory_after_capture: MemorySnapshot | None
     peak_allocated_at_end_mib: float | None
-    allocated_after_free_mib: float | None
     fallback_step: int | None
-    graphs_freed: int
+    graphs_held: int
     shutdown_reason: str
     device: str
     versions: dict[str, str | None]
@@ -236,14 +235,8 @@ class RunReport:
                     ),
                 )
             )
-        if self.allocated_after_free_mib is not None:
-            rows.append(
-                (
-                    "after free",
-                    f"{self.graphs_freed} graph(s) freed, allocated "
-                    f"{self.allocated_after_free_mib:.0f} MiB",
-                )
-            )
+        if self.graphs_captured:
+            rows.append(("held now", f"{self.graphs_held} graph(s), freed right after this"))
         rows.append(("run", f"{self.steps_timed} step(s) timed, ended: {self.shutdown_reason}"))
         rows.append(("versions", ", ".join(f"{k} {v or '-'}" for k, v in self.versions.items())))
         width = max(len(k) for k, _ in rows)

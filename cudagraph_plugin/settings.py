@@ -111,21 +111,41 @@ def resolve(config: Any, path: str) -> Any:
     return obj
 
 
+# Megatron-LM flags that store False into a positively named field.
+INVERTED_FLAGS = {
+    "add_bias_linear": "--disable-bias-linear",
+    "gradient_accumulation_fusion": "--no-gradient-accumulation-fusion",
+    "check_for_nan_in_loss": "--no-check-for-nan-in-loss",
+    "check_for_nan_in_loss_and_grad": "--no-check-for-nan-in-loss-and-grad",
+}
+
+
 def display_name(config: Any, path: str) -> str:
-    """How the user knows the field: ``--flag-name`` on a command line, else the path."""
+    """How the user knows the field: its flag on a command line, else the path."""
     if isinstance(config, argparse.Namespace) and "." not in path:
+        if path in INVERTED_FLAGS:
+            return f"{path} ({INVERTED_FLAGS[path]})"
         return "--" + path.replace("_", "-")
     return path
 
 
 def lookup(config: Any, setting: str) -> tuple[Any, str | None]:
-    """The value of ``setting`` in ``config`` and the path it came from (None if absent)."""
+    """The value of ``setting`` in ``config`` and the path it came from (None if absent).
+
+    For settings where ``None`` means "not set" the lookup moves on to the next path, but a
+    field that exists and holds ``None`` is still reported as the source when no later
+    path has a value, so messages name the field the user wrote.
+    """
+    first_none: str | None = None
     for path in FIELD_PATHS[setting]:
         value = resolve(config, path)
-        if value is MISSING or (value is None and setting in _SKIP_NONE):
+        if value is MISSING:
+            continue
+        if value is None and setting in _SKIP_NONE:
+            first_none = first_none or path
             continue
         return value, path
-    return None, None
+    return None, first_none
 
 
 def existing_paths(config: Any, setting: str) -> list[str]:

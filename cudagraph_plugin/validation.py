@@ -255,7 +255,7 @@ def _nan_loss_check(s: Settings) -> Iterator[Violation]:
             True,
             "full_iteration CUDA graph requires check_for_nan_in_loss=False: the whole "
             "forward and backward is captured, so the loss cannot be inspected in between",
-            f"set {s.field('check_for_nan_in_loss')}=False (check_for_nan_in_grad=False is "
+            f"turn {s.field('check_for_nan_in_loss')} off (check_for_nan_in_grad=False is "
             "also recommended)",
         )
 
@@ -448,7 +448,8 @@ def _delay_wgrad(s: Settings) -> Iterator[Violation]:
             )
         if not s.gradient_accumulation_fusion:
             problems.append("gradient_accumulation_fusion=True")
-        if s.add_qkv_bias or s.add_bias_linear:
+        # Megatron-LM checks the bias only for graphed attention.
+        if "attn" in scope and (s.add_qkv_bias or s.add_bias_linear):
             problems.append("no attention bias (add_qkv_bias=False, add_bias_linear=False)")
         if problems:
             yield _v(
@@ -490,6 +491,18 @@ def _model_kind(s: Settings) -> str:
     if not s.is_moe:
         return "dense"
     return "dropless MoE" if s.dropless_moe else "drop-and-pad MoE"
+
+
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch >= 2.9 reads both
+EXPANDABLE = "expandable_segments:True"
+
+
+def expandable_segments_source(environ: Any) -> str | None:
+    """The allocator variable that turns expandable segments on, if any."""
+    for name in ALLOC_CONF_VARS:
+        if EXPANDABLE in environ.get(name, ""):
+            return name
+    return None
 
 
 RECOMMENDED_SCOPES = {
@@ -535,9 +548,10 @@ def advice(settings: Settings, environ: Any = None) -> list[str]:
             "check_for_nan_in_grad=False is recommended (the gradients are produced inside "
             "the captured graph)"
         )
-    if "expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+    source = expandable_segments_source(env)
+    if source:
         notes.append(
-            "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True: CUDA graphs then need "
+            f"{source} has expandable_segments:True: CUDA graphs then need "
             "NCCL_GRAPH_REGISTER=0 (the preflight sets it when it can)"
         )
     if (

@@ -338,8 +338,10 @@ def mcgraph_after_capture(
 def mcgraph_report(report: Any) -> None:
     """The run report: what CUDA graphs bought this run.
 
-    Fired once, at shutdown, before graphs are freed. ``report`` has ``to_dict()`` (plain,
-    JSON-ready values) and ``format_table()``; see ``cudagraph_plugin.report.RunReport``.
+    Fired once per run by the CUDA graph plugin, from its ``mcgraph_shutdown`` wrapper:
+    before the other plugins' ``mcgraph_shutdown`` implementations run and before the graphs
+    are freed. ``report`` has ``to_dict()`` (plain, JSON-ready values) and
+    ``format_table()``; see ``cudagraph_plugin.report.RunReport``.
 
     :param report: The run report.
 

@@ -6,7 +6,11 @@ import logging
 
 import pytest
 import torch
+from megatron.core import full_cuda_graph
+from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
+
 from cpu_redirect import cpu_redirect
+from cudagraph_plugin import compat
 from fakes import (
     FakeCUDAGraph,
     FakeTECudaGraphHelper,
@@ -14,10 +18,6 @@ from fakes import (
     _fake_full_cuda_graph_019,
     fake_graph,
 )
-from megatron.core import full_cuda_graph
-from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
-
-from cudagraph_plugin import compat
 
 
 @pytest.fixture(autouse=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from cpu_redirect import cpu_redirect
 
+from cpu_redirect import cpu_redirect
 from cudagraph_plugin.report import MemorySnapshot, RunReport, StepTimer, verdict
 
 
@@ -98,9 +98,8 @@ def make_report(**overrides) -> RunReport:
         memory_before_capture=MemorySnapshot(1000.0, 1200.0, 1500.0),
         memory_after_capture=MemorySnapshot(1064.0, 1300.0, 1520.0),
         peak_allocated_at_end_mib=1600.0,
-        allocated_after_free_mib=1000.0,
         fallback_step=None,
-        graphs_freed=1,
+        graphs_held=1,
         shutdown_reason="completed",
         device="NVIDIA H200",
         versions={"torch": "2.11", "megatron-core": "0.16.1", "transformer-engine": None},
@@ -132,7 +131,7 @@ def test_table_for_a_captured_run():
     assert "20.000 ms (median of 2, steps 1-2)" in table
     assert "4.000 ms (median of 3, steps 4-6)" in table
     assert "+64 MiB, +6.4%" in table
-    assert "1 graph(s) freed" in table
+    assert "1 graph(s), freed right after this" in table
 
 
 def test_table_when_nothing_was_captured():
@@ -149,8 +148,7 @@ def test_table_when_nothing_was_captured():
         memory_before_capture=None,
         memory_after_capture=None,
         peak_allocated_at_end_mib=None,
-        allocated_after_free_mib=None,
-        graphs_freed=0,
+        graphs_held=0,
         device="cpu",
     ).format_table()
     assert "NO GRAPH CAPTURED: no CUDA device" in table

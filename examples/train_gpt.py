@@ -1,0 +1,563 @@
+"""A real Megatron-Core training loop that hosts mcgraph plugins: the project's main job.
+
+This module owns the example host: a tiny GPT (megatron-core ``GPTModel``) trained on
+synthetic, fixed-shape token batches with megatron-core's DDP, optimizer and
+``get_forward_backward_func()``, firing the plugin hooks through :class:`hookspecs.TrainingRun`.
+It uses only the public hook contract (``hookspecs``), never the CUDA graph plugin's
+internals: whatever plugins are installed (the CUDA graph plugin among them) add their
+command-line flags, contribute config and RNG options, and wrap the forward/backward.
+
+On a machine without CUDA (or with ``--cpu``) the same loop runs eagerly on the CPU under
+:func:`cpu_redirect.cpu_redirect`; CUDA graphs then stay off and one log line says so.
+
+Run it::
+
+    python examples/train_gpt.py --train-iters 10
+    torchrun --nproc-per-node 2 examples/train_gpt.py --use-distributed-optimizer
+
+or import it (with ``examples/`` on ``sys.path``, as a script has it) and call :func:`run`,
+which returns a summary dict; the tests and benchmarks do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+import logging
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from cpu_redirect import cpu_redirect, mcore_without_te_fixes
+from hookspecs import TrainingRun, get_plugin_manager
+
+# megatron-core is imported inside the functions that use it, so importing this module (for
+# its parser, or to call run()) stays cheap and free of megatron's import-time warnings.
+
+logger = logging.getLogger("train_gpt")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+# -------------------------------------------------------------------------------------------
+# Command line.
+# -------------------------------------------------------------------------------------------
+
+
+def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
+    """The example's argument parser, with every plugin's options added to it."""
+    parser = argparse.ArgumentParser(
+        prog="train_gpt.py",
+        description="Train a tiny Megatron-Core GPT on synthetic tokens, hosting mcgraph plugins.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument("--num-layers", type=int, default=2)
+    model.add_argument("--hidden-size", type=int, default=64)
+    model.add_argument("--num-attention-heads", type=int, default=4)
+    model.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 * hidden size")
+    model.add_argument("--vocab-size", type=int, default=128)
+    model.add_argument(
+        "--transformer-impl",
+        choices=["local", "transformer_engine"],
+        default="local",
+        help="layer spec: megatron-core's own modules, or Transformer Engine's (needs TE + CUDA)",
+    )
+    model.add_argument("--bf16", action="store_true", help="bf16 parameters and compute")
+    model.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    model.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
+    model.add_argument("--recompute-num-layers", type=int, default=1)
+
+    moe = parser.add_argument_group("mixture of experts")
+    moe.add_argument("--num-experts", type=int, default=None, help="MoE layers when set")
+    moe.add_argument("--moe-router-topk", type=int, default=2)
+    moe.add_argument("--moe-expert-capacity-factor", type=float, default=None)
+    moe.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    moe.add_argument(
+        "--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather"
+    )
+
+    data = parser.add_argument_group("data (synthetic, fixed shape)")
+    data.add_argument("--seq-length", type=int, default=32)
+    data.add_argument("--micro-batch-size", type=int, default=2)
+    data.add_argument("--num-microbatches", type=int, default=1)
+
+    train = parser.add_argument_group("training")
+    train.add_argument("--train-iters", type=int, default=10)
+    train.add_argument(
+        "--start-step",
+        type=int,
+        default=0,
+        help="number the steps from here, as a resumed run would (no checkpoint is loaded)",
+    )
+    train.add_argument(
+        "--exit-interval", type=int, default=None, help="stop after a step that is a multiple"
+    )
+    train.add_argument(
+        "--eval-interval", type=int, default=None, help="evaluate after every N training steps"
+    )
+    train.add_argument("--eval-iters", type=int, default=2)
+    train.add_argument("--lr", type=float, default=3e-3)
+    train.add_argument("--seed", type=int, default=1234)
+    train.add_argument("--log-interval", type=int, default=1)
+
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--sequence-parallel", action="store_true")
+    parallel.add_argument("--use-distributed-optimizer", action="store_true")
+    parallel.add_argument("--overlap-grad-reduce", action="store_true")
+    parallel.add_argument("--overlap-param-gather", action="store_true")
+    parallel.add_argument(
+        "--cpu", action="store_true", help="run on the CPU even when CUDA is available"
+    )
+
+    pluginmanager.hook.mcgraph_add_arguments(parser=parser)
+    return parser
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: bool) -> None:
+    if args.transformer_impl == "transformer_engine":
+        if importlib.util.find_spec("transformer_engine") is None:
+            parser.error(
+                "--transformer-impl transformer_engine needs Transformer Engine, which is not "
+                "installed (pip install 'transformer-engine[pytorch]'); use --transformer-impl "
+                "local"
+            )
+        if not use_cuda:
+            parser.error("--transformer-impl transformer_engine needs a CUDA device")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        parser.error("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.start_step > args.train_iters:
+        parser.error("--start-step must not exceed --train-iters")
+
+
+# -------------------------------------------------------------------------------------------
+# Synthetic data and the forward step.
+# -------------------------------------------------------------------------------------------
+
+
+def synthetic_batches(
+    *, seed: int, micro_batch_size: int, seq_length: int, vocab_size: int, device: torch.device
+) -> Iterator[dict[str, Any]]:
+    """Endless micro-batches of one fixed shape, deterministic from ``seed``.
+
+    Each sample counts up from a random token (``t, t+1, ...`` modulo the vocabulary), so
+    the next token is learnable and the loss falls within a few steps.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    offsets = torch.arange(seq_length + 1)
+    position_ids = torch.arange(seq_length).unsqueeze(0).repeat(micro_batch_size, 1)
+    loss_mask = torch.ones(micro_batch_size, seq_length)
+    while True:
+        starts = torch.randint(0, vocab_size, (micro_batch_size, 1), generator=generator)
+        sequence = (starts + offsets) % vocab_size
+        yield {
+            "tokens": sequence[:, :-1].to(device),
+            "labels": sequence[:, 1:].to(device),
+            "loss_mask": loss_mask.to(device),
+            "position_ids": position_ids.to(device),
+            # Causal masking is implied by the layer specs' attention mask type.
+            "attention_mask": None,
+        }
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[Any, ...]:
+    # The (loss, num_tokens, report) form: megatron-core divides by the token count, and the
+    # report stays a device tensor (no host sync, so the step is capturable).
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss.detach().view(1), num_tokens.float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[Any, Any]:
+    """megatron-core's ``forward_step_func``: one micro-batch through the model."""
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
+    return output, functools.partial(_loss_func, batch["loss_mask"])
+
+
+def _mean_loss(loss_dicts: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """Token-weighted mean over the micro-batches, still on the device.
+
+    Always a new tensor: under a full-iteration CUDA graph ``loss_dicts`` are the graph's
+    static outputs, which the next replay overwrites.
+    """
+    totals = torch.stack([d["lm loss"] for d in loss_dicts]).sum(dim=0)
+    return totals[0] / totals[1].clamp(min=1)
+
+
+# -------------------------------------------------------------------------------------------
+# Distributed set-up.
+# -------------------------------------------------------------------------------------------
+
+
+def _init_distributed(use_cuda: bool) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if use_cuda else "gloo"
+    if "MASTER_ADDR" in os.environ:
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
+    elif world_size == 1:
+        # One process, no launcher: an in-process store needs no port.
+        store = torch.distributed.HashStore()
+        torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1)
+    else:
+        raise RuntimeError(f"WORLD_SIZE={world_size} without MASTER_ADDR: launch with torchrun")
+
+
+def _destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _synchronize(use_cuda: bool) -> None:
+    if use_cuda:
+        torch.cuda.synchronize()
+
+
+# -------------------------------------------------------------------------------------------
+# The run.
+# -------------------------------------------------------------------------------------------
+
+
+def _transformer_config_fields(args: argparse.Namespace, use_cuda: bool) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "num_layers": args.num_layers,
+        "hidden_size": args.hidden_size,
+        "num_attention_heads": args.num_attention_heads,
+        "tensor_model_parallel_size": args.tensor_model_parallel_size,
+        "sequence_parallel": args.sequence_parallel,
+        "use_cpu_initialization": not use_cuda,
+        "bf16": args.bf16,
+        "params_dtype": torch.bfloat16 if args.bf16 else torch.float32,
+        "pipeline_dtype": torch.bfloat16 if args.bf16 else torch.float32,
+    }
+    if args.ffn_hidden_size is not None:
+        fields["ffn_hidden_size"] = args.ffn_hidden_size
+    if args.recompute_granularity is not None:
+        fields["recompute_granularity"] = args.recompute_granularity
+        if args.recompute_granularity == "full":
+            fields["recompute_method"] = args.recompute_method
+            fields["recompute_num_layers"] = args.recompute_num_layers
+    if args.num_experts is not None:
+        fields.update(
+            num_moe_experts=args.num_experts,
+            moe_router_topk=args.moe_router_topk,
+            moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+            moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            # megatron-core 0.16's local experts add their bias in place to the output of an
+            # autograd Function that returns its input as-is (tensor parallel size 1), which
+            # autograd forbids; MoE models are trained without linear biases anyway.
+            add_bias_linear=False,
+        )
+    return fields
+
+
+def _layer_spec(args: argparse.Namespace) -> Any:
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if args.transformer_impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=args.num_experts
+        )
+    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=args.num_experts)
+
+
+def _build_model(training: TrainingRun, args: argparse.Namespace, config: Any) -> list[Any]:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    module: Any = GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(args),
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.seq_length,
+        share_embeddings_and_output_weights=True,
+    )
+    module.cuda(torch.cuda.current_device())
+    if args.bf16:
+        # Without the wrapper the first matmul sees float inputs and bf16 weights.
+        module = Float16Module(config, module)
+    ddp_config = DistributedDataParallelConfig(
+        # Megatron-LM's default for bf16: accumulate and reduce the gradients in fp32.
+        grad_reduce_in_fp32=args.bf16,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    with training.model_build_context():
+        return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)]
+
+
+def _build_optimizer(args: argparse.Namespace, model: list[Any]) -> Any:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        weight_decay=0.01,
+        clip_grad=1.0,
+        bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(optimizer_config, model)
+
+
+def _wire_grad_sync(
+    args: argparse.Namespace, config: Any, model: list[Any], optimizer: Any
+) -> None:
+    """Set the sync callbacks on the model config the way Megatron-LM's ``setup`` does."""
+    from megatron.core.distributed import finalize_model_grads
+
+    (chunk,) = model  # one chunk: no virtual pipeline stages here
+    if args.overlap_grad_reduce:
+        config.no_sync_func = chunk.no_sync
+        config.grad_sync_func = chunk.start_grad_sync
+    if args.overlap_param_gather:
+        config.param_sync_func = chunk.start_param_sync
+    # Finishes the (possibly overlapped) grad reduction every step; without it an overlapped
+    # reduce stays outstanding and the next step asserts.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+
+
+@dataclasses.dataclass
+class _Record:
+    """What the loop has done so far; read even when the run ended early."""
+
+    losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    step_ms: list[float] = dataclasses.field(default_factory=list)
+    eval_losses: list[float] = dataclasses.field(default_factory=list)
+
+    def summary(self, device: str, shutdown_reason: str) -> dict[str, Any]:
+        losses = [float(value) for value in self.losses]
+        return {
+            "steps": len(losses),
+            "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None,
+            "losses": losses,
+            "median_step_ms": statistics.median(self.step_ms) if self.step_ms else None,
+            "eval_losses": list(self.eval_losses),
+            "device": device,
+            "shutdown_reason": shutdown_reason,
+        }
+
+
+def _train(
+    training: TrainingRun, args: argparse.Namespace, use_cuda: bool, record: _Record
+) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    _init_distributed(use_cuda)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size
+    )
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    log_here = torch.distributed.get_rank() == 0
+
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    rng_base: dict[str, Any] = {"seed": args.seed, "force_reset_rng": True}
+    if not use_cuda:
+        # The training tracker saves and restores CUDA generator states; the inference one
+        # does not touch them, and dropout then draws from the (seeded) CPU generator.
+        rng_base["inference_rng_tracker"] = True
+    model_parallel_cuda_manual_seed(**training.rng_options(base=rng_base))
+    training.rng_initialized()
+
+    config = TransformerConfig(
+        **training.model_config_kwargs(base=_transformer_config_fields(args, use_cuda))
+    )
+    model = _build_model(training, args, config)
+    optimizer = _build_optimizer(args, model)
+    _wire_grad_sync(args, config, model, optimizer)
+    training.model_built(
+        model=model,
+        optimizer=optimizer,
+        model_config=config,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+    )
+    fwd_bwd = training.forward_backward_func(get_forward_backward_func())
+
+    batch_shape = {
+        "micro_batch_size": args.micro_batch_size,
+        "seq_length": args.seq_length,
+        "vocab_size": args.vocab_size,
+        "device": device,
+    }
+    dp_rank = parallel_state.get_data_parallel_rank()
+    train_iter = synthetic_batches(seed=args.seed + 1 + dp_rank, **batch_shape)
+    eval_iter = synthetic_batches(seed=args.seed + 1_000_003 + dp_rank, **batch_shape)
+    step_args = {
+        "forward_step_func": forward_step,
+        "model": model,
+        "num_microbatches": args.num_microbatches,
+        "seq_length": args.seq_length,
+        "micro_batch_size": args.micro_batch_size,
+    }
+
+    # Megatron-LM starts training with the param all-gather pre-hooks off, so that a bad
+    # initialisation or checkpoint on one rank does not spread through the first all-gather;
+    # they come back after the first step.
+    toggle_pre_hooks = args.use_distributed_optimizer and args.overlap_param_gather
+    param_sync_func = config.param_sync_func
+    if toggle_pre_hooks:
+        training.disable_forward_pre_hook(model, param_sync=False)
+        config.param_sync_func = None
+
+    for step in range(args.start_step, args.train_iters):
+        with training.train_step(step) as metrics:
+            start = time.perf_counter()
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            loss_dicts = fwd_bwd(data_iterator=train_iter, forward_only=False, **step_args)
+            update_successful, grad_norm, _ = optimizer.step()
+            _synchronize(use_cuda)
+            elapsed_ms = (time.perf_counter() - start) * 1000.0
+            loss = _mean_loss(loss_dicts)
+            metrics.update(
+                loss=loss,
+                grad_norm=grad_norm,
+                update_successful=update_successful,
+                step_time_ms=elapsed_ms,
+            )
+        record.losses.append(loss)
+        record.step_ms.append(elapsed_ms)
+        if toggle_pre_hooks and step == args.start_step:
+            training.enable_forward_pre_hook(model)
+            config.param_sync_func = param_sync_func
+
+        iteration = step + 1
+        if log_here and args.log_interval and iteration % args.log_interval == 0:
+            logger.info(
+                "step %d/%d | loss %.4f | grad norm %.3f | %.2f ms",
+                iteration,
+                args.train_iters,
+                loss.item(),
+                grad_norm if grad_norm is not None else float("nan"),
+                elapsed_ms,
+            )
+        if args.eval_interval and iteration % args.eval_interval == 0:
+            record.eval_losses.append(
+                _evaluate(training, args, fwd_bwd, model, eval_iter, step_args)
+            )
+            if log_here:
+                logger.info("step %d | eval loss %.4f", iteration, record.eval_losses[-1])
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            if log_here:
+                logger.info("exit interval reached after step %d", iteration)
+            break
+
+
+def _evaluate(
+    training: TrainingRun,
+    args: argparse.Namespace,
+    fwd_bwd: Any,
+    model: list[Any],
+    eval_iter: Iterator[dict[str, Any]],
+    step_args: dict[str, Any],
+) -> float:
+    with training.evaluation() as metrics:
+        for chunk in model:
+            chunk.eval()
+        try:
+            with torch.no_grad():
+                batches = [
+                    _mean_loss(fwd_bwd(data_iterator=eval_iter, forward_only=True, **step_args))
+                    for _ in range(args.eval_iters)
+                ]
+        finally:
+            for chunk in model:
+                chunk.train()
+        loss = float(torch.stack(batches).mean())
+        metrics["loss"] = loss
+    return loss
+
+
+def run(argv: Sequence[str] | None = None, plugins: Sequence[Any] = ()) -> dict[str, Any]:
+    """Train once and return a summary.
+
+    :param argv: Command-line arguments (``sys.argv[1:]`` when ``None``).
+    :param plugins: Extra plugin objects registered on this run's plugin manager before the
+        command line is parsed (so they may add options too).
+    :returns: ``steps`` (training steps run), ``first_loss``, ``last_loss``, ``losses``
+        (floats, one per step), ``median_step_ms``, ``eval_losses``, ``device`` (``"cuda"``
+        or ``"cpu"``) and ``shutdown_reason`` (as :class:`hookspecs.ShutdownReason` names it).
+    """
+    pm = get_plugin_manager()
+    for plugin in plugins:
+        pm.register(plugin)
+    parser = build_parser(pm)
+    args = parser.parse_args(argv)
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    _check_args(parser, args, use_cuda)
+
+    # On the CPU the CUDA graph plugin still validates the requested configuration, then
+    # says in one line that graphs need a CUDA device and runs eagerly; nothing to do here.
+    training = TrainingRun(
+        pm, config=args, train_iters=args.train_iters, start_step=args.start_step
+    )
+    record = _Record()
+    device_context = contextlib.nullcontext() if use_cuda else cpu_redirect()
+    with device_context, mcore_without_te_fixes():
+        try:
+            with training:
+                _train(training, args, use_cuda, record)
+        finally:
+            # Only after the run's shutdown hook: graphs hold NCCL buffers and must go first.
+            _destroy_distributed()
+    return record.summary("cuda" if use_cuda else "cpu", str(training.shutdown_reason))
+
+
+def main() -> int:
+    """Command-line entry point: train, print a short summary, return the exit code."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    # At INFO these log their whole config and every parameter name.
+    for noisy in ("megatron.core.distributed", "megatron.core.optimizer"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    summary = run()
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    if summary["steps"]:
+        print(
+            f"trained {summary['steps']} step(s) on {summary['device']}: loss "
+            f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, "
+            f"median step {summary['median_step_ms']:.2f} ms"
+        )
+    else:
+        print(f"trained 0 steps on {summary['device']}")
+    if summary["eval_losses"]:
+        print("eval losses: " + ", ".join(f"{loss:.4f}" for loss in summary["eval_losses"]))
+    print(f"shutdown: {summary['shutdown_reason']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

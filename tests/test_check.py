@@ -1,0 +1,350 @@
+"""``python -m cudagraph_plugin check`` on real recipes' settings."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cudagraph_plugin import __main__ as entry
+from cudagraph_plugin import compat
+from cudagraph_plugin.check import run_check
+
+DENSE_FULL_ITERATION = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
+DENSE_TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp"]
+DROPLESS_MOE = [
+    "--cuda-graph-impl",
+    "transformer_engine",
+    "--cuda-graph-scope",
+    "attn,moe_router,moe_preprocess",
+    "--num-experts",
+    "8",
+    "--moe-token-dispatcher-type",
+    "alltoall",
+]
+FP8_TE_MLP_FULL_RECOMPUTE = [
+    "--cuda-graph-impl",
+    "transformer_engine",
+    "--cuda-graph-scope",
+    "mlp",
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--recompute-num-layers",
+    "1",
+    "--fp8-format",
+    "hybrid",
+]
+
+RNG_FIX = "auto-fix: CUDA graphs are on: set --te-rng-tracker=True (TE RNG tracker)"
+NAN_FIX = (
+    "auto-fix: full_iteration CUDA graph: set check_for_nan_in_loss (--no-check-for-nan-in-loss)"
+    "=False (the loss cannot "
+    "be inspected inside the captured iteration)"
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """A deterministic environment: no allocator options, no Transformer Engine."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
+    monkeypatch.setattr(compat, "te_version", lambda: None)
+
+
+def check(argv):
+    out = io.StringIO()
+    code = run_check(argv, out=out)
+    return code, out.getvalue()
+
+
+def lines(text):
+    return [line.strip() for line in text.splitlines()]
+
+
+# -- the four recipes ---------------------------------------------------------------------------
+
+
+def test_dense_full_iteration_is_ok_with_its_auto_fixes():
+    code, out = check(DENSE_FULL_ITERATION)
+    assert code == 0, out
+    got = lines(out)
+    assert got[0] == (
+        "cuda graphs: impl=local scope=full_iteration warmup=3 "
+        f"(megatron-core {compat.mcore_version()}, Transformer Engine not installed here)"
+    )
+    assert RNG_FIX in got
+    assert NAN_FIX in got
+    assert any(line.startswith("advice: scope full_iteration is wider") for line in got)
+    assert got[-1] == "OK"
+    assert "FAILED" not in out and "problem(s)" not in out
+    assert "needs Transformer Engine" not in out  # local graphs do not need TE
+
+
+def test_dense_te_attn_mlp_is_ok():
+    code, out = check(DENSE_TE)
+    assert code == 0, out
+    got = lines(out)
+    assert got[0].startswith("cuda graphs: impl=transformer_engine scope=attn,mlp warmup=3 ")
+    assert RNG_FIX in got
+    assert NAN_FIX not in got  # the loss NaN check is fine with TE scopes
+    assert not any(line.startswith("advice:") for line in got)
+    assert any(line.startswith("note: a run needs Transformer Engine") for line in got)
+    assert got[-1] == "OK"
+
+
+def test_dropless_moe_dense_parts_is_ok():
+    code, out = check(DROPLESS_MOE)
+    assert code == 0, out
+    got = lines(out)
+    assert "scope=attn,moe_router,moe_preprocess" in got[0]
+    assert RNG_FIX in got
+    assert not any(line.startswith("advice:") for line in got)
+    assert got[-1] == "OK"
+
+
+def test_fp8_te_mlp_with_full_recompute_fails():
+    code, out = check(FP8_TE_MLP_FULL_RECOMPUTE)
+    assert code == 1, out
+    got = lines(out)
+    assert got[-1] == "FAILED"
+    assert "1 problem(s) with the CUDA graph configuration:" in got
+    (problem,) = [line for line in got if line.startswith("1. ")]
+    assert problem.startswith(
+        "1. --recompute-granularity, --recompute-num-layers, --cuda-graph-scope = "
+        "('full', 1, 'mlp'): full recompute is only supported with full iteration CUDA graph"
+    )
+    assert (
+        "fix: use selective recompute (recompute_granularity=selective), turn CUDA graphs off, "
+        "or use cuda_graph_impl=local with scope full_iteration"
+    ) in got
+    assert "OK" not in got
+
+
+def test_fp8_recipe_fixed_by_moving_to_full_iteration():
+    argv = [*FP8_TE_MLP_FULL_RECOMPUTE]
+    argv[1], argv[3] = "local", "full_iteration"
+    code, out = check(argv)
+    assert code == 0, out
+
+
+def test_fp8_recipe_fixed_by_selective_recompute():
+    argv = [
+        *DENSE_TE,
+        "--recompute-granularity",
+        "selective",
+        "--recompute-modules",
+        "layernorm",
+        "--fp8-format",
+        "hybrid",
+    ]
+    code, out = check(argv)
+    assert code == 0, out
+
+
+# -- more verdicts the constraints imply ---------------------------------------------------------
+
+
+def test_drop_and_pad_moe_with_moe_scope_is_ok():
+    code, out = check(
+        [
+            "--cuda-graph-impl",
+            "transformer_engine",
+            "--cuda-graph-scope",
+            "attn,moe",
+            "--num-experts",
+            "8",
+            "--moe-expert-capacity-factor",
+            "1.0",
+            "--moe-pad-expert-input-to-capacity",
+        ]
+    )
+    assert code == 0, out
+
+
+def test_dropless_moe_with_moe_scope_fails():
+    code, out = check(
+        [
+            "--cuda-graph-impl",
+            "transformer_engine",
+            "--cuda-graph-scope",
+            "attn,moe",
+            "--num-experts",
+            "8",
+            "--moe-expert-capacity-factor",
+            "none",
+        ]
+    )
+    assert code == 1
+    assert "moe cuda graph is only supported with drop-padding MoE" in out
+    assert "--moe-expert-capacity-factor" in out
+
+
+def test_full_iteration_with_selective_recompute_and_attention_dropout_fails():
+    # Megatron-LM's default attention dropout is 0.1.
+    code, out = check([*DENSE_FULL_ITERATION, "--recompute-granularity", "selective"])
+    assert code == 1
+    assert "--attention-dropout" in out
+    assert "attention dropout is not supported with graphed attention recomputation" in out
+    code, out = check(
+        [*DENSE_FULL_ITERATION, "--recompute-granularity", "selective", "--attention-dropout", "0"]
+    )
+    assert code == 0, out
+
+
+def test_three_problems_reported_at_once():
+    code, out = check(
+        [*DENSE_TE, "--cpu-offloading", "--variable-seq-lengths", "--enable-cuda-graph"]
+    )
+    assert code == 1
+    assert "3 problem(s) with the CUDA graph configuration:" in out
+    numbered = [line for line in lines(out) if line[:3] in ("1. ", "2. ", "3. ", "4. ")]
+    assert [line[:2] for line in numbered] == ["1.", "2.", "3."]
+    assert out.count("\n     fix: ") == 3
+
+
+def test_impl_none_with_scope_is_ok_and_clears_it():
+    code, out = check(["--cuda-graph-impl", "none", "--cuda-graph-scope", "attn"])
+    assert code == 0, out
+    assert "auto-fix: cuda_graph_impl is none: cleared --cuda-graph-scope (was attn)" in lines(out)
+    assert lines(out)[0].startswith("cuda graphs: impl=none scope=- ")
+
+
+def test_graphs_on_without_scope_fails():
+    code, out = check(["--cuda-graph-impl", "transformer_engine"])
+    assert code == 1
+    assert "no scope is given" in out
+
+
+def test_expandable_segments_dry_run(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    code, out = check(DENSE_TE)
+    assert code == 0, out
+    assert any(
+        line.startswith("preflight: (dry run) would set NCCL_GRAPH_REGISTER=0")
+        for line in lines(out)
+    )
+    assert any("advice: PYTORCH_CUDA_ALLOC_CONF has expandable_segments" in x for x in lines(out))
+    assert "NCCL_GRAPH_REGISTER" not in os.environ  # the check changes nothing
+
+
+def test_expandable_segments_with_register_on_fails(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "1")
+    code, out = check(DENSE_TE)
+    assert code == 1
+    assert "NCCL_GRAPH_REGISTER, PYTORCH_CUDA_ALLOC_CONF = " in out
+    assert "fix: export NCCL_GRAPH_REGISTER=0" in out
+
+
+def test_no_flags_means_graphs_off_and_ok():
+    code, out = check([])
+    assert code == 0
+    assert lines(out) == [lines(out)[0], "OK"]
+    assert lines(out)[0].startswith("cuda graphs: impl=none scope=- warmup=3 ")
+
+
+def test_bad_flag_value_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        run_check(["--cuda-graph-scope", "attn,bogus"], out=io.StringIO())
+    assert info.value.code == 2
+    assert "unknown scope(s) 'bogus'" in capsys.readouterr().err
+
+
+def test_check_leaves_the_logger_as_it_found_it():
+    import logging
+
+    log = logging.getLogger("cudagraph_plugin")
+    handlers = list(log.handlers)
+    check(DENSE_TE)
+    check(FP8_TE_MLP_FULL_RECOMPUTE)
+    assert log.handlers == handlers
+
+
+# -- the real command line -------------------------------------------------------------------------
+
+
+def _run(*args, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF",)}
+    env.pop("NCCL_GRAPH_REGISTER", None)
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, "-m", "cudagraph_plugin", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def test_subprocess_check_fails_fp8_recipe():
+    proc = _run("check", *FP8_TE_MLP_FULL_RECOMPUTE)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.rstrip().endswith("FAILED")
+    assert "--recompute-granularity" in proc.stdout
+    assert "fix: use selective recompute" in proc.stdout
+
+
+def test_subprocess_check_ok_dense_full_iteration():
+    proc = _run("check", *DENSE_FULL_ITERATION)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.rstrip().endswith("OK")
+    assert NAN_FIX in lines(proc.stdout)
+
+
+def test_check_imports_neither_torch_nor_megatron():
+    code = (
+        "import sys\n"
+        "from cudagraph_plugin.check import run_check\n"
+        f"run_check({DENSE_TE!r})\n"
+        "heavy = sorted(m for m in sys.modules\n"
+        "               if m.split('.')[0] in ('torch', 'megatron', 'transformer_engine'))\n"
+        "print('HEAVY', heavy)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "HEAVY []" in proc.stdout
+
+
+def test_subprocess_no_arguments_prints_usage_and_exits_2():
+    proc = _run()
+    assert proc.returncode == 2
+    assert proc.stdout.startswith("usage: python -m cudagraph_plugin check")
+
+
+def test_subprocess_unknown_command_exits_2():
+    proc = _run("validate")
+    assert proc.returncode == 2
+    assert "unknown command 'validate'" in proc.stderr
+    assert "usage: python -m cudagraph_plugin check" in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_subprocess_check_help_lists_the_flags():
+    proc = _run("check", "--help")
+    assert proc.returncode == 0, proc.stderr
+    for flag in (
+        "--cuda-graph-impl",
+        "--cuda-graph-scope",
+        "--cuda-graph-warmup-steps",
+        "--recompute-granularity",
+        "--num-experts",
+        "--fp8-format",
+    ):
+        assert flag in proc.stdout
+
+
+@pytest.mark.parametrize("argv, code", [(["-h"], 0), (["--help"], 0), ([], 2)])
+def test_main_usage(capsys, argv, code):
+    assert entry.main(argv) == code
+    assert capsys.readouterr().out.startswith("usage: ")
+
+
+def test_main_dispatches_to_check(capsys):
+    assert entry.main(["check", *FP8_TE_MLP_FULL_RECOMPUTE]) == 1
+    assert "FAILED" in capsys.readouterr().out

@@ -1,0 +1,373 @@
+"""The command-line flags and the performance-harness overrides."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+from types import SimpleNamespace as NS
+
+import pytest
+
+from cudagraph_plugin.cli import add_cuda_graph_arguments, apply_overrides, parse_scope_arg
+from cudagraph_plugin.settings import SCOPES, read_settings
+from cudagraph_plugin.validation import find_violations
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="train")
+    add_cuda_graph_arguments(p)
+    return p
+
+
+def parse_error(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        parser().parse_args(argv)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+# -- add_cuda_graph_arguments ---------------------------------------------------------------------
+
+
+def test_defaults():
+    args = parser().parse_args([])
+    assert args.cuda_graph_impl == "none"
+    assert args.cuda_graph_scope is None
+    assert args.cuda_graph_warmup_steps is None
+    assert args.cuda_graph_report_json is None
+    assert args.cuda_graph_fallback_on_slowdown is False
+
+
+@pytest.mark.parametrize("flag", ["--cuda-graph-impl", "--cuda_graph_impl"])
+@pytest.mark.parametrize("impl", ["none", "local", "transformer_engine"])
+def test_both_spellings_of_impl(flag, impl):
+    assert parser().parse_args([flag, impl]).cuda_graph_impl == impl
+
+
+def test_both_spellings_of_every_flag():
+    dashes = parser().parse_args(
+        [
+            "--cuda-graph-scope",
+            "attn",
+            "--cuda-graph-warmup-steps",
+            "4",
+            "--cuda-graph-report-json",
+            "r.json",
+            "--cuda-graph-fallback-on-slowdown",
+        ]
+    )
+    underscores = parser().parse_args(
+        [
+            "--cuda_graph_scope",
+            "attn",
+            "--cuda_graph_warmup_steps",
+            "4",
+            "--cuda_graph_report_json",
+            "r.json",
+            "--cuda_graph_fallback_on_slowdown",
+        ]
+    )
+    assert (
+        vars(dashes)
+        == vars(underscores)
+        == {
+            "cuda_graph_impl": "none",
+            "cuda_graph_scope": ["attn"],
+            "cuda_graph_warmup_steps": 4,
+            "cuda_graph_report_json": "r.json",
+            "cuda_graph_fallback_on_slowdown": True,
+        }
+    )
+
+
+def test_unknown_impl_exits_2(capsys):
+    err = parse_error(capsys, ["--cuda-graph-impl", "full_iteration"])
+    assert "invalid choice: 'full_iteration'" in err
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("attn, mlp", ["attn", "mlp"]),
+        ("attn,mlp", ["attn", "mlp"]),
+        (" attn ,moe_router , moe_preprocess ", ["attn", "moe_router", "moe_preprocess"]),
+        ("attn,", ["attn"]),
+    ],
+)
+def test_scope_parsing(text, expected):
+    assert parser().parse_args(["--cuda-graph-scope", text]).cuda_graph_scope == expected
+
+
+@pytest.mark.parametrize("name", SCOPES)
+def test_every_single_valid_scope(name):
+    assert parser().parse_args(["--cuda_graph_scope", name]).cuda_graph_scope == [name]
+
+
+@pytest.mark.parametrize("text, bad", [("attn,bogus", "bogus"), ("Attn", "Attn"), ("full", "full")])
+def test_unknown_scope_exits_2_naming_the_bad_value(capsys, text, bad):
+    err = parse_error(capsys, ["--cuda-graph-scope", text])
+    assert "--cuda-graph-scope" in err
+    assert f"unknown scope(s) {bad!r}" in err
+    assert "valid: full_iteration, attn, mlp, moe, moe_router, moe_preprocess, mamba" in err
+
+
+def test_duplicated_scope_exits_2(capsys):
+    err = parse_error(capsys, ["--cuda-graph-scope", "attn,mlp,attn"])
+    assert "listed twice" in err and "'attn'" in err
+
+
+@pytest.mark.parametrize("text", ["", " ", ",", " , "])
+def test_empty_scope_exits_2(capsys, text):
+    err = parse_error(capsys, ["--cuda-graph-scope", text])
+    assert "empty scope" in err
+
+
+def test_parse_scope_arg_raises_argument_type_error():
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown scope"):
+        parse_scope_arg("nope")
+    assert parse_scope_arg("mamba") == ["mamba"]
+
+
+@pytest.mark.parametrize("steps", ["0", "3", "12"])
+def test_warmup_steps_accepted(steps):
+    assert parser().parse_args(["--cuda-graph-warmup-steps", steps]).cuda_graph_warmup_steps == int(
+        steps
+    )
+
+
+@pytest.mark.parametrize("steps", ["-1", "-10", "abc", "1.5"])
+def test_bad_warmup_steps_exit_2(capsys, steps):
+    err = parse_error(capsys, ["--cuda-graph-warmup-steps", steps])
+    assert f"expected a non-negative integer, got {steps!r}" in err
+
+
+def test_parser_keeps_its_own_definition():
+    p = argparse.ArgumentParser()
+    # A host (e.g. Megatron-LM 0.19) that already knows its own impl names.
+    p.add_argument(
+        "--cuda-graph-impl",
+        choices=["none", "local", "transformer_engine", "full_iteration"],
+        default="local",
+    )
+    p.add_argument("--cuda-graph-warmup-steps", "--cuda_graph_warmup_steps", type=int, default=7)
+    add_cuda_graph_arguments(p)  # no argparse conflict error
+    assert p.parse_args([]).cuda_graph_impl == "local"
+    assert p.parse_args(["--cuda-graph-impl", "full_iteration"]).cuda_graph_impl == "full_iteration"
+    # A flag with both spellings taken is not added again: the host's type and default rule.
+    assert p.parse_args([]).cuda_graph_warmup_steps == 7
+    assert p.parse_args(["--cuda_graph_warmup_steps", "-3"]).cuda_graph_warmup_steps == -3
+    # Flags the host does not have are added.
+    assert p.parse_args(["--cuda-graph-scope", "attn, mlp"]).cuda_graph_scope == ["attn", "mlp"]
+
+
+def test_host_spelling_owns_the_option_and_no_second_spelling_is_added():
+    """A host that defines one spelling (Megatron-LM 0.19 allows impl=full_iteration) keeps
+    sole ownership: adding the other spelling with the plugin's choices would make the two
+    spellings accept different values."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--cuda-graph-impl", default="transformer_engine")
+    add_cuda_graph_arguments(p)
+    host_action = p._option_string_actions["--cuda-graph-impl"]
+    assert host_action.choices is None and host_action.default == "transformer_engine"
+    assert "--cuda_graph_impl" not in p._option_string_actions
+    assert p.parse_args([]).cuda_graph_impl == "transformer_engine"
+    assert p.parse_args(["--cuda-graph-impl", "full_iteration"]).cuda_graph_impl == (
+        "full_iteration"
+    )
+    # the other options are still added under both spellings
+    assert "--cuda_graph_scope" in p._option_string_actions
+
+
+# -- apply_overrides: Megatron-Bridge's set_cuda_graph_overrides -----------------------------------
+
+
+def recipe(**model):
+    fields = dict(
+        cuda_graph_impl="none",
+        cuda_graph_scope=[],
+        cuda_graph_warmup_steps=3,
+        use_te_rng_tracker=False,
+    )
+    fields.update(model)
+    return NS(
+        model=NS(**fields),
+        rng=NS(te_rng_tracker=False),
+        rerun_state_machine=NS(check_for_nan_in_loss=True),
+        ddp=NS(check_for_nan_in_grad=True),
+        train=NS(micro_batch_size=1),
+    )
+
+
+def _messages(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "cudagraph_plugin"]
+
+
+def test_overrides_te_scopes_on_a_nested_recipe(caplog):
+    config = recipe()
+    expected = copy.deepcopy(config)
+    expected.model.cuda_graph_impl = "transformer_engine"
+    expected.model.cuda_graph_scope = ["attn", "mlp"]
+    expected.model.cuda_graph_warmup_steps = 5
+    expected.model.use_te_rng_tracker = True
+    expected.rng.te_rng_tracker = True
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        changes = apply_overrides(
+            config,
+            cuda_graph_impl="transformer_engine",
+            cuda_graph_scope="attn, mlp",
+            cuda_graph_warmup_steps=5,
+        )
+    assert config == expected
+    assert changes == [
+        "--cuda-graph-impl: set model.cuda_graph_impl='transformer_engine'",
+        "--cuda-graph-scope: set model.cuda_graph_scope=['attn', 'mlp']",
+        "--cuda-graph-warmup-steps: set model.cuda_graph_warmup_steps=5",
+        "CUDA graphs are on: set model.use_te_rng_tracker=True (TE RNG tracker)",
+        "CUDA graphs are on: set rng.te_rng_tracker=True (TE RNG tracker)",
+    ]
+    messages = _messages(caplog)
+    assert len(messages) == len(changes)
+    assert all(any(change in m for m in messages) for change in changes)
+    assert find_violations(read_settings(config)) == []
+
+
+def test_overrides_local_full_iteration_turns_off_loss_nan_check_only(caplog):
+    config = recipe()
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        changes = apply_overrides(
+            config, cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]
+        )
+    assert config.model.cuda_graph_impl == "local"
+    assert config.model.cuda_graph_scope == ["full_iteration"]
+    assert config.rerun_state_machine.check_for_nan_in_loss is False
+    assert config.ddp.check_for_nan_in_grad is True  # recommended off, but left to the user
+    assert config.model.use_te_rng_tracker is True and config.rng.te_rng_tracker is True
+    nan_change = [c for c in changes if "check_for_nan_in_loss" in c]
+    assert nan_change == [
+        "full_iteration CUDA graph: set rerun_state_machine.check_for_nan_in_loss=False (the "
+        "loss cannot be inspected inside the captured iteration)"
+    ]
+    assert f"auto-fix: {nan_change[0]}" in _messages(caplog)
+    assert find_violations(read_settings(config)) == []
+
+
+def test_overrides_impl_none_clears_scope_and_leaves_rng_alone(caplog):
+    config = recipe(
+        cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn"], use_te_rng_tracker=True
+    )
+    config.rng.te_rng_tracker = True
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        changes = apply_overrides(config, cuda_graph_impl="none")
+    assert config.model.cuda_graph_impl == "none"
+    assert config.model.cuda_graph_scope == []
+    assert config.model.use_te_rng_tracker is True and config.rng.te_rng_tracker is True
+    assert changes == [
+        "--cuda-graph-impl: set model.cuda_graph_impl='none'",
+        "cuda_graph_impl is none: cleared model.cuda_graph_scope (was attn)",
+    ]
+    assert "auto-fix: cuda_graph_impl is none: cleared model.cuda_graph_scope (was attn)" in (
+        _messages(caplog)
+    )
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        dict(),
+        dict(
+            cuda_graph_impl="transformer_engine",
+            cuda_graph_scope=["attn", "mlp"],
+            use_te_rng_tracker=True,
+        ),
+    ],
+    ids=["off", "te"],
+)
+def test_overrides_none_leave_a_consistent_recipe_unchanged(caplog, model):
+    config = recipe(**model)
+    if model:
+        config.rng.te_rng_tracker = True
+    before = copy.deepcopy(config)
+    with caplog.at_level(logging.DEBUG, logger="cudagraph_plugin"):
+        assert apply_overrides(config) == []
+        assert (
+            apply_overrides(
+                config,
+                cuda_graph_impl=None,
+                cuda_graph_scope=None,
+                cuda_graph_warmup_steps=None,
+            )
+            == []
+        )
+    assert config == before
+    assert _messages(caplog) == []
+
+
+def test_override_with_the_recipe_value_is_not_a_change():
+    config = recipe(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"])
+    changes = apply_overrides(config, cuda_graph_impl="local", cuda_graph_scope="full_iteration")
+    assert not any(c.startswith("--cuda-graph") for c in changes)
+
+
+def test_overrides_write_the_new_generation_field_when_that_is_what_the_recipe_has():
+    config = recipe(cuda_graph_scope=None, cuda_graph_modules=["attn"])
+    apply_overrides(config, cuda_graph_impl="transformer_engine", cuda_graph_scope="attn,mlp")
+    assert config.model.cuda_graph_modules == ["attn", "mlp"]
+    assert config.model.cuda_graph_scope is None
+
+
+def test_overrides_create_missing_fields_under_model():
+    config = NS(model=NS(), rng=NS(te_rng_tracker=False))
+    apply_overrides(config, cuda_graph_impl="transformer_engine", cuda_graph_scope="attn")
+    assert config.model.cuda_graph_impl == "transformer_engine"
+    assert config.model.cuda_graph_scope == ["attn"]
+    assert config.rng.te_rng_tracker is True
+    assert not hasattr(config, "cuda_graph_impl")
+
+
+def test_overrides_on_a_megatron_lm_namespace(caplog):
+    args = argparse.Namespace(
+        cuda_graph_impl="none",
+        cuda_graph_scope=None,
+        cuda_graph_warmup_steps=3,
+        te_rng_tracker=False,
+        check_for_nan_in_loss_and_grad=True,
+    )
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        changes = apply_overrides(
+            args,
+            cuda_graph_impl="local",
+            cuda_graph_scope="full_iteration",
+            cuda_graph_warmup_steps=2,
+        )
+    assert vars(args) == {
+        "cuda_graph_impl": "local",
+        "cuda_graph_scope": ["full_iteration"],
+        "cuda_graph_warmup_steps": 2,
+        "te_rng_tracker": True,
+        "check_for_nan_in_loss_and_grad": False,
+    }
+    assert "--cuda-graph-impl: set --cuda-graph-impl='local'" in changes
+    assert "CUDA graphs are on: set --te-rng-tracker=True (TE RNG tracker)" in changes
+    assert any(
+        "set check_for_nan_in_loss_and_grad (--no-check-for-nan-in-loss-and-grad)=False" in c
+        for c in changes
+    )
+    assert len(_messages(caplog)) == len(changes)
+    assert find_violations(read_settings(args)) == []
+
+
+def test_overrides_from_parsed_flags_round_trip():
+    args = parser().parse_args(
+        ["--cuda_graph_impl", "transformer_engine", "--cuda_graph_scope", "attn, mlp"]
+    )
+    config = recipe()
+    apply_overrides(
+        config,
+        cuda_graph_impl=args.cuda_graph_impl,
+        cuda_graph_scope=args.cuda_graph_scope,
+        cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
+    )
+    s = read_settings(config)
+    assert (s.impl, s.scope, s.warmup_steps) == ("transformer_engine", ("attn", "mlp"), 3)
+    assert find_violations(s) == []

@@ -1,0 +1,465 @@
+"""The example host (``examples/train_gpt.py``) on real megatron-core 0.16.1, on the CPU.
+
+This module owns the tests of the example training loop and of the CUDA-to-CPU redirect it
+runs under (``examples/cpu_redirect.py``): the loop trains, fires the hooks of
+:mod:`hookspecs.spec` in the documented order through a real plugin manager, toggles the
+forward pre-hooks the Megatron-LM way, ends with the right shutdown reason on every path,
+and leaves nothing behind for the next run in the same process. Every run passes ``--cpu``
+so the tests check the CPU path on a CUDA machine too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import cpu_redirect
+import train_gpt
+from hookspecs import get_plugin_manager, hookimpl, spec
+
+EXAMPLE = Path(train_gpt.__file__)
+
+# Hooks the CUDA graph plugin fires itself (never on the CPU, except the report at shutdown);
+# the order tests below are about the hooks the host fires.
+PLUGIN_EVENTS = {"before_capture", "after_capture", "report"}
+
+
+class Recorder:
+    """A plugin implementing every hook: records ``(hook, details...)`` in call order."""
+
+    def __init__(self, warmup: int | None = None) -> None:
+        self.warmup = warmup
+        self.calls: list[tuple[Any, ...]] = []
+        self.step_metrics: dict[int, dict[str, Any]] = {}
+        self.eval_metrics: list[dict[str, Any]] = []
+        self.pre_hook_handles: dict[int, int] = {}
+        self.model: list[Any] | None = None
+
+    def host_calls(self) -> list[tuple[Any, ...]]:
+        return [call for call in self.calls if call[0] not in PLUGIN_EVENTS]
+
+    def names(self) -> list[str]:
+        return [call[0] for call in self.calls]
+
+    @hookimpl
+    def mcgraph_add_arguments(self, parser: Any) -> None:
+        self.calls.append(("add_arguments",))
+
+    @hookimpl
+    def mcgraph_configure(self, config: Any, pluginmanager: Any) -> None:
+        self.calls.append(("configure",))
+
+    @hookimpl
+    def mcgraph_model_config_kwargs(self, config: Any) -> None:
+        self.calls.append(("model_config_kwargs",))
+
+    @hookimpl
+    def mcgraph_rng_options(self, config: Any) -> None:
+        self.calls.append(("rng_options",))
+
+    @hookimpl
+    def mcgraph_rng_initialized(self, config: Any) -> None:
+        self.calls.append(("rng_initialized",))
+
+    @hookimpl
+    def mcgraph_model_build_context(self, config: Any) -> Any:
+        self.calls.append(("model_build_context",))
+
+        @contextlib.contextmanager
+        def recording() -> Iterator[None]:
+            self.calls.append(("model_build_context.enter",))
+            yield
+            self.calls.append(("model_build_context.exit",))
+
+        return recording()
+
+    @hookimpl
+    def mcgraph_model_built(
+        self,
+        model: list[Any],
+        optimizer: Any,
+        model_config: Any,
+        seq_length: int,
+        micro_batch_size: int,
+    ) -> None:
+        self.model = model
+        self.calls.append(("model_built", len(model), seq_length, micro_batch_size))
+
+    @hookimpl
+    def mcgraph_forward_backward_func(self, forward_backward_func: Any) -> None:
+        self.calls.append(("forward_backward_func",))
+
+    @hookimpl
+    def mcgraph_warmup_steps(self, config: Any) -> int | None:
+        self.calls.append(("warmup_steps",))
+        return self.warmup
+
+    @hookimpl
+    def mcgraph_train_start(self, start_step: int, train_iters: int) -> None:
+        self.calls.append(("train_start", start_step, train_iters))
+
+    @hookimpl
+    def mcgraph_train_step_start(self, step: int) -> None:
+        self.calls.append(("train_step_start", step))
+        if self.model is not None and hasattr(self.model[0], "remove_forward_pre_hook_handles"):
+            self.pre_hook_handles[step] = len(self.model[0].remove_forward_pre_hook_handles)
+
+    @hookimpl
+    def mcgraph_post_warmup_step(self, step: int, start_step: int) -> None:
+        self.calls.append(("post_warmup_step", step, start_step))
+
+    @hookimpl
+    def mcgraph_train_step_end(self, step: int, metrics: dict[str, Any]) -> None:
+        self.calls.append(("train_step_end", step))
+        self.step_metrics[step] = dict(metrics)
+
+    @hookimpl
+    def mcgraph_disable_forward_pre_hook(self, model: list[Any], param_sync: bool) -> None:
+        self.calls.append(("disable_forward_pre_hook", param_sync))
+
+    @hookimpl
+    def mcgraph_enable_forward_pre_hook(self, model: list[Any]) -> None:
+        self.calls.append(("enable_forward_pre_hook",))
+
+    @hookimpl
+    def mcgraph_evaluation_start(self, step: int) -> None:
+        self.calls.append(("evaluation_start", step))
+
+    @hookimpl
+    def mcgraph_evaluation_end(self, step: int, metrics: dict[str, Any]) -> None:
+        self.calls.append(("evaluation_end", step))
+        self.eval_metrics.append(dict(metrics))
+
+    @hookimpl
+    def mcgraph_before_capture(self, step: int, impl: str, scope: list[str]) -> None:
+        self.calls.append(("before_capture", step, impl))
+
+    @hookimpl
+    def mcgraph_after_capture(
+        self, step: int, impl: str, scope: list[str], seconds: float, graph_count: int
+    ) -> None:
+        self.calls.append(("after_capture", step, impl))
+
+    @hookimpl
+    def mcgraph_report(self, report: Any) -> None:
+        self.calls.append(("report",))
+
+    @hookimpl
+    def mcgraph_shutdown(self, reason: Any, exception: BaseException | None) -> None:
+        self.calls.append(("shutdown", str(reason)))
+
+
+def train(*argv: str, plugins: tuple[Any, ...] = ()) -> dict[str, Any]:
+    return train_gpt.run(["--cpu", "--log-interval", "0", *argv], plugins=plugins)
+
+
+def assert_finite(losses: list[float]) -> None:
+    assert losses
+    assert all(math.isfinite(loss) for loss in losses), losses
+
+
+# -------------------------------------------------------------------------------------------
+# The training loop.
+# -------------------------------------------------------------------------------------------
+
+
+def test_recorder_implements_every_hook() -> None:
+    specs = {name for name, _ in inspect.getmembers(spec, inspect.isfunction)}
+    specs = {name for name in specs if name.startswith("mcgraph_")}
+    implemented = {name for name in dir(Recorder) if name.startswith("mcgraph_")}
+    assert implemented == specs
+    get_plugin_manager(load_entrypoints=False).register(Recorder())  # signatures validate
+
+
+def test_loss_is_finite_and_falls_over_ten_steps() -> None:
+    summary = train("--train-iters", "10")
+
+    assert summary["steps"] == 10
+    assert summary["device"] == "cpu"
+    assert summary["shutdown_reason"] == "completed"
+    losses = summary["losses"]
+    assert_finite(losses)
+    assert len(losses) == 10
+    assert summary["first_loss"] == losses[0] and summary["last_loss"] == losses[-1]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.2, losses
+    assert summary["median_step_ms"] > 0
+    assert summary["eval_losses"] == []
+
+
+def test_hook_order_of_a_short_run_with_evaluation() -> None:
+    recorder = Recorder(warmup=1)
+    summary = train(
+        "--train-iters", "3", "--eval-interval", "2", "--eval-iters", "2", plugins=(recorder,)
+    )
+
+    assert recorder.host_calls() == [
+        ("add_arguments",),
+        ("configure",),
+        ("rng_options",),
+        ("rng_initialized",),
+        ("model_config_kwargs",),
+        ("model_build_context",),
+        ("model_build_context.enter",),
+        ("model_build_context.exit",),
+        ("model_built", 1, 32, 2),
+        ("forward_backward_func",),
+        ("warmup_steps",),
+        ("train_start", 0, 3),
+        ("train_step_start", 0),
+        ("train_step_end", 0),
+        ("train_step_start", 1),
+        ("post_warmup_step", 1, 0),
+        ("train_step_end", 1),
+        ("evaluation_start", 1),
+        ("evaluation_end", 1),
+        ("train_step_start", 2),
+        ("train_step_end", 2),
+        ("shutdown", "completed"),
+    ]
+    assert summary["shutdown_reason"] == "completed"
+    # Step metrics are handed over as the loop has them (the loss is still a tensor).
+    assert set(recorder.step_metrics) == {0, 1, 2}
+    for metrics in recorder.step_metrics.values():
+        assert isinstance(metrics["loss"], torch.Tensor)
+        assert math.isfinite(float(metrics["loss"]))
+        assert metrics["step_time_ms"] > 0
+    assert len(summary["eval_losses"]) == 1
+    assert recorder.eval_metrics == [{"loss": summary["eval_losses"][0]}]
+    assert_finite(summary["eval_losses"])
+
+
+def test_exit_interval_ends_with_early_exit() -> None:
+    recorder = Recorder()
+    summary = train("--train-iters", "10", "--exit-interval", "3", plugins=(recorder,))
+
+    assert summary["steps"] == 3
+    assert summary["shutdown_reason"] == "early_exit"
+    assert recorder.host_calls()[-1] == ("shutdown", "early_exit")
+    assert ("train_step_start", 3) not in recorder.calls
+
+
+def test_distributed_optimizer_with_overlap_toggles_pre_hooks_around_first_step() -> None:
+    recorder = Recorder()
+    summary = train(
+        "--train-iters",
+        "3",
+        "--use-distributed-optimizer",
+        "--overlap-param-gather",
+        "--overlap-grad-reduce",
+        plugins=(recorder,),
+    )
+
+    assert_finite(summary["losses"])
+    calls = recorder.host_calls()
+    disable = calls.index(("disable_forward_pre_hook", False))
+    enable = calls.index(("enable_forward_pre_hook",))
+    assert disable < calls.index(("train_step_start", 0))
+    assert calls.index(("train_step_end", 0)) < enable < calls.index(("train_step_start", 1))
+    assert [call[0] for call in calls].count("disable_forward_pre_hook") == 1
+    assert [call[0] for call in calls].count("enable_forward_pre_hook") == 1
+    # The host's default implementations really removed and restored the DDP hooks.
+    assert recorder.pre_hook_handles[0] == 0
+    assert recorder.pre_hook_handles[1] > 0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param(["--bf16"], id="bf16"),
+        pytest.param(
+            [
+                "--num-experts",
+                "4",
+                "--moe-router-topk",
+                "2",
+                "--moe-expert-capacity-factor",
+                "1.0",
+                "--moe-pad-expert-input-to-capacity",
+            ],
+            id="moe-drop-and-pad",
+        ),
+        pytest.param(["--recompute-granularity", "full"], id="full-recompute"),
+        pytest.param(["--num-microbatches", "2", "--overlap-grad-reduce"], id="microbatches"),
+    ],
+)
+def test_configurations_train_on_cpu(extra: list[str]) -> None:
+    summary = train("--train-iters", "3", *extra)
+
+    assert summary["steps"] == 3
+    assert summary["shutdown_reason"] == "completed"
+    assert_finite(summary["losses"])
+
+
+def test_two_runs_in_one_process_start_fresh() -> None:
+    first = train("--train-iters", "3", "--eval-interval", "3")
+    second = train("--train-iters", "3", "--eval-interval", "3")
+
+    assert second["losses"] == pytest.approx(first["losses"], rel=1e-6)
+    assert second["eval_losses"] == pytest.approx(first["eval_losses"], rel=1e-6)
+    assert second["shutdown_reason"] == "completed"
+
+
+def test_exception_in_a_plugin_ends_the_run_and_cleans_up() -> None:
+    from megatron.core import parallel_state
+
+    class Failing(Recorder):
+        @hookimpl
+        def mcgraph_train_step_end(self, step: int, metrics: dict[str, Any]) -> None:
+            if step == 1:
+                raise RuntimeError("plugin failed at step 1")
+
+    failing = Failing()
+    with pytest.raises(RuntimeError, match="plugin failed at step 1"):
+        train("--train-iters", "5", plugins=(failing,))
+
+    assert failing.host_calls()[-1] == ("shutdown", "exception")
+    assert not torch.distributed.is_initialized()
+    assert not parallel_state.model_parallel_is_initialized()
+    assert not cpu_redirect.is_active()
+    assert train("--train-iters", "2")["steps"] == 2
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is not None,
+    reason="Transformer Engine is installed",
+)
+def test_transformer_engine_impl_without_te_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        train("--transformer-impl", "transformer_engine")
+
+    assert excinfo.value.code == 2
+    assert "needs Transformer Engine, which is not installed" in capsys.readouterr().err
+
+
+# -------------------------------------------------------------------------------------------
+# The example as a program.
+# -------------------------------------------------------------------------------------------
+
+
+def _parser_has_cuda_graph_impl() -> bool:
+    parser = train_gpt.build_parser(get_plugin_manager())
+    return "--cuda-graph-impl" in parser._option_string_actions
+
+
+@pytest.fixture(scope="module")
+def script_run(subprocess_env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], bool]:
+    """``python examples/train_gpt.py --cpu --train-iters 3``, asking for graphs if it can."""
+    asks_for_graphs = _parser_has_cuda_graph_impl()
+    argv = [sys.executable, str(EXAMPLE), "--cpu", "--train-iters", "3"]
+    if asks_for_graphs:
+        argv += ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
+    result = subprocess.run(
+        argv, capture_output=True, text=True, env=subprocess_env, timeout=120, check=False
+    )
+    return result, asks_for_graphs
+
+
+@pytest.mark.slow
+def test_script_exits_zero_and_prints_the_summary(
+    script_run: tuple[subprocess.CompletedProcess[str], bool],
+) -> None:
+    result, _ = script_run
+
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "trained 3 step(s) on cpu: loss " in result.stdout
+    assert "shutdown: completed" in result.stdout
+
+
+@pytest.mark.slow
+def test_script_says_once_that_cuda_graphs_need_a_cuda_device(
+    script_run: tuple[subprocess.CompletedProcess[str], bool],
+) -> None:
+    result, asks_for_graphs = script_run
+    if not asks_for_graphs:
+        pytest.skip(
+            "no installed plugin adds --cuda-graph-impl (the cudagraph entry point is missing "
+            "or blocked), so there is no graph request to turn down"
+        )
+
+    output = result.stdout + result.stderr
+    assert output.count("CUDA graphs need a CUDA device") == 1, output[-4000:]
+
+
+# -------------------------------------------------------------------------------------------
+# The CUDA-to-CPU redirect.
+# -------------------------------------------------------------------------------------------
+
+
+def test_redirect_maps_cuda_to_cpu_and_restores_everything() -> None:
+    originals = {name: getattr(torch.cuda, name) for name in ("current_device", "Stream")}
+
+    with cpu_redirect.cpu_redirect():
+        assert cpu_redirect.is_active()
+        assert not torch.cuda.is_available()
+        for device in ("cuda", "cuda:0", torch.device("cuda"), 0):
+            assert torch.zeros(2, device=device).device.type == "cpu"
+        tensor = torch.ones(2)
+        assert tensor.cuda() is tensor
+        assert tensor.to("cuda").device.type == "cpu"
+        assert tensor.to(torch.device("cuda", 0), torch.float64).dtype == torch.float64
+        assert tensor.type() == "torch.cuda.FloatTensor"
+        assert tensor.bfloat16().type() == "torch.cuda.BFloat16Tensor"
+        assert torch.cuda.current_device() == "cpu"
+        stream = torch.cuda.Stream(device=torch.cuda.current_device())
+        with torch.cuda.stream(stream):
+            assert torch.cuda.current_stream() is stream
+        assert torch.cuda.current_stream() is torch.cuda.default_stream()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        end.record()
+        assert end.elapsed_time(start) <= 0 <= start.elapsed_time(end)
+        with pytest.raises(RuntimeError, match="not re-entrant"):
+            with cpu_redirect.cpu_redirect():
+                pass
+
+    assert not cpu_redirect.is_active()
+    for name, original in originals.items():
+        assert getattr(torch.cuda, name) is original
+    assert torch.ones(2).type() == "torch.FloatTensor"
+    if not torch.cuda.is_available():
+        with pytest.raises((AssertionError, RuntimeError)):
+            torch.zeros(2, device="cuda")
+
+
+def test_redirect_is_undone_when_the_block_raises() -> None:
+    original = torch.cuda.synchronize
+    with pytest.raises(ValueError, match="boom"):
+        with cpu_redirect.cpu_redirect():
+            raise ValueError("boom")
+    assert torch.cuda.synchronize is original
+    assert not cpu_redirect.is_active()
+
+
+def test_redirect_runs_backward_under_the_mode() -> None:
+    seen: list[str] = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            # Like activation recomputation: code in the backward pass asks for CUDA memory.
+            seen.append(torch.ones(1, device="cuda").device.type)
+            return grad * 2
+
+    with cpu_redirect.cpu_redirect():
+        x = torch.ones(3, requires_grad=True)
+        torch.autograd.backward(Probe.apply(x).sum())
+        Probe.apply(x).sum().backward()
+
+    assert seen == ["cpu", "cpu"]
+    assert x.grad is not None and x.grad.tolist() == [4.0, 4.0, 4.0]

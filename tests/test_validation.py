@@ -1,0 +1,1435 @@
+"""Every constraint, accepted and rejected; the advice; the documented auto-fixes."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import re
+import warnings
+from types import SimpleNamespace as NS
+
+import pytest
+from packaging.version import Version
+
+from cudagraph_plugin import compat, validation
+from cudagraph_plugin.settings import read_settings
+from cudagraph_plugin.validation import (
+    CudaGraphConfigError,
+    advice,
+    apply_autofixes,
+    find_violations,
+    validate,
+)
+
+DROPLESS = dict(num_moe_experts=8)
+DROP_PAD = dict(
+    num_moe_experts=8, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True
+)
+
+
+def bridge(impl="transformer_engine", scope="attn,mlp", *, nan_loss=False, nan_grad=False, **model):
+    """A Megatron-Bridge-style nested config that is valid unless the arguments break it."""
+    fields = dict(
+        cuda_graph_impl=impl,
+        cuda_graph_scope=scope,
+        cuda_graph_warmup_steps=3,
+        use_te_rng_tracker=True,
+        num_moe_experts=None,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
+    fields.update(model)
+    return NS(
+        model=NS(**fields),
+        rng=NS(te_rng_tracker=True),
+        rerun_state_machine=NS(check_for_nan_in_loss=nan_loss),
+        ddp=NS(check_for_nan_in_grad=nan_grad),
+        train=NS(micro_batch_size=1),
+        dataset=NS(sequence_length=4096),
+    )
+
+
+def full_iteration(**model):
+    return bridge("local", "full_iteration", **model)
+
+
+def accepted(config):
+    violations = find_violations(read_settings(config))
+    assert violations == [], "\n".join(v.format() for v in violations)
+    validate(read_settings(config))
+
+
+def rejected(config, *, fields, value, phrase, fix):
+    """Assert ``config`` is rejected with a violation naming ``fields`` and ``value``, holding
+    MCore's/Bridge's key ``phrase`` and the ``fix``; returns the error."""
+    with pytest.raises(CudaGraphConfigError) as info:
+        validate(read_settings(config))
+    err = info.value
+    assert isinstance(err, ValueError)
+    matching = [v for v in err.violations if phrase in v.problem]
+    assert len(matching) == 1, str(err)
+    violation = matching[0]
+    assert violation.fields == tuple(fields), str(err)
+    assert violation.value == value, str(err)
+    assert fix in violation.fix, str(err)
+    message = str(err)
+    assert f"{', '.join(fields)} = {value}: " in message
+    assert phrase in message
+    assert f"fix: {violation.fix}" in message
+    return err
+
+
+# -- every rule is covered, both ways -----------------------------------------------------------
+
+# rule name -> (a config it accepts, a config it rejects); the detailed tests below check the
+# messages, this table makes a new rule without tests fail loudly.
+RULE_CASES = {
+    "_impl_known": (bridge("local", "full_iteration"), bridge("cuda", "attn")),
+    "_scope_names_known": (bridge(scope="attn,mlp"), bridge(scope="attn,bogus")),
+    "_scope_not_duplicated": (bridge(scope="attn"), bridge(scope="attn,attn")),
+    "_scope_not_empty": (bridge("none", []), bridge(scope=[])),
+    "_full_iteration_only_local": (full_iteration(), bridge(scope="full_iteration")),
+    "_full_iteration_alone": (full_iteration(), bridge("local", "full_iteration,attn")),
+    "_local_is_full_iteration": (full_iteration(), bridge("local", "attn")),
+    "_warmup_steps_valid": (bridge(cuda_graph_warmup_steps=0), bridge(cuda_graph_warmup_steps=-1)),
+    "_legacy_flags": (bridge(enable_cuda_graph=False), bridge(enable_cuda_graph=True)),
+    "_te_rng_tracker": (bridge(), bridge(use_te_rng_tracker=False)),
+    "_static_shapes": (bridge(variable_seq_lengths=False), bridge(variable_seq_lengths=True)),
+    "_nan_loss_check": (full_iteration(), bridge("local", "full_iteration", nan_loss=True)),
+    "_cpu_offloading": (bridge("none", [], cpu_offloading=True), bridge(cpu_offloading=True)),
+    "_moe_scopes": (
+        bridge(scope="attn,moe_router,moe_preprocess", **DROPLESS),
+        bridge(scope="attn,moe,moe_router", **DROP_PAD),
+    ),
+    "_ep_overlap": (
+        bridge(scope="attn,moe_router", overlap_moe_expert_parallel_comm=True, **DROPLESS),
+        bridge(scope="attn,moe", overlap_moe_expert_parallel_comm=True, **DROP_PAD),
+    ),
+    "_full_recompute": (
+        full_iteration(recompute_granularity="full", recompute_num_layers=1),
+        bridge(scope="mlp", recompute_granularity="full", recompute_num_layers=1),
+    ),
+    "_selective_recompute": (
+        bridge(scope="attn", recompute_granularity="selective", attention_dropout=0.0),
+        bridge(scope="attn", recompute_granularity="selective", attention_dropout=0.1),
+    ),
+    "_delay_wgrad": (
+        bridge(scope="mlp", delay_wgrad_compute=False),
+        bridge(scope="attn", delay_wgrad_compute=True, gradient_accumulation_fusion=False),
+    ),
+}
+
+
+def test_rule_table_covers_every_rule():
+    assert set(RULE_CASES) == {rule.__name__ for rule in validation._RULES}
+
+
+@pytest.mark.parametrize("rule", validation._RULES, ids=lambda rule: rule.__name__)
+def test_each_rule_accepts_and_rejects(rule):
+    good, bad = RULE_CASES[rule.__name__]
+    assert list(rule(read_settings(good))) == []
+    assert find_violations(read_settings(good)) == []
+    assert list(rule(read_settings(bad))) != []
+    with pytest.raises(CudaGraphConfigError):
+        validate(read_settings(bad))
+
+
+def test_error_is_a_value_error_listing_violations():
+    assert issubclass(CudaGraphConfigError, ValueError)
+    err = rejected(
+        bridge(scope="attn,bogus"),
+        fields=["model.cuda_graph_scope"],
+        value="'attn,bogus'",
+        phrase="unknown CUDA graph scope(s) 'bogus'",
+        fix="use names from full_iteration, attn, mlp, moe, moe_router, moe_preprocess, mamba",
+    )
+    assert str(err).startswith("1 problem(s) with the CUDA graph configuration:\n  1. ")
+
+
+# -- impl and scope names -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        bridge("none", []),
+        bridge("none", "full"),
+        bridge("local", "full_iteration"),
+        bridge("transformer_engine", "attn"),
+        bridge("transformer_engine", ["attn", "mlp"]),
+        bridge("full_iteration", []),  # megatron-core 0.18+ spelling
+    ],
+)
+def test_known_impls_accepted(config):
+    accepted(config)
+
+
+def test_unknown_impl_rejected():
+    rejected(
+        bridge("cuda", "attn"),
+        fields=["model.cuda_graph_impl"],
+        value="'cuda'",
+        phrase="Invalid cuda graph implementation: 'cuda'",
+        fix="use one of none, local, transformer_engine",
+    )
+
+
+def test_unknown_impl_named_as_flag_on_a_namespace():
+    args = argparse.Namespace(cuda_graph_impl="te", cuda_graph_scope="attn", te_rng_tracker=True)
+    rejected(
+        args,
+        fields=["--cuda-graph-impl"],
+        value="'te'",
+        phrase="Invalid cuda graph implementation",
+        fix="use one of none, local, transformer_engine",
+    )
+
+
+@pytest.mark.parametrize("scope", ["bogus", "attn,bogus", ["attn", "ATTN"], "full,attn"])
+def test_unknown_scope_rejected(scope):
+    config = bridge(scope=scope)
+    names = [n.strip() for n in (scope.split(",") if isinstance(scope, str) else scope)]
+    unknown = [n for n in names if n not in validation.SCOPES]
+    rejected(
+        config,
+        fields=["model.cuda_graph_scope"],
+        value=repr(",".join(names)),
+        phrase=f"unknown CUDA graph scope(s) {', '.join(map(repr, unknown))}",
+        fix="(comma-separated)",
+    )
+
+
+def test_unknown_scope_named_as_flag_on_a_namespace():
+    args = argparse.Namespace(cuda_graph_impl="transformer_engine", cuda_graph_scope="atn")
+    err = rejected(
+        args,
+        fields=["--cuda-graph-scope"],
+        value="'atn'",
+        phrase="unknown CUDA graph scope(s) 'atn'",
+        fix="use names from",
+    )
+    assert "model." not in str(err)
+
+
+def test_duplicated_scope_rejected():
+    rejected(
+        bridge(scope="attn, mlp, attn"),
+        fields=["model.cuda_graph_scope"],
+        value="'attn,mlp,attn'",
+        phrase="scope(s) listed more than once: attn",
+        fix="list each scope once",
+    )
+
+
+@pytest.mark.parametrize("scope", [[], "", "full"])
+def test_empty_scope_rejected_for_te(scope):
+    config = bridge(scope=scope)
+    rejected(
+        config,
+        fields=["model.cuda_graph_impl", "model.cuda_graph_scope"],
+        value="('transformer_engine', '(empty)')",
+        phrase="CUDA graphs are on but no scope is given",
+        fix="name the scope explicitly, e.g. attn or attn,mlp",
+    )
+
+
+def test_empty_scope_given_as_none_is_named_by_its_path():
+    # model.cuda_graph_scope exists (holding None): the message must name it as the user
+    # knows it, not as a bare "cuda_graph_scope".
+    rejected(
+        bridge(scope=None),
+        fields=["model.cuda_graph_impl", "model.cuda_graph_scope"],
+        value="('transformer_engine', '(empty)')",
+        phrase="CUDA graphs are on but no scope is given",
+        fix="name the scope explicitly",
+    )
+
+
+def test_empty_scope_rejected_for_local_suggests_full_iteration():
+    rejected(
+        bridge("local", []),
+        fields=["model.cuda_graph_impl", "model.cuda_graph_scope"],
+        value="('local', '(empty)')",
+        phrase="no scope is given",
+        fix="e.g. full_iteration",
+    )
+
+
+def test_full_iteration_with_te_rejected():
+    rejected(
+        bridge("transformer_engine", "full_iteration"),
+        fields=["model.cuda_graph_impl", "model.cuda_graph_scope"],
+        value="('transformer_engine', 'full_iteration')",
+        phrase="full_iteration cuda graph is not supported for cuda_graph_impl=transformer_engine",
+        fix="Please use cuda_graph_impl=local",
+    )
+
+
+def test_full_iteration_mixed_rejected():
+    err = rejected(
+        bridge("local", "full_iteration,attn,mlp"),
+        fields=["model.cuda_graph_scope"],
+        value="'full_iteration,attn,mlp'",
+        phrase="full_iteration cannot be mixed with other scopes (attn, mlp)",
+        fix="use scope full_iteration alone",
+    )
+    # The per-layer names under impl=local are a second, separate problem.
+    assert len(err.violations) == 2
+
+
+def test_full_iteration_mixed_new_generation_spelling_rejected():
+    rejected(
+        bridge("full_iteration", None, cuda_graph_modules=["attn"]),
+        fields=["model.cuda_graph_modules"],
+        value="'full_iteration,attn'",
+        phrase="full_iteration cannot be mixed with other scopes (attn)",
+        fix="use scope full_iteration alone",
+    )
+
+
+def test_local_with_per_layer_scopes_rejected():
+    rejected(
+        bridge("local", "attn,mlp"),
+        fields=["model.cuda_graph_impl", "model.cuda_graph_scope"],
+        value="('local', 'attn,mlp')",
+        phrase="impl local with per-layer scopes (attn, mlp)",
+        fix="use cuda_graph_impl=transformer_engine for per-layer scopes",
+    )
+
+
+# -- warm-up steps ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", [0, 1, 3, 100, None])
+def test_warmup_steps_accepted(steps):
+    accepted(bridge(cuda_graph_warmup_steps=steps))
+
+
+@pytest.mark.parametrize(
+    "steps, shown", [(-1, "-1"), (True, "True"), (False, "False"), ("3", "'3'"), (2.0, "2.0")]
+)
+def test_bad_warmup_steps_rejected(steps, shown):
+    rejected(
+        bridge(cuda_graph_warmup_steps=steps),
+        fields=["model.cuda_graph_warmup_steps"],
+        value=shown,
+        phrase="cuda_graph_warmup_steps must be a non-negative integer",
+        fix="megatron-core's default: 3",
+    )
+
+
+# -- legacy flags -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flag, new", [("enable_cuda_graph", "local"), ("external_cuda_graph", "transformer_engine")]
+)
+def test_legacy_flag_alone_rejected(flag, new):
+    rejected(
+        bridge("none", [], **{flag: True}),
+        fields=[f"model.{flag}"],
+        value="True",
+        phrase=f"{flag} is deprecated",
+        fix=f"use cuda_graph_impl={new} with an explicit cuda_graph_scope",
+    )
+
+
+def test_legacy_flags_both_rejected():
+    rejected(
+        bridge("none", [], enable_cuda_graph=True, external_cuda_graph=True),
+        fields=["model.enable_cuda_graph", "model.external_cuda_graph"],
+        value="(True, True)",
+        phrase="enable_cuda_graph and external_cuda_graph cannot be enabled at the same time",
+        fix="drop both deprecated flags and set cuda_graph_impl",
+    )
+
+
+@pytest.mark.parametrize("flag", ["enable_cuda_graph", "external_cuda_graph"])
+def test_legacy_flag_with_impl_rejected(flag):
+    rejected(
+        bridge(**{flag: True}),
+        fields=[f"model.{flag}", "model.cuda_graph_impl"],
+        value="(True, 'transformer_engine')",
+        phrase="Do not use enable_cuda_graph or external_cuda_graph with cuda_graph_impl",
+        fix="drop the deprecated flag",
+    )
+
+
+def test_legacy_flags_false_accepted():
+    accepted(bridge(enable_cuda_graph=False, external_cuda_graph=False))
+
+
+# -- TE RNG tracker -----------------------------------------------------------------------------
+
+
+def test_te_rng_tracker_model_flag_false_rejected():
+    config = bridge()
+    config.model.use_te_rng_tracker = False
+    rejected(
+        config,
+        fields=["model.use_te_rng_tracker"],
+        value="False",
+        phrase="CUDA graphs require the TE RNG tracker",
+        fix="set model.use_te_rng_tracker=True",
+    )
+
+
+def test_te_rng_tracker_rng_flag_false_rejected():
+    config = bridge()
+    config.rng.te_rng_tracker = False
+    rejected(
+        config,
+        fields=["rng.te_rng_tracker"],
+        value="False",
+        phrase="CUDA graphs require the TE RNG tracker",
+        fix="set rng.te_rng_tracker=True",
+    )
+
+
+def test_te_rng_tracker_both_false_two_violations():
+    config = bridge()
+    config.model.use_te_rng_tracker = False
+    config.rng.te_rng_tracker = False
+    with pytest.raises(CudaGraphConfigError) as info:
+        validate(read_settings(config))
+    assert [v.fields for v in info.value.violations] == [
+        ("model.use_te_rng_tracker",),
+        ("rng.te_rng_tracker",),
+    ]
+
+
+def test_te_rng_tracker_on_a_megatron_lm_namespace_names_the_flag():
+    args = argparse.Namespace(
+        cuda_graph_impl="transformer_engine", cuda_graph_scope="attn", te_rng_tracker=False
+    )
+    rejected(
+        args,
+        fields=["--te-rng-tracker"],
+        value="False",
+        phrase="require the TE RNG tracker",
+        fix="set --te-rng-tracker=True",
+    )
+
+
+def test_te_rng_tracker_off_is_fine_when_graphs_are_off_or_flags_absent():
+    config = bridge("none", [])
+    config.model.use_te_rng_tracker = False
+    config.rng.te_rng_tracker = False
+    accepted(config)
+    accepted(NS(cuda_graph_impl="transformer_engine", cuda_graph_scope="attn"))
+
+
+# -- static shapes, NaN checks, CPU offloading --------------------------------------------------
+
+
+def test_variable_seq_lengths_rejected():
+    rejected(
+        bridge(variable_seq_lengths=True),
+        fields=["model.variable_seq_lengths"],
+        value="True",
+        phrase="CUDA graphs need static tensor shapes; variable-length sequences do not work",
+        fix="pad packed sequences to a fixed width and set variable_seq_lengths=False",
+    )
+
+
+def test_variable_seq_lengths_fine_without_graphs():
+    accepted(bridge("none", [], variable_seq_lengths=True))
+
+
+def test_nan_loss_check_with_full_iteration_rejected():
+    rejected(
+        bridge("local", "full_iteration", nan_loss=True),
+        fields=["rerun_state_machine.check_for_nan_in_loss"],
+        value="True",
+        phrase="full_iteration CUDA graph requires check_for_nan_in_loss=False",
+        fix="turn rerun_state_machine.check_for_nan_in_loss off",
+    )
+
+
+def test_nan_loss_check_with_full_iteration_on_megatron_lm_args():
+    args = argparse.Namespace(
+        cuda_graph_impl="local",
+        cuda_graph_scope="full_iteration",
+        te_rng_tracker=True,
+        check_for_nan_in_loss_and_grad=True,
+    )
+    rejected(
+        args,
+        fields=["check_for_nan_in_loss_and_grad (--no-check-for-nan-in-loss-and-grad)"],
+        value="True",
+        phrase="requires check_for_nan_in_loss=False",
+        fix="turn check_for_nan_in_loss_and_grad (--no-check-for-nan-in-loss-and-grad) off",
+    )
+
+
+def test_nan_loss_check_fine_with_te_scopes_or_off():
+    accepted(bridge(nan_loss=True))
+    accepted(full_iteration())
+
+
+def test_cpu_offloading_rejected():
+    rejected(
+        full_iteration(cpu_offloading=True),
+        fields=["model.cpu_offloading"],
+        value="True",
+        phrase="CUDA graphs not supported with CPU offloading",
+        fix="set cpu_offloading=False, or turn CUDA graphs off",
+    )
+
+
+def test_cpu_offloading_fine_without_graphs():
+    accepted(bridge("none", [], cpu_offloading=True))
+
+
+# -- MoE ----------------------------------------------------------------------------------------
+
+
+def test_moe_and_moe_router_rejected():
+    rejected(
+        bridge(scope="moe,moe_router", **DROP_PAD),
+        fields=["model.cuda_graph_scope"],
+        value="'moe,moe_router'",
+        phrase="cuda_graph_scope must not contain both moe and moe_router",
+        fix="use moe for drop-and-pad MoE, or moe_router[,moe_preprocess] for dropless MoE",
+    )
+
+
+def test_moe_preprocess_without_moe_router_rejected():
+    rejected(
+        bridge(scope="attn,moe_preprocess", **DROPLESS),
+        fields=["model.cuda_graph_scope"],
+        value="'attn,moe_preprocess'",
+        phrase="moe_preprocess cuda graph is only supported with moe_router cuda graph",
+        fix="add moe_router to the scope",
+    )
+
+
+@pytest.mark.parametrize("experts", [None, 0, 1])
+@pytest.mark.parametrize("scope", ["attn,moe_router", "moe"])
+def test_moe_scopes_on_dense_model_rejected(experts, scope):
+    rejected(
+        bridge(scope=scope, num_moe_experts=experts),
+        fields=["model.cuda_graph_scope", "model.num_moe_experts"],
+        value=repr((scope, experts)),
+        phrase="moe cuda graph is only supported for MoE",
+        fix="drop the MoE scopes for a dense model",
+    )
+
+
+@pytest.mark.parametrize("freq", [1, [1, 1, 1, 1], (1, 1)])
+def test_mlp_on_all_moe_layers_rejected(freq):
+    rejected(
+        bridge(scope="attn,mlp,moe_router", moe_layer_freq=freq, **DROPLESS),
+        fields=["model.cuda_graph_scope", "model.moe_layer_freq"],
+        value=repr(("attn,mlp,moe_router", freq)),
+        phrase="mlp cuda graph is only supported for dense layers, but not found in the model",
+        fix="drop mlp from the scope",
+    )
+
+
+@pytest.mark.parametrize("freq", [[0, 1, 1, 1], [1, 0]])
+def test_mlp_with_some_dense_layers_accepted(freq):
+    accepted(bridge(scope="attn,mlp,moe_router", moe_layer_freq=freq, **DROPLESS))
+
+
+@pytest.mark.parametrize(
+    "capacity, pad",
+    [(None, False), (None, True), (1.0, False)],
+)
+def test_moe_scope_on_dropless_moe_rejected(capacity, pad):
+    rejected(
+        bridge(
+            scope="attn,moe",
+            num_moe_experts=8,
+            moe_expert_capacity_factor=capacity,
+            moe_pad_expert_input_to_capacity=pad,
+        ),
+        fields=[
+            "model.cuda_graph_scope",
+            "model.moe_expert_capacity_factor",
+            "model.moe_pad_expert_input_to_capacity",
+        ],
+        value=repr(("attn,moe", capacity, pad)),
+        phrase="moe cuda graph is only supported with drop-padding MoE",
+        fix="use moe_router,moe_preprocess for dropless MoE",
+    )
+
+
+def test_moe_scope_on_drop_and_pad_moe_accepted():
+    accepted(bridge(scope="attn,moe", **DROP_PAD))
+
+
+def test_dropless_moe_dense_parts_accepted():
+    accepted(bridge(scope="attn,moe_router,moe_preprocess", **DROPLESS))
+    accepted(bridge(scope="moe_router", **DROPLESS))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [dict(moe_expert_capacity_factor=1.0), dict(moe_router_padding_for_fp8=True)],
+    ids=["capacity-factor", "router-padding-for-fp8"],
+)
+def test_moe_preprocess_with_dtoh_syncs_rejected(extra):
+    rejected(
+        bridge(
+            scope="attn,moe_router,moe_preprocess",
+            num_moe_experts=8,
+            moe_token_dispatcher_type="alltoall",
+            **extra,
+        ),
+        fields=["model.cuda_graph_scope", "model.moe_token_dispatcher_type"],
+        value="('attn,moe_router,moe_preprocess', 'alltoall')",
+        phrase="moe_preprocess cuda graph is not supported when there are DtoH copies and "
+        "synchronizations in the preprocess step",
+        fix="drop moe_preprocess from the scope",
+    )
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(moe_token_dispatcher_type="alltoall"),
+        dict(moe_token_dispatcher_type="allgather", moe_expert_capacity_factor=1.0),
+        dict(
+            moe_token_dispatcher_type="alltoall",
+            moe_expert_capacity_factor=1.0,
+            moe_pad_expert_input_to_capacity=True,
+        ),
+    ],
+    ids=["alltoall-no-capacity", "allgather-capacity", "alltoall-padded"],
+)
+def test_moe_preprocess_without_dtoh_syncs_accepted(extra):
+    accepted(bridge(scope="attn,moe_router,moe_preprocess", num_moe_experts=8, **extra))
+
+
+def test_moe_rules_ignored_when_graphs_are_off():
+    accepted(bridge("none", [], num_moe_experts=None))
+    config = bridge("none", [])
+    config.model.cuda_graph_scope = []
+    accepted(config)
+
+
+@pytest.mark.parametrize(
+    "impl, scope, moe",
+    [
+        ("transformer_engine", "attn,moe", DROP_PAD),
+        ("transformer_engine", "attn,mlp,moe_router", dict(DROPLESS, moe_layer_freq=[0, 1])),
+        ("local", "full_iteration", DROPLESS),
+    ],
+)
+def test_ep_overlap_rejected(impl, scope, moe):
+    rejected(
+        bridge(impl, scope, overlap_moe_expert_parallel_comm=True, **moe),
+        fields=[
+            "model.overlap_moe_expert_parallel_comm",
+            "model.cuda_graph_impl",
+            "model.cuda_graph_scope",
+        ],
+        value=repr((True, impl, scope)),
+        phrase="CUDA graph scope on moe and mlp is not supported with "
+        "overlap_moe_expert_parallel_comm",
+        fix="use cuda_graph_impl=transformer_engine with attn/moe_router/moe_preprocess",
+    )
+
+
+def test_ep_overlap_with_dense_te_scopes_accepted():
+    accepted(
+        bridge(
+            scope="attn,moe_router,moe_preprocess",
+            overlap_moe_expert_parallel_comm=True,
+            moe_token_dispatcher_type="alltoall",
+            **DROPLESS,
+        )
+    )
+    accepted(bridge("none", [], overlap_moe_expert_parallel_comm=True, **DROPLESS))
+
+
+# -- recompute ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "granularity, layers",
+    [("full", 1), ("full", None), (None, 2)],
+    ids=["full", "full-no-layers", "layers-without-selective"],
+)
+def test_full_recompute_with_te_scopes_rejected(granularity, layers):
+    rejected(
+        bridge(
+            scope="mlp",
+            recompute_granularity=granularity,
+            recompute_num_layers=layers,
+            recompute_method="uniform",
+        ),
+        fields=[
+            "model.recompute_granularity",
+            "model.recompute_num_layers",
+            "model.cuda_graph_scope",
+        ],
+        value=repr((granularity, layers, "mlp")),
+        phrase="full recompute is only supported with full iteration CUDA graph",
+        fix="use selective recompute (recompute_granularity=selective), turn CUDA graphs off, "
+        "or use cuda_graph_impl=local with scope full_iteration",
+    )
+
+
+def test_full_recompute_with_full_iteration_accepted():
+    accepted(
+        full_iteration(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    )
+
+
+def test_full_recompute_without_graphs_accepted():
+    accepted(bridge("none", [], recompute_granularity="full", recompute_num_layers=1))
+
+
+def test_selective_recompute_with_te_scopes_accepted():
+    accepted(bridge(scope="attn,mlp", recompute_granularity="selective", recompute_num_layers=2))
+    accepted(
+        bridge(
+            scope="attn,mlp",
+            recompute_granularity="selective",
+            recompute_modules=["core_attn", "layernorm"],
+        )
+    )
+
+
+def test_moe_recompute_with_moe_router_rejected():
+    rejected(
+        bridge(
+            scope="attn,moe_router",
+            recompute_granularity="selective",
+            recompute_modules=["moe"],
+            **DROPLESS,
+        ),
+        fields=["model.recompute_modules", "model.cuda_graph_scope"],
+        value="(['moe'], 'attn,moe_router')",
+        phrase="moe recompute is not supported with moe_router CUDA graph with: "
+        "--cuda-graph-impl transformer_engine",
+        fix="drop 'moe' from recompute_modules, or moe_router from the scope",
+    )
+
+
+def test_moe_recompute_without_moe_router_or_other_modules_accepted():
+    accepted(
+        bridge(
+            scope="attn", recompute_granularity="selective", recompute_modules=["moe"], **DROPLESS
+        )
+    )
+    accepted(
+        bridge(
+            scope="attn,moe_router",
+            recompute_granularity="selective",
+            recompute_modules=["moe_act"],
+            **DROPLESS,
+        )
+    )
+
+
+@pytest.mark.parametrize("modules", [None, ["core_attn"], ["core_attn", "mlp"]])
+def test_attention_dropout_with_graphed_attention_recompute_rejected(modules):
+    shown = ["core_attn"] if modules is None else modules
+    rejected(
+        bridge(
+            scope="attn",
+            recompute_granularity="selective",
+            recompute_modules=modules,
+            attention_dropout=0.1,
+        ),
+        fields=["model.attention_dropout", "model.recompute_modules", "model.cuda_graph_scope"],
+        value=repr((0.1, shown, "attn")),
+        phrase="attention dropout is not supported with graphed attention recomputation",
+        fix="set attention_dropout=0.0, or drop core_attn from recompute_modules",
+    )
+
+
+def test_attention_dropout_with_full_iteration_selective_recompute_rejected():
+    rejected(
+        full_iteration(recompute_granularity="selective", attention_dropout=0.1),
+        # recompute_modules is not in the config: shown by its plain name, MCore's default.
+        fields=["model.attention_dropout", "recompute_modules", "model.cuda_graph_scope"],
+        value="(0.1, ['core_attn'], 'full_iteration')",
+        phrase="attention dropout is not supported with graphed attention recomputation",
+        fix="set attention_dropout=0.0",
+    )
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(scope="mlp"),  # attention is not graphed
+        dict(attention_dropout=0.0),
+        dict(recompute_modules=["layernorm"]),
+        dict(recompute_granularity=None),
+    ],
+)
+def test_attention_dropout_accepted_when_not_graphed_with_recompute(changes):
+    kwargs = dict(
+        scope="attn",
+        recompute_granularity="selective",
+        recompute_modules=None,
+        attention_dropout=0.1,
+    )
+    kwargs.update(changes)
+    accepted(bridge(**kwargs))
+
+
+@pytest.mark.parametrize(
+    "scope, modules, moe",
+    [
+        ("attn,mlp", ["mlp"], {}),
+        ("attn,moe", ["moe"], DROP_PAD),
+        ("full_iteration", ["mlp"], {}),
+    ],
+)
+def test_hidden_dropout_with_graphed_mlp_or_moe_recompute_rejected(scope, modules, moe):
+    impl = "local" if scope == "full_iteration" else "transformer_engine"
+    rejected(
+        bridge(
+            impl,
+            scope,
+            recompute_granularity="selective",
+            recompute_modules=modules,
+            hidden_dropout=0.1,
+            **moe,
+        ),
+        fields=["model.hidden_dropout", "model.recompute_modules", "model.cuda_graph_scope"],
+        value=repr((0.1, modules, scope)),
+        phrase="hidden dropout is not supported with graphed MLP/MoE recomputation",
+        fix="set hidden_dropout=0.0, or drop mlp/moe from recompute_modules",
+    )
+
+
+@pytest.mark.parametrize(
+    "scope, modules, dropout",
+    [("attn", ["mlp"], 0.1), ("attn,mlp", ["mlp"], 0.0), ("attn,mlp", ["core_attn"], 0.1)],
+)
+def test_hidden_dropout_accepted_when_not_graphed_with_recompute(scope, modules, dropout):
+    accepted(
+        bridge(
+            scope=scope,
+            recompute_granularity="selective",
+            recompute_modules=modules,
+            hidden_dropout=dropout,
+        )
+    )
+
+
+def test_moe_input_jitter_with_graphed_moe_recompute_rejected():
+    rejected(
+        bridge(
+            scope="attn,moe",
+            recompute_granularity="selective",
+            recompute_modules=["moe"],
+            moe_input_jitter_eps=0.01,
+            **DROP_PAD,
+        ),
+        fields=[
+            "model.moe_input_jitter_eps",
+            "model.recompute_modules",
+            "model.cuda_graph_scope",
+        ],
+        value="(0.01, ['moe'], 'attn,moe')",
+        phrase="moe_input_jitter_eps is not supported with graphed moe recomputation",
+        fix="unset moe_input_jitter_eps, or drop moe from recompute_modules",
+    )
+
+
+def test_moe_input_jitter_accepted_without_graphed_moe_recompute():
+    common = dict(recompute_granularity="selective", recompute_modules=["moe"], **DROP_PAD)
+    accepted(bridge(scope="attn,moe", moe_input_jitter_eps=None, **common))
+    accepted(bridge(scope="attn", moe_input_jitter_eps=0.01, **common))
+
+
+# -- delayed weight gradients -----------------------------------------------------------------
+
+
+@pytest.fixture
+def te(monkeypatch):
+    """Set the Transformer Engine version validation sees (None: not installed)."""
+
+    def set_version(version):
+        monkeypatch.setattr(
+            compat, "te_version", lambda: None if version is None else Version(version)
+        )
+
+    return set_version
+
+
+def wgrad(scope="attn,mlp", **model):
+    fields = dict(
+        delay_wgrad_compute=True, gradient_accumulation_fusion=True, add_bias_linear=False
+    )
+    fields.update(model)
+    return bridge(scope=scope, **fields)
+
+
+SHARED = dict(DROPLESS, moe_shared_expert_intermediate_size=512)
+
+
+@pytest.mark.parametrize(
+    "version, shown", [(None, "none"), ("2.11.0", "2.11.0"), ("2.10.0", "2.10.0")]
+)
+def test_delay_wgrad_with_attn_needs_te_2_12(te, version, shown):
+    te(version)
+    err = rejected(
+        wgrad(),
+        fields=["model.delay_wgrad_compute", "model.cuda_graph_scope"],
+        value="(True, 'attn,mlp')",
+        phrase="delay_wgrad_compute with attn (or moe_router with shared experts) in the CUDA "
+        "graph scope requires Transformer Engine >= 2.12.0 (installed: " + shown + ")",
+        fix="or set delay_wgrad_compute=False",
+    )
+    assert "gradient_accumulation_fusion" not in err.violations[0].problem
+
+
+def test_delay_wgrad_with_attn_accepted_on_te_2_12(te):
+    te("2.12.0")
+    accepted(wgrad())
+    te("2.13.1")
+    accepted(wgrad())
+
+
+def test_delay_wgrad_with_attn_needs_gradient_accumulation_fusion(te):
+    te("2.12.0")
+    err = rejected(
+        wgrad(gradient_accumulation_fusion=False),
+        fields=["model.delay_wgrad_compute", "model.cuda_graph_scope"],
+        value="(True, 'attn,mlp')",
+        phrase="requires gradient_accumulation_fusion=True",
+        fix="meet those requirements",
+    )
+    assert "Transformer Engine >=" not in str(err)
+
+
+@pytest.mark.parametrize("bias", ["add_qkv_bias", "add_bias_linear"])
+def test_delay_wgrad_with_attn_needs_no_attention_bias(te, bias):
+    te("2.12.0")
+    rejected(
+        wgrad(**{bias: True}),
+        fields=["model.delay_wgrad_compute", "model.cuda_graph_scope"],
+        value="(True, 'attn,mlp')",
+        phrase="requires no attention bias (add_qkv_bias=False, add_bias_linear=False)",
+        fix="drop attn/moe_router from the scope",
+    )
+
+
+def test_delay_wgrad_all_requirements_in_one_violation(te):
+    te("2.11.0")
+    with pytest.raises(CudaGraphConfigError) as info:
+        validate(read_settings(wgrad(gradient_accumulation_fusion=False, add_qkv_bias=True)))
+    (violation,) = info.value.violations
+    assert violation.problem.count("; ") == 2
+    assert "Transformer Engine >= 2.12.0 (installed: 2.11.0)" in violation.problem
+    assert "gradient_accumulation_fusion=True" in violation.problem
+    assert "no attention bias" in violation.problem
+
+
+def test_delay_wgrad_with_moe_router_and_shared_experts_needs_te_2_12(te):
+    te("2.11.0")
+    rejected(
+        wgrad("moe_router,moe_preprocess", **SHARED),
+        fields=["model.delay_wgrad_compute", "model.cuda_graph_scope"],
+        value="(True, 'moe_router,moe_preprocess')",
+        phrase="requires Transformer Engine >= 2.12.0 (installed: 2.11.0)",
+        fix="set delay_wgrad_compute=False",
+    )
+    te("2.12.0")
+    accepted(wgrad("moe_router,moe_preprocess", **SHARED))
+
+
+def test_delay_wgrad_with_moe_router_and_shared_experts_allows_linear_bias(te):
+    # Megatron-LM (arguments.py, 0.19) asks for no attention bias only when attn is in the
+    # scope: an attention bias does not matter when attention is not graphed.
+    te("2.12.0")
+    accepted(wgrad("moe_router,moe_preprocess", add_bias_linear=True, **SHARED))
+
+
+@pytest.mark.parametrize("version", [None, "2.10.0", "2.11.0"])
+def test_delay_wgrad_partial_graph_without_attn_accepted_from_te_2_10(te, version):
+    te(version)
+    accepted(wgrad("moe_router,moe_preprocess", gradient_accumulation_fusion=False, **DROPLESS))
+    accepted(wgrad("mlp", add_qkv_bias=True))
+
+
+@pytest.mark.parametrize("version", ["2.9.0", "2.1.0"])
+def test_delay_wgrad_partial_graph_needs_te_2_10(te, version):
+    te(version)
+    rejected(
+        wgrad("mlp"),
+        fields=["model.delay_wgrad_compute"],
+        value="True",
+        phrase="TE version >= 2.10.0 is required for delay_wgrad_compute with partial cuda graph "
+        f"(installed: {version})",
+        fix="upgrade Transformer Engine or set delay_wgrad_compute=False",
+    )
+
+
+def test_delay_wgrad_not_checked_for_local_or_off(te):
+    te("2.0.0")
+    accepted(full_iteration(delay_wgrad_compute=True))
+    accepted(bridge("none", [], delay_wgrad_compute=True))
+    accepted(wgrad(delay_wgrad_compute=False))
+
+
+# -- all problems at once -----------------------------------------------------------------------
+
+
+def test_three_problems_reported_in_one_error():
+    config = bridge(scope="attn,bogus", cpu_offloading=True, variable_seq_lengths=True)
+    with pytest.raises(CudaGraphConfigError) as info:
+        validate(read_settings(config))
+    message = str(info.value)
+    numbered = re.findall(r"^  (\d+)\. ", message, flags=re.MULTILINE)
+    assert numbered == ["1", "2", "3"]
+    assert message.splitlines()[0] == "3 problem(s) with the CUDA graph configuration:"
+    assert message.count("\n     fix: ") == 3
+    for field in ("model.cuda_graph_scope", "model.cpu_offloading", "model.variable_seq_lengths"):
+        assert re.search(rf"^  \d\. {re.escape(field)} = ", message, flags=re.MULTILINE), field
+    assert len(info.value.violations) == 3
+
+
+def test_many_problems_all_reported():
+    config = bridge(
+        "transformer_engine",
+        "full_iteration,moe_preprocess",
+        cuda_graph_warmup_steps=-2,
+        use_te_rng_tracker=False,
+        cpu_offloading=True,
+    )
+    with pytest.raises(CudaGraphConfigError) as info:
+        validate(read_settings(config))
+    problems = " | ".join(v.problem for v in info.value.violations)
+    for phrase in (
+        "not supported for cuda_graph_impl=transformer_engine",
+        "cannot be mixed",
+        "non-negative integer",
+        "TE RNG tracker",
+        "CPU offloading",
+        "only supported with moe_router",
+    ):
+        assert phrase in problems
+
+
+# -- megatron-core agrees: same verdict, same key phrase --------------------------------------
+
+MCORE_DEFAULTS = dict(attention_dropout=0.1, hidden_dropout=0.1, add_bias_linear=True)
+
+
+def _mcore_config(**kwargs):
+    from megatron.core.transformer import TransformerConfig
+
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return TransformerConfig(**base, **kwargs)
+
+
+MOE_MCORE = dict(num_moe_experts=8, moe_router_topk=2)
+FULL_RECOMPUTE = dict(
+    recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+)
+
+MCORE_REJECTS = {
+    "moe-and-router": (
+        dict(cuda_graph_scope=["moe", "moe_router"], **MOE_MCORE),
+        "cuda_graph_scope must not contain both moe and moe_router",
+    ),
+    "preprocess-alone": (
+        dict(cuda_graph_scope=["attn", "moe_preprocess"], **MOE_MCORE),
+        "moe_preprocess cuda graph is only supported with moe_router cuda graph",
+    ),
+    "moe-on-dense": (
+        dict(cuda_graph_scope=["moe_router"]),
+        "moe cuda graph is only supported for MoE",
+    ),
+    "mlp-on-all-moe": (
+        dict(cuda_graph_scope=["attn", "mlp"], **MOE_MCORE),
+        "mlp cuda graph is only supported for dense layers, but not found in the model",
+    ),
+    "moe-dropless": (
+        dict(cuda_graph_scope=["moe"], **MOE_MCORE),
+        "moe cuda graph is only supported with drop-padding MoE",
+    ),
+    "preprocess-dtoh": (
+        dict(
+            cuda_graph_scope=["moe_router", "moe_preprocess"],
+            moe_token_dispatcher_type="alltoall",
+            moe_expert_capacity_factor=1.0,
+            **MOE_MCORE,
+        ),
+        "moe_preprocess cuda graph is not supported when there are DtoH copies",
+    ),
+    "full-recompute": (
+        dict(cuda_graph_scope=["mlp"], **FULL_RECOMPUTE),
+        "full recompute is only supported with full iteration CUDA graph",
+    ),
+    "moe-recompute-router": (
+        dict(
+            cuda_graph_scope=["moe_router"],
+            recompute_granularity="selective",
+            recompute_modules=["moe"],
+            hidden_dropout=0.0,
+            **MOE_MCORE,
+        ),
+        "moe recompute is not supported with moe_router CUDA graph",
+    ),
+    "attention-dropout": (
+        dict(cuda_graph_scope=["attn"], recompute_granularity="selective"),
+        "attention dropout is not supported with graphed attention recomputation",
+    ),
+    "hidden-dropout": (
+        dict(
+            cuda_graph_scope=["mlp"], recompute_granularity="selective", recompute_modules=["mlp"]
+        ),
+        "hidden dropout is not supported with graphed MLP/MoE recomputation",
+    ),
+    "jitter": (
+        dict(
+            cuda_graph_scope=["moe"],
+            recompute_granularity="selective",
+            recompute_modules=["moe"],
+            hidden_dropout=0.0,
+            moe_input_jitter_eps=0.01,
+            moe_expert_capacity_factor=1.0,
+            moe_pad_expert_input_to_capacity=True,
+            **MOE_MCORE,
+        ),
+        "moe_input_jitter_eps is not supported with graphed moe recomputation",
+    ),
+    "invalid-impl": (
+        dict(cuda_graph_impl="bogus", cuda_graph_scope=["attn"]),
+        "Invalid cuda graph implementation",
+    ),
+    "legacy-with-impl": (
+        dict(external_cuda_graph=True, cuda_graph_scope=["attn"]),
+        "Do not use enable_cuda_graph or external_cuda_graph with cuda_graph_impl",
+    ),
+    "legacy-both": (
+        dict(cuda_graph_impl="none", enable_cuda_graph=True, external_cuda_graph=True),
+        "enable_cuda_graph and external_cuda_graph cannot be enabled at the same time",
+    ),
+    "cpu-offloading": (
+        dict(cuda_graph_scope=["attn"], cpu_offloading=True, cpu_offloading_num_layers=1),
+        "CUDA graphs not supported with CPU offloading",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MCORE_REJECTS))
+def test_megatron_core_rejects_the_same_configs_with_the_same_phrase(case):
+    kwargs, phrase = MCORE_REJECTS[case]
+    kwargs = {"cuda_graph_impl": "transformer_engine", **kwargs}
+    with pytest.raises((AssertionError, ValueError)) as mcore:
+        _mcore_config(**kwargs)
+    assert phrase in str(mcore.value)
+    plugin_view = NS(**{**MCORE_DEFAULTS, **kwargs, "use_te_rng_tracker": True})
+    with pytest.raises(CudaGraphConfigError) as ours:
+        validate(read_settings(plugin_view))
+    assert phrase in str(ours.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn", "mlp"]),
+        dict(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"], **FULL_RECOMPUTE),
+        dict(
+            cuda_graph_impl="transformer_engine",
+            cuda_graph_scope=["attn", "moe_router", "moe_preprocess"],
+            moe_token_dispatcher_type="alltoall",
+            **MOE_MCORE,
+        ),
+        dict(
+            cuda_graph_impl="transformer_engine",
+            cuda_graph_scope=["attn", "moe"],
+            moe_expert_capacity_factor=1.0,
+            moe_pad_expert_input_to_capacity=True,
+            **MOE_MCORE,
+        ),
+        dict(
+            cuda_graph_impl="transformer_engine",
+            cuda_graph_scope=["mlp"],
+            recompute_granularity="selective",
+        ),
+    ],
+    ids=["dense-te", "full-iteration-full-recompute", "dropless", "drop-pad", "selective"],
+)
+def test_megatron_core_and_plugin_accept_the_same_configs(kwargs):
+    config = _mcore_config(**kwargs, use_te_rng_tracker=True)
+    accepted(config)
+
+
+# -- advice -------------------------------------------------------------------------------------
+
+
+def notes(config, environ=None):
+    return advice(read_settings(config), environ={} if environ is None else environ)
+
+
+def scope_notes(config):
+    return [n for n in notes(config) if n.startswith("scope ")]
+
+
+def test_advice_nothing_when_graphs_are_off():
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert notes(bridge("none", [], cuda_graph_warmup_steps=0), env) == []
+
+
+@pytest.mark.parametrize(
+    "scope, moe",
+    [
+        ("attn,mlp", {}),
+        ("attn,mlp,mamba", {}),
+        ("attn,moe_router,moe_preprocess", DROPLESS),
+        ("attn,moe", DROP_PAD),
+    ],
+)
+def test_advice_recommended_scope_says_nothing(scope, moe):
+    assert notes(bridge(scope=scope, **moe)) == []
+
+
+@pytest.mark.parametrize(
+    "scope, moe, kind, missing",
+    [
+        ("attn", {}, "dense", "mlp"),
+        ("mlp", {}, "dense", "attn"),
+        ("attn,moe_router", DROPLESS, "dropless MoE", "moe_preprocess"),
+        ("moe_router,moe_preprocess", DROPLESS, "dropless MoE", "attn"),
+        ("attn", DROP_PAD, "drop-and-pad MoE", "moe"),
+    ],
+)
+def test_advice_narrower_than_recommended(scope, moe, kind, missing):
+    (note,) = scope_notes(bridge(scope=scope, **moe))
+    assert f"scope {scope} is narrower than recommended for a {kind} model" in note
+    assert f"consider adding {missing}" in note
+
+
+@pytest.mark.parametrize(
+    "scope, moe, kind, extra",
+    [
+        ("attn,mlp,moe_router", dict(DROPLESS, moe_layer_freq=[0, 1]), "dropless MoE", "mlp"),
+        (
+            "attn,moe_router,moe_preprocess",
+            DROP_PAD,
+            "drop-and-pad MoE",
+            "moe_preprocess,moe_router",
+        ),
+    ],
+)
+def test_advice_wider_than_recommended(scope, moe, kind, extra):
+    (note,) = scope_notes(bridge(scope=scope, **moe))
+    assert f"is wider than recommended for a {kind} model" in note
+    assert f"{extra} adds memory" in note
+
+
+@pytest.mark.parametrize("moe, kind", [({}, "dense"), (DROPLESS, "dropless MoE")])
+def test_advice_full_iteration_is_wider_than_recommended(moe, kind):
+    (note,) = scope_notes(full_iteration(**moe))
+    assert f"scope full_iteration is wider than recommended for a first {kind} run" in note
+    assert "1.5-2x" in note
+
+
+def test_advice_check_for_nan_in_grad_with_full_iteration():
+    (note,) = notes(bridge("local", "full_iteration", nan_grad=True))[1:]
+    assert note.startswith("ddp.check_for_nan_in_grad=True with full_iteration")
+    assert "check_for_nan_in_grad=False is recommended" in note
+    assert not any("check_for_nan_in_grad" in n for n in notes(bridge(nan_grad=True)))
+
+
+def test_advice_expandable_segments():
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6,expandable_segments:True"}
+    (note,) = notes(bridge(), env)
+    assert "expandable_segments:True" in note and "NCCL_GRAPH_REGISTER=0" in note
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    assert notes(bridge(), env) == []
+
+
+def test_advice_reads_os_environ_by_default(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert any("NCCL_GRAPH_REGISTER" in n for n in advice(read_settings(bridge())))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert advice(read_settings(bridge())) == []
+
+
+@pytest.mark.parametrize("steps", [0, 1])
+def test_advice_few_warmup_steps(steps):
+    (note,) = notes(bridge(cuda_graph_warmup_steps=steps))
+    assert note.startswith(f"model.cuda_graph_warmup_steps={steps}: ")
+    assert "at least 2 warm-up steps" in note
+
+
+def test_advice_enough_warmup_steps_says_nothing():
+    assert notes(bridge(cuda_graph_warmup_steps=2)) == []
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        bridge("cuda", "attn"),
+        bridge(scope="bogus,attn,attn"),
+        bridge(scope=[]),
+        bridge(cuda_graph_warmup_steps="x"),
+        bridge(cuda_graph_warmup_steps=True),
+        bridge(cuda_graph_warmup_steps=-5),
+        bridge(scope="attn,moe_router"),  # MoE scope on a dense model
+        bridge(scope="moe", num_moe_experts=0),
+        bridge("local", "full_iteration,attn,moe", **DROPLESS),
+        bridge(moe_layer_freq=[], **DROPLESS),
+    ],
+)
+def test_advice_never_raises_even_for_invalid_configs(config):
+    result = advice(read_settings(config), environ={"PYTORCH_CUDA_ALLOC_CONF": "x"})
+    assert isinstance(result, list) and all(isinstance(n, str) for n in result)
+
+
+# -- auto-fixes ---------------------------------------------------------------------------------
+
+
+def _records(caplog):
+    return [r for r in caplog.records if r.name == "cudagraph_plugin"]
+
+
+def test_autofix_enables_every_te_rng_flag_with_one_log_line_each(caplog):
+    config = bridge()
+    config.model.use_te_rng_tracker = False
+    config.rng.te_rng_tracker = False
+    expected = copy.deepcopy(config)
+    expected.model.use_te_rng_tracker = True
+    expected.rng.te_rng_tracker = True
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        changes = apply_autofixes(config, read_settings(config))
+    assert config == expected  # nothing else changed
+    assert changes == [
+        "CUDA graphs are on: set model.use_te_rng_tracker=True (TE RNG tracker)",
+        "CUDA graphs are on: set rng.te_rng_tracker=True (TE RNG tracker)",
+    ]
+    records = _records(caplog)
+    assert [r.levelno for r in records] == [logging.WARNING, logging.WARNING]
+    assert [r.getMessage() for r in records] == [f"auto-fix: {c}" for c in changes]
+    accepted(config)
+
+
+def test_autofix_only_the_flag_that_is_off(caplog):
+    config = bridge()
+    config.rng.te_rng_tracker = False
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        changes = apply_autofixes(config, read_settings(config))
+    assert changes == ["CUDA graphs are on: set rng.te_rng_tracker=True (TE RNG tracker)"]
+    assert len(_records(caplog)) == 1
+
+
+def test_autofix_sets_none_flags_too():
+    config = bridge()
+    config.model.use_te_rng_tracker = None
+    apply_autofixes(config, read_settings(config))
+    assert config.model.use_te_rng_tracker is True
+
+
+def test_autofix_nothing_to_do_logs_nothing(caplog):
+    config = bridge()
+    before = copy.deepcopy(config)
+    with caplog.at_level(logging.DEBUG, logger="cudagraph_plugin"):
+        assert apply_autofixes(config, read_settings(config)) == []
+    assert config == before
+    assert _records(caplog) == []
+
+
+def test_autofix_does_not_create_missing_flags():
+    config = NS(cuda_graph_impl="transformer_engine", cuda_graph_scope="attn")
+    assert apply_autofixes(config, read_settings(config)) == []
+    assert vars(config) == {"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": "attn"}
+
+
+def test_autofix_on_a_megatron_lm_namespace_names_the_flag(caplog):
+    args = argparse.Namespace(
+        cuda_graph_impl="local", cuda_graph_scope="full_iteration", te_rng_tracker=False
+    )
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        changes = apply_autofixes(args, read_settings(args))
+    assert args.te_rng_tracker is True
+    assert changes == ["CUDA graphs are on: set --te-rng-tracker=True (TE RNG tracker)"]
+    assert [r.getMessage() for r in _records(caplog)] == [f"auto-fix: {changes[0]}"]
+
+
+def test_autofix_on_a_nested_dict():
+    config = {
+        "model": {
+            "cuda_graph_impl": "transformer_engine",
+            "cuda_graph_scope": ["attn"],
+            "use_te_rng_tracker": False,
+        },
+        "rng": {"te_rng_tracker": False},
+        "train": {"micro_batch_size": 1},
+    }
+    expected = copy.deepcopy(config)
+    expected["model"]["use_te_rng_tracker"] = True
+    expected["rng"]["te_rng_tracker"] = True
+    assert len(apply_autofixes(config, read_settings(config))) == 2
+    assert config == expected
+
+
+def test_autofix_on_a_real_transformer_config_makes_it_valid():
+    config = _mcore_config(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn", "mlp"])
+    with pytest.raises(CudaGraphConfigError, match="use_te_rng_tracker"):
+        validate(read_settings(config))
+    changes = apply_autofixes(config, read_settings(config))
+    assert changes == ["CUDA graphs are on: set use_te_rng_tracker=True (TE RNG tracker)"]
+    assert config.use_te_rng_tracker is True
+    accepted(config)
+
+
+def test_autofix_impl_none_clears_the_scope(caplog):
+    config = bridge("none", ["attn", "mlp"])
+    config.model.use_te_rng_tracker = False
+    config.rng.te_rng_tracker = False
+    expected = copy.deepcopy(config)
+    expected.model.cuda_graph_scope = []
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        changes = apply_autofixes(config, read_settings(config))
+    assert config == expected  # RNG flags untouched, nothing else changed
+    assert changes == ["cuda_graph_impl is none: cleared model.cuda_graph_scope (was attn,mlp)"]
+    assert [r.getMessage() for r in _records(caplog)] == [f"auto-fix: {changes[0]}"]
+    assert [r.levelno for r in _records(caplog)] == [logging.WARNING]
+
+
+def test_autofix_impl_none_clears_new_generation_modules():
+    config = bridge("none", None, cuda_graph_modules=["attn"])
+    changes = apply_autofixes(config, read_settings(config))
+    assert config.model.cuda_graph_modules == []
+    assert config.model.cuda_graph_scope is None
+    assert changes == ["cuda_graph_impl is none: cleared model.cuda_graph_modules (was attn)"]
+
+
+def test_autofix_impl_none_clears_a_namespace_scope():
+    args = argparse.Namespace(cuda_graph_impl="none", cuda_graph_scope="attn,mlp")
+    assert apply_autofixes(args, read_settings(args)) == [
+        "cuda_graph_impl is none: cleared --cuda-graph-scope (was attn,mlp)"
+    ]
+    assert args.cuda_graph_scope == []
+
+
+@pytest.mark.parametrize("scope", ["full", ["full"], [], None])
+def test_autofix_impl_none_leaves_mcore_default_scope_alone(caplog, scope):
+    config = bridge("none", scope)
+    before = copy.deepcopy(config)
+    with caplog.at_level(logging.DEBUG, logger="cudagraph_plugin"):
+        assert apply_autofixes(config, read_settings(config)) == []
+    assert config == before
+    assert _records(caplog) == []
+
+
+def test_autofix_leaves_every_other_problem_for_validation():
+    config = bridge("local", "full_iteration", nan_loss=True, nan_grad=True, cpu_offloading=True)
+    config.model.use_te_rng_tracker = False
+    before = copy.deepcopy(config)
+    apply_autofixes(config, read_settings(config))
+    before.model.use_te_rng_tracker = True
+    assert config == before
+    assert config.rerun_state_machine.check_for_nan_in_loss is True
+    assert config.ddp.check_for_nan_in_grad is True
+    with pytest.raises(CudaGraphConfigError) as info:
+        validate(read_settings(config))
+    assert len(info.value.violations) == 2
