@@ -369,9 +369,9 @@ def _ep_overlap(s: Settings) -> Iterator[Violation]:
 def _full_recompute(s: Settings) -> Iterator[Violation]:
     if not s.enabled or s.full_iteration:
         return
-    if s.recompute_granularity == "full" or (
-        s.recompute_num_layers is not None and s.recompute_granularity != "selective"
-    ):
+    # recompute_num_layers only counts with granularity "full"; megatron-core ignores it
+    # otherwise (hosts often carry a default for it).
+    if s.recompute_granularity == "full":
         yield _v(
             s,
             ("recompute_granularity", "recompute_num_layers", "scope"),

@@ -6,9 +6,10 @@ Each fake mirrors the real API it replaces, signature for signature:
   ``torch.cuda.graph``. The body of a capture runs once (as a real capture followed by its
   first replay computes once); ``replay()`` cannot re-run Python on a CPU, so it only counts.
 * :class:`FakeGraphedCallable` — what TE's ``make_graphed_callables`` returns per layer and
-  micro-batch: a callable with ``reset()``. It computes the layer's eager forward, so a run
-  on "captured" TE graphs trains exactly like an eager run and the layer's manual hooks fire
-  on every replay, as megatron-core's ``_te_cuda_graph_replay`` calls them.
+  micro-batch: a callable with ``reset()``. It computes the function TE captured (the
+  layer's ``_te_cuda_graph_capture``) eagerly, so a run on "captured" TE graphs trains on,
+  and megatron-core's own replay path (``_te_cuda_graph_replay``) runs around it, manual
+  hooks included.
 * :class:`FakeTECudaGraphHelper` (megatron-core 0.16) and :class:`FakeTECudaGraphHelper019`
   (0.19: ``pg_collection``, ``capture_finished()``, one capture per helper) —
   ``megatron.core.transformer.cuda_graphs.TECudaGraphHelper``, discovering the graphable
@@ -26,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import sys
+import types
 from typing import Any
 
 import torch
@@ -100,7 +103,9 @@ class FakeGraphedCallable:
     def __call__(self, *args: Any, is_first_microbatch: bool | None = None, **kwargs: Any) -> Any:
         assert not self.was_reset, "replay of a graph that was reset"
         self.calls += 1
-        return self.layer.forward(*args, **kwargs)
+        # The function TE captured: megatron-core's layer routes calls made while capturing
+        # to _te_cuda_graph_capture, which returns the flat tuple of graph outputs.
+        return self.layer._te_cuda_graph_capture(*args, **kwargs)
 
     def reset(self) -> None:
         self.was_reset = True
@@ -112,6 +117,7 @@ class HelperLog:
 
     events: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
     helpers: list[Any] = dataclasses.field(default_factory=list)
+    on_capture: Any = None
 
 
 class FakeTECudaGraphHelper:
@@ -150,6 +156,8 @@ class FakeTECudaGraphHelper:
     def create_cudagraphs(self) -> None:
         assert not self._graphs_created, "CUDA Graphs have already been created."
         self.log.events.append(("create_cudagraphs", compat.forward_pre_hooks_enabled(self.model)))
+        if self.log.on_capture is not None:
+            self.log.on_capture()
         self.num_microbatches = 1
         for layers in self.callables_per_chunk:
             for layer in layers:
@@ -236,13 +244,30 @@ def _fake_device_name(device: Any = None) -> str:
     return "fake CUDA device (CPU)"
 
 
+def _install_fake_transformer_engine_import(monkeypatch: Any) -> None:
+    """megatron-core's TE replay path (``TransformerLayer._get_te_cuda_graph_replay_args``)
+    imports ``transformer_engine.pytorch`` and asks for its version before it builds the
+    replay arguments; give it an importable, empty TE of the version the GPU machine has.
+    Only that lazy import sees it: megatron-core decided ``HAVE_TE`` when it was imported."""
+    from megatron.core import utils
+
+    te = types.ModuleType("transformer_engine")
+    te.__version__ = "2.11.0"
+    te.pytorch = types.ModuleType("transformer_engine.pytorch")
+    monkeypatch.setitem(sys.modules, "transformer_engine", te)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te.pytorch)
+    monkeypatch.setattr(utils, "_te_version", None)  # megatron-core caches the version
+
+
 def install_fake_cuda_graphs(
     monkeypatch: Any, te_helper: type = FakeTECudaGraphHelper
 ) -> HelperLog:
     """Make the plugin see a CUDA device whose graphs are the fakes above."""
     from megatron.core import full_cuda_graph
 
-    log = HelperLog()
+    # TE graphs exist only after a capture: only then does the fake TE become importable
+    # (megatron-core's module constructors would otherwise take it for the real one).
+    log = HelperLog(on_capture=lambda: _install_fake_transformer_engine_import(monkeypatch))
     monkeypatch.setattr(FakeTECudaGraphHelper, "log", log)
     monkeypatch.setattr(compat, "cuda_available", lambda: True)
     monkeypatch.setattr(compat, "te_available", lambda: True)

@@ -650,8 +650,8 @@ def test_ep_overlap_with_dense_te_scopes_accepted():
 
 @pytest.mark.parametrize(
     "granularity, layers",
-    [("full", 1), ("full", None), (None, 2)],
-    ids=["full", "full-no-layers", "layers-without-selective"],
+    [("full", 1), ("full", None)],
+    ids=["full", "full-no-layers"],
 )
 def test_full_recompute_with_te_scopes_rejected(granularity, layers):
     rejected(
@@ -679,6 +679,10 @@ def test_full_recompute_with_full_iteration_accepted():
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         )
     )
+
+
+def test_recompute_num_layers_without_granularity_is_ignored_like_megatron_core():
+    accepted(bridge(scope="attn,mlp", recompute_granularity=None, recompute_num_layers=2))
 
 
 def test_full_recompute_without_graphs_accepted():

@@ -1,0 +1,500 @@
+"""The CUDA graph plugin's whole lifecycle on real megatron-core 0.16.1, on the CPU.
+
+The host is the example loop (``train_gpt.run``); only graph capture and Transformer
+Engine are faked (``tests/fakes.py``, mirroring the real APIs), so everything else — model,
+DDP with its forward pre-hooks, the distributed optimizer, ``get_forward_backward_func()``,
+``FullCudaGraphWrapper``'s warm-up, capture and replay calls — is megatron-core's own code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+import train_gpt
+from cpu_redirect import cpu_redirect
+from cudagraph_plugin import compat
+from cudagraph_plugin import plugin as plugin_module
+from cudagraph_plugin.entry import RUN_PLUGIN_NAME
+from cudagraph_plugin.guard import StaticShapeError
+from fakes import FakeCUDAGraph, FakeTECudaGraphHelper, install_fake_cuda_graphs
+from hookspecs import ShutdownReason, hookimpl
+
+FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
+TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp"]
+OVERLAP = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"]
+
+
+class Recorder:
+    """Records the hooks of interest, the capture events and the run report."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+        self.report: Any = None
+        self.graph_plugin: Any = None
+
+    @hookimpl
+    def mcgraph_configure(self, config, pluginmanager):
+        self.pm = pluginmanager
+
+    @hookimpl
+    def mcgraph_train_step_start(self, step):
+        self.events.append(("step", step))
+
+    @hookimpl
+    def mcgraph_post_warmup_step(self, step, start_step):
+        self.events.append(("post_warmup", step, start_step))
+
+    @hookimpl
+    def mcgraph_before_capture(self, step, impl, scope):
+        self.events.append(("before_capture", step, impl, tuple(scope)))
+
+    @hookimpl
+    def mcgraph_after_capture(self, step, impl, scope, seconds, graph_count):
+        self.events.append(("after_capture", step, graph_count))
+
+    @hookimpl(wrapper=True)
+    def mcgraph_disable_forward_pre_hook(self, model, param_sync):
+        self.events.append(("disable_pre_hook", param_sync))
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def mcgraph_enable_forward_pre_hook(self, model):
+        self.events.append(("enable_pre_hook",))
+        return (yield)
+
+    @hookimpl
+    def mcgraph_report(self, report):
+        self.report = report
+        self.graph_plugin = self.pm.get_plugin(RUN_PLUGIN_NAME)
+        self.events.append(("report",))
+
+    @hookimpl
+    def mcgraph_shutdown(self, reason, exception):
+        self.events.append(("shutdown", str(reason)))
+
+    def names(self) -> list[str]:
+        return [event[0] for event in self.events]
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """A CUDA device as far as the plugin can tell, with fake graph capture and TE."""
+    created: list[FakeCUDAGraph] = []
+
+    class Tracked(FakeCUDAGraph):
+        def __init__(self, keep_graph: bool = False) -> None:
+            super().__init__(keep_graph)
+            created.append(self)
+
+    log = install_fake_cuda_graphs(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Tracked)
+    log.graphs = created
+    yield log
+    assert not compat.full_iteration_state_dirty(), "a run left FullCudaGraphWrapper state"
+
+
+def run(*argv: str, plugins=(), steps: int = 8) -> tuple[dict[str, Any], Recorder]:
+    recorder = Recorder()
+    summary = train_gpt.run(
+        ["--train-iters", str(steps), "--log-interval", "0", *argv],
+        plugins=[recorder, *plugins],
+    )
+    return summary, recorder
+
+
+# -- full-iteration graphs --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("warmup,start", [(0, 0), (1, 0), (3, 0), (2, 5), (3, 4)])
+def test_full_iteration_captures_after_warmup_counted_from_the_start_step(
+    fake_graphs, warmup, start
+):
+    summary, rec = run(
+        *FULL, "--cuda-graph-warmup-steps", str(warmup), "--start-step", str(start), steps=10
+    )
+    capture_step = start + warmup
+    assert ("before_capture", capture_step, "local", ("full_iteration",)) in rec.events
+    assert ("after_capture", capture_step, 1) in rec.events
+    before = rec.events.index(("before_capture", capture_step, "local", ("full_iteration",)))
+    # post-warmup fires first; full-iteration graphs are then captured inside the step's
+    # forward_backward_func
+    assert rec.events[before - 2 : before] == [
+        ("step", capture_step),
+        ("post_warmup", capture_step, start),
+    ]
+    assert [e for e in rec.events if e[0] == "post_warmup"] == [
+        ("post_warmup", capture_step, start)
+    ]
+    [graph] = fake_graphs.graphs
+    assert graph.replays == 10 - start - warmup  # the capture call replays once too
+    assert graph.resets == 1  # freed at shutdown
+    assert summary["shutdown_reason"] == "completed"
+    report = rec.report
+    assert report.graphs_captured and report.capture_step == capture_step
+    assert report.replay_steps == list(range(capture_step + 1, 10))
+    assert report.eager_steps == list(range(start + 1, capture_step))
+    assert rec.graph_plugin.graphs_freed == 1
+
+
+def test_full_iteration_validation_gets_its_own_graph(fake_graphs):
+    _, rec = run(
+        *FULL,
+        "--cuda-graph-warmup-steps",
+        "1",
+        "--eval-interval",
+        "3",
+        "--eval-iters",
+        "2",
+        steps=9,
+    )
+    stages = [c["stage"] for c in rec.graph_plugin.captures]
+    assert stages == ["training", "validation"]
+    training, validation = fake_graphs.graphs
+    # evaluations at steps 3, 6, 9 with 2 iterations each: call 1 captures (warm-up 1)
+    assert validation.replays == 6 - 1
+    assert training.resets == validation.resets == 1
+    assert rec.report.graph_count == 2
+
+
+def test_two_runs_in_one_process_capture_again_at_the_right_step(fake_graphs):
+    _, first = run(*FULL, "--cuda-graph-warmup-steps", "2", steps=5)
+    _, second = run(*FULL, "--cuda-graph-warmup-steps", "3", "--start-step", "10", steps=15)
+    assert first.report.capture_step == 2
+    assert second.report.capture_step == 13
+    assert [g.resets for g in fake_graphs.graphs] == [1, 1]
+    assert fake_graphs.graphs[1].replays == 15 - 13
+
+
+def test_full_iteration_plugin_reports_json(fake_graphs, tmp_path):
+    path = tmp_path / "report.json"
+    run(*FULL, "--cuda-graph-report-json", str(path), steps=6)
+    data = json.loads(path.read_text())
+    assert data["graphs_captured"] is True and data["capture_step"] == 3
+    assert data["device"] == "fake CUDA device (CPU)"
+    assert data["versions"]["megatron-core"] == "0.16.1"
+
+
+# -- cleanup on every exit path -------------------------------------------------------------------
+
+
+class RaiseAt:
+    def __init__(self, step: int, exc: BaseException) -> None:
+        self.step, self.exc = step, exc
+
+    @hookimpl
+    def mcgraph_train_step_end(self, step, metrics):
+        if step == self.step:
+            raise self.exc
+
+
+@pytest.mark.parametrize(
+    "extra,plugins,reason",
+    [
+        ((), (), "completed"),
+        (("--exit-interval", "6"), (), "early_exit"),
+        ((), (RaiseAt(5, RuntimeError("boom")),), "exception"),
+        ((), (RaiseAt(5, KeyboardInterrupt()),), "interrupted"),
+    ],
+)
+@pytest.mark.parametrize("mode", ["full", "te"])
+def test_graphs_are_freed_once_on_every_exit_path(fake_graphs, extra, plugins, reason, mode):
+    recorder = Recorder()
+    argv = ["--train-iters", "8", "--log-interval", "0", *(FULL if mode == "full" else TE), *extra]
+    try:
+        train_gpt.run(argv, plugins=[recorder, *plugins])
+    except (RuntimeError, KeyboardInterrupt) as exc:
+        assert reason in ("exception", "interrupted"), exc
+    assert recorder.events[-1] == ("shutdown", reason)
+    assert recorder.names().count("report") == 1
+    if mode == "full":
+        assert [g.resets for g in fake_graphs.graphs] == [1]
+    else:
+        assert [e for e, _ in fake_graphs.events].count("delete_cuda_graphs") == 1
+        [helper] = fake_graphs.helpers
+        assert not helper.graphs_created()
+        assert all(layer.cuda_graphs == [] for layer in helper.flattened_callables)
+    assert recorder.graph_plugin.phase is plugin_module.Phase.SHUT_DOWN
+
+
+def test_exception_before_capture_frees_nothing_and_resets_state(fake_graphs):
+    with pytest.raises(RuntimeError, match="early"):
+        train_gpt.run(
+            ["--train-iters", "8", "--log-interval", "0", *FULL],
+            plugins=[RaiseAt(1, RuntimeError("early"))],
+        )
+    assert fake_graphs.graphs == []
+
+
+# -- Transformer Engine scopes --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("warmup,start", [(0, 0), (2, 0), (3, 6)])
+def test_te_captures_once_at_the_post_warmup_step(fake_graphs, warmup, start):
+    summary, rec = run(
+        *TE, "--cuda-graph-warmup-steps", str(warmup), "--start-step", str(start), steps=start + 6
+    )
+    capture = start + warmup
+    # Both at the capture step, once; the capture runs inside the post-warmup hook (pluggy
+    # calls the later-registered run plugin first, so its capture events come first).
+    assert sorted(e for e in rec.events if e[0] in ("post_warmup", "before_capture")) == [
+        ("before_capture", capture, "transformer_engine", ("attn", "mlp")),
+        ("post_warmup", capture, start),
+    ]
+    assert [e for e, _ in fake_graphs.events] == ["init", "create_cudagraphs", "delete_cuda_graphs"]
+    [helper] = fake_graphs.helpers
+    assert len(helper.flattened_callables) == 2  # both layers have attention and an MLP
+    calls = [g.calls for layer in helper.flattened_callables for g in [layer._graph_seen]]
+    assert calls == [start + 6 - capture] * 2  # each step after capture replays each layer
+    # the fake graphs compute the eager layer, so training carries on normally
+    assert summary["last_loss"] < summary["first_loss"]
+
+
+@pytest.fixture(autouse=True)
+def _remember_te_graphs(monkeypatch):
+    """Keep a handle on each layer's fake graph (delete_cuda_graphs empties the list)."""
+    original = FakeTECudaGraphHelper.create_cudagraphs
+
+    def create(self):
+        original(self)
+        for layer in self.flattened_callables:
+            layer._graph_seen = layer.cuda_graphs[0]
+
+    monkeypatch.setattr(FakeTECudaGraphHelper, "create_cudagraphs", create)
+
+
+def test_te_pre_hooks_toggled_around_capture_then_manual_hooks(fake_graphs):
+    _, rec = run(*TE, *OVERLAP, "--cuda-graph-warmup-steps", "2", steps=5)
+    toggles = [
+        e
+        for e in rec.events
+        if e[0] in ("disable_pre_hook", "enable_pre_hook", "before_capture", "after_capture")
+    ]
+    assert toggles == [
+        ("disable_pre_hook", False),  # the host, before step 0 (Megatron-LM's habit)
+        ("enable_pre_hook",),  # the host, after step 0
+        ("disable_pre_hook", False),  # the plugin, before the capture at step 2
+        ("before_capture", 2, "transformer_engine", ("attn", "mlp")),
+        ("after_capture", 2, 2),  # two layers, one micro-batch graph each
+        ("enable_pre_hook",),  # the plugin, after the capture
+    ]
+    # capture with the pre-hooks off, manual hooks set once they are back on
+    assert fake_graphs.events[1:3] == [("create_cudagraphs", False), ("set_manual_hooks", True)]
+    [helper] = fake_graphs.helpers
+    assert all(layer.cuda_graph_manual_hooks == [] for layer in helper.flattened_callables)
+
+
+def test_te_warmup_zero_sets_manual_hooks_when_the_host_enables_the_pre_hooks(fake_graphs):
+    _, rec = run(*TE, *OVERLAP, "--cuda-graph-warmup-steps", "0", steps=3)
+    # the host disabled the pre-hooks before step 0, so the plugin captures as they are
+    assert [e for e in rec.events if e[0] in ("disable_pre_hook", "enable_pre_hook")] == [
+        ("disable_pre_hook", False),
+        ("enable_pre_hook",),
+    ]
+    assert fake_graphs.events[1:3] == [("create_cudagraphs", False), ("set_manual_hooks", True)]
+
+
+def test_te_manual_hooks_run_on_replay(fake_graphs, monkeypatch):
+    counts = {"hooks": 0}
+    from megatron.core.distributed import DistributedDataParallel
+
+    original = DistributedDataParallel._make_forward_pre_hook
+
+    def counting(self):
+        hook = original(self)
+
+        def wrapped(module, *args):
+            counts["hooks"] += 1
+            return hook(module, *args)
+
+        return wrapped
+
+    monkeypatch.setattr(DistributedDataParallel, "_make_forward_pre_hook", counting)
+    run(*TE, *OVERLAP, "--cuda-graph-warmup-steps", "1", steps=4)
+    assert counts["hooks"] > 0
+
+
+def test_te_without_pre_hooks_never_toggles(fake_graphs):
+    _, rec = run(*TE, "--cuda-graph-warmup-steps", "1", steps=3)
+    assert "disable_pre_hook" not in rec.names()
+    assert [e for e, _ in fake_graphs.events] == ["init", "create_cudagraphs", "delete_cuda_graphs"]
+
+
+# -- static-shape guard ---------------------------------------------------------------------------
+
+
+class ChangeInputs:
+    """From ``step`` on, hand the forward/backward a changed batch or micro-batch count."""
+
+    def __init__(self, step: int, *, seq: int | None = None, microbatches: int | None = None):
+        self.step, self.seq, self.microbatches = step, seq, microbatches
+        self.current = None
+
+    @hookimpl
+    def mcgraph_train_step_start(self, step):
+        self.current = step
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def mcgraph_forward_backward_func(self, forward_backward_func):
+        inner = yield
+
+        def changed(**kwargs):
+            if (
+                self.current is not None
+                and self.current >= self.step
+                and not kwargs["forward_only"]
+            ):
+                if self.microbatches is not None:
+                    kwargs["num_microbatches"] = self.microbatches
+                if self.seq is not None:
+                    original = kwargs["data_iterator"]
+                    kwargs["data_iterator"] = (
+                        {
+                            k: (v[:, : self.seq] if torch.is_tensor(v) and v.dim() == 2 else v)
+                            for k, v in batch.items()
+                        }
+                        for batch in original
+                    )
+            return inner(**kwargs)
+
+        return changed
+
+
+@pytest.mark.parametrize("mode", ["full", "te"])
+def test_shape_change_after_capture_raises_instead_of_replaying(fake_graphs, mode):
+    rec = Recorder()
+    with pytest.raises(StaticShapeError, match="stale buffers") as info:
+        train_gpt.run(
+            [
+                "--train-iters",
+                "8",
+                "--log-interval",
+                "0",
+                *(FULL if mode == "full" else TE),
+                "--cuda-graph-warmup-steps",
+                "2",
+            ],
+            plugins=[rec, ChangeInputs(5, seq=16)],
+        )
+    assert "(2, 32)" in str(info.value) and "(2, 16)" in str(info.value)
+    assert rec.events[-1] == ("shutdown", "exception")
+    if mode == "full":
+        assert fake_graphs.graphs[0].replays == 5 - 2  # steps 2-4 replayed, 5 refused
+
+
+def test_microbatch_count_change_after_capture_raises(fake_graphs):
+    with pytest.raises(StaticShapeError, match="num_microbatches=2"):
+        train_gpt.run(
+            ["--train-iters", "6", "--log-interval", "0", *FULL],
+            plugins=[ChangeInputs(4, microbatches=2)],
+        )
+
+
+def test_shape_change_before_capture_is_fine(fake_graphs):
+    summary, _ = run(
+        *FULL, "--cuda-graph-warmup-steps", "3", plugins=[ChangeInputs(0, seq=16)], steps=6
+    )
+    assert summary["steps"] == 6
+
+
+# -- fallback policy, CPU message, configuration errors -----------------------------------------
+
+
+def test_fallback_frees_the_graph_when_replay_loses(fake_graphs, monkeypatch, caplog):
+    monkeypatch.setattr(
+        plugin_module, "verdict", lambda eager, replay: ("slower", 0.8, 0.02, "replay is SLOWER")
+    )
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        summary, rec = run(
+            *FULL, "--cuda-graph-warmup-steps", "2", "--cuda-graph-fallback-on-slowdown", steps=12
+        )
+    fallback_step = 2 + plugin_module.FALLBACK_REPLAY_STEPS
+    assert rec.report.fallback_step == fallback_step
+    [graph] = fake_graphs.graphs
+    assert graph.resets == 1 and graph.replays == fallback_step - 2 + 1
+    assert "freeing the full-iteration graph" in caplog.text
+    # eager again after the fallback: the fake replay cannot train, the real function does
+    losses = summary["losses"]
+    assert losses[fallback_step + 1] != losses[fallback_step + 2]
+
+
+def test_fallback_keeps_graphs_that_win(fake_graphs):
+    _, rec = run(
+        *FULL, "--cuda-graph-warmup-steps", "2", "--cuda-graph-fallback-on-slowdown", steps=10
+    )
+    assert rec.report.fallback_step is None
+    assert fake_graphs.graphs[0].replays == 8
+
+
+def test_cpu_run_validates_says_so_once_and_reports_no_graph(caplog):
+    with caplog.at_level(logging.INFO):
+        summary, rec = run(*FULL, steps=4)
+    assert summary["device"] == "cpu"
+    assert caplog.text.count("CUDA graphs need a CUDA device") == 1
+    assert rec.report.graphs_captured is False
+    assert "no CUDA device" in rec.report.no_graph_reason
+    assert "NO GRAPH CAPTURED" in rec.report.format_table()
+    assert rec.report.eager_steps == [1, 2, 3]
+
+
+def test_invalid_configuration_fails_before_anything_is_built(monkeypatch):
+    built = []
+    monkeypatch.setattr(train_gpt, "_build_model", lambda *a, **k: built.append(1))
+    rec = Recorder()
+    with pytest.raises(ValueError, match="full_iteration cuda graph is not supported"):
+        train_gpt.run(
+            ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "full_iteration"],
+            plugins=[rec],
+        )
+    assert built == []
+    assert rec.events == [("shutdown", "exception")]
+
+
+def test_rng_tracker_that_is_not_graph_safe_is_refused(fake_graphs):
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from cudagraph_plugin.plugin import CudaGraphPlugin
+    from cudagraph_plugin.settings import read_settings
+    from cudagraph_plugin.validation import CudaGraphConfigError
+
+    settings = read_settings({"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"})
+    plugin = CudaGraphPlugin(settings, pluginmanager=None, cuda=True)
+    with cpu_redirect():
+        model_parallel_cuda_manual_seed(
+            7, te_rng_tracker=True, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True
+        )
+    with pytest.raises(CudaGraphConfigError, match="graph-safe RNG tracker") as info:
+        plugin.mcgraph_rng_initialized(config=None)
+    assert "use_cudagraphable_rng=True" in str(info.value)
+
+
+def test_model_config_built_without_the_plugin_kwargs_is_refused():
+    from types import SimpleNamespace
+
+    from cudagraph_plugin.plugin import CudaGraphPlugin
+    from cudagraph_plugin.settings import read_settings
+    from cudagraph_plugin.validation import CudaGraphConfigError
+
+    settings = read_settings(
+        {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration", "seq_length": 32}
+    )
+    plugin = CudaGraphPlugin(settings, pluginmanager=None, cuda=True)
+    with pytest.raises(CudaGraphConfigError) as info:
+        plugin.mcgraph_model_built(
+            model=[],
+            optimizer=None,
+            model_config=SimpleNamespace(cuda_graph_impl="none"),
+            seq_length=64,
+            micro_batch_size=2,
+        )
+    message = str(info.value)
+    assert "run.model_config_kwargs" in message and "seq_length=32" in message
+
+
+def test_shutdown_reason_enum_is_what_plugins_see(fake_graphs):
+    _, rec = run(*FULL, steps=4)
+    assert rec.report.shutdown_reason == ShutdownReason.COMPLETED.value
