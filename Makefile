@@ -5,7 +5,7 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH_CPU ?= torch==2.13.0
-DEMO_ARGS ?=
+DEMO_ARGS ?= --cuda-graph-impl local --cuda-graph-scope full_iteration --train-iters 20
 
 .PHONY: venv demo test lint check bench-cpu clean
 

@@ -484,6 +484,9 @@ class CudaGraphPlugin:
 
             torch.cuda.empty_cache()
             self.allocated_after_free_mib = torch.cuda.memory_allocated() / MIB
+        if not self.cuda:
+            logger.info("shutdown (%s): no CUDA graph to free on the CPU", reason)
+            return
         before = self.memory_before.allocated_mib if self.memory_before else None
         logger.info(
             "shutdown (%s): %d CUDA graph(s) freed; allocated memory now %s MiB (before "

@@ -19,66 +19,14 @@ import train_gpt
 from cpu_redirect import cpu_redirect
 from cudagraph_plugin import compat
 from cudagraph_plugin import plugin as plugin_module
-from cudagraph_plugin.entry import RUN_PLUGIN_NAME
 from cudagraph_plugin.guard import StaticShapeError
 from fakes import FakeCUDAGraph, FakeTECudaGraphHelper, install_fake_cuda_graphs
 from hookspecs import ShutdownReason, hookimpl
+from recording import RaiseAt, Recorder
 
 FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
 TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp"]
 OVERLAP = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"]
-
-
-class Recorder:
-    """Records the hooks of interest, the capture events and the run report."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[Any, ...]] = []
-        self.report: Any = None
-        self.graph_plugin: Any = None
-
-    @hookimpl
-    def mcgraph_configure(self, config, pluginmanager):
-        self.pm = pluginmanager
-
-    @hookimpl
-    def mcgraph_train_step_start(self, step):
-        self.events.append(("step", step))
-
-    @hookimpl
-    def mcgraph_post_warmup_step(self, step, start_step):
-        self.events.append(("post_warmup", step, start_step))
-
-    @hookimpl
-    def mcgraph_before_capture(self, step, impl, scope):
-        self.events.append(("before_capture", step, impl, tuple(scope)))
-
-    @hookimpl
-    def mcgraph_after_capture(self, step, impl, scope, seconds, graph_count):
-        self.events.append(("after_capture", step, graph_count))
-
-    @hookimpl(wrapper=True)
-    def mcgraph_disable_forward_pre_hook(self, model, param_sync):
-        self.events.append(("disable_pre_hook", param_sync))
-        return (yield)
-
-    @hookimpl(wrapper=True)
-    def mcgraph_enable_forward_pre_hook(self, model):
-        self.events.append(("enable_pre_hook",))
-        return (yield)
-
-    @hookimpl
-    def mcgraph_report(self, report):
-        self.report = report
-        self.graph_plugin = self.pm.get_plugin(RUN_PLUGIN_NAME)
-        self.events.append(("report",))
-
-    @hookimpl
-    def mcgraph_shutdown(self, reason, exception):
-        self.events.append(("shutdown", str(reason)))
-
-    def names(self) -> list[str]:
-        return [event[0] for event in self.events]
 
 
 @pytest.fixture
@@ -180,16 +128,6 @@ def test_full_iteration_plugin_reports_json(fake_graphs, tmp_path):
 
 
 # -- cleanup on every exit path -------------------------------------------------------------------
-
-
-class RaiseAt:
-    def __init__(self, step: int, exc: BaseException) -> None:
-        self.step, self.exc = step, exc
-
-    @hookimpl
-    def mcgraph_train_step_end(self, step, metrics):
-        if step == self.step:
-            raise self.exc
 
 
 @pytest.mark.parametrize(
