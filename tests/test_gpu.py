@@ -92,7 +92,9 @@ def _record(name: str, argv: tuple[str, ...], recorder: Any) -> None:
         )
 
 
-def assert_captured_and_freed(recorder: Any, capture_step: int, steps: int) -> None:
+def assert_captured_and_freed(
+    recorder: Any, capture_step: int, steps: int, slack_mib: float = 8.0
+) -> None:
     report = recorder.report
     assert report.graphs_captured, report.no_graph_reason
     assert report.capture_step == capture_step
@@ -159,7 +161,11 @@ def test_te_distributed_optimizer_pre_hook_path(warmup):
     _, rec = run(
         f"te_overlap_w{warmup}", *te("attn,mlp"), *OVERLAP, "--cuda-graph-warmup-steps", str(warmup)
     )
-    assert_captured_and_freed(rec, capture_step=warmup, steps=12)
+    # With no warm-up the capture precedes the first optimizer step, so Adam's state (about
+    # 22 MiB for this model) is allocated after the "before capture" snapshot.
+    assert_captured_and_freed(
+        rec, capture_step=warmup, steps=12, slack_mib=64.0 if warmup == 0 else 8.0
+    )
     toggles = [e for e in rec.events if e[0] in ("disable_pre_hook", "enable_pre_hook")]
     if warmup == 0:  # captured while the host still had them off for its first step
         assert toggles == [("disable_pre_hook", False), ("enable_pre_hook",)]
