@@ -177,7 +177,9 @@ def _init_distributed(use_cuda: bool) -> None:
 
 def _destroy_distributed() -> None:
     from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 
+    destroy_num_microbatches_calculator()
     parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -364,6 +366,7 @@ def _synchronize(use_cuda: bool) -> None:
 def _train(cfg: BaselineConfig, use_cuda: bool, out: dict[str, Any]) -> None:
     from megatron.core import parallel_state
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
@@ -377,6 +380,14 @@ def _train(cfg: BaselineConfig, use_cuda: bool, out: dict[str, Any]) -> None:
 
     _init_distributed(use_cuda)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    # Megatron-LM's start-up sets the global micro-batch calculator; TECudaGraphHelper reads it.
+    init_num_microbatches_calculator(
+        rank=torch.distributed.get_rank(),
+        rampup_batch_size=None,
+        global_batch_size=cfg.micro_batch_size * cfg.num_microbatches,
+        micro_batch_size=cfg.micro_batch_size,
+        data_parallel_size=1,
+    )
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
     random.seed(cfg.seed)

@@ -115,6 +115,15 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def clear_cublas_workspaces() -> None:
+    """Release cuBLAS workspaces. A capture on its own stream allocates a workspace for that
+    stream (tens of MiB, inside the graph's pool) that outlives the graph; torch's own
+    CUDA-graph trees and test utilities clear them the same way."""
+    import torch
+
+    torch._C._cuda_clearCublasWorkspaces()
+
+
 def nccl_initialized() -> bool:
     """True once torch.distributed runs an NCCL process group (NCCL has read its env)."""
     import torch.distributed as dist
@@ -298,6 +307,30 @@ def te_graph_count(helper: Any) -> int:
 
 def te_layer_count(helper: Any) -> int:
     return len(helper.flattened_callables)
+
+
+def num_microbatches_calculator_ready() -> bool:
+    """megatron-core's global micro-batch calculator is set up (``TECudaGraphHelper`` reads
+    it while capturing, as Megatron-LM's loop always has it)."""
+    from megatron.core import num_microbatches_calculator as calc
+
+    return calc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None
+
+
+def end_stuck_te_capture() -> bool:
+    """Clear megatron-core's "capturing" flag if a failed ``create_cudagraphs()`` left it
+    set (it is global: every later forward would take the capture path). Returns whether
+    it was stuck."""
+    import gc as _gc
+
+    from megatron.core.transformer import cuda_graphs
+
+    if not cuda_graphs.is_graph_capturing():
+        return False
+    cuda_graphs._set_capture_end()
+    # _start_capturing may have frozen the garbage collector (FREEZE_GC) before failing.
+    _gc.unfreeze()
+    return True
 
 
 def free_te_graphs(helper: Any) -> int:

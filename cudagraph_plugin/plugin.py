@@ -68,6 +68,15 @@ _RNG_FIX = (
 )
 
 
+_CALC_FIX = (
+    "megatron-core's TECudaGraphHelper reads the global micro-batch calculator while it "
+    "captures, and the host has not set it up",
+    "call megatron.core.num_microbatches_calculator.init_num_microbatches_calculator(rank, "
+    "None, global_batch_size, micro_batch_size, data_parallel_size) before run.model_built() "
+    "(Megatron-LM's loop does this at start-up)",
+)
+
+
 class Phase(enum.Enum):
     CONFIGURED = "configured"
     BUILT = "built"
@@ -207,6 +216,10 @@ class CudaGraphPlugin:
         if not self.active:
             return
         self._check_built_config(model_config, seq_length, micro_batch_size)
+        if self._te and not compat.num_microbatches_calculator_ready():
+            raise CudaGraphConfigError(
+                [Violation(("num_microbatches_calculator",), "not initialised", *_CALC_FIX)]
+            )
         if self._te:
             self.te_helper = compat.make_te_helper(
                 model, model_config, seq_length, micro_batch_size, [optimizer]
@@ -464,6 +477,8 @@ class CudaGraphPlugin:
         """Free every graph this run holds; safe to call in any phase."""
         freed = 0
         if self.te_helper is not None:
+            if compat.end_stuck_te_capture():
+                logger.warning("the TE capture failed midway; cleared megatron-core's capture flag")
             freed += compat.free_te_graphs(self.te_helper)
             self.te_helper = None
         if self.fi_wrapper is not None:
@@ -479,9 +494,13 @@ class CudaGraphPlugin:
             return
         self.phase = Phase.SHUT_DOWN
         self.graphs_freed += self._release()
+        # The run is over: nothing here may keep the model or optimizer alive.
+        self.model = None
         if self.cuda:
             import torch
 
+            if self.captures:
+                compat.clear_cublas_workspaces()
             torch.cuda.empty_cache()
             self.allocated_after_free_mib = torch.cuda.memory_allocated() / MIB
         if not self.cuda:

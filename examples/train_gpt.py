@@ -223,7 +223,9 @@ def _init_distributed(use_cuda: bool) -> None:
 
 def _destroy_distributed() -> None:
     from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 
+    destroy_num_microbatches_calculator()
     parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -369,6 +371,7 @@ def _train(
     training: TrainingRun, args: argparse.Namespace, use_cuda: bool, record: _Record
 ) -> None:
     from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
@@ -376,6 +379,16 @@ def _train(
     _init_distributed(use_cuda)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size
+    )
+    # megatron-core's global micro-batch calculator, as Megatron-LM sets it up (its
+    # TECudaGraphHelper reads it while capturing).
+    dp_size = parallel_state.get_data_parallel_world_size()
+    init_num_microbatches_calculator(
+        rank=torch.distributed.get_rank(),
+        rampup_batch_size=None,
+        global_batch_size=args.micro_batch_size * args.num_microbatches * dp_size,
+        micro_batch_size=args.micro_batch_size,
+        data_parallel_size=dp_size,
     )
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     log_here = torch.distributed.get_rank() == 0

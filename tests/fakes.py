@@ -154,7 +154,10 @@ class FakeTECudaGraphHelper:
         return self._graphs_created
 
     def create_cudagraphs(self) -> None:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
         assert not self._graphs_created, "CUDA Graphs have already been created."
+        get_num_microbatches()  # the real helper reads it while building the capture kwargs
         self.log.events.append(("create_cudagraphs", compat.forward_pre_hooks_enabled(self.model)))
         if self.log.on_capture is not None:
             self.log.on_capture()
@@ -270,6 +273,12 @@ def install_fake_cuda_graphs(
     log = HelperLog(on_capture=lambda: _install_fake_transformer_engine_import(monkeypatch))
     monkeypatch.setattr(FakeTECudaGraphHelper, "log", log)
     monkeypatch.setattr(compat, "cuda_available", lambda: True)
+    # CPU builds of torch have no cuBLAS workspaces to clear; count the calls instead.
+    monkeypatch.setattr(
+        compat,
+        "clear_cublas_workspaces",
+        lambda: log.events.append(("clear_cublas_workspaces", None)),
+    )
     monkeypatch.setattr(compat, "te_available", lambda: True)
     monkeypatch.setattr(compat, "make_te_helper", _fake_make_te_helper(te_helper))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeCUDAGraph)

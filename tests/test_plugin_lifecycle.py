@@ -183,7 +183,12 @@ def test_te_captures_once_at_the_post_warmup_step(fake_graphs, warmup, start):
         ("before_capture", capture, "transformer_engine", ("attn", "mlp")),
         ("post_warmup", capture, start),
     ]
-    assert [e for e, _ in fake_graphs.events] == ["init", "create_cudagraphs", "delete_cuda_graphs"]
+    assert [e for e, _ in fake_graphs.events] == [
+        "init",
+        "create_cudagraphs",
+        "delete_cuda_graphs",
+        "clear_cublas_workspaces",  # after the graphs, once
+    ]
     [helper] = fake_graphs.helpers
     assert len(helper.flattened_callables) == 2  # both layers have attention and an MLP
     calls = [g.calls for layer in helper.flattened_callables for g in [layer._graph_seen]]
@@ -259,7 +264,12 @@ def test_te_manual_hooks_run_on_replay(fake_graphs, monkeypatch):
 def test_te_without_pre_hooks_never_toggles(fake_graphs):
     _, rec = run(*TE, "--cuda-graph-warmup-steps", "1", steps=3)
     assert "disable_pre_hook" not in rec.names()
-    assert [e for e, _ in fake_graphs.events] == ["init", "create_cudagraphs", "delete_cuda_graphs"]
+    assert [e for e, _ in fake_graphs.events] == [
+        "init",
+        "create_cudagraphs",
+        "delete_cuda_graphs",
+        "clear_cublas_workspaces",
+    ]
 
 
 # -- static-shape guard ---------------------------------------------------------------------------
@@ -436,3 +446,38 @@ def test_model_config_built_without_the_plugin_kwargs_is_refused():
 def test_shutdown_reason_enum_is_what_plugins_see(fake_graphs):
     _, rec = run(*FULL, steps=4)
     assert rec.report.shutdown_reason == ShutdownReason.COMPLETED.value
+
+
+def test_failed_te_capture_clears_megatron_cores_capture_flag(fake_graphs, monkeypatch):
+    """A create_cudagraphs() that fails after megatron-core set its global "capturing" flag
+    must not leave every later forward on the capture path (seen on the H200)."""
+    from megatron.core.transformer import cuda_graphs
+
+    def failing(self):
+        cuda_graphs._set_capture_start()
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(FakeTECudaGraphHelper, "create_cudagraphs", failing)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        run(*TE, steps=6)
+    assert not cuda_graphs.is_graph_capturing()
+    monkeypatch.undo()  # the real fakes again, and the next run trains normally
+    install_fake_cuda_graphs(monkeypatch)
+    summary, rec = run(*TE, steps=5)
+    assert rec.report.graphs_captured and summary["steps"] == 5
+
+
+def test_te_needs_the_micro_batch_calculator():
+    from types import SimpleNamespace
+
+    from cudagraph_plugin.plugin import CudaGraphPlugin
+    from cudagraph_plugin.settings import read_settings
+    from cudagraph_plugin.validation import CudaGraphConfigError
+
+    settings = read_settings({"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": "attn"})
+    plugin = CudaGraphPlugin(settings, pluginmanager=None, cuda=True)
+    config = SimpleNamespace(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn"])
+    with pytest.raises(CudaGraphConfigError, match="init_num_microbatches_calculator"):
+        plugin.mcgraph_model_built(
+            model=[], optimizer=None, model_config=config, seq_length=8, micro_batch_size=1
+        )
