@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="allgather",
     )
     add("--moe-router-padding-for-fp8", action="store_true")
+    add("--moe-permute-fusion", action="store_true")
     add("--moe-layer-freq", type=int, default=1)
     add("--moe-shared-expert-intermediate-size", type=int, default=None)
     add("--moe-input-jitter-eps", type=float, default=None)

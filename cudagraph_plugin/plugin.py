@@ -334,16 +334,14 @@ class CudaGraphPlugin:
         step = self.step
         impl, scope = self.settings.impl, list(self.settings.scope)
         call_hook(self.pm, "mcgraph_before_capture", step=step, impl=impl, scope=scope)
-        first = not self.captures
         torch.cuda.synchronize()
-        if first:
-            self.memory_before = MemorySnapshot.take()
+        before = MemorySnapshot.take()
         start = time.perf_counter()
         result = capture()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        if first:
-            self.memory_after = MemorySnapshot.take()
+        if not self.captures:  # the report's memory numbers are the first capture's
+            self.memory_before, self.memory_after = before, MemorySnapshot.take()
         self.captures.append({"stage": stage, "step": step, "seconds": seconds})
         if self._te:
             self.graph_count = compat.te_graph_count(self.te_helper)

@@ -64,6 +64,7 @@ FIELD_PATHS: dict[str, tuple[str, ...]] = {
         "moe_router_padding_for_fp8",
     ),
     "moe_layer_freq": ("model.moe_layer_freq", "moe_layer_freq"),
+    "moe_permute_fusion": ("model.moe_permute_fusion", "moe_permute_fusion"),
     "moe_shared_expert_intermediate_size": (
         "model.moe_shared_expert_intermediate_size",
         "moe_shared_expert_intermediate_size",
@@ -215,6 +216,7 @@ class Settings:
     moe_token_dispatcher_type: str = "allgather"
     moe_router_padding_for_fp8: bool = False
     moe_layer_freq: Any = 1
+    moe_permute_fusion: bool = False
     moe_shared_expert_intermediate_size: int | None = None
     moe_input_jitter_eps: float | None = None
     recompute_granularity: str | None = None
@@ -301,6 +303,7 @@ def read_settings(config: Any) -> Settings:
         "variable_seq_lengths",
         "moe_pad_expert_input_to_capacity",
         "moe_router_padding_for_fp8",
+        "moe_permute_fusion",
         "cpu_offloading",
         "overlap_moe_expert_parallel_comm",
         "delay_wgrad_compute",

@@ -347,6 +347,30 @@ def _moe_scopes(s: Settings) -> Iterator[Violation]:
 
 
 @_rule
+def _moe_preprocess_needs_fused_permute(s: Settings) -> Iterator[Violation]:
+    # Seen on an H200 (megatron-core 0.16.1, TE 2.11): the alltoall dispatcher's unfused
+    # permutation uses masked_select, whose device-to-host sync invalidates the capture
+    # ("operation not permitted when stream is capturing").
+    if (
+        s.impl == "transformer_engine"
+        and "moe_preprocess" in s.scope
+        and s.dropless_moe
+        and s.moe_token_dispatcher_type == "alltoall"
+        and not s.moe_permute_fusion
+    ):
+        yield _v(
+            s,
+            ("scope", "moe_permute_fusion"),
+            (_scope_value(s), False),
+            "moe_preprocess cuda graph with the dropless alltoall dispatcher needs the fused "
+            "permutation: the unfused one synchronizes with the host (masked_select) inside "
+            "the captured region",
+            "set moe_permute_fusion=True (needs Transformer Engine), or drop moe_preprocess "
+            "from the scope",
+        )
+
+
+@_rule
 def _ep_overlap(s: Settings) -> Iterator[Violation]:
     if s.enabled and s.overlap_moe_expert_parallel_comm:
         bad = sorted(set(s.scope) & {"moe", "mlp", "full_iteration"})

@@ -85,6 +85,9 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
     moe.add_argument(
         "--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather"
     )
+    moe.add_argument(
+        "--moe-permute-fusion", action="store_true", help="TE's fused token permutation"
+    )
 
     data = parser.add_argument_group("data (synthetic, fixed shape)")
     data.add_argument("--seq-length", type=int, default=32)
@@ -267,6 +270,7 @@ def _transformer_config_fields(args: argparse.Namespace, use_cuda: bool) -> dict
             moe_expert_capacity_factor=args.moe_expert_capacity_factor,
             moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
             moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            moe_permute_fusion=args.moe_permute_fusion,
             # megatron-core 0.16's local experts add their bias in place to the output of an
             # autograd Function that returns its input as-is (tensor parallel size 1), which
             # autograd forbids; MoE models are trained without linear biases anyway.

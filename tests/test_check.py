@@ -24,6 +24,7 @@ DROPLESS_MOE = [
     "8",
     "--moe-token-dispatcher-type",
     "alltoall",
+    "--moe-permute-fusion",
 ]
 FP8_TE_MLP_FULL_RECOMPUTE = [
     "--cuda-graph-impl",

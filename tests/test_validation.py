@@ -102,6 +102,19 @@ RULE_CASES = {
         bridge(scope="attn,moe_router,moe_preprocess", **DROPLESS),
         bridge(scope="attn,moe,moe_router", **DROP_PAD),
     ),
+    "_moe_preprocess_needs_fused_permute": (
+        bridge(
+            scope="attn,moe_router,moe_preprocess",
+            num_moe_experts=8,
+            moe_token_dispatcher_type="alltoall",
+            moe_permute_fusion=True,
+        ),
+        bridge(
+            scope="attn,moe_router,moe_preprocess",
+            num_moe_experts=8,
+            moe_token_dispatcher_type="alltoall",
+        ),
+    ),
     "_ep_overlap": (
         bridge(scope="attn,moe_router", overlap_moe_expert_parallel_comm=True, **DROPLESS),
         bridge(scope="attn,moe", overlap_moe_expert_parallel_comm=True, **DROP_PAD),
@@ -589,7 +602,7 @@ def test_moe_preprocess_with_dtoh_syncs_rejected(extra):
 @pytest.mark.parametrize(
     "extra",
     [
-        dict(moe_token_dispatcher_type="alltoall"),
+        dict(moe_token_dispatcher_type="alltoall", moe_permute_fusion=True),
         dict(moe_token_dispatcher_type="allgather", moe_expert_capacity_factor=1.0),
         dict(
             moe_token_dispatcher_type="alltoall",
@@ -601,6 +614,20 @@ def test_moe_preprocess_with_dtoh_syncs_rejected(extra):
 )
 def test_moe_preprocess_without_dtoh_syncs_accepted(extra):
     accepted(bridge(scope="attn,moe_router,moe_preprocess", num_moe_experts=8, **extra))
+
+
+def test_moe_preprocess_with_unfused_alltoall_permutation_rejected():
+    rejected(
+        bridge(
+            scope="attn,moe_router,moe_preprocess",
+            num_moe_experts=8,
+            moe_token_dispatcher_type="alltoall",
+        ),
+        fields=["model.cuda_graph_scope", "moe_permute_fusion"],
+        value="('attn,moe_router,moe_preprocess', False)",
+        phrase="needs the fused permutation",
+        fix="set moe_permute_fusion=True",
+    )
 
 
 def test_moe_rules_ignored_when_graphs_are_off():
@@ -639,6 +666,7 @@ def test_ep_overlap_with_dense_te_scopes_accepted():
             scope="attn,moe_router,moe_preprocess",
             overlap_moe_expert_parallel_comm=True,
             moe_token_dispatcher_type="alltoall",
+            moe_permute_fusion=True,
             **DROPLESS,
         )
     )
@@ -1143,7 +1171,8 @@ def test_megatron_core_rejects_the_same_configs_with_the_same_phrase(case):
         dict(
             cuda_graph_impl="transformer_engine",
             cuda_graph_scope=["attn", "moe_router", "moe_preprocess"],
-            moe_token_dispatcher_type="alltoall",
+            # alltoall needs TE's fused permutation (not on this CPU), see the rule
+            moe_token_dispatcher_type="allgather",
             **MOE_MCORE,
         ),
         dict(
