@@ -309,6 +309,11 @@ def free_full_iteration_graphs() -> int:
         FullCudaGraphWrapper.result[stage] = None
         FullCudaGraphWrapper.curr_iteration[stage] = 0
         StaticBufferLoader.static_buffers[stage].clear()
+    if mcore_new_generation():
+        # The process-wide pool handle is stale once its graphs are gone (see compat).
+        from megatron.core import full_cuda_graph
+
+        full_cuda_graph._shared_graph_pool = None
     return freed
 
 
@@ -410,11 +415,13 @@ def _train(cfg: BaselineConfig, use_cuda: bool, out: dict[str, Any]) -> None:
     )
     config = TransformerConfig(**fields)
 
+    # Megatron-LM 0.19 (training.py ~1870): DDP on the shared capture stream for full
+    # iteration, on a dedicated side stream otherwise.
     ddp_stream = None
-    if full_iteration and new_generation and use_cuda:
+    if new_generation and use_cuda:
         from megatron.core.full_cuda_graph import get_shared_capture_stream
 
-        ddp_stream = get_shared_capture_stream()
+        ddp_stream = get_shared_capture_stream() if full_iteration else torch.cuda.Stream()
     model = _build_model(cfg, config, ddp_stream)
     optimizer = _build_optimizer(cfg, model)
     _wire_grad_sync(cfg, config, model, optimizer)

@@ -173,13 +173,23 @@ def te_available() -> bool:
 
 
 def ddp_build_context(full_iteration: bool) -> contextlib.AbstractContextManager[Any] | None:
-    """The stream DDP must be built on: 0.18+ full-iteration capture needs the shared one."""
-    if not (full_iteration and new_generation()):
+    """The stream DDP must be built on with megatron-core 0.18+ (graphs on).
+
+    DDP's retained AccumulateGrad nodes remember the stream they were created on; a capture
+    that meets one from the legacy default stream fails ("operation would make the legacy
+    stream depend on a capturing blocking stream", seen on an H200 with TE graphs). As
+    Megatron-LM 0.19 does: full-iteration graphs use the shared capture stream, other
+    implementations a dedicated side stream.
+    """
+    if not new_generation():
         return None
     import torch
-    from megatron.core.full_cuda_graph import get_shared_capture_stream
 
-    return _on_stream(torch, get_shared_capture_stream())
+    if full_iteration:
+        from megatron.core.full_cuda_graph import get_shared_capture_stream
+
+        return _on_stream(torch, get_shared_capture_stream())
+    return _on_stream(torch, torch.cuda.Stream())
 
 
 @contextlib.contextmanager
@@ -255,6 +265,7 @@ def free_full_iteration_graphs(wrapper: Any) -> int:
     classes; 0.16 has no API to reset them and 0.18+'s ``reset_cuda_graph()`` leaves the
     static buffers behind. Returns the number of graphs freed.
     """
+    from megatron.core import full_cuda_graph
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
 
     freed = 0
@@ -272,6 +283,12 @@ def free_full_iteration_graphs(wrapper: Any) -> int:
             FullCudaGraphWrapper.curr_iteration[stage] = 0
     for stage in STAGES:
         StaticBufferLoader.static_buffers[stage].clear()
+    if new_generation():
+        # 0.18+ caches one process-wide graph pool handle; once its graphs are gone the pool
+        # is released, and capturing into the stale handle trips the caching allocator
+        # ("use_count > 0 INTERNAL ASSERT FAILED", seen on an H200). The next capture asks
+        # for a fresh one.
+        full_cuda_graph._shared_graph_pool = None
     return freed
 
 

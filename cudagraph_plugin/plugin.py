@@ -196,9 +196,9 @@ class CudaGraphPlugin:
 
     @hookimpl
     def mcgraph_model_build_context(self, config: Any) -> Any:
-        if self._full_iteration:
-            return compat.ddp_build_context(full_iteration=True)
-        return None
+        if not self.active:
+            return None
+        return compat.ddp_build_context(full_iteration=self.settings.full_iteration)
 
     @hookimpl
     def mcgraph_model_built(

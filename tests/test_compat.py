@@ -109,10 +109,9 @@ def test_019_wrapper_gets_single_mempool_and_reset_api(monkeypatch):
     assert StaticBufferLoader.static_buffers["training"] == []
 
 
-def test_ddp_build_context_only_for_019_full_iteration(monkeypatch):
-    assert compat.ddp_build_context(full_iteration=True) is None
+def test_ddp_build_context_per_generation(monkeypatch):
+    assert compat.ddp_build_context(full_iteration=True) is None  # 0.16: any stream works
     monkeypatch.setattr(compat, "new_generation", lambda: True)
-    assert compat.ddp_build_context(full_iteration=False) is None
     with cpu_redirect():
         shared = torch.cuda.Stream()
         monkeypatch.setattr(
@@ -122,6 +121,19 @@ def test_ddp_build_context_only_for_019_full_iteration(monkeypatch):
         with compat.ddp_build_context(full_iteration=True):
             assert torch.cuda.current_stream() is shared
         assert torch.cuda.current_stream() is before
+        # other implementations: a dedicated side stream, never the default one
+        with compat.ddp_build_context(full_iteration=False):
+            side = torch.cuda.current_stream()
+            assert side is not before and side is not shared
+        assert torch.cuda.current_stream() is before
+
+
+def test_019_free_drops_the_shared_graph_pool_handle(monkeypatch):
+    monkeypatch.setattr(compat, "new_generation", lambda: True)
+    monkeypatch.setattr(full_cuda_graph, "_shared_graph_pool", (0, 7), raising=False)
+    _dirty()
+    compat.free_full_iteration_graphs(None)
+    assert full_cuda_graph._shared_graph_pool is None
 
 
 def test_model_config_kwargs_are_accepted_by_real_016_config():
