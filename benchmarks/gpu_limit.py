@@ -244,22 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.sizes == "4L-512H":
             args.sizes = ",".join(gpu_modes.SMOKE_SIZES)
 
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logger.setLevel(logging.INFO)
-    for noisy in ("megatron", "cudagraph_plugin", "train_gpt"):
-        logging.getLogger(noisy).setLevel(logging.INFO if args.verbose else logging.ERROR)
-    import warnings
-
-    warnings.filterwarnings("ignore", module="megatron")
-    warnings.filterwarnings("ignore", module="torch")
-    import torch
-
-    use_cuda = torch.cuda.is_available() and not args.cpu
-    known = {**gpu_modes.SIZES, **gpu_modes.SMOKE_SIZES}
-    sizes = [known[name] for name in args.sizes.split(",")]
+    use_cuda, sizes = gpu_modes.setup(args, logger)
     modes = [gpu_modes.MODES[name] for name in args.modes.split(",")]
     ls = LimitSettings(args.warmup, args.timed_steps, args.profiled_steps)
     base = gpu_modes.Settings(

@@ -571,13 +571,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def setup(args: argparse.Namespace, log: logging.Logger) -> tuple[bool, list[Size]]:
+    """Logging and warnings as both GPU scripts want them; the device and the sizes asked for."""
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    logger.setLevel(logging.INFO)
+    log.setLevel(logging.INFO)
     for noisy in ("megatron", "cudagraph_plugin", "train_gpt"):
         logging.getLogger(noisy).setLevel(logging.INFO if args.verbose else logging.ERROR)
     import warnings
@@ -588,7 +588,12 @@ def main(argv: list[str] | None = None) -> int:
 
     use_cuda = torch.cuda.is_available() and not args.cpu
     known = {**SIZES, **SMOKE_SIZES}
-    sizes = [known[name] for name in args.sizes.split(",")]
+    return use_cuda, [known[name] for name in args.sizes.split(",")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    use_cuda, sizes = setup(args, logger)
     modes = [MODES[name] for name in args.modes.split(",")]
     s = Settings(
         steps=args.steps,

@@ -449,7 +449,9 @@ class CudaGraphPlugin:
 
     # -- shutdown -----------------------------------------------------------------------------
 
-    @hookimpl(wrapper=True)
+    # tryfirst: outermost among the wrappers, so another plugin's wrapper that raises before
+    # its yield cannot skip this cleanup.
+    @hookimpl(wrapper=True, tryfirst=True)
     def mcgraph_shutdown(self, reason: Any, exception: BaseException | None) -> Any:
         # The report goes out before the other plugins' shutdown implementations run (they
         # may close the sinks it is written to); graphs are freed after them, whatever

@@ -205,6 +205,9 @@ class TrainingRun:
             self.hook.mcgraph_configure.call_historic(
                 kwargs={"config": self.config, "pluginmanager": self.pluginmanager}
             )
+            # Per-run plugins registered during configure are validated like the ones loaded
+            # from entry points (an unknown hook name would otherwise be ignored silently).
+            self.pluginmanager.check_pending()
         except BaseException as exc:
             blame(self.pluginmanager, "mcgraph_configure", exc)
             self._finish(exc)

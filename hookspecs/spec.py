@@ -339,9 +339,10 @@ def mcgraph_report(report: Any) -> None:
     """The run report: what CUDA graphs bought this run.
 
     Fired once per run by the CUDA graph plugin, from its ``mcgraph_shutdown`` wrapper:
-    before the other plugins' ``mcgraph_shutdown`` implementations run and before the graphs
-    are freed. ``report`` has ``to_dict()`` (plain, JSON-ready values) and
-    ``format_table()``; see ``cudagraph_plugin.report.RunReport``.
+    before the non-wrapper ``mcgraph_shutdown`` implementations run (inside any wrapper
+    placed outside the plugin's) and before the graphs are freed. ``report`` has
+    ``to_dict()`` (plain, JSON-ready values) and ``format_table()``; see
+    ``cudagraph_plugin.report.RunReport``.
 
     :param report: The run report.
 
@@ -361,7 +362,9 @@ def mcgraph_shutdown(reason: ShutdownReason, exception: BaseException | None) ->
     Fired exactly once per run by :class:`TrainingRun`, on every exit path, from a
     ``finally``. Implement cleanup with ``@hookimpl(wrapper=True)`` and
     ``try: return (yield) finally: cleanup()`` so it runs even if another plugin's
-    implementation raises.
+    implementation raises; never raise before the ``yield`` (that would skip the wrappers
+    and implementations inside yours, the CUDA graph plugin's cleanup among them unless it
+    is outermost).
 
     :param reason: Why the run ended: ``completed``, ``early_exit``, ``exception``,
         ``interrupted`` (KeyboardInterrupt) or ``signal`` (SIGTERM).

@@ -403,3 +403,34 @@ def test_merge_kwargs_accepts_agreeing_values():
 def test_merge_kwargs_conflict_names_the_key_and_the_target(results, base):
     with pytest.raises(ValueError, match=r"TransformerConfig: .*'cuda_graph_impl'"):
         merge_kwargs(results, "TransformerConfig", base=base)
+
+
+def test_per_run_plugin_with_an_unknown_hook_is_refused_after_configure(pm):
+    """check_pending() also covers plugins registered while configuring."""
+    import pluggy
+
+    from hookspecs import hookimpl as impl
+
+    class Typo:
+        @impl
+        def mcgraph_train_step_ned(self, step):  # misspelled on purpose
+            pass
+
+    class Registers:
+        @impl
+        def mcgraph_configure(self, config, pluginmanager):
+            pluginmanager.register(Typo())
+
+    shutdowns = []
+
+    class Watch:
+        @impl
+        def mcgraph_shutdown(self, reason, exception):
+            shutdowns.append(str(reason))
+
+    pm.register(Registers())
+    pm.register(Watch())
+    with pytest.raises(pluggy.PluginValidationError, match="mcgraph_train_step_ned"):
+        with TrainingRun(pm, None, train_iters=1):
+            pass
+    assert shutdowns == ["exception"]

@@ -481,3 +481,31 @@ def test_te_needs_the_micro_batch_calculator():
         plugin.mcgraph_model_built(
             model=[], optimizer=None, model_config=config, seq_length=8, micro_batch_size=1
         )
+
+
+def test_cleanup_runs_even_if_another_shutdown_wrapper_raises_before_its_yield(fake_graphs):
+    class Rude:
+        @hookimpl(wrapper=True)
+        def mcgraph_shutdown(self, reason, exception):
+            raise RuntimeError("rude wrapper")
+            yield  # pragma: no cover
+
+    class RegistersLate:
+        """Registers the rude wrapper after the run plugin, which pluggy would put outside."""
+
+        @hookimpl
+        def mcgraph_configure(self, config, pluginmanager):
+            self.pm = pluginmanager
+
+        @hookimpl
+        def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
+            self.pm.register(Rude())
+
+    rec = Recorder()
+    with pytest.raises(RuntimeError, match="rude wrapper"):
+        train_gpt.run(
+            ["--train-iters", "5", "--log-interval", "0", *FULL],
+            plugins=[rec, RegistersLate()],
+        )
+    assert [g.resets for g in fake_graphs.graphs] == [1]
+    assert rec.report is not None
