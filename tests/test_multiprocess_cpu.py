@@ -1,0 +1,105 @@
+"""Two data-parallel ranks on CPUs (gloo, torchrun): the hook and shutdown paths of a
+multi-process run, as far as a machine without GPUs can show them.
+
+The NCCL runs with CUDA graphs (DP=2, TP=2) need a 2-GPU machine; see the issue notes.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+HOST = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, {examples!r})
+    import train_gpt
+    from hookspecs import hookimpl
+
+    class Fail:
+        @hookimpl
+        def mcgraph_train_step_end(self, step, metrics):
+            if os.environ["RANK"] == {rank!r} and step == 2:
+                raise RuntimeError("rank {rank} fails at step 2")
+
+    class Shutdowns:
+        @hookimpl
+        def mcgraph_report(self, report):
+            print(f"rank {{os.environ['RANK']}} report {{report.no_graph_reason}}", flush=True)
+
+        @hookimpl
+        def mcgraph_shutdown(self, reason, exception):
+            print(f"rank {{os.environ['RANK']}} shutdown {{reason}}", flush=True)
+
+    train_gpt.run(["--train-iters", "6", "--log-interval", "0",
+                   "--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"],
+                  plugins=[Fail(), Shutdowns()])
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(tmp_path: Path, failing_rank: str, env: dict[str, str]):
+    script = tmp_path / "host.py"
+    script.write_text(HOST.format(examples=str(EXAMPLES), rank=failing_rank))
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_free_port()),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.fixture
+def env(subprocess_env):
+    return {**subprocess_env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.mark.slow
+def test_two_ranks_complete_with_one_shutdown_each(tmp_path, env):
+    result = torchrun(tmp_path, failing_rank="none", env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert output.count("rank 0 shutdown completed") == 1
+    assert output.count("rank 1 shutdown completed") == 1
+    assert output.count("report no CUDA device") == 2
+
+
+@pytest.mark.slow
+def test_one_rank_raising_ends_every_rank_cleanly_without_a_hang(tmp_path, env):
+    """Rank 1 raises; torchrun stops rank 0 with SIGTERM, which TrainingRun turns into a
+    clean shutdown: every rank fires its shutdown hook once, nothing waits forever."""
+    result = torchrun(tmp_path, failing_rank="1", env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count("rank 1 shutdown exception") == 1, output[-4000:]
+    rank0 = [line for line in output.splitlines() if line.startswith("rank 0 shutdown")]
+    # rank 0 may finish its own step first or be stopped by torchrun's SIGTERM
+    assert len(rank0) == 1 and rank0[0] in (
+        "rank 0 shutdown signal",
+        "rank 0 shutdown exception",
+    ), output[-4000:]
+    assert "rank 1 fails at step 2" in output
