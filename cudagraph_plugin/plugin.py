@@ -31,7 +31,7 @@ from typing import Any
 
 from cudagraph_plugin import compat
 from cudagraph_plugin.cli import apply_overrides
-from cudagraph_plugin.guard import ShapeGuard
+from cudagraph_plugin.guard import FIX, ShapeGuard, StaticShapeError
 from cudagraph_plugin.preflight import preflight
 from cudagraph_plugin.report import (
     MIB,
@@ -395,8 +395,6 @@ class CudaGraphPlugin:
         return eager(**kwargs)
 
     def _check_te_call(self, kwargs: dict[str, Any]) -> None:
-        from cudagraph_plugin.guard import FIX, StaticShapeError
-
         for name, captured in (
             ("seq_length", self.seq_length),
             ("micro_batch_size", self.micro_batch_size),
@@ -426,10 +424,13 @@ class CudaGraphPlugin:
         return None
 
     def _maybe_fall_back(self, step: int) -> None:
-        eager, replay, durations = self._samples()
-        if len(replay) < FALLBACK_REPLAY_STEPS:
+        # Counted from the step numbers: reading the timings synchronises the device, which
+        # must happen once, at the decision, not on every replay step before it.
+        capture_step = self._training_capture_step()
+        if capture_step is None or step - capture_step < FALLBACK_REPLAY_STEPS:
             return
         self.fallback_decided = True
+        eager, replay, durations = self._samples()
         result, _, _, text = verdict([durations[s] for s in eager], [durations[s] for s in replay])
         if result != "slower":
             logger.info("fallback policy: keeping the full-iteration graph (%s)", text)

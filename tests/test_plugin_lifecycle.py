@@ -509,3 +509,20 @@ def test_cleanup_runs_even_if_another_shutdown_wrapper_raises_before_its_yield(f
         )
     assert [g.resets for g in fake_graphs.graphs] == [1]
     assert rec.report is not None
+
+
+def test_fallback_policy_reads_the_timings_once_to_decide(fake_graphs, monkeypatch):
+    """Reading the step timings synchronises the device: once for the decision, once for
+    the report, never on each replay step before the decision."""
+    from cudagraph_plugin.report import StepTimer
+
+    reads = []
+    original = StepTimer.durations_ms
+
+    def counting(self):
+        reads.append(1)
+        return original(self)
+
+    monkeypatch.setattr(StepTimer, "durations_ms", counting)
+    run(*FULL, "--cuda-graph-warmup-steps", "2", "--cuda-graph-fallback-on-slowdown", steps=12)
+    assert len(reads) == 2
