@@ -13,8 +13,11 @@ Modes: ``eager`` (local layer spec), ``full_iteration`` (local spec, FullCudaGra
 of those scopes). TE modes are skipped, with a note, when Transformer Engine cannot be
 imported. The step time of a run is the median of its steps after the capture step and one
 more (``warmup + 2`` onwards, the same steps for eager runs); a mode's time is the median
-of all its runs' steps. Every run ends with its process groups destroyed, ``gc.collect()``
-and ``torch.cuda.empty_cache()``; a failing run is recorded and the next one starts.
+of all its runs' steps; ``ratio_per_repeat`` adds plugin/baseline of each back-to-back
+pair. By default (``--gc manual``) Python's garbage collector is collected before each run
+and kept off during it, as Megatron-LM's ``--manual-gc`` does for its performance runs.
+Every run ends with its process groups destroyed, ``gc.collect()`` and
+``torch.cuda.empty_cache()``; a failing run is recorded and the next one starts.
 
 GPU (see benchmarks/README.md)::
 
@@ -239,6 +242,7 @@ class Settings:
     bf16: bool
     cpu: bool
     smoke: bool
+    manual_gc: bool = True
 
     @property
     def steady_from(self) -> int:
@@ -379,6 +383,9 @@ def one_run(
         import torch
 
         torch.cuda.reset_peak_memory_stats()
+    if s.manual_gc:
+        gc.collect()
+        gc.disable()
     start = time.perf_counter()
     try:
         runner = _run_plugin if kind == "plugin" else _run_baseline
@@ -399,6 +406,7 @@ def one_run(
 
         record["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     record["wall_s"] = time.perf_counter() - start
+    gc.enable()  # before free_device_memory's collect, so the run's cycles go too
     record.update(free_device_memory(use_cuda))
     return record
 
@@ -416,6 +424,17 @@ def _pooled_median(runs: list[dict[str, Any]], key: str = "steady_step_ms") -> f
 def _median(values: list[Any]) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
+
+
+def paired_ratios(plugin: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> list[float]:
+    """plugin / baseline median step time of each repeat both finished (the two runs of a
+    pair ran back to back, so slow phases of the machine hit both)."""
+    base = {r["repeat"]: r["median_step_ms"] for r in baseline}
+    return [
+        r["median_step_ms"] / base[r["repeat"]]
+        for r in sorted(plugin, key=lambda r: r["repeat"])
+        if base.get(r["repeat"])
+    ]
 
 
 def _loss_difference(plugin: list[dict], baseline: list[dict]) -> float | None:
@@ -450,6 +469,7 @@ def aggregate(
             row["runs_ok"] = {"plugin": len(plugin), "baseline": len(baseline)}
             if row["plugin_ms"] and row["baseline_ms"]:
                 row["ratio"] = row["plugin_ms"] / row["baseline_ms"]
+            row["ratio_per_repeat"] = paired_ratios(plugin, baseline)
             for kind, kind_runs in (("plugin", plugin), ("baseline", baseline)):
                 row[f"{kind}_iteration_ms"] = _pooled_median(kind_runs, "steady_iteration_ms")
             if row["plugin_iteration_ms"] and row["baseline_iteration_ms"]:
@@ -549,7 +569,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=128, help="train_gpt's default")
     parser.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 instead")
+    parser.add_argument(
+        "--resume",
+        metavar="JSON",
+        help="continue the benchmark of this results file (same settings; --repeats may "
+        "grow): keep its runs, make only the missing ones (e.g. over two device calls)",
+    )
     parser.add_argument("--no-warmup-run", action="store_true", help="skip the discarded run")
+    parser.add_argument(
+        "--gc",
+        choices=("manual", "auto"),
+        default="manual",
+        help="manual: collect before each run and keep Python's garbage collector off during "
+        "it (as Megatron-LM's --manual-gc), so collections do not land in timed steps of one "
+        "run and not the other; auto: Python's default",
+    )
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (no graphs)")
     parser.add_argument(
         "--smoke",
@@ -591,6 +625,41 @@ def setup(args: argparse.Namespace, log: logging.Logger) -> tuple[bool, list[Siz
     return use_cuda, [known[name] for name in args.sizes.split(",")]
 
 
+# What must match for runs of an earlier process to be pooled with this one's.
+RESUME_KEYS = ("gpu", "device", "versions", "settings", "te_available")
+
+
+def resume_from(path: Path, fresh: dict[str, Any]) -> dict[str, Any]:
+    """Continue the benchmark in ``path`` (same machine, versions and settings): its runs
+    are kept and only the missing plugin/baseline runs of the plan are made."""
+    earlier = json.loads(path.read_text())
+    for key in RESUME_KEYS:
+        mine, theirs = fresh.get(key), earlier.get(key)
+        if key == "settings":  # the number of repeats may grow
+            mine, theirs = (
+                {k: v for k, v in (d or {}).items() if k != "repeats"} for d in (mine, theirs)
+            )
+        if mine != theirs:
+            raise SystemExit(
+                f"--resume {path}: its {key} ({theirs!r}) differ from this run's ({mine!r}); "
+                "resume only with the same machine, versions and settings, or start afresh"
+            )
+    continued = {
+        **fresh,
+        "runs": earlier["runs"],
+        "date": earlier["date"],
+        "command": f"{earlier['command']} ; then {fresh['command']}",
+    }
+    continued["notes"] = [
+        *earlier.get("notes", []),
+        f"resumed at {fresh['date']} by `{fresh['command']}` "
+        f"({len(earlier['runs'])} runs kept from {earlier['date']})",
+    ]
+    continued["processes"] = earlier.get("processes", 1) + 1
+    continued["warmup_runs"] = [*earlier.get("warmup_runs", []), earlier.get("warmup_run")]
+    return continued
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     use_cuda, sizes = setup(args, logger)
@@ -605,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         bf16=args.bf16,
         cpu=args.cpu,
         smoke=args.smoke,
+        manual_gc=args.gc == "manual",
     )
     if s.steps <= s.steady_from:
         raise SystemExit(f"--steps must exceed warmup + 2 = {s.steady_from}")
@@ -640,6 +710,11 @@ def main(argv: list[str] | None = None) -> int:
         "checks": {},
     }
     out = Path(args.out)
+    if args.resume:
+        data = resume_from(Path(args.resume), data)
+    done = {
+        (r["repeat"], r["size"], r["mode"], r["kind"]) for r in data["runs"] if r["repeat"] >= 0
+    }
     started = time.perf_counter()
 
     if not args.no_warmup_run:
@@ -656,6 +731,7 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes
         for index, mode in enumerate(modes)
         if mode.name not in skipped
+        and not all((repeat, size.name, mode.name, kind) in done for kind in ("plugin", "baseline"))
     ]
     for repeat, size, index, mode in plan:
         elapsed = time.perf_counter() - started
@@ -670,6 +746,8 @@ def main(argv: list[str] | None = None) -> int:
         if (repeat + index) % 2:
             kinds.reverse()  # A/B, then B/A: drift cancels
         for kind in kinds:
+            if (repeat, size.name, mode.name, kind) in done:
+                continue
             record = one_run(kind, size, mode, repeat, s, use_cuda)
             data["runs"].append(record)
             logger.info(

@@ -85,6 +85,9 @@ def modes_table(data: dict[str, Any]) -> str:
         )
         errors = "; ".join(row.get("errors", []))
         ratio = f"{_f(row.get('ratio'), '.3f')}; {_f(row.get('iteration_ratio'), '.3f')}"
+        pairs = row.get("ratio_per_repeat") or []
+        if pairs:
+            ratio += f" (pairs {min(pairs):.3f}-{max(pairs):.3f}, n={len(pairs)})"
         lines.append(
             f"| {row['size']} | {row['label']} | {_f(row.get('plugin_ms'))} | "
             f"{_f(row.get('baseline_ms'))} | {ratio} | {speedup} | {replay} | {capture} | "
