@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -447,9 +448,16 @@ def _loss_difference(plugin: list[dict], baseline: list[dict]) -> float | None:
 
 
 def aggregate(
-    runs: list[dict[str, Any]], sizes: list[Size], modes: list[Mode], skipped: dict[str, str]
+    runs: list[dict[str, Any]],
+    sizes: list[Size],
+    modes: list[Mode],
+    skipped: dict[str, str],
+    intervals: bool = True,
 ) -> list[dict[str, Any]]:
+    """Per size and mode: pooled medians, ratios and speed-ups; with ``intervals``, also the
+    bootstrap intervals of the ratios (seconds of CPU: only for the final results)."""
     results = []
+    measured_rows = len(sizes) * len([m for m in modes if m.name not in skipped])
     by_key: dict[tuple[str, str], dict[str, Any]] = {}
     for size in sizes:
         for mode in modes:
@@ -474,6 +482,17 @@ def aggregate(
                 row[f"{kind}_iteration_ms"] = _pooled_median(kind_runs, "steady_iteration_ms")
             if row["plugin_iteration_ms"] and row["baseline_iteration_ms"]:
                 row["iteration_ratio"] = row["plugin_iteration_ms"] / row["baseline_iteration_ms"]
+            if intervals:
+                # 95% for the reader; for the check, Bonferroni over the rows of this file
+                # (with 10 modes x sizes, one 95% interval in ten misses by chance alone).
+                family = 1.0 - 0.05 / max(1, measured_rows)
+                for key, samples in (
+                    ("ratio", "steady_step_ms"),
+                    ("iteration_ratio", "steady_iteration_ms"),
+                ):
+                    found = ratio_intervals(plugin, baseline, samples, (0.95, family))
+                    row[f"{key}_ci95"], row[f"{key}_ci_check"] = found or (None, None)
+                row["check_confidence"] = family
             reports = [r["report"] for r in plugin if r.get("report")]
             if reports:
                 row["report"] = {
@@ -510,17 +529,62 @@ def aggregate(
     return results
 
 
+def ratio_intervals(
+    plugin: list[dict[str, Any]],
+    baseline: list[dict[str, Any]],
+    key: str,
+    levels: tuple[float, ...],
+    resamples: int = 2000,
+) -> list[list[float]] | None:
+    """Bootstrap intervals (one per confidence level) of the pooled-median ratio
+    plugin/baseline.
+
+    Runs, not steps, are resampled (with replacement, each kind on its own): on a machine
+    whose speed changes from run to run, the steps of one run are not independent, and the
+    run-to-run spread is what decides whether a difference is real. ``None`` with fewer than
+    3 runs of either kind. Seeded, so the same runs give the same intervals.
+    """
+    if len(plugin) < 3 or len(baseline) < 3:
+        return None
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(resamples):
+        p = [ms for run in rng.choices(plugin, k=len(plugin)) for ms in run[key]]
+        b = [ms for run in rng.choices(baseline, k=len(baseline)) for ms in run[key]]
+        ratios.append(statistics.median(p) / statistics.median(b))
+    ratios.sort()
+    out = []
+    for level in levels:
+        tail = (1.0 - level) / 2
+        out.append([ratios[int(tail * resamples)], ratios[int((1.0 - tail) * resamples) - 1]])
+    return out
+
+
+UNRESOLVED = "unresolved"
+
+
 def checks(
     results: list[dict[str, Any]], first_size: str, timed_on_gpu: bool = True
-) -> dict[str, bool | None]:
-    """The issue's criteria; all ``None`` (n/a) for CPU timings, which prove nothing."""
+) -> dict[str, bool | str | None]:
+    """The issue's criteria; all ``None`` (n/a) for CPU timings, which prove nothing.
 
-    def within_2pct(key: str) -> bool | None:
-        measured = [r for r in results if r.get(key) is not None]
-        incomplete = [r for r in results if not r.get("skipped") and r.get(key) is None]
-        if not timed_on_gpu or not measured:
+    "Within 2%" is judged on each mode's interval of the ratio, not its point value, at a
+    confidence corrected for the number of modes (``check_confidence``): ``True`` when
+    every interval lies inside 0.98-1.02, ``False`` when some interval lies wholly outside
+    it (a real difference), ``"unresolved"`` otherwise (the run-to-run noise is wider than
+    the band: more pairs are needed to say either).
+    """
+
+    def within_2pct(key: str) -> bool | str | None:
+        rows = [r for r in results if not r.get("skipped")]
+        if not timed_on_gpu or not any(r.get(key) is not None for r in rows):
             return None
-        return all(abs(r[key] - 1.0) <= 0.02 for r in measured) and not incomplete
+        intervals = [r.get(f"{key}_ci_check") for r in rows]
+        if any(ci is not None and (ci[0] > 1.02 or ci[1] < 0.98) for ci in intervals):
+            return False
+        if all(ci is not None and 0.98 <= ci[0] and ci[1] <= 1.02 for ci in intervals):
+            return True
+        return UNRESOLVED
 
     fi = next(
         (r for r in results if r["size"] == first_size and r["mode"] == "full_iteration"), None
@@ -574,6 +638,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="JSON",
         help="continue the benchmark of this results file (same settings; --repeats may "
         "grow): keep its runs, make only the missing ones (e.g. over two device calls)",
+    )
+    parser.add_argument(
+        "--reaggregate",
+        metavar="JSON",
+        help="only recompute results and checks of this file from its runs, write --out",
     )
     parser.add_argument("--no-warmup-run", action="store_true", help="skip the discarded run")
     parser.add_argument(
@@ -660,8 +729,25 @@ def resume_from(path: Path, fresh: dict[str, Any]) -> dict[str, Any]:
     return continued
 
 
+def reaggregate(path: Path, out: Path) -> int:
+    """Recompute the results and checks of a results file from its runs (no device needed)."""
+    data = json.loads(path.read_text())
+    settings = data["settings"]
+    sizes = [Size(**size) for size in settings["sizes"]]
+    modes = [MODES[name] for name in settings["modes"]]
+    skipped = {r["mode"]: r["skipped"] for r in data.get("results", []) if r.get("skipped")}
+    data["results"] = aggregate(data["runs"], sizes, modes, skipped)
+    data["checks"] = checks(data["results"], sizes[0].name, data.get("device") == "cuda")
+    write_json(out, data)
+    print(tables.modes_table(data))
+    print("\n".join(tables.checks_lines(data)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.reaggregate:
+        return reaggregate(Path(args.reaggregate), Path(args.out))
     use_cuda, sizes = setup(args, logger)
     modes = [MODES[name] for name in args.modes.split(",")]
     s = Settings(
@@ -760,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
                 record["wall_s"],
                 time.perf_counter() - started,
             )
-            data["results"] = aggregate(data["runs"], sizes, modes, skipped)
+            data["results"] = aggregate(data["runs"], sizes, modes, skipped, intervals=False)
             data["checks"] = checks(data["results"], sizes[0].name, use_cuda)
             data["total_wall_s"] = time.perf_counter() - started
             write_json(out, data)

@@ -49,7 +49,8 @@ def environment_lines(data: dict[str, Any]) -> list[str]:
 def modes_table(data: dict[str, Any]) -> str:
     """Step time per size and mode: plugin vs hand-written baseline, speed-ups, report."""
     lines = [
-        "| size | mode | plugin ms/step | baseline ms/step | plugin/baseline (step; iteration) | "
+        "| size | mode | plugin ms/step | baseline ms/step | "
+        "plugin/baseline: step [95% interval]; iteration (per-pair range) | "
         "speed-up vs eager (plugin / baseline) | report: eager → replay ms (speed-up) | "
         "capture s (plugin / baseline) | graph memory +MiB (peak +MiB) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -84,10 +85,14 @@ def modes_table(data: dict[str, Any]) -> str:
             else "-"
         )
         errors = "; ".join(row.get("errors", []))
-        ratio = f"{_f(row.get('ratio'), '.3f')}; {_f(row.get('iteration_ratio'), '.3f')}"
+        ci = row.get("ratio_ci95")
+        ratio = _f(row.get("ratio"), ".3f")
+        if ci:
+            ratio += f" [{ci[0]:.2f}-{ci[1]:.2f}]"
+        ratio += f"; {_f(row.get('iteration_ratio'), '.3f')}"
         pairs = row.get("ratio_per_repeat") or []
         if pairs:
-            ratio += f" (pairs {min(pairs):.3f}-{max(pairs):.3f}, n={len(pairs)})"
+            ratio += f" (pairs {min(pairs):.2f}-{max(pairs):.2f}, n={len(pairs)})"
         lines.append(
             f"| {row['size']} | {row['label']} | {_f(row.get('plugin_ms'))} | "
             f"{_f(row.get('baseline_ms'))} | {ratio} | {speedup} | {replay} | {capture} | "
@@ -96,11 +101,18 @@ def modes_table(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+CHECK_WORDS = {
+    True: "PASS",
+    False: "FAIL",
+    None: "n/a",
+    "unresolved": (
+        "NOT RESOLVED (some mode's interval is wider than the 2% band: more pairs needed)"
+    ),
+}
+
+
 def checks_lines(data: dict[str, Any]) -> list[str]:
-    return [
-        f"- {name}: {'PASS' if ok else 'FAIL' if ok is False else 'n/a'}"
-        for name, ok in data.get("checks", {}).items()
-    ]
+    return [f"- {name}: {CHECK_WORDS[ok]}" for name, ok in data.get("checks", {}).items()]
 
 
 def limit_table(data: dict[str, Any]) -> str:

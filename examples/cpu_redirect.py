@@ -18,6 +18,9 @@ and ``tensor.type() == "torch.cuda.FloatTensor"`` checks. Inside :func:`cpu_redi
   ``current_device()`` is ``"cpu"``, and the stream, event, device-query and RNG-state
   calls megatron-core makes are CPU stand-ins with torch's signatures (an event records
   ``time.perf_counter()``, so ``elapsed_time`` is a real host duration);
+* it refuses to start (:func:`cpu_run_blocker`) where megatron-core picked fused GPU
+  kernels at import time (Transformer Engine's or Apex's Adam and norms, whenever they are
+  installed), which no redirect can run on CPU tensors;
 * megatron-core 0.16's ``moe_utils`` gets the ``te_general_gemm = None`` it forgets to
   define without Transformer Engine (:func:`mcore_without_te_fixes`).
 
@@ -39,7 +42,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["cpu_redirect", "is_active", "mcore_without_te_fixes"]
+__all__ = ["cpu_redirect", "cpu_run_blocker", "is_active", "mcore_without_te_fixes"]
 
 _active = False
 
@@ -312,6 +315,29 @@ _CUDA_RANDOM_STAND_INS: dict[str, Any] = {"get_rng_state": _get_rng_state}
 # -------------------------------------------------------------------------------------------
 
 
+def cpu_run_blocker() -> str | None:
+    """Why megatron-core cannot train on the CPU in this environment, or ``None``.
+
+    megatron-core chooses its Adam when ``megatron.core.optimizer`` is imported: Transformer
+    Engine's fused Adam if TE imports, else Apex's, else ``torch.optim.AdamW``; the fused
+    ones (and TE's norms, chosen the same way) run CUDA kernels only, so on CPU tensors they
+    fail with an illegal memory access. Asking the module which one it took covers a TE that
+    is installed but broken (megatron-core then falls back to torch's).
+    """
+    from megatron.core import optimizer
+
+    adam = getattr(optimizer, "Adam", None)
+    module = getattr(adam, "__module__", None) or ""
+    if adam is None or module.split(".")[0] == "torch":
+        return None
+    return (
+        f"megatron-core uses {module}.{adam.__name__} in this environment (it takes "
+        "Transformer Engine's or Apex's fused kernels whenever they are installed), and those "
+        "run on CUDA tensors only: megatron-core cannot train on the CPU here. Run on the GPU, "
+        "or use an environment without Transformer Engine and Apex for CPU runs (as CI does)"
+    )
+
+
 @contextlib.contextmanager
 def mcore_without_te_fixes() -> Iterator[None]:
     """Define ``te_general_gemm = None`` in megatron-core 0.16's ``moe_utils`` without TE.
@@ -343,11 +369,15 @@ def cpu_redirect() -> Iterator[None]:
 
     Not re-entrant; everything is restored on exit, also when the block raises.
 
-    :raises RuntimeError: if a redirect is already active.
+    :raises RuntimeError: if a redirect is already active, or megatron-core cannot run on
+        the CPU here (:func:`cpu_run_blocker`).
     """
     global _active, _current_stream
     if _active:
         raise RuntimeError("cpu_redirect() is already active; it is not re-entrant")
+    blocker = cpu_run_blocker()
+    if blocker is not None:
+        raise RuntimeError(blocker)
     patches = [(torch.cuda, name, value) for name, value in _CUDA_STAND_INS.items()]
     patches += [(torch.cuda.random, name, value) for name, value in _CUDA_RANDOM_STAND_INS.items()]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from cpu_redirect import cpu_redirect, mcore_without_te_fixes
+from cpu_redirect import cpu_redirect, cpu_run_blocker, mcore_without_te_fixes
 from hookspecs import TrainingRun, get_plugin_manager
 
 # megatron-core is imported inside the functions that use it, so importing this module (for
@@ -137,6 +137,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, use_c
             )
         if not use_cuda:
             parser.error("--transformer-impl transformer_engine needs a CUDA device")
+    if not use_cuda and (blocker := cpu_run_blocker()) is not None:
+        parser.error(("--cpu: " if args.cpu else "no CUDA device: ") + blocker)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         parser.error("--overlap-param-gather needs --use-distributed-optimizer")
     if args.start_step > args.train_iters:

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from cpu_only import needs_mcore_on_cpu
 from megatron.core import full_cuda_graph
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
 
@@ -70,6 +71,7 @@ def test_free_keeps_the_static_buffer_dict_object():
     assert StaticBufferLoader.static_buffers is buffers
 
 
+@needs_mcore_on_cpu
 def test_wrapper_over_dirty_state_warns_and_resets(caplog):
     _dirty()
     with cpu_redirect(), caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
@@ -81,12 +83,14 @@ def test_wrapper_over_dirty_state_warns_and_resets(caplog):
     assert "state from an earlier run" in caplog.text
 
 
+@needs_mcore_on_cpu
 def test_wrapper_over_clean_state_is_silent(caplog):
     with cpu_redirect(), caplog.at_level(logging.WARNING):
         compat.make_full_iteration_wrapper(lambda **kw: None, warmup_steps=0)
     assert caplog.text == ""
 
 
+@needs_mcore_on_cpu
 def test_019_wrapper_gets_single_mempool_and_reset_api(monkeypatch):
     fake_class = _fake_full_cuda_graph_019()
     monkeypatch.setattr(compat, "new_generation", lambda: True)
@@ -109,6 +113,7 @@ def test_019_wrapper_gets_single_mempool_and_reset_api(monkeypatch):
     assert StaticBufferLoader.static_buffers["training"] == []
 
 
+@needs_mcore_on_cpu
 def test_ddp_build_context_per_generation(monkeypatch):
     assert compat.ddp_build_context(full_iteration=True) is None  # 0.16: any stream works
     monkeypatch.setattr(compat, "new_generation", lambda: True)
@@ -237,6 +242,7 @@ def _seed(**options):
     )
 
 
+@needs_mcore_on_cpu
 def test_rng_tracker_state_reads_the_active_tracker():
     from megatron.core.tensor_parallel import random as mrandom
 

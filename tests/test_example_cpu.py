@@ -22,10 +22,13 @@ from typing import Any
 
 import pytest
 import torch
+from cpu_only import needs_mcore_on_cpu
 
 import cpu_redirect
 import train_gpt
 from hookspecs import get_plugin_manager, hookimpl, spec
+
+pytestmark = needs_mcore_on_cpu
 
 EXAMPLE = Path(train_gpt.__file__)
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cpu_only import needs_mcore_on_cpu
 
 REPO = Path(__file__).resolve().parent.parent
 LOOP = REPO / "examples" / "minimal_loop.py"
@@ -34,6 +35,7 @@ def traced_run(subprocess_env: dict[str, str]) -> subprocess.CompletedProcess[st
     )
 
 
+@needs_mcore_on_cpu
 @pytest.mark.slow
 def test_the_minimal_loop_trains_and_fires_every_host_hook_in_order(
     traced_run: subprocess.CompletedProcess[str],
@@ -64,6 +66,7 @@ def test_the_minimal_loop_trains_and_fires_every_host_hook_in_order(
     ]
 
 
+@needs_mcore_on_cpu
 @pytest.mark.slow
 def test_the_cuda_graph_plugin_validates_reports_and_shuts_down(
     traced_run: subprocess.CompletedProcess[str],

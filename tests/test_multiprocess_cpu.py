@@ -13,6 +13,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from cpu_only import needs_mcore_on_cpu
+
+pytestmark = needs_mcore_on_cpu
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

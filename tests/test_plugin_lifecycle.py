@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from cpu_only import needs_mcore_on_cpu
 
 import train_gpt
 from cpu_redirect import cpu_redirect
@@ -23,6 +24,8 @@ from cudagraph_plugin.guard import StaticShapeError
 from fakes import FakeCUDAGraph, FakeTECudaGraphHelper, install_fake_cuda_graphs
 from hookspecs import ShutdownReason, hookimpl
 from recording import RaiseAt, Recorder
+
+pytestmark = needs_mcore_on_cpu
 
 FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
 TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp"]

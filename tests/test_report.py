@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cpu_only import needs_mcore_on_cpu
 
 from cpu_redirect import cpu_redirect
 from cudagraph_plugin.report import MemorySnapshot, RunReport, StepTimer, verdict
@@ -60,6 +61,7 @@ def test_cpu_timer_measures_each_step():
     assert all(value > 0 for value in durations.values())
 
 
+@needs_mcore_on_cpu
 def test_cuda_timer_uses_events_and_one_sync(monkeypatch):
     with cpu_redirect():
         import torch

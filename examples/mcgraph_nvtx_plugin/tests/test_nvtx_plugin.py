@@ -46,6 +46,18 @@ REPORT_ENV_VAR = "MCGRAPH_NVTX_REPORT"
 FAIL_ENV_VAR = "MCGRAPH_NVTX_FAIL_AT"
 GRAPH_ARGS = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
 
+# Runs of megatron-core on the CPU cannot work where it picked TE's or Apex's fused kernels
+# (cpu_redirect.cpu_run_blocker says why); the suite's CPU tests are skipped there.
+CPU_RUN_BLOCKER = cpu_redirect.cpu_run_blocker()
+needs_mcore_on_cpu = pytest.mark.skipif(
+    CPU_RUN_BLOCKER is not None, reason=f"CPU test: {CPU_RUN_BLOCKER}"
+)
+# The example scripts use the GPU when there is one, the CPU otherwise.
+needs_mcore_here = pytest.mark.skipif(
+    CPU_RUN_BLOCKER is not None and not torch.cuda.is_available(),
+    reason=f"no CUDA device, and {CPU_RUN_BLOCKER}",
+)
+
 
 # -------------------------------------------------------------------------------------------
 # Installing the distribution.
@@ -224,6 +236,7 @@ def test_uses_only_the_public_contract(installed: Path) -> None:
     assert from_hookspecs == {"hookimpl", "ShutdownReason"}
 
 
+@needs_mcore_on_cpu
 def test_blocked_by_the_environment_variable(
     installed: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: Any
 ) -> None:
@@ -248,6 +261,7 @@ def test_blocked_by_the_environment_variable(
 # -------------------------------------------------------------------------------------------
 
 
+@needs_mcore_on_cpu
 def test_a_run_feeds_the_plugin_the_documented_hooks_and_the_report(
     installed: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -295,6 +309,7 @@ def test_a_run_feeds_the_plugin_the_documented_hooks_and_the_report(
     assert any(text.startswith("NVTX ranges off (no CUDA device)") for _, text in lines)
 
 
+@needs_mcore_on_cpu
 def test_each_run_appends_its_own_lines(installed: Path, tmp_path: Path) -> None:
     out = tmp_path / "nvtx.jsonl"
     for _ in range(2):
@@ -303,6 +318,7 @@ def test_each_run_appends_its_own_lines(installed: Path, tmp_path: Path) -> None
     assert [record["kind"] for record in read_jsonl(out)] == ["report", "timeline"] * 2
 
 
+@needs_mcore_on_cpu
 @pytest.mark.parametrize(
     ("hook", "reason"),
     [("mcgraph_train_step_end", "exception"), ("mcgraph_shutdown", "completed")],
@@ -339,6 +355,7 @@ def test_its_exception_surfaces_and_shutdown_still_cleans_up(
     assert_cleaned_up()
 
 
+@needs_mcore_on_cpu
 def test_an_unwritable_report_path_fails_at_configure(
     installed: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -438,6 +455,7 @@ def test_nvtx_ranges_stay_balanced_when_a_step_raises(installed: Path) -> None:
 # -------------------------------------------------------------------------------------------
 
 
+@needs_mcore_here
 @pytest.mark.slow
 def test_the_example_script_writes_the_report(installed: Path, tmp_path: Path) -> None:
     out = tmp_path / "nvtx.jsonl"
@@ -467,6 +485,7 @@ def test_the_example_script_writes_the_report(installed: Path, tmp_path: Path) -
     assert "mcgraph_nvtx_plugin: mcgraph_model_built seq_length=32" in result.stderr
 
 
+@needs_mcore_here
 def test_the_guide_minimal_loop_hosts_it(
     installed: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: Any
 ) -> None:
