@@ -782,7 +782,10 @@ def main(argv: list[str] | None = None) -> int:
     data: dict[str, Any] = {
         "schema": SCHEMA,
         **env,
-        "command": " ".join(["python3", *sys.argv]),
+        # What was asked for (main()'s argv when called from Python, not the caller's).
+        "command": " ".join(
+            ["python3", "benchmarks/gpu_modes.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
         "settings": {
             "sizes": [dataclasses.asdict(size) for size in sizes],
             "modes": [m.name for m in modes],
