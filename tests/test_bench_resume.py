@@ -7,7 +7,9 @@ ones and refuses a results file made with other settings.
 from __future__ import annotations
 
 import json
+import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import gpu_modes
 
 pytestmark = needs_mcore_on_cpu
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """gpu_modes.main() sets logger levels for a benchmark process (megatron and the plugin
+    quiet); the tests after these must still see the plugin's INFO lines."""
+    names = ("", "megatron", "cudagraph_plugin", "train_gpt", "gpu_modes")
+    levels = {name: logging.getLogger(name).level for name in names}
+    handlers = list(logging.getLogger().handlers)
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    logging.getLogger().handlers[:] = handlers
+
 
 SMOKE = ["--cpu", "--smoke", "--modes", "eager", "--no-warmup-run", "--time-budget", "0"]
 
