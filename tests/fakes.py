@@ -14,6 +14,8 @@ Each fake mirrors the real API it replaces, signature for signature:
   (0.19: ``pg_collection``, ``capture_finished()``, one capture per helper) —
   ``megatron.core.transformer.cuda_graphs.TECudaGraphHelper``, discovering the graphable
   layers with megatron-core's own ``_layer_is_graphable``.
+* :meth:`FakeDevice.event_class` — ``torch.cuda.Event``'s timing API, on a fake device
+  that the test tells when it has passed an event (``query()``), as a real one decides.
 * :class:`FakeFullCudaGraphWrapper019` — 0.19's ``FullCudaGraphWrapper`` API on top of the
   installed 0.16 class (``use_single_mempool``, ``reset_cuda_graph``), for the compat tests.
 
@@ -241,6 +243,60 @@ def _fake_full_cuda_graph_019() -> type:
             gc.collect()
 
     return FakeFullCudaGraphWrapper019
+
+
+class FakeDevice:
+    """The device clock and progress behind :class:`FakeCudaEvent`s."""
+
+    def __init__(self) -> None:
+        self.now_ms = 0.0
+        self.events: list[Any] = []
+        self.synchronize_calls = 0
+
+    def advance(self, ms: float) -> None:
+        self.now_ms += ms
+
+    def pass_all(self) -> None:
+        """The device catches up with everything recorded so far."""
+        for event in self.events:
+            event.done = True
+
+    def synchronize(self, device: Any = None) -> None:
+        self.synchronize_calls += 1
+        self.pass_all()
+
+    def event_class(self) -> type:
+        device = self
+
+        class FakeCudaEvent:
+            """Mirrors ``torch.cuda.Event`` (timing part)."""
+
+            def __init__(
+                self,
+                enable_timing: bool = False,
+                blocking: bool = False,
+                interprocess: bool = False,
+                external: bool = False,
+            ) -> None:
+                self.enable_timing = enable_timing
+                self.at_ms: float | None = None
+                self.done = False
+
+            def record(self, stream: Any = None) -> None:
+                self.at_ms = device.now_ms
+                self.done = False
+                device.events.append(self)
+
+            def query(self) -> bool:
+                return self.done
+
+            def elapsed_time(self, end_event: Any) -> float:
+                # torch raises "device not ready" for events the device has not passed.
+                if not (self.done and end_event.done):
+                    raise RuntimeError("CUDA error: device not ready")
+                return end_event.at_ms - self.at_ms
+
+        return FakeCudaEvent
 
 
 def _fake_device_name(device: Any = None) -> str:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from cpu_only import needs_mcore_on_cpu
 
-from cpu_redirect import cpu_redirect
 from cudagraph_plugin.report import MemorySnapshot, RunReport, StepTimer, verdict
+from fakes import FakeDevice
 
 
 @pytest.mark.parametrize(
@@ -61,20 +60,58 @@ def test_cpu_timer_measures_each_step():
     assert all(value > 0 for value in durations.values())
 
 
-@needs_mcore_on_cpu
-def test_cuda_timer_uses_events_and_one_sync(monkeypatch):
-    with cpu_redirect():
-        import torch
+@pytest.fixture
+def device(monkeypatch: pytest.MonkeyPatch) -> FakeDevice:
+    import torch
 
-        syncs = []
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(1))
-        timer = StepTimer(use_cuda=True)
-        for step in range(4):
-            timer.start(step)
-            timer.stop(step)
-        assert syncs == []  # nothing synchronises in the steady state
-        assert len(timer.durations_ms()) == 4
-        assert syncs == [1]
+    fake = FakeDevice()
+    monkeypatch.setattr(torch.cuda, "Event", fake.event_class())
+    monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
+    return fake
+
+
+def test_cuda_timer_never_waits_in_the_steady_state_and_holds_few_events(device):
+    timer = StepTimer(use_cuda=True)
+    for step in range(1000):
+        timer.start(step)
+        device.advance(2.0 + step % 3)
+        timer.stop(step)
+        assert timer.in_flight <= 1  # earlier steps are already milliseconds
+        device.pass_all()  # the device finishes the step while the host goes on
+    assert device.synchronize_calls == 0
+    durations = timer.durations_ms()
+    assert device.synchronize_calls == 0  # the last step's events were passed already
+    assert len(durations) == 1000
+    assert durations[0] == 2.0 and durations[1] == 3.0 and durations[999] == 2.0 + 999 % 3
+
+
+def test_cuda_timer_waits_once_for_steps_still_in_flight(device):
+    timer = StepTimer(use_cuda=True)
+    for step in range(5):  # the host runs ahead: the device has passed nothing
+        timer.start(step)
+        device.advance(4.0)
+        timer.stop(step)
+    assert timer.in_flight == 5
+    durations = timer.durations_ms()
+    assert device.synchronize_calls == 1
+    assert durations == {step: 4.0 for step in range(5)}
+    assert timer.in_flight == 0
+
+
+def test_cuda_timer_collects_in_order_once_the_device_catches_up(device):
+    timer = StepTimer(use_cuda=True)
+    for step in range(3):
+        timer.start(step)
+        device.advance(1.0)
+        timer.stop(step)
+    device.pass_all()
+    timer.start(3)
+    timer.stop(3)  # collects steps 0-2; step 3 is still in flight
+    assert timer.in_flight == 1
+    timer.start(4)
+    timer.discard(4)  # a step that raised is never timed
+    assert sorted(timer.durations_ms()) == [0, 1, 2, 3]
+    assert device.synchronize_calls == 1
 
 
 def make_report(**overrides) -> RunReport:
