@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+import cpu_redirect
 from cudagraph_plugin import compat
 
 
@@ -268,19 +269,13 @@ class FakeDevice:
     def event_class(self) -> type:
         device = self
 
-        class FakeCudaEvent:
-            """Mirrors ``torch.cuda.Event`` (timing part)."""
+        class FakeCudaEvent(cpu_redirect.Event):
+            """Mirrors ``torch.cuda.Event`` (timing part; the constructor is the CPU
+            stand-in's, which has torch's signature). An event never recorded counts as
+            passed, as torch's ``query()`` says."""
 
-            def __init__(
-                self,
-                enable_timing: bool = False,
-                blocking: bool = False,
-                interprocess: bool = False,
-                external: bool = False,
-            ) -> None:
-                self.enable_timing = enable_timing
-                self.at_ms: float | None = None
-                self.done = False
+            at_ms = 0.0
+            done = True
 
             def record(self, stream: Any = None) -> None:
                 self.at_ms = device.now_ms
