@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     data: dict[str, Any] = {
         "schema": SCHEMA,
         **gpu_modes.environment(use_cuda),
-        "command": " ".join(["python3", *sys.argv]),
+        "command": gpu_modes.command_line("benchmarks/gpu_limit.py", argv),
         "settings": {
             "sizes": [dataclasses.asdict(size) for size in sizes],
             "modes": [m.name for m in modes],

@@ -407,7 +407,8 @@ def one_run(
 
         record["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     record["wall_s"] = time.perf_counter() - start
-    gc.enable()  # before free_device_memory's collect, so the run's cycles go too
+    if s.manual_gc:
+        gc.enable()  # before free_device_memory's collect, so the run's cycles go too
     record.update(free_device_memory(use_cuda))
     return record
 
@@ -457,7 +458,9 @@ def aggregate(
     """Per size and mode: pooled medians, ratios and speed-ups; with ``intervals``, also the
     bootstrap intervals of the ratios (seconds of CPU: only for the final results)."""
     results = []
-    measured_rows = len(sizes) * len([m for m in modes if m.name not in skipped])
+    # 95% intervals for the reader; for the check, Bonferroni over the rows of this file
+    # (with 10 modes x sizes, one 95% interval in ten misses by chance alone).
+    family = 1.0 - 0.05 / max(1, len(sizes) * len([m for m in modes if m.name not in skipped]))
     by_key: dict[tuple[str, str], dict[str, Any]] = {}
     for size in sizes:
         for mode in modes:
@@ -483,9 +486,6 @@ def aggregate(
             if row["plugin_iteration_ms"] and row["baseline_iteration_ms"]:
                 row["iteration_ratio"] = row["plugin_iteration_ms"] / row["baseline_iteration_ms"]
             if intervals:
-                # 95% for the reader; for the check, Bonferroni over the rows of this file
-                # (with 10 modes x sizes, one 95% interval in ten misses by chance alone).
-                family = 1.0 - 0.05 / max(1, measured_rows)
                 for key, samples in (
                     ("ratio", "steady_step_ms"),
                     ("iteration_ratio", "steady_iteration_ms"),
@@ -604,6 +604,12 @@ def checks(
 # -------------------------------------------------------------------------------------------
 # Main.
 # -------------------------------------------------------------------------------------------
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """The command a results file records: what was asked for (``main()``'s ``argv`` when
+    called from Python, not the calling program's arguments)."""
+    return " ".join(["python3", script, *(sys.argv[1:] if argv is None else argv)])
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -782,10 +788,7 @@ def main(argv: list[str] | None = None) -> int:
     data: dict[str, Any] = {
         "schema": SCHEMA,
         **env,
-        # What was asked for (main()'s argv when called from Python, not the caller's).
-        "command": " ".join(
-            ["python3", "benchmarks/gpu_modes.py", *(sys.argv[1:] if argv is None else argv)]
-        ),
+        "command": command_line("benchmarks/gpu_modes.py", argv),
         "settings": {
             "sizes": [dataclasses.asdict(size) for size in sizes],
             "modes": [m.name for m in modes],
