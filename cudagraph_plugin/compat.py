@@ -6,8 +6,15 @@
 | TE scopes config         | cuda_graph_scope (CudaGraphScope) | cuda_graph_modules (...Module)   |
 | free full-iteration graph| no API: reset class state by hand | reset_cuda_graph()               |
 | TE capture done          | graphs_created()                  | capture_finished()               |
-| DDP build stream         | any                               | get_shared_capture_stream()      |
+| DDP build stream (TE)    | a side stream                     | a side stream                    |
+| DDP build stream (full)  | any                               | get_shared_capture_stream()      |
 | FullCudaGraphWrapper     | (fn, cuda_graph_warmup_steps)     | + use_single_mempool             |
+| TECudaGraphHelper        | (model, config, seq, mbs, opts)   | + pg_collection                  |
+
+Differences are detected by feature (a field, an attribute, a parameter), never by reading
+version numbers: megatron-core on ``PYTHONPATH`` has no package metadata, and release
+candidates of a new generation sort before its first release. Version numbers are read
+only to be shown (the report, ``check``).
 
 Everything else in the package talks to megatron-core through the functions here. The
 module imports neither torch nor megatron at import time (``settings`` and the ``check``
@@ -17,9 +24,13 @@ command use its pure part); the runtime functions import lazily.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.metadata
+import inspect
 import logging
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from packaging.version import Version
@@ -28,7 +39,6 @@ logger = logging.getLogger(__name__)
 
 # Field names under which a host config may hold the scope (0.16: scope; 0.18+: modules).
 SCOPE_FIELD_NAMES = ("cuda_graph_scope", "cuda_graph_modules")
-_NEW_GENERATION = Version("0.18.0")
 # Transformer Engine releases that matter to the constraints.
 TE_DELAY_WGRAD_WITH_ATTN = Version("2.12.0")
 TE_DELAY_WGRAD_WITH_PARTIAL_GRAPHS = Version("2.10.0")
@@ -62,10 +72,16 @@ def _dist_version(*names: str) -> Version | None:
 
 @functools.cache
 def mcore_version() -> Version:
+    """The installed megatron-core version, for display: from the package metadata, else
+    (megatron on ``PYTHONPATH``) from ``megatron.core.package_info``."""
     version = _dist_version("megatron-core", "megatron_core")
-    if version is None:
-        raise RuntimeError("megatron-core is not installed: pip install megatron-core")
-    return version
+    if version is not None:
+        return version
+    try:
+        from megatron.core import package_info
+    except ImportError as exc:
+        raise RuntimeError("megatron-core is not installed: pip install megatron-core") from exc
+    return Version(package_info.__version__)
 
 
 def te_version() -> Version | None:
@@ -73,18 +89,29 @@ def te_version() -> Version | None:
     return _dist_version("transformer-engine", "transformer_engine", "transformer-engine-torch")
 
 
+@functools.cache
 def new_generation() -> bool:
-    """megatron-core 0.18 or later (the ``full_iteration`` impl / ``cuda_graph_modules``)."""
-    return mcore_version() >= _NEW_GENERATION
+    """megatron-core's 0.18+ configuration spelling: ``TransformerConfig`` has
+    ``cuda_graph_modules`` (and the ``full_iteration`` impl)."""
+    from megatron.core.transformer import TransformerConfig
+
+    return "cuda_graph_modules" in {field.name for field in dataclasses.fields(TransformerConfig)}
 
 
 def versions() -> dict[str, str | None]:
-    """torch / megatron-core / Transformer Engine versions for reports."""
-    te = te_version()
+    """torch / megatron-core / Transformer Engine versions for reports (never raises)."""
+
+    def shown(read: Callable[[], Any]) -> str | None:
+        try:
+            value = read()
+        except Exception:  # a report must not fail over a version it cannot read
+            return None
+        return None if value is None else str(value)
+
     return {
-        "torch": str(_dist_version("torch")),
-        "megatron-core": str(mcore_version()),
-        "transformer-engine": str(te) if te else None,
+        "torch": shown(lambda: _dist_version("torch") or __import__("torch").__version__),
+        "megatron-core": shown(mcore_version),
+        "transformer-engine": shown(te_version),
     }
 
 
@@ -133,6 +160,30 @@ def nccl_initialized() -> bool:
     return "nccl" in str(dist.get_backend()).lower()
 
 
+def distributed_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if ``flag`` is true on any rank: one all-reduce over the default
+    group, so that a decision that changes what a rank executes is the same everywhere."""
+    import torch
+    import torch.distributed as dist
+
+    if distributed_world()[1] == 1:
+        return flag
+    on_gpu = "nccl" in str(dist.get_backend()).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def rng_tracker_state() -> tuple[bool, str]:
     """(graph-safe, description) of megatron-core's active CUDA RNG tracker.
 
@@ -172,32 +223,76 @@ def te_available() -> bool:
     return bool(cuda_graphs.HAVE_TE_GRAPHS)
 
 
-def ddp_build_context(full_iteration: bool) -> contextlib.AbstractContextManager[Any] | None:
-    """The stream DDP must be built on with megatron-core 0.18+ (graphs on).
+class DDPBuildContext:
+    """The stream DDP must be built on while graphs are on, and a record of what was built.
 
-    DDP's retained AccumulateGrad nodes remember the stream they were created on; a capture
-    that meets one from the legacy default stream fails ("operation would make the legacy
-    stream depend on a capturing blocking stream", seen on an H200 with TE graphs). As
-    Megatron-LM 0.19 does: full-iteration graphs use the shared capture stream, other
-    implementations a dedicated side stream.
+    DDP keeps the ``AccumulateGrad`` node of every parameter (its gradient hooks hang on
+    them); autograd runs each node on the stream that was current when the node was made.
+    Built on the legacy default stream, those nodes make a capture's backward pass wait on
+    that stream, and CUDA refuses ("operation would make the legacy stream depend on a
+    capturing blocking stream", cudaErrorStreamCaptureImplicit, seen on an H200 for TE
+    graphs with megatron-core 0.16.1 in every fresh process). So, as Megatron-LM's loop
+    does: full-iteration graphs on 0.18+ build DDP on the shared capture stream, TE graphs
+    (every generation) on a dedicated side stream; 0.16 full-iteration graphs need no
+    stream (its wrapper captures on a fresh stream of its own; seen working on the H200).
+
+    While entered it records every module that registers a submodule (DDP registers the
+    model it wraps in its constructor), so :meth:`missing` can tell which DDP chunks were
+    built elsewhere.
     """
-    if not new_generation():
-        return None
-    import torch
 
-    if full_iteration:
-        from megatron.core.full_cuda_graph import get_shared_capture_stream
+    def __init__(self, full_iteration: bool) -> None:
+        self.full_iteration = full_iteration
+        self.entered = False
+        self._built: weakref.WeakSet[Any] = weakref.WeakSet()
 
-        return _on_stream(torch, get_shared_capture_stream())
-    return _on_stream(torch, torch.cuda.Stream())
+    @property
+    def needs_stream(self) -> bool:
+        return not self.full_iteration or _has_shared_capture_stream()
+
+    @contextlib.contextmanager
+    def enter(self) -> Iterator[None]:
+        import torch
+        from torch.nn.modules import module as torch_module
+
+        self.entered = True
+        handle = torch_module.register_module_module_registration_hook(
+            lambda parent, name, child: self._built.add(parent)
+        )
+        try:
+            if not self.needs_stream:
+                yield
+                return
+            if self.full_iteration:
+                from megatron.core.full_cuda_graph import get_shared_capture_stream
+
+                stream = get_shared_capture_stream()
+            else:
+                stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                yield
+            torch.cuda.current_stream().wait_stream(stream)
+        finally:
+            handle.remove()
+
+    def missing(self, model: list[Any]) -> list[int]:
+        """Indices of the DDP chunks of ``model`` not built inside :meth:`enter`."""
+        if not self.needs_stream:
+            return []
+        from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+
+        return [
+            index
+            for index, chunk in enumerate(model)
+            if isinstance(chunk, _BaseDataParallel) and chunk not in self._built
+        ]
 
 
-@contextlib.contextmanager
-def _on_stream(torch: Any, stream: Any) -> Any:
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        yield
-    torch.cuda.current_stream().wait_stream(stream)
+def _has_shared_capture_stream() -> bool:
+    from megatron.core import full_cuda_graph
+
+    return hasattr(full_cuda_graph, "get_shared_capture_stream")
 
 
 def uses_forward_pre_hooks(model: list[Any]) -> bool:
@@ -215,23 +310,37 @@ def forward_pre_hooks_enabled(model: list[Any]) -> bool:
 STAGES = ("training", "validation")
 
 
-def make_full_iteration_wrapper(forward_backward_func: Any, warmup_steps: int) -> Any:
-    """megatron-core's ``FullCudaGraphWrapper`` around ``forward_backward_func``."""
+def single_mempool(model_config: Any) -> bool:
+    """Whether full-iteration (and optimizer) graphs share one memory pool: the model
+    config's ``cuda_graph_use_single_mempool`` (0.18+), as Megatron-LM passes it."""
+    return bool(getattr(model_config, "cuda_graph_use_single_mempool", False))
+
+
+def make_full_iteration_wrapper(
+    forward_backward_func: Any, warmup_steps: int, use_single_mempool: bool
+) -> Any:
+    """megatron-core's ``FullCudaGraphWrapper`` around ``forward_backward_func``.
+
+    ``use_single_mempool`` is passed where the wrapper takes it (0.18+).
+    """
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
-    if full_iteration_state_dirty():
-        logger.warning(
-            "megatron-core's FullCudaGraphWrapper holds state from an earlier run in this "
-            "process (a graph or a non-zero step counter); resetting it so this run captures "
-            "after its own %d warm-up step(s)",
-            warmup_steps,
-        )
-        free_full_iteration_graphs(None)
-    if new_generation():
+    if "use_single_mempool" in inspect.signature(FullCudaGraphWrapper.__init__).parameters:
         return FullCudaGraphWrapper(
-            forward_backward_func, cuda_graph_warmup_steps=warmup_steps, use_single_mempool=True
+            forward_backward_func,
+            cuda_graph_warmup_steps=warmup_steps,
+            use_single_mempool=use_single_mempool,
         )
     return FullCudaGraphWrapper(forward_backward_func, cuda_graph_warmup_steps=warmup_steps)
+
+
+def order_input_copy_after_replay(wrapper: Any) -> None:
+    """Make the wrapper's input-copy stream wait for the work already queued (the previous
+    replay, which reads the static buffers the copy overwrites). megatron-core 0.16 copies
+    without waiting (0.17 fixed it upstream); on later versions this is one more wait."""
+    import torch
+
+    wrapper.static_loader.stream.wait_stream(torch.cuda.current_stream())
 
 
 def full_iteration_captured(stage: str) -> bool:
@@ -258,37 +367,55 @@ def full_iteration_state_dirty() -> bool:
     )
 
 
-def free_full_iteration_graphs(wrapper: Any) -> int:
-    """Free the training and validation graphs and reset the class-level state.
+def free_full_iteration_graph(stage: str) -> int:
+    """Free ``stage``'s graph (``CUDAGraph.reset()``) and forget it; returns 1 if one was
+    held. megatron-core keeps the graph on the class; 0.18+'s ``reset_cuda_graph()`` does the
+    same without the explicit ``reset()`` (freeing waits for the garbage collector)."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
-    megatron-core keeps the graphs, results, step counters and static input buffers on the
-    classes; 0.16 has no API to reset them and 0.18+'s ``reset_cuda_graph()`` leaves the
-    static buffers behind. Returns the number of graphs freed.
-    """
-    from megatron.core import full_cuda_graph
-    from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
+    graph = FullCudaGraphWrapper.cuda_graph[stage]
+    FullCudaGraphWrapper.cuda_graph[stage] = None
+    if graph is None:
+        return 0
+    graph.reset()
+    return 1
 
-    freed = 0
+
+def reset_full_iteration_counters() -> None:
+    """Reset the class-level results and step counters of both stages (0.16 has no API),
+    so the next run captures after its own warm-up."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
     for stage in STAGES:
-        graph = FullCudaGraphWrapper.cuda_graph[stage]
-        if graph is not None:
-            graph.reset()
-            freed += 1
-    if wrapper is not None and new_generation():
-        wrapper.reset_cuda_graph()
-    else:
-        for stage in STAGES:
-            FullCudaGraphWrapper.cuda_graph[stage] = None
-            FullCudaGraphWrapper.result[stage] = None
-            FullCudaGraphWrapper.curr_iteration[stage] = 0
+        FullCudaGraphWrapper.result[stage] = None
+        FullCudaGraphWrapper.curr_iteration[stage] = 0
+
+
+def clear_static_buffers() -> None:
+    """Drop the class-level static input buffers of both stages (no version resets them)."""
+    from megatron.core.full_cuda_graph import StaticBufferLoader
+
     for stage in STAGES:
         StaticBufferLoader.static_buffers[stage].clear()
-    if new_generation():
-        # 0.18+ caches one process-wide graph pool handle; once its graphs are gone the pool
-        # is released, and capturing into the stale handle trips the caching allocator
-        # ("use_count > 0 INTERNAL ASSERT FAILED", seen on an H200). The next capture asks
-        # for a fresh one.
+
+
+def forget_shared_graph_pool() -> None:
+    """0.18+ caches one process-wide graph pool handle; once its graphs are gone the pool
+    is released, and capturing into the stale handle trips the caching allocator
+    ("use_count > 0 INTERNAL ASSERT FAILED", seen on an H200). The next capture asks for a
+    fresh one. 0.16 has no shared pool."""
+    from megatron.core import full_cuda_graph
+
+    if hasattr(full_cuda_graph, "_shared_graph_pool"):
         full_cuda_graph._shared_graph_pool = None
+
+
+def free_full_iteration_graphs() -> int:
+    """Every full-iteration resource at once (state an earlier run left behind)."""
+    freed = sum(free_full_iteration_graph(stage) for stage in STAGES)
+    reset_full_iteration_counters()
+    clear_static_buffers()
+    forget_shared_graph_pool()
     return freed
 
 
@@ -298,22 +425,37 @@ def free_full_iteration_graphs(wrapper: Any) -> int:
 def make_te_helper(
     model: list[Any], model_config: Any, seq_length: int, micro_batch_size: int, optimizers: list
 ) -> Any:
-    """megatron-core's ``TECudaGraphHelper`` (0.19 also accepts ``pg_collection``; its
-    default, the global parallel state, is what a host without custom groups wants)."""
+    """megatron-core's ``TECudaGraphHelper``. Where it takes ``pg_collection`` (0.19) it gets
+    the model's own process groups, as Megatron-Bridge passes them; a model without them
+    leaves the helper's default (the global parallel state)."""
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
 
+    kwargs: dict[str, Any] = {}
+    if "pg_collection" in inspect.signature(TECudaGraphHelper.__init__).parameters:
+        pg_collection = _model_pg_collection(model)
+        if pg_collection is not None:
+            kwargs["pg_collection"] = pg_collection
     return TECudaGraphHelper(
         model=model,
         config=model_config,
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
         optimizers=optimizers,
+        **kwargs,
     )
+
+
+def _model_pg_collection(model: list[Any]) -> Any:
+    module = model[0] if model else None
+    # DDP and Float16Module wrap the model in ``.module``.
+    while module is not None and getattr(module, "pg_collection", None) is None:
+        module = getattr(module, "module", None)
+    return None if module is None else module.pg_collection
 
 
 def te_capture_done(helper: Any) -> bool:
     """``create_cudagraphs()`` has run (0.19 separates this from "graphs exist")."""
-    if new_generation():
+    if hasattr(helper, "capture_finished"):
         return helper.capture_finished()
     return helper.graphs_created()
 

@@ -15,9 +15,13 @@ Where the capture step is decided:
   ``warmup_steps``-th call per stage; :meth:`CudaGraphPlugin._forward_backward` sees it
   coming and brackets it with the capture hooks, timing and memory snapshots.
 
-Graphs are freed in :meth:`CudaGraphPlugin.mcgraph_shutdown`, a ``wrapper=True``
-implementation whose ``finally`` runs on every exit path, even when another plugin's
-shutdown implementation raises.
+The mechanisms themselves live in ``mechanisms`` (one object per run, behind one
+interface). Graphs are freed in :meth:`CudaGraphPlugin.mcgraph_shutdown`, a
+``wrapper=True`` implementation whose ``finally`` runs on every exit path, even when
+another plugin's shutdown implementation raises; each resource is released in its own
+guarded step (``cleanup``). When a multi-rank run ends by an exception or a signal, a peer
+may be gone: shutdown then never waits on the device (no synchronisation, no cache
+flush), so the failing rank reaches the host's teardown and exits.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ import time
 from typing import Any
 
 from cudagraph_plugin import compat
+from cudagraph_plugin.cleanup import ReleaseStep, release_each, settle
 from cudagraph_plugin.cli import apply_overrides
 from cudagraph_plugin.guard import FIX, ShapeGuard, StaticShapeError
+from cudagraph_plugin.mechanisms import FullIterationGraphs, TEGraphs
 from cudagraph_plugin.preflight import preflight
 from cudagraph_plugin.report import (
     MIB,
@@ -49,7 +55,7 @@ from cudagraph_plugin.validation import (
     apply_autofixes,
     validate,
 )
-from hookspecs import call_hook, hookimpl
+from hookspecs import ShutdownReason, call_hook, hookimpl
 
 logger = logging.getLogger("cudagraph_plugin")
 
@@ -75,6 +81,22 @@ _CALC_FIX = (
     "None, global_batch_size, micro_batch_size, data_parallel_size) before run.model_built() "
     "(Megatron-LM's loop does this at start-up)",
 )
+
+
+_BUILD_PROBLEM = (
+    "the DDP wrapper of model chunk(s) {chunks} was built outside run.model_build_context(); "
+    "its gradient-accumulation nodes then belong to the default stream and the capture "
+    'fails with "operation would make the legacy stream depend on a capturing blocking '
+    'stream"'
+)
+_BUILD_FIX = (
+    "construct DistributedDataParallel inside `with run.model_build_context():` (it enters "
+    "the stream the capture needs, as Megatron-LM's loop does)"
+)
+
+# Run endings after which a peer rank may be dead or stuck in a collective: nothing at
+# shutdown may wait on the device then.
+_ABNORMAL = (ShutdownReason.EXCEPTION, ShutdownReason.INTERRUPTED, ShutdownReason.SIGNAL)
 
 
 class Phase(enum.Enum):
@@ -103,8 +125,11 @@ class CudaGraphPlugin:
         self.model: list[Any] | None = None
         self.seq_length: int | None = None
         self.micro_batch_size: int | None = None
-        self.te_helper: Any = None
-        self.fi_wrapper: Any = None
+        self.model_config: Any = None
+        self.build = compat.DDPBuildContext(settings.full_iteration) if self.active else None
+        self.te: TEGraphs | None = None
+        self.full: FullIterationGraphs | None = None
+        self._wrapped: dict[int, tuple[Any, _ForwardBackward]] = {}
         self.guard = ShapeGuard()
         self.timer = StepTimer(use_cuda=cuda)
         self.step: int | None = None
@@ -120,6 +145,8 @@ class CudaGraphPlugin:
         self.fallback_step: int | None = None
         self.report: RunReport | None = None
         self.allocated_after_free_mib: float | None = None
+        self.cleanup_failures: list[tuple[str, BaseException]] = []
+        self._eager_after_shutdown_logged = False
 
     @classmethod
     def configure(cls, config: Any, pluginmanager: Any) -> CudaGraphPlugin:
@@ -196,9 +223,9 @@ class CudaGraphPlugin:
 
     @hookimpl
     def mcgraph_model_build_context(self, config: Any) -> Any:
-        if not self.active:
+        if self.build is None:
             return None
-        return compat.ddp_build_context(full_iteration=self.settings.full_iteration)
+        return self.build.enter()
 
     @hookimpl
     def mcgraph_model_built(
@@ -220,14 +247,27 @@ class CudaGraphPlugin:
             raise CudaGraphConfigError(
                 [Violation(("num_microbatches_calculator",), "not initialised", *_CALC_FIX)]
             )
-        if self._te:
-            self.te_helper = compat.make_te_helper(
-                model, model_config, seq_length, micro_batch_size, [optimizer]
+        assert self.build is not None  # active
+        missing = self.build.missing(model)
+        if missing:
+            chunks = ", ".join(map(str, missing))
+            raise CudaGraphConfigError(
+                [
+                    Violation(
+                        ("run.model_build_context()",),
+                        "entered" if self.build.entered else "never entered",
+                        _BUILD_PROBLEM.format(chunks=chunks),
+                        _BUILD_FIX,
+                    )
+                ]
             )
+        self.model_config = model_config
+        if self._te:
+            self.te = TEGraphs(model, model_config, seq_length, micro_batch_size, [optimizer])
             logger.info(
                 "TE CUDA graphs: %d graphable layer(s) for scope %s; capture at step "
                 "start_step + %d",
-                compat.te_layer_count(self.te_helper),
+                self.te.layer_count(),
                 ",".join(self.settings.scope),
                 self.settings.warmup_steps,
             )
@@ -264,9 +304,19 @@ class CudaGraphPlugin:
         func = yield
         if not self.active:
             return func
-        if self._full_iteration:
-            self.fi_wrapper = compat.make_full_iteration_wrapper(func, self.settings.warmup_steps)
-        return _ForwardBackward(self, func)
+        # Idempotent: asking again for the same function returns the same callable (a new
+        # wrapper would reset megatron-core's class state and free live graphs).
+        known = self._wrapped.get(id(func))
+        if known is not None:
+            return known[1]
+        if self._full_iteration and self.full is None:
+            self.full = FullIterationGraphs(
+                self.settings.warmup_steps,
+                compat.single_mempool(self.model_config),
+            )
+        wrapped = _ForwardBackward(self, func)
+        self._wrapped[id(func)] = (func, wrapped)
+        return wrapped
 
     # -- training -----------------------------------------------------------------------------
 
@@ -287,7 +337,9 @@ class CudaGraphPlugin:
     def mcgraph_post_warmup_step(self, step: int, start_step: int) -> None:
         if not self._te:
             return  # full-iteration graphs are captured inside forward_backward_func
-        if compat.te_capture_done(self.te_helper):
+        te = self.te
+        assert te is not None  # built in mcgraph_model_built
+        if te.capture_done():
             raise RuntimeError(f"TE CUDA graphs were already captured before step {step}")
         uses_hooks = compat.uses_forward_pre_hooks(self.model)
         toggle = uses_hooks and compat.forward_pre_hooks_enabled(self.model)
@@ -296,12 +348,12 @@ class CudaGraphPlugin:
                 self.pm, "mcgraph_disable_forward_pre_hook", model=self.model, param_sync=False
             )
         try:
-            self._capture("training", self.te_helper.create_cudagraphs)
+            self._capture("training", te.create)
         finally:
             if toggle:
                 call_hook(self.pm, "mcgraph_enable_forward_pre_hook", model=self.model)
         if toggle:
-            self.te_helper.cuda_graph_set_manual_hooks()
+            te.set_manual_hooks()
         elif uses_hooks:
             # The host keeps the pre-hooks off for now (Megatron-LM does for its first step);
             # the manual hooks are set when it enables them (mcgraph_enable_forward_pre_hook).
@@ -311,10 +363,14 @@ class CudaGraphPlugin:
     def mcgraph_enable_forward_pre_hook(self, model: list[Any]) -> Any:
         result = yield
         if self.manual_hooks_pending:
-            self.manual_hooks_pending = False
-            self.te_helper.cuda_graph_set_manual_hooks()
-            logger.info("forward pre-hooks enabled: set the CUDA graph manual hooks")
+            self._set_pending_manual_hooks("forward pre-hooks enabled")
         return result
+
+    def _set_pending_manual_hooks(self, why: str) -> None:
+        assert self.te is not None
+        self.manual_hooks_pending = False
+        self.te.set_manual_hooks()
+        logger.info("%s: set the CUDA graph manual hooks", why)
 
     @hookimpl
     def mcgraph_train_step_end(self, step: int, metrics: dict[str, Any]) -> None:
@@ -343,10 +399,9 @@ class CudaGraphPlugin:
         if not self.captures:  # the report's memory numbers are the first capture's
             self.memory_before, self.memory_after = before, MemorySnapshot.take()
         self.captures.append({"stage": stage, "step": step, "seconds": seconds})
-        if self._te:
-            self.graph_count = compat.te_graph_count(self.te_helper)
-        else:
-            self.graph_count += 1
+        mechanism = self.te or self.full
+        assert mechanism is not None
+        self.graph_count = mechanism.graph_count()
         self.graphs_held_max = max(self.graphs_held_max, self.graph_count)
         if self.phase is Phase.BUILT:
             self._advance((Phase.BUILT,), Phase.CAPTURED)
@@ -369,20 +424,28 @@ class CudaGraphPlugin:
         return result
 
     def _forward_backward(self, eager: Any, kwargs: dict[str, Any]) -> Any:
+        if self.phase is Phase.SHUT_DOWN:
+            # Graphs are gone (e.g. Megatron-LM-style evaluation after training): eager.
+            if not self._eager_after_shutdown_logged:
+                self._eager_after_shutdown_logged = True
+                logger.info("forward_backward_func called after shutdown: running eagerly")
+            return eager(**kwargs)
         stage = "validation" if kwargs.get("forward_only") else "training"
-        if self._full_iteration and self.phase is not Phase.FALLEN_BACK:
-            capturing = (
-                not compat.full_iteration_captured(stage)
-                and compat.full_iteration_calls(stage) == self.settings.warmup_steps
-            )
+        if self.full is not None and self.phase is not Phase.FALLEN_BACK:
+            full = self.full
+            wrapper = full.wrapper_for(eager)
+            capturing = full.due(stage)
             kwargs["data_iterator"] = self.guard.check_call(
                 stage, self.step, kwargs, record=capturing
             )
             if not capturing:
-                return self.fi_wrapper(**kwargs)
-            result = self._capture(stage, lambda: self.fi_wrapper(**kwargs))
+                return full.call(wrapper, kwargs)
+            result = self._capture(stage, lambda: full.call(wrapper, kwargs))
             self.guard.commit(stage)
             return result
+        if self.manual_hooks_pending and compat.forward_pre_hooks_enabled(self.model):
+            # The host turned the pre-hooks back on without run.enable_forward_pre_hook().
+            self._set_pending_manual_hooks("forward pre-hooks found enabled by the host")
         if self._te and stage == "training" and self.phase is Phase.CAPTURED:
             record = not self.guard.is_armed(stage)
             if record:
@@ -405,8 +468,8 @@ class CudaGraphPlugin:
                     f"but the TE CUDA graphs were captured for {name}={captured!r}. Fix: {FIX}"
                 )
 
-    def _samples(self) -> tuple[list[int], list[int], dict[int, float]]:
-        durations = self.timer.durations_ms()
+    def _samples(self, sync: bool = True) -> tuple[list[int], list[int], dict[int, float]]:
+        durations = self.timer.durations_ms(sync=sync)
         steps = sorted(durations)
         capture_step = self._training_capture_step()
         first = self.start_step
@@ -432,16 +495,19 @@ class CudaGraphPlugin:
         self.fallback_decided = True
         eager, replay, durations = self._samples()
         result, _, _, text = verdict([durations[s] for s in eager], [durations[s] for s in replay])
-        if result != "slower":
+        # What a rank executes must not differ: every rank falls back if any rank measured
+        # a slowdown (a rank replaying while another runs eagerly deadlocks a collective).
+        if not compat.any_rank(result == "slower"):
             logger.info("fallback policy: keeping the full-iteration graph (%s)", text)
             return
         logger.warning(
             "fallback policy: %s; freeing the full-iteration graph at step %d and continuing "
             "with the plain forward_backward_func",
-            text,
+            text if result == "slower" else f"another rank measured a slowdown (here: {text})",
             step,
         )
-        self.graphs_freed += compat.free_full_iteration_graphs(self.fi_wrapper)
+        assert self.full is not None
+        self.graphs_freed += release_each(self.full.graph_release_steps()).graphs_freed
         gc.collect()
         self.guard.disarm()
         self.graph_count = 0
@@ -457,9 +523,10 @@ class CudaGraphPlugin:
         # The report goes out before the other plugins' shutdown implementations run (they
         # may close the sinks it is written to); graphs are freed after them, whatever
         # happened before.
+        quiet = self._device_may_block(reason)
         report_error: Exception | None = None
         try:
-            self._emit_report(str(reason))
+            self._emit_report(str(reason), sync=not quiet)
         except Exception as exc:
             report_error = exc
         try:
@@ -469,67 +536,90 @@ class CudaGraphPlugin:
                 logger.error("the run report also failed", exc_info=report_error)
             raise
         finally:
-            self._release_all(str(reason))
+            self._release_all(str(reason), quiet=quiet, exception=exception)
         if report_error is not None:
             raise report_error
         return result
 
-    def _release(self) -> int:
-        """Free every graph this run holds; safe to call in any phase."""
-        freed = 0
-        if self.te_helper is not None:
-            if compat.end_stuck_te_capture():
-                logger.warning("the TE capture failed midway; cleared megatron-core's capture flag")
-            freed += compat.free_te_graphs(self.te_helper)
-            self.te_helper = None
-        if self.fi_wrapper is not None:
-            freed += compat.free_full_iteration_graphs(self.fi_wrapper)
-            self.fi_wrapper = None
-        self.guard.disarm()
-        self.manual_hooks_pending = False
-        gc.collect()
-        return freed
+    @staticmethod
+    def _device_may_block(reason: Any) -> bool:
+        """After an abnormal end of a multi-rank run a peer may never join the collectives
+        queued on this device: waiting on it (a synchronisation, a cache flush) can hang."""
+        return reason in _ABNORMAL and compat.distributed_world()[1] > 1
 
-    def _release_all(self, reason: str) -> None:
+    def _release_steps(self, quiet: bool) -> list[ReleaseStep]:
+        steps: list[ReleaseStep] = []
+        for mechanism in (self.te, self.full):
+            if mechanism is not None:
+                steps += mechanism.release_steps()
+        steps += [
+            ReleaseStep("static-shape guard", self.guard.disarm),
+            ReleaseStep("pending manual hooks", self._forget_manual_hooks),
+            ReleaseStep("model and optimizer references", self._drop_references),
+            ReleaseStep("Python garbage", gc.collect),
+        ]
+        if self.cuda and self.captures:
+            steps.append(ReleaseStep("cuBLAS workspaces", compat.clear_cublas_workspaces))
+        if self.cuda and not quiet:
+            # cudaFree synchronises the device: only when no peer can leave it waiting.
+            steps.append(ReleaseStep("cached device memory", _empty_cache))
+        return steps
+
+    def _forget_manual_hooks(self) -> None:
+        self.manual_hooks_pending = False
+
+    def _drop_references(self) -> None:
+        # The run is over: nothing here may keep the model or optimizer alive.
+        self.model = None
+        self.model_config = None
+        self._wrapped.clear()
+
+    def _release_all(self, reason: str, *, quiet: bool, exception: BaseException | None) -> None:
         if self.phase is Phase.SHUT_DOWN:
             return
         self.phase = Phase.SHUT_DOWN
-        self.graphs_freed += self._release()
-        # The run is over: nothing here may keep the model or optimizer alive.
-        self.model = None
+        result = release_each(self._release_steps(quiet))
+        self.graphs_freed += result.graphs_freed
+        self.cleanup_failures = result.failures
+        self.te = None
+        self.full = None
         if self.cuda:
-            import torch
-
-            if self.captures:
-                compat.clear_cublas_workspaces()
-            torch.cuda.empty_cache()
-            self.allocated_after_free_mib = torch.cuda.memory_allocated() / MIB
-        if not self.cuda:
+            self.allocated_after_free_mib = _allocated_mib()
+            before = self.memory_before.allocated_mib if self.memory_before else None
+            logger.info(
+                "shutdown (%s): %d CUDA graph(s) freed; allocated memory now %s MiB (before "
+                "capture: %s MiB)%s",
+                reason,
+                self.graphs_freed,
+                _fmt_mib(self.allocated_after_free_mib),
+                _fmt_mib(before),
+                "; device not synchronised (a peer may be gone)" if quiet else "",
+            )
+        else:
             logger.info("shutdown (%s): no CUDA graph to free on the CPU", reason)
-            return
-        before = self.memory_before.allocated_mib if self.memory_before else None
-        logger.info(
-            "shutdown (%s): %d CUDA graph(s) freed; allocated memory now %s MiB (before "
-            "capture: %s MiB)",
-            reason,
-            self.graphs_freed,
-            _fmt_mib(self.allocated_after_free_mib),
-            _fmt_mib(before),
-        )
+        settle(result.failures, exception)
 
-    def _emit_report(self, reason: str) -> None:
+    def _emit_report(self, reason: str, *, sync: bool) -> None:
         peak_at_end = MemorySnapshot.take().peak_allocated_mib if self.captures else None
-        self.report = self._build_report(reason, peak_at_end)
-        logger.info("CUDA graph report:\n%s", self.report.format_table())
-        if self.report.verdict in ("slower", "no_gain"):
+        self.report = self._build_report(reason, peak_at_end, sync=sync)
+        rank, world_size = self.report.rank, self.report.world_size
+        # One table per job, not one per rank; every rank still gets the hook and its JSON.
+        logger.log(
+            logging.INFO if rank == 0 else logging.DEBUG,
+            "CUDA graph report%s:\n%s",
+            f" (rank 0 of {world_size})" if world_size > 1 else "",
+            self.report.format_table(),
+        )
+        if self.report.verdict in ("slower", "no_gain") and rank == 0:
             logger.warning("CUDA graphs did not pay off: %s", self.report.verdict_text)
         if self.settings.report_json:
-            path = self.report.write_json(self.settings.report_json)
+            path = self.report.write_json(_rank_path(self.settings.report_json, rank))
             logger.info("CUDA graph report written to %s", path)
         call_hook(self.pm, "mcgraph_report", report=self.report)
 
-    def _build_report(self, reason: str, peak_at_end: float | None) -> RunReport:
-        eager, replay, durations = self._samples()
+    def _build_report(self, reason: str, peak_at_end: float | None, *, sync: bool) -> RunReport:
+        rank, world_size = compat.distributed_world()
+        eager, replay, durations = self._samples(sync=sync)
         if self.captures:
             result, speedup, noise, text = verdict(
                 [durations[s] for s in eager], [durations[s] for s in replay]
@@ -570,7 +660,31 @@ class CudaGraphPlugin:
             shutdown_reason=reason,
             device=_device_name(self.cuda),
             versions=compat.versions(),
+            rank=rank,
+            world_size=world_size,
         )
+
+
+def _rank_path(path: str, rank: int) -> str:
+    """Rank 0 writes ``path``; rank N writes ``<stem>.rankN<suffix>`` beside it."""
+    if rank == 0:
+        return path
+    from pathlib import Path
+
+    target = Path(path)
+    return str(target.with_name(f"{target.stem}.rank{rank}{target.suffix}"))
+
+
+def _empty_cache() -> None:
+    import torch
+
+    torch.cuda.empty_cache()
+
+
+def _allocated_mib() -> float:
+    import torch
+
+    return torch.cuda.memory_allocated() / MIB
 
 
 def _fmt_mib(value: float | None) -> str:

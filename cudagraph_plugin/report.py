@@ -88,11 +88,12 @@ class StepTimer:
             self._in_flight.popleft()
             self._keep(step, start.elapsed_time(end))
 
-    def durations_ms(self) -> dict[int, float]:
-        """Milliseconds per finished step (synchronises the device once if events are still
-        in flight, not at all otherwise)."""
+    def durations_ms(self, sync: bool = True) -> dict[int, float]:
+        """Milliseconds per finished step. Steps still in flight on the device are waited
+        for with one synchronisation, or, with ``sync=False`` (a peer rank may be gone and
+        the device never finish), left out."""
         self._collect(wait=False)
-        if self._in_flight:
+        if self._in_flight and sync:
             import torch
 
             torch.cuda.synchronize()
@@ -204,6 +205,8 @@ class RunReport:
     shutdown_reason: str
     device: str
     versions: dict[str, str | None]
+    rank: int = 0
+    world_size: int = 1
 
     @property
     def memory_overhead_mib(self) -> float | None:
@@ -240,7 +243,8 @@ class RunReport:
     def format_table(self) -> str:
         d = self.to_dict()
         scope = ",".join(self.scope) or "-"
-        rows = [("CUDA graphs", f"impl={self.impl} scope={scope} on {self.device}")]
+        where = self.device if self.world_size == 1 else f"{self.device}, rank {self.rank}"
+        rows = [("CUDA graphs", f"impl={self.impl} scope={scope} on {where}")]
         if not self.graphs_captured:
             rows.append(("captured", f"NO GRAPH CAPTURED: {self.no_graph_reason}"))
         else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 from cpu_only import needs_mcore_on_cpu
 from megatron.core import full_cuda_graph
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
+from packaging.version import Version
 
 from cpu_redirect import cpu_redirect
 from cudagraph_plugin import compat
@@ -23,9 +26,9 @@ from fakes import (
 
 @pytest.fixture(autouse=True)
 def clean_full_iteration_state():
-    compat.free_full_iteration_graphs(None)
+    compat.free_full_iteration_graphs()
     yield
-    compat.free_full_iteration_graphs(None)
+    compat.free_full_iteration_graphs()
 
 
 def _dirty(stage: str = "training") -> FakeCUDAGraph:
@@ -51,7 +54,7 @@ def test_free_full_iteration_graphs_resets_016_class_state_by_hand():
     training = _dirty("training")
     validation = _dirty("validation")
     assert compat.full_iteration_state_dirty()
-    freed = compat.free_full_iteration_graphs(None)
+    freed = compat.free_full_iteration_graphs()
     assert freed == 2
     assert training.resets == 1 and validation.resets == 1
     for stage in ("training", "validation"):
@@ -60,22 +63,25 @@ def test_free_full_iteration_graphs_resets_016_class_state_by_hand():
         assert FullCudaGraphWrapper.curr_iteration[stage] == 0
         assert StaticBufferLoader.static_buffers[stage] == []
     assert not compat.full_iteration_state_dirty()
-    assert compat.free_full_iteration_graphs(None) == 0
+    assert compat.free_full_iteration_graphs() == 0
 
 
 def test_free_keeps_the_static_buffer_dict_object():
     """megatron-core's loaders hold the class dict; it must be cleared, not replaced."""
     buffers = StaticBufferLoader.static_buffers
     _dirty()
-    compat.free_full_iteration_graphs(None)
+    compat.free_full_iteration_graphs()
     assert StaticBufferLoader.static_buffers is buffers
 
 
 @needs_mcore_on_cpu
-def test_wrapper_over_dirty_state_warns_and_resets(caplog):
+def test_full_iteration_graphs_over_dirty_state_warn_and_reset(caplog):
+    from cudagraph_plugin.mechanisms import FullIterationGraphs
+
     _dirty()
     with cpu_redirect(), caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
-        wrapper = compat.make_full_iteration_wrapper(lambda **kw: None, warmup_steps=2)
+        graphs = FullIterationGraphs(warmup_steps=2, use_single_mempool=False)
+        wrapper = graphs.wrapper_for(lambda **kw: None)
     assert isinstance(wrapper, FullCudaGraphWrapper)
     assert wrapper.cuda_graph_warmup_steps == 2
     assert compat.full_iteration_calls("training") == 0
@@ -84,61 +90,162 @@ def test_wrapper_over_dirty_state_warns_and_resets(caplog):
 
 
 @needs_mcore_on_cpu
-def test_wrapper_over_clean_state_is_silent(caplog):
+def test_full_iteration_graphs_over_clean_state_are_silent_and_wrap_once(caplog):
+    from cudagraph_plugin.mechanisms import FullIterationGraphs
+
+    def func(**kwargs):
+        return None
+
     with cpu_redirect(), caplog.at_level(logging.WARNING):
-        compat.make_full_iteration_wrapper(lambda **kw: None, warmup_steps=0)
+        graphs = FullIterationGraphs(warmup_steps=0, use_single_mempool=False)
+        assert graphs.wrapper_for(func) is graphs.wrapper_for(func)
     assert caplog.text == ""
 
 
 @needs_mcore_on_cpu
-def test_019_wrapper_gets_single_mempool_and_reset_api(monkeypatch):
+@pytest.mark.parametrize("single", [True, False])
+def test_019_wrapper_gets_single_mempool_from_the_caller(monkeypatch, single):
     fake_class = _fake_full_cuda_graph_019()
-    monkeypatch.setattr(compat, "new_generation", lambda: True)
     monkeypatch.setattr(full_cuda_graph, "FullCudaGraphWrapper", fake_class)
     with cpu_redirect():
-        wrapper = compat.make_full_iteration_wrapper(lambda **kw: None, warmup_steps=3)
+        wrapper = compat.make_full_iteration_wrapper(
+            lambda **kw: None, warmup_steps=3, use_single_mempool=single
+        )
     assert isinstance(wrapper, fake_class)
-    assert wrapper.use_single_mempool is True
+    assert wrapper.use_single_mempool is single
+    # whatever the generation, freeing resets the graph and the class state by hand
     graph = _dirty()
-    calls = []
-    monkeypatch.setattr(
-        wrapper,
-        "reset_cuda_graph",
-        lambda stage=None: calls.append(stage) or fake_class.reset_cuda_graph(wrapper, stage),
-    )
-    assert compat.free_full_iteration_graphs(wrapper) == 1
-    assert calls == [None]
+    assert compat.free_full_iteration_graphs() == 1
     assert graph.resets == 1
-    # 0.19's reset_cuda_graph leaves the static buffers behind; compat clears them.
     assert StaticBufferLoader.static_buffers["training"] == []
 
 
+def test_single_mempool_is_read_from_the_model_config():
+    from types import SimpleNamespace
+
+    assert compat.single_mempool(SimpleNamespace(cuda_graph_use_single_mempool=True)) is True
+    assert compat.single_mempool(SimpleNamespace(cuda_graph_use_single_mempool=False)) is False
+    assert compat.single_mempool(SimpleNamespace()) is False  # 0.16 has no such field
+    assert compat.single_mempool(None) is False
+
+
 @needs_mcore_on_cpu
-def test_ddp_build_context_per_generation(monkeypatch):
-    assert compat.ddp_build_context(full_iteration=True) is None  # 0.16: any stream works
-    monkeypatch.setattr(compat, "new_generation", lambda: True)
+def test_ddp_build_context_streams(monkeypatch):
     with cpu_redirect():
+        before = torch.cuda.current_stream()
+        # 0.16 full iteration: no stream of its own (its wrapper captures on a fresh one)
+        context = compat.DDPBuildContext(full_iteration=True)
+        assert context.needs_stream is False
+        with context.enter():
+            assert torch.cuda.current_stream() is before
+        # TE graphs, every generation: a dedicated side stream, never the default one
+        with compat.DDPBuildContext(full_iteration=False).enter():
+            side = torch.cuda.current_stream()
+            assert side is not before
+        assert torch.cuda.current_stream() is before
+        # 0.18+ full iteration: the shared capture stream
         shared = torch.cuda.Stream()
         monkeypatch.setattr(
             full_cuda_graph, "get_shared_capture_stream", lambda: shared, raising=False
         )
-        before = torch.cuda.current_stream()
-        with compat.ddp_build_context(full_iteration=True):
+        with compat.DDPBuildContext(full_iteration=True).enter():
             assert torch.cuda.current_stream() is shared
         assert torch.cuda.current_stream() is before
-        # other implementations: a dedicated side stream, never the default one
-        with compat.ddp_build_context(full_iteration=False):
-            side = torch.cuda.current_stream()
-            assert side is not before and side is not shared
-        assert torch.cuda.current_stream() is before
+
+
+@needs_mcore_on_cpu
+def test_ddp_build_context_knows_which_ddp_chunks_were_built_inside():
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    import train_gpt
+
+    args = train_gpt.build_parser(__import__("hookspecs").get_plugin_manager()).parse_args([])
+    with cpu_redirect(), _world():
+        from megatron.core.transformer import TransformerConfig
+
+        config = TransformerConfig(**train_gpt._transformer_config_fields(args, use_cuda=False))
+        module = torch.nn.Linear(2, 2)
+        ddp_config = DistributedDataParallelConfig()
+        context = compat.DDPBuildContext(full_iteration=False)
+        with context.enter():
+            inside = DDP(config=config, ddp_config=ddp_config, module=module)
+        outside = DDP(config=config, ddp_config=ddp_config, module=torch.nn.Linear(2, 2))
+        assert context.missing([inside]) == []
+        assert context.missing([inside, outside]) == [1]
+        assert compat.DDPBuildContext(full_iteration=False).missing([inside]) == [0]
+        # not a DDP chunk: nothing to check
+        assert context.missing([torch.nn.Linear(2, 2)]) == []
+
+
+@contextlib.contextmanager
+def _world():
+    from megatron.core import parallel_state
+
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
+    try:
+        parallel_state.initialize_model_parallel()
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+@needs_mcore_on_cpu
+def test_input_copy_waits_for_the_previous_replay(monkeypatch):
+    import cpu_redirect as redirect
+
+    waits = []
+    monkeypatch.setattr(redirect.Stream, "wait_stream", lambda self, other: waits.append(self))
+    with cpu_redirect():
+        wrapper = compat.make_full_iteration_wrapper(
+            lambda **kw: None, warmup_steps=1, use_single_mempool=False
+        )
+        compat.order_input_copy_after_replay(wrapper)
+    assert waits == [wrapper.static_loader.stream]
 
 
 def test_019_free_drops_the_shared_graph_pool_handle(monkeypatch):
-    monkeypatch.setattr(compat, "new_generation", lambda: True)
     monkeypatch.setattr(full_cuda_graph, "_shared_graph_pool", (0, 7), raising=False)
     _dirty()
-    compat.free_full_iteration_graphs(None)
+    compat.free_full_iteration_graphs()
     assert full_cuda_graph._shared_graph_pool is None
+
+
+def test_generation_is_detected_by_feature_not_by_version(monkeypatch):
+    """A 0.18 release candidate sorts before 0.18.0; megatron on PYTHONPATH has no
+    metadata. Neither may change which API is used."""
+    import dataclasses
+
+    from megatron.core import transformer
+
+    @dataclasses.dataclass
+    class NewConfig:
+        cuda_graph_modules: list = dataclasses.field(default_factory=list)
+
+    monkeypatch.setattr(compat, "_dist_version", lambda *names: Version("0.18.0rc1"))
+    compat.new_generation.cache_clear()
+    try:
+        assert compat.new_generation() is False  # the installed config: 0.16's fields
+        monkeypatch.setattr(transformer, "TransformerConfig", NewConfig)
+        compat.new_generation.cache_clear()
+        assert compat.new_generation() is True
+    finally:
+        compat.new_generation.cache_clear()
+
+
+def test_versions_without_package_metadata(monkeypatch):
+    monkeypatch.setattr(compat, "_dist_version", lambda *names: None)
+    compat.mcore_version.cache_clear()
+    try:
+        versions = compat.versions()
+    finally:
+        compat.mcore_version.cache_clear()
+    assert versions["megatron-core"] == "0.16.1"  # from megatron.core.package_info
+    assert versions["torch"] == torch.__version__
+    assert versions["transformer-engine"] is None
 
 
 def test_model_config_kwargs_are_accepted_by_real_016_config():
@@ -184,11 +291,65 @@ class _Helper:
         self._created = False
 
 
-def test_te_capture_done_per_generation(monkeypatch):
-    helper = _Helper(created=False, finished=True)  # 0.19: capture ran, no graphable layer
-    assert compat.te_capture_done(helper) is False
-    monkeypatch.setattr(compat, "new_generation", lambda: True)
-    assert compat.te_capture_done(helper) is True
+class _Helper016(_Helper):
+    capture_finished = None  # 0.16's helper has no such method
+
+    def __getattribute__(self, name):
+        if name == "capture_finished":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def test_te_capture_done_per_generation():
+    # 0.19: the capture ran although no layer was graphable
+    assert compat.te_capture_done(_Helper(created=False, finished=True)) is True
+    # 0.16: only "graphs exist" is known
+    assert compat.te_capture_done(_Helper016(created=False, finished=True)) is False
+    assert compat.te_capture_done(_Helper016(created=True, finished=True)) is True
+
+
+@needs_mcore_on_cpu
+@pytest.mark.parametrize("with_groups", [True, False])
+def test_make_te_helper_passes_the_models_process_groups_where_accepted(
+    monkeypatch, with_groups
+):
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import cuda_graphs
+
+    made = []
+
+    def recording(helper_class):
+        """The helper class with its real signature, recording the keyword arguments."""
+
+        @functools.wraps(helper_class.__init__)
+        def init(self, *args, **kwargs):
+            made.append(kwargs)
+
+        return type(f"Recording{helper_class.__name__}", (helper_class,), {"__init__": init})
+
+    groups = object()
+    inner = SimpleNamespace(pg_collection=groups if with_groups else None)
+    chunk = SimpleNamespace(module=SimpleNamespace(module=inner))  # DDP(Float16Module(model))
+    config = SimpleNamespace(cuda_graph_impl="transformer_engine")
+    monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", recording(FakeTECudaGraphHelper019))
+    compat.make_te_helper([chunk], config, 16, 2, ["opt"])
+    expected = {"pg_collection": groups} if with_groups else {}
+    assert made == [
+        {
+            "model": [chunk],
+            "config": config,
+            "seq_length": 16,
+            "micro_batch_size": 2,
+            "optimizers": ["opt"],
+            **expected,
+        }
+    ]
+    # 0.16's helper takes no pg_collection: never passed
+    made.clear()
+    monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", recording(FakeTECudaGraphHelper))
+    compat.make_te_helper([chunk], config, 16, 2, ["opt"])
+    assert "pg_collection" not in made[0]
 
 
 def test_free_te_graphs_only_when_created():

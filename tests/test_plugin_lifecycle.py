@@ -522,9 +522,9 @@ def test_fallback_policy_reads_the_timings_once_to_decide(fake_graphs, monkeypat
     reads = []
     original = StepTimer.durations_ms
 
-    def counting(self):
-        reads.append(1)
-        return original(self)
+    def counting(self, sync=True):
+        reads.append(sync)
+        return original(self, sync=sync)
 
     monkeypatch.setattr(StepTimer, "durations_ms", counting)
     run(*FULL, "--cuda-graph-warmup-steps", "2", "--cuda-graph-fallback-on-slowdown", steps=12)
