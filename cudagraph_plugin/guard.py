@@ -12,6 +12,7 @@ later call before its micro-batches reach the model.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,27 +22,55 @@ class StaticShapeError(RuntimeError):
 
 
 FIX = (
-    "keep seq_length, micro_batch_size, tensor dtypes and the number of micro-batches fixed "
-    "for the whole run (pad variable-length data to a fixed width), or run without CUDA graphs"
+    "keep seq_length, micro_batch_size, tensor dtypes, non-tensor batch values and the number "
+    "of micro-batches fixed for the whole run (pad variable-length data to a fixed width), or "
+    "run without CUDA graphs"
 )
 
 
-def signature(batch: Any, path: str = "batch") -> tuple[tuple[str, str], ...]:
-    """A hashable description of a micro-batch: every tensor's path, shape and dtype and
-    every other leaf's path and type."""
-    if isinstance(batch, dict):
-        return tuple(
-            item
-            for key in sorted(batch, key=str)
-            for item in signature(batch[key], f"{path}[{key!r}]")
-        )
-    if isinstance(batch, (list, tuple)):
-        return tuple(item for i, v in enumerate(batch) for item in signature(v, f"{path}[{i}]"))
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+_MAX_DEPTH = 6
+
+
+def signature(batch: Any, path: str = "batch", depth: int = 0) -> tuple[tuple[str, str], ...]:
+    """A hashable description of a micro-batch: every tensor's path, shape and dtype, and
+    every other leaf's path, type and value.
+
+    Values matter for everything that is not a tensor: a captured graph copies new tensor
+    contents into its static buffers, but Python scalars (e.g. the ``max_seqlen`` of
+    packed-sequence parameters) were baked into the kernels at capture time. Objects
+    (dataclasses, plain objects) are described field by field.
+    """
     shape = getattr(batch, "shape", None)
     dtype = getattr(batch, "dtype", None)
     if shape is not None and dtype is not None:
         return ((path, f"shape {tuple(shape)} dtype {dtype}"),)
-    return ((path, type(batch).__name__),)
+    if isinstance(batch, _SCALARS) or isinstance(batch, enum.Enum):
+        return ((path, f"{type(batch).__name__} {batch!r}"),)
+    if depth >= _MAX_DEPTH:
+        return ((path, f"{type(batch).__name__} {batch!r}"),)
+    if isinstance(batch, dict):
+        return tuple(
+            item
+            for key in sorted(batch, key=str)
+            for item in signature(batch[key], f"{path}[{key!r}]", depth + 1)
+        )
+    if isinstance(batch, (list, tuple)):
+        return tuple(
+            item for i, v in enumerate(batch) for item in signature(v, f"{path}[{i}]", depth + 1)
+        )
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    elif hasattr(batch, "__dict__") and not callable(batch):
+        fields = {k: v for k, v in vars(batch).items() if not k.startswith("_")}
+    else:
+        return ((path, f"{type(batch).__name__} {batch!r}"),)
+    kind = type(batch).__name__
+    return ((path, kind),) + tuple(
+        item
+        for name in sorted(fields)
+        for item in signature(fields[name], f"{path}.{name}", depth + 1)
+    )
 
 
 def _difference(expected: tuple, actual: tuple) -> str:

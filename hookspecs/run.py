@@ -395,16 +395,27 @@ class TrainingRun:
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        already = self._pending_signal is not None
-        self._pending_signal = signum
-        if self._shutting_down or already:
-            logger.warning("%s received again during shutdown", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if self._pending_signal is not None:
+            # A second signal while the first is still being handled (shutdown may be stuck,
+            # e.g. on a dead peer): it goes to the host's own handler now, which by default
+            # terminates the process.
+            logger.warning("%s received again while the first is handled: passing it on", name)
+            self._chain(signum, frame)
             return
-        logger.warning(
-            "%s received: ending the run cleanly (shutdown hooks run first)",
-            signal.Signals(signum).name,
-        )
+        self._pending_signal = signum
+        if self._shutting_down:
+            logger.warning("%s received during shutdown: acted on once shutdown ends", name)
+            return
+        logger.warning("%s received: ending the run cleanly (shutdown hooks run first)", name)
         raise SignalReceived(signum)
+
+    def _chain(self, signum: int, frame: Any) -> None:
+        previous = self._previous_handlers.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+            return
+        _terminate_by(signum)
 
     def _apply_previous_signal_behaviour(self, exc: BaseException | None) -> bool:
         signum = self._pending_signal
@@ -418,10 +429,15 @@ class TrainingRun:
                 signal.Signals(signum).name,
             )
             return isinstance(exc, SignalReceived)
-        # SIG_DFL (or a handler not set from Python): terminate by the same signal.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        _terminate_by(signum)
         return False  # not reached for terminating signals
+
+
+def _terminate_by(signum: int) -> None:
+    """SIG_DFL (or a handler not set from Python): die by the same signal, as the process
+    would have without the run's handler."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)

@@ -310,9 +310,7 @@ def test_te_capture_done_per_generation():
 
 @needs_mcore_on_cpu
 @pytest.mark.parametrize("with_groups", [True, False])
-def test_make_te_helper_passes_the_models_process_groups_where_accepted(
-    monkeypatch, with_groups
-):
+def test_make_te_helper_passes_the_models_process_groups_where_accepted(monkeypatch, with_groups):
     from types import SimpleNamespace
 
     from megatron.core.transformer import cuda_graphs

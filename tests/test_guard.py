@@ -37,8 +37,51 @@ def test_signature_covers_nested_tensors_and_leaves():
     assert sig == (
         ("batch['a']", "shape (1,) dtype torch.bfloat16"),
         ("batch['b'][0]", "shape (2, 3) dtype torch.float32"),
-        ("batch['b'][1]", "int"),
+        ("batch['b'][1]", "int 4"),
     )
+
+
+def test_python_scalars_and_objects_are_compared_by_value():
+    """A graph keeps the capture-time values of non-tensor inputs (e.g. the max_seqlen of
+    packed-sequence parameters): a changed value must be caught, not only a changed type."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    def packed(max_seqlen: int) -> dict:
+        cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=max_seqlen,
+            max_seqlen_kv=max_seqlen,
+        )
+        return {"tokens": torch.zeros(1, 8, dtype=torch.int64), "packed_seq_params": params}
+
+    guard = ShapeGuard()
+    recorded = guard.check_call(
+        "training", 3, {"num_microbatches": 1, "data_iterator": iter([packed(4)])}, record=True
+    )
+    next(recorded)
+    guard.commit("training")
+    same = guard.check_call(
+        "training", 4, {"num_microbatches": 1, "data_iterator": iter([packed(4)])}, record=False
+    )
+    next(same)
+    changed = guard.check_call(
+        "training", 5, {"num_microbatches": 1, "data_iterator": iter([packed(6)])}, record=False
+    )
+    with pytest.raises(StaticShapeError, match=r"max_seqlen_kv: int 4 at capture, now int 6"):
+        next(changed)
+
+
+def test_a_changed_scalar_in_a_plain_dict_is_caught():
+    guard = ShapeGuard()
+    first = guard.check_call("training", 0, {"data_iterator": iter([{"scale": 1.0}])}, record=True)
+    next(first)
+    guard.commit("training")
+    later = guard.check_call("training", 1, {"data_iterator": iter([{"scale": 2.0}])}, record=False)
+    with pytest.raises(StaticShapeError, match="scale"):
+        next(later)
 
 
 def test_unarmed_guard_passes_the_iterator_through():

@@ -314,11 +314,15 @@ CHILD = textwrap.dedent(
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(0.05)
                 print("shutdown hook finished", flush=True)
+            if mode.startswith("stuck"):
+                print("stuck in shutdown", flush=True)
+                time.sleep(30)  # e.g. waiting on a peer rank that is gone
+                print("shutdown hook finished", flush=True)
 
     def previous_handler(signum, frame):
         print(f"previous handler {signum}", flush=True)
 
-    if mode == "python_handler":
+    if mode in ("python_handler", "stuck_python_handler"):
         signal.signal(signal.SIGTERM, previous_handler)
     elif mode == "ignored":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -386,6 +390,29 @@ def test_sigterm_during_shutdown_lets_shutdown_finish_then_dies(tmp_path):
     out, err = proc.communicate(timeout=15)
     assert out.splitlines() == ["shutdown completed NoneType", "shutdown hook finished"], err
     assert proc.returncode == -signal.SIGTERM, err
+
+
+@pytest.mark.parametrize("mode", ["stuck_default", "stuck_python_handler"])
+def test_second_sigterm_while_shutdown_is_stuck_goes_to_the_previous_handler(tmp_path, mode):
+    """The first SIGTERM starts a clean shutdown; if that hangs, a second one must not be
+    swallowed: it reaches the handler the host had (by default: the process dies)."""
+    proc = start_child(tmp_path, mode)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stdout.readline() == "shutdown signal SignalReceived\n"
+        assert proc.stdout.readline() == "stuck in shutdown\n"
+        proc.send_signal(signal.SIGTERM)
+        if mode == "stuck_default":
+            out, err = proc.communicate(timeout=10)  # not the 30 s the hook sleeps
+            assert proc.returncode == -signal.SIGTERM, err
+            assert "shutdown hook finished" not in out
+        else:
+            assert proc.stdout.readline() == f"previous handler {int(signal.SIGTERM)}\n"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def test_sigterm_ignored_before_the_run_stays_ignored(tmp_path):
