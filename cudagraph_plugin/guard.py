@@ -65,12 +65,12 @@ def signature(batch: Any, path: str = "batch", depth: int = 0) -> tuple[tuple[st
         fields = {k: v for k, v in vars(batch).items() if not k.startswith("_")}
     else:
         return ((path, f"{type(batch).__name__} {batch!r}"),)
-    kind = type(batch).__name__
-    return ((path, kind),) + tuple(
+    described = (
         item
         for name in sorted(fields)
         for item in signature(fields[name], f"{path}.{name}", depth + 1)
     )
+    return ((path, type(batch).__name__), *described)
 
 
 def _difference(expected: tuple, actual: tuple) -> str:

@@ -122,16 +122,27 @@ def main(argv: list[str] | None = None) -> None:
         from cpu_redirect import cpu_redirect  # examples/: makes "cuda" mean the CPU
 
         device = cpu_redirect()
+    run = TrainingRun(pm, config=args, train_iters=args.train_iters)
     with device:
         try:
-            with TrainingRun(pm, config=args, train_iters=args.train_iters) as run:
+            with run:
                 train(run, args, cuda)  # shutdown fires on every exit and frees the graphs
         finally:
-            from megatron.core import parallel_state
+            end_distributed(run)  # after shutdown: graphs hold NCCL buffers
 
-            parallel_state.destroy_model_parallel()  # after shutdown: graphs hold NCCL buffers
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
+
+def end_distributed(run: TrainingRun) -> None:
+    from megatron.core import parallel_state
+
+    dist = torch.distributed
+    failed = run.shutdown_reason in ("exception", "interrupted", "signal")
+    if failed and dist.is_initialized() and dist.get_world_size() > 1:
+        # A peer may never join a pending collective: a graceful teardown would wait
+        # forever. Abort, so this rank exits now and the launcher ends the others.
+        dist.distributed_c10d._abort_process_group()
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

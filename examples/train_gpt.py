@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from cpu_redirect import cpu_redirect, cpu_run_blocker, mcore_without_te_fixes
-from hookspecs import TrainingRun, get_plugin_manager
+from hookspecs import ShutdownReason, TrainingRun, get_plugin_manager
 
 # megatron-core is imported inside the functions that use it, so importing this module (for
 # its parser, or to call run()) stays cheap and free of megatron's import-time warnings.
@@ -226,14 +226,36 @@ def _init_distributed(use_cuda: bool) -> None:
         raise RuntimeError(f"WORLD_SIZE={world_size} without MASTER_ADDR: launch with torchrun")
 
 
-def _destroy_distributed() -> None:
+def _end_distributed(reason: ShutdownReason | None) -> None:
+    """Tear the process groups down, after the run's shutdown hook (graphs hold NCCL
+    buffers and are freed first).
+
+    After an exception or a signal in a multi-rank job a peer may be gone, or stuck in a
+    collective this rank will never join: a graceful ``destroy_process_group()`` then waits
+    for it forever (seen on 2 H200s over NCCL). The communicators are aborted instead, so
+    this rank exits at once, non-zero, and the launcher (torchrun) ends the other ranks.
+    """
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 
+    dist = torch.distributed
+    abnormal = reason in (
+        ShutdownReason.EXCEPTION,
+        ShutdownReason.INTERRUPTED,
+        ShutdownReason.SIGNAL,
+    )
+    if abnormal and dist.is_initialized() and dist.get_world_size() > 1:
+        logger.warning(
+            "rank %d: the run ended by %s; aborting the process groups instead of a graceful "
+            "teardown (a peer may never join a pending collective)",
+            dist.get_rank(),
+            reason,
+        )
+        dist.distributed_c10d._abort_process_group()
     destroy_num_microbatches_calculator()
     parallel_state.destroy_model_parallel()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _synchronize(use_cuda: bool) -> None:
@@ -551,7 +573,7 @@ def run(argv: Sequence[str] | None = None, plugins: Sequence[Any] = ()) -> dict[
                 _train(training, args, use_cuda, record)
         finally:
             # Only after the run's shutdown hook: graphs hold NCCL buffers and must go first.
-            _destroy_distributed()
+            _end_distributed(training.shutdown_reason)
     return record.summary("cuda" if use_cuda else "cpu", str(training.shutdown_reason))
 
 
