@@ -1,0 +1,292 @@
+"""The lifecycle's failure paths and correctness fixes, on real megatron-core on the CPU.
+
+Each test here failed on the plugin before the fix it names (issue 12): cleanup per
+resource, no device waits after an abnormal multi-rank end, collective decisions, the
+input copy ordered after the previous replay, eager after shutdown, an idempotent
+``forward_backward_func``, manual hooks when the host re-enables pre-hooks itself, DDP
+built outside ``model_build_context``, and one report per rank. Graph capture and TE are
+the fakes of ``tests/fakes.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+
+import pytest
+import torch
+from cpu_only import needs_mcore_on_cpu
+
+import cpu_redirect as redirect
+import train_gpt
+from cudagraph_plugin import compat
+from cudagraph_plugin import plugin as plugin_module
+from cudagraph_plugin.report import StepTimer
+from cudagraph_plugin.validation import CudaGraphConfigError
+from fakes import FakeCUDAGraph, install_fake_cuda_graphs
+from hookspecs import TrainingRun, hookimpl
+from recording import RaiseAt, Recorder
+
+pytestmark = needs_mcore_on_cpu
+
+FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
+TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp"]
+OVERLAP = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"]
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    created: list[FakeCUDAGraph] = []
+
+    class Tracked(FakeCUDAGraph):
+        def __init__(self, keep_graph: bool = False) -> None:
+            super().__init__(keep_graph)
+            created.append(self)
+
+    log = install_fake_cuda_graphs(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Tracked)
+    log.graphs = created
+    yield log
+    assert not compat.full_iteration_state_dirty(), "a run left FullCudaGraphWrapper state"
+
+
+def run(*argv: str, plugins=(), steps: int = 6):
+    recorder = Recorder()
+    summary = train_gpt.run(
+        ["--train-iters", str(steps), "--log-interval", "0", *argv],
+        plugins=[recorder, *plugins],
+    )
+    return summary, recorder
+
+
+# -- cleanup per resource -----------------------------------------------------------------------
+
+
+def _failing(exc: BaseException):
+    def release(*args, **kwargs):
+        raise exc
+
+    return release
+
+
+@pytest.mark.parametrize("ended_by_exception", [False, True])
+def test_a_raising_release_does_not_skip_the_others(fake_graphs, monkeypatch, ended_by_exception):
+    monkeypatch.setattr(compat, "clear_static_buffers", _failing(RuntimeError("buffers stuck")))
+    plugins = [RaiseAt(4, RuntimeError("the run failed"))] if ended_by_exception else []
+    with pytest.raises(RuntimeError) as info:
+        run(*FULL, "--cuda-graph-warmup-steps", "1", plugins=plugins)
+    # every other resource was released: the graph, the counters, the cuBLAS workspaces
+    [graph] = fake_graphs.graphs
+    assert graph.resets == 1
+    assert compat.full_iteration_calls("training") == 0
+    assert ("clear_cublas_workspaces", None) in fake_graphs.events
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    if ended_by_exception:  # the run's own exception stays the one raised, with a note
+        assert str(info.value) == "the run failed"
+        assert "releasing full-iteration static input buffers failed" in notes
+    else:
+        assert str(info.value) == "buffers stuck"
+        assert "releasing full-iteration static input buffers" in notes
+    monkeypatch.undo()  # the real release again, for the fixture's final check
+    compat.clear_static_buffers()
+
+
+def test_a_second_ctrl_c_during_cleanup_does_not_skip_the_rest(fake_graphs, monkeypatch):
+    monkeypatch.setattr(compat, "reset_full_iteration_counters", _failing(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        run(*FULL, "--cuda-graph-warmup-steps", "1")
+    [graph] = fake_graphs.graphs
+    assert graph.resets == 1  # released before the interrupted step
+    from megatron.core.full_cuda_graph import StaticBufferLoader
+
+    assert StaticBufferLoader.static_buffers["training"] == []  # and after it
+    monkeypatch.undo()
+    compat.reset_full_iteration_counters()
+
+
+@pytest.mark.parametrize("mode", ["full", "te"])
+def test_after_an_abnormal_multi_rank_end_shutdown_never_waits_on_the_device(
+    fake_graphs, monkeypatch, mode
+):
+    """A peer may be dead: neither the report's timings nor a cache flush may synchronise."""
+    syncs, flushes = [], []
+    original = StepTimer.durations_ms
+
+    def durations(self, sync=True):
+        syncs.append(sync)
+        return original(self, sync=sync)
+
+    monkeypatch.setattr(StepTimer, "durations_ms", durations)
+    monkeypatch.setattr(plugin_module, "_empty_cache", lambda: flushes.append(1))
+    monkeypatch.setattr(plugin_module, "_allocated_mib", lambda: 0.0)
+    monkeypatch.setattr(compat, "distributed_world", lambda: (1, 2))
+    with pytest.raises(RuntimeError, match="peer"):
+        run(*(FULL if mode == "full" else TE), plugins=[RaiseAt(4, RuntimeError("peer"))])
+    assert syncs == [False] and flushes == []
+    assert fake_graphs.graphs[0].resets == 1 if mode == "full" else True
+    if mode == "te":
+        [helper] = fake_graphs.helpers
+        assert not helper.graphs_created()
+
+
+def test_a_clean_multi_rank_end_still_flushes_the_cache(fake_graphs, monkeypatch):
+    flushes = []
+    monkeypatch.setattr(plugin_module, "_empty_cache", lambda: flushes.append(1))
+    monkeypatch.setattr(plugin_module, "_allocated_mib", lambda: 0.0)
+    monkeypatch.setattr(compat, "distributed_world", lambda: (0, 2))
+    monkeypatch.setattr(compat, "any_rank", lambda flag: flag)
+    run(*FULL)
+    assert flushes == [1]
+
+
+# -- decisions every rank takes together --------------------------------------------------------
+
+
+@pytest.mark.parametrize("local,anywhere", [("faster", True), ("slower", True), ("faster", False)])
+def test_fallback_is_decided_by_all_ranks(fake_graphs, monkeypatch, local, anywhere):
+    asked = []
+    monkeypatch.setattr(
+        plugin_module, "verdict", lambda eager, replay: (local, 1.0, 0.02, f"replay {local}")
+    )
+
+    def any_rank(flag):
+        asked.append(flag)
+        return anywhere
+
+    monkeypatch.setattr(compat, "any_rank", any_rank)
+    _, rec = run(
+        *FULL, "--cuda-graph-warmup-steps", "2", "--cuda-graph-fallback-on-slowdown", steps=12
+    )
+    assert asked == [local == "slower"]
+    fell_back = rec.report.fallback_step is not None
+    assert fell_back is anywhere
+
+
+# -- full-iteration correctness ----------------------------------------------------------------
+
+
+def test_each_input_copy_waits_for_the_previous_replay(fake_graphs, monkeypatch):
+    """megatron-core 0.16 copies the next micro-batch into the static buffers on a side
+    stream without waiting for the replay still reading them."""
+    waits = []
+    monkeypatch.setattr(redirect.Stream, "wait_stream", lambda self, other: waits.append(self))
+    loaders = []
+    original = compat.make_full_iteration_wrapper
+
+    def remember(*args, **kwargs):
+        wrapper = original(*args, **kwargs)
+        loaders.append(wrapper.static_loader.stream)
+        return wrapper
+
+    monkeypatch.setattr(compat, "make_full_iteration_wrapper", remember)
+    run(*FULL, "--cuda-graph-warmup-steps", "1", steps=5)
+    [loader] = loaders
+    # one wait of the copy stream per training call (warm-up, capture and 3 replays)
+    assert sum(1 for stream in waits if stream is loader) == 5
+
+
+def _args(argv):
+    from hookspecs import get_plugin_manager
+
+    pm = get_plugin_manager()
+    parser = argparse.ArgumentParser()
+    pm.hook.mcgraph_add_arguments(parser=parser)
+    return pm, parser.parse_args(argv)
+
+
+def test_forward_backward_after_shutdown_runs_eagerly(fake_graphs):
+    """Megatron-LM-style evaluation after training: the graphs are gone by then."""
+    calls = []
+
+    def eager(**kwargs):
+        calls.append(kwargs)
+        return ["eager"]
+
+    pm, args = _args(FULL)
+    with redirect.cpu_redirect():
+        with TrainingRun(pm, config=args, train_iters=1) as training:
+            fwd_bwd = training.forward_backward_func(eager)
+        result = fwd_bwd(forward_only=True, data_iterator=None, num_microbatches=1)
+    assert result == ["eager"] and len(calls) == 1
+
+
+def test_asking_for_the_forward_backward_again_keeps_the_live_graph(fake_graphs):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    answers = []
+
+    class AskAgain:
+        @hookimpl
+        def mcgraph_configure(self, config, pluginmanager):
+            self.pm = pluginmanager
+
+        @hookimpl
+        def mcgraph_train_step_end(self, step, metrics):
+            if step in (3, 4):  # after the capture at step 1
+                hook = self.pm.hook.mcgraph_forward_backward_func
+                answers.append(hook(forward_backward_func=get_forward_backward_func()))
+
+    run(*FULL, "--cuda-graph-warmup-steps", "1", plugins=[AskAgain()], steps=6)
+    [graph] = fake_graphs.graphs  # no second capture
+    assert graph.replays == 6 - 1 and graph.resets == 1  # freed once, at shutdown
+    assert answers[0] is answers[1]
+
+
+# -- TE manual hooks, DDP build stream ------------------------------------------------------------
+
+
+def test_manual_hooks_are_set_when_the_host_enables_pre_hooks_itself(fake_graphs, monkeypatch):
+    """Warm-up 0: the capture happens while the host has the pre-hooks off; a host that
+    turns them back on directly (not through run.enable_forward_pre_hook) must still get the
+    manual hooks, or the all-gather never runs for graphed layers."""
+
+    def direct(self, model):
+        for chunk in model:
+            chunk.enable_forward_pre_hook()
+        return True
+
+    monkeypatch.setattr(TrainingRun, "enable_forward_pre_hook", direct)
+    run(*TE, *OVERLAP, "--cuda-graph-warmup-steps", "0", steps=3)
+    names = [event for event, _ in fake_graphs.events]
+    assert names.count("set_manual_hooks") == 1
+    assert ("set_manual_hooks", True) in fake_graphs.events
+
+
+@pytest.mark.parametrize("mode", ["full", "te"])
+def test_ddp_built_outside_the_build_context_is_refused_with_the_fix(
+    fake_graphs, monkeypatch, mode
+):
+    monkeypatch.setattr(TrainingRun, "model_build_context", lambda self: contextlib.nullcontext())
+    if mode == "full":  # 0.16 full-iteration graphs need no build stream: nothing to check
+        summary, _ = run(*FULL, steps=4)
+        assert summary["steps"] == 4
+        return
+    with pytest.raises(CudaGraphConfigError) as info:
+        run(*TE, steps=4)
+    message = str(info.value)
+    assert "built outside run.model_build_context()" in message
+    assert "with run.model_build_context():" in message
+    assert "legacy stream" in message
+
+
+# -- one report per job, one JSON per rank ---------------------------------------------------------
+
+
+def test_rank_0_logs_the_table_and_other_ranks_write_their_own_json(
+    fake_graphs, monkeypatch, tmp_path, caplog
+):
+    monkeypatch.setattr(compat, "any_rank", lambda flag: flag)
+    path = tmp_path / "report.json"
+    for rank in (0, 1):
+        monkeypatch.setattr(compat, "distributed_world", lambda rank=rank: (rank, 2))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
+            run(*FULL, "--cuda-graph-report-json", str(path), steps=5)
+        tables = caplog.text.count("  verdict  ")
+        assert tables == (1 if rank == 0 else 0)
+    assert json.loads(path.read_text())["rank"] == 0
+    other = tmp_path / "report.rank1.json"
+    assert json.loads(other.read_text())["rank"] == 1
+    assert json.loads(other.read_text())["world_size"] == 2
