@@ -73,6 +73,19 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
         help="layer spec: megatron-core's own modules, or Transformer Engine's (needs TE + CUDA)",
     )
     model.add_argument("--bf16", action="store_true", help="bf16 parameters and compute")
+    model.add_argument(
+        "--fp8-format",
+        choices=["hybrid", "e4m3"],
+        default=None,
+        help="FP8 GEMMs through Transformer Engine (needs --transformer-impl transformer_engine)",
+    )
+    model.add_argument(
+        "--fp8-recipe",
+        choices=["delayed", "tensorwise", "blockwise", "mxfp8"],
+        default="delayed",
+        help="Transformer Engine FP8 recipe (megatron-core 0.16.1 and 0.19.2 default: delayed "
+        "scaling, TE's DelayedScaling with an amax history)",
+    )
     model.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     model.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
     model.add_argument("--recompute-num-layers", type=int, default=1)
@@ -115,6 +128,20 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
 
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    virtual = parallel.add_mutually_exclusive_group()
+    virtual.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="interleaved pipeline schedule: layers per virtual stage (Megatron-LM's older flag)",
+    )
+    virtual.add_argument(
+        "--num-virtual-stages-per-pipeline-rank",
+        type=int,
+        default=None,
+        help="interleaved pipeline schedule: model chunks per pipeline rank (Megatron-LM's flag)",
+    )
     parallel.add_argument("--sequence-parallel", action="store_true")
     parallel.add_argument("--use-distributed-optimizer", action="store_true")
     parallel.add_argument("--overlap-grad-reduce", action="store_true")
@@ -141,8 +168,40 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, use_c
         parser.error(("--cpu: " if args.cpu else "no CUDA device: ") + blocker)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         parser.error("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.fp8_format is not None and args.transformer_impl != "transformer_engine":
+        parser.error("--fp8-format needs --transformer-impl transformer_engine (TE's FP8 GEMMs)")
+    args.virtual_pipeline_model_parallel_size = _virtual_stages(parser, args)
     if args.start_step > args.train_iters:
         parser.error("--start-step must not exceed --train-iters")
+
+
+def _virtual_stages(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int | None:
+    """Model chunks per pipeline rank (None: no interleaving), as Megatron-LM derives it."""
+    pp = args.pipeline_model_parallel_size
+    if args.num_layers_per_virtual_pipeline_stage is None:
+        vpp = args.num_virtual_stages_per_pipeline_rank
+    else:
+        if args.num_layers % pp:
+            parser.error(
+                f"--num-layers {args.num_layers} must be divisible by "
+                f"--pipeline-model-parallel-size {pp}"
+            )
+        per_stage = args.num_layers // pp
+        if per_stage % args.num_layers_per_virtual_pipeline_stage:
+            parser.error(
+                f"the {per_stage} layers per pipeline stage must be divisible by "
+                f"--num-layers-per-virtual-pipeline-stage "
+                f"{args.num_layers_per_virtual_pipeline_stage}"
+            )
+        vpp = per_stage // args.num_layers_per_virtual_pipeline_stage
+    if vpp is not None and pp == 1:
+        parser.error("virtual pipeline stages need --pipeline-model-parallel-size > 1")
+    if vpp is not None and vpp > 1 and args.num_microbatches % pp:
+        parser.error(
+            f"the interleaved schedule needs --num-microbatches ({args.num_microbatches}) "
+            f"divisible by --pipeline-model-parallel-size ({pp})"
+        )
+    return vpp if vpp != 1 else None
 
 
 # -------------------------------------------------------------------------------------------
@@ -195,12 +254,15 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[A
     return output, functools.partial(_loss_func, batch["loss_mask"])
 
 
-def _mean_loss(loss_dicts: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
-    """Token-weighted mean over the micro-batches, still on the device.
+def _mean_loss(loss_dicts: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor | None:
+    """Token-weighted mean over the micro-batches, still on the device; ``None`` on pipeline
+    stages other than the last (only the last one computes the loss).
 
     Always a new tensor: under a full-iteration CUDA graph ``loss_dicts`` are the graph's
     static outputs, which the next replay overwrites.
     """
+    if not loss_dicts:
+        return None
     totals = torch.stack([d["lm loss"] for d in loss_dicts]).sum(dim=0)
     return totals[0] / totals[1].clamp(min=1)
 
@@ -274,6 +336,8 @@ def _transformer_config_fields(args: argparse.Namespace, use_cuda: bool) -> dict
         "hidden_size": args.hidden_size,
         "num_attention_heads": args.num_attention_heads,
         "tensor_model_parallel_size": args.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
         "sequence_parallel": args.sequence_parallel,
         "use_cpu_initialization": not use_cuda,
         "bf16": args.bf16,
@@ -282,6 +346,8 @@ def _transformer_config_fields(args: argparse.Namespace, use_cuda: bool) -> dict
     }
     if args.ffn_hidden_size is not None:
         fields["ffn_hidden_size"] = args.ffn_hidden_size
+    if args.fp8_format is not None:
+        fields.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)
     if args.recompute_granularity is not None:
         fields["recompute_granularity"] = args.recompute_granularity
         if args.recompute_granularity == "full":
@@ -314,21 +380,34 @@ def _layer_spec(args: argparse.Namespace) -> Any:
 
 
 def _build_model(training: TrainingRun, args: argparse.Namespace, config: Any) -> list[Any]:
+    """One GPT chunk per virtual pipeline stage (one without interleaving), each on its
+    pipeline stage's layers, each wrapped in megatron-core's DDP as Megatron-LM does."""
+    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
-    module: Any = GPTModel(
-        config=config,
-        transformer_layer_spec=_layer_spec(args),
-        vocab_size=args.vocab_size,
-        max_sequence_length=args.seq_length,
-        share_embeddings_and_output_weights=True,
-    )
-    module.cuda(torch.cuda.current_device())
-    if args.bf16:
-        # Without the wrapper the first matmul sees float inputs and bf16 weights.
-        module = Float16Module(config, module)
+    vpp = args.virtual_pipeline_model_parallel_size
+    chunks: list[Any] = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp is not None else None
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        module: Any = GPTModel(
+            config=config,
+            transformer_layer_spec=_layer_spec(args),
+            vocab_size=args.vocab_size,
+            max_sequence_length=args.seq_length,
+            share_embeddings_and_output_weights=True,
+            pre_process=first,
+            post_process=last,
+            vp_stage=stage,
+        )
+        module.cuda(torch.cuda.current_device())
+        if args.bf16:
+            # Without the wrapper the first matmul sees float inputs and bf16 weights.
+            module = Float16Module(config, module)
+        chunks.append(module)
     ddp_config = DistributedDataParallelConfig(
         # Megatron-LM's default for bf16: accumulate and reduce the gradients in fp32.
         grad_reduce_in_fp32=args.bf16,
@@ -337,7 +416,16 @@ def _build_model(training: TrainingRun, args: argparse.Namespace, config: Any) -
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     with training.model_build_context():
-        return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)]
+        return [
+            # Megatron-LM buckets only the first chunk's gradients.
+            DistributedDataParallel(
+                config=config,
+                ddp_config=ddp_config,
+                module=chunk,
+                disable_bucketing=index > 0,
+            )
+            for index, chunk in enumerate(chunks)
+        ]
 
 
 def _build_optimizer(args: argparse.Namespace, model: list[Any]) -> Any:
@@ -361,12 +449,15 @@ def _wire_grad_sync(
     """Set the sync callbacks on the model config the way Megatron-LM's ``setup`` does."""
     from megatron.core.distributed import finalize_model_grads
 
-    (chunk,) = model  # one chunk: no virtual pipeline stages here
+    def per_chunk(name: str) -> Any:
+        funcs = [getattr(chunk, name) for chunk in model]
+        return funcs[0] if len(funcs) == 1 else funcs
+
     if args.overlap_grad_reduce:
-        config.no_sync_func = chunk.no_sync
-        config.grad_sync_func = chunk.start_grad_sync
+        config.no_sync_func = per_chunk("no_sync")
+        config.grad_sync_func = per_chunk("start_grad_sync")
     if args.overlap_param_gather:
-        config.param_sync_func = chunk.start_param_sync
+        config.param_sync_func = per_chunk("start_param_sync")
     # Finishes the (possibly overlapped) grad reduction every step; without it an overlapped
     # reduce stays outstanding and the next step asserts.
     config.finalize_model_grads_func = finalize_model_grads
@@ -384,7 +475,8 @@ class _Record:
     def summary(self, device: str, shutdown_reason: str) -> dict[str, Any]:
         losses = [float(value) for value in self.losses]
         return {
-            "steps": len(losses),
+            # Steps run; ``losses`` is empty on pipeline stages other than the last.
+            "steps": len(self.step_ms),
             "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None,
             "losses": losses,
@@ -406,7 +498,9 @@ def _train(
 
     _init_distributed(use_cuda)
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
     )
     # megatron-core's global micro-batch calculator, as Megatron-LM sets it up (its
     # TECudaGraphHelper reads it while capturing).
@@ -419,7 +513,12 @@ def _train(
         data_parallel_size=dp_size,
     )
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    log_here = torch.distributed.get_rank() == 0
+    # The loss exists on the last pipeline stage: its first rank logs.
+    log_here = (
+        parallel_state.is_pipeline_last_stage()
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
 
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -453,8 +552,15 @@ def _train(
         "device": device,
     }
     dp_rank = parallel_state.get_data_parallel_rank()
-    train_iter = synthetic_batches(seed=args.seed + 1 + dp_rank, **batch_shape)
-    eval_iter = synthetic_batches(seed=args.seed + 1_000_003 + dp_rank, **batch_shape)
+
+    def batches(seed: int) -> Any:
+        # Every pipeline stage and model chunk draws the same micro-batches (the first
+        # stage uses the tokens, the last the labels): one iterator per chunk.
+        iterators = [synthetic_batches(seed=seed, **batch_shape) for _ in model]
+        return iterators[0] if len(iterators) == 1 else iterators
+
+    train_iter = batches(args.seed + 1 + dp_rank)
+    eval_iter = batches(args.seed + 1_000_003 + dp_rank)
     step_args = {
         "forward_step_func": forward_step,
         "model": model,
@@ -489,7 +595,8 @@ def _train(
                 update_successful=update_successful,
                 step_time_ms=elapsed_ms,
             )
-        record.losses.append(loss)
+        if loss is not None:
+            record.losses.append(loss)
         record.step_ms.append(elapsed_ms)
         if toggle_pre_hooks and step == args.start_step:
             training.enable_forward_pre_hook(model)
@@ -501,15 +608,15 @@ def _train(
                 "step %d/%d | loss %.4f | grad norm %.3f | %.2f ms",
                 iteration,
                 args.train_iters,
-                loss.item(),
+                float("nan") if loss is None else loss.item(),
                 grad_norm if grad_norm is not None else float("nan"),
                 elapsed_ms,
             )
         if args.eval_interval and iteration % args.eval_interval == 0:
-            record.eval_losses.append(
-                _evaluate(training, args, fwd_bwd, model, eval_iter, step_args)
-            )
-            if log_here:
+            eval_loss = _evaluate(training, args, fwd_bwd, model, eval_iter, step_args)
+            if eval_loss is not None:
+                record.eval_losses.append(eval_loss)
+            if log_here and eval_loss is not None:
                 logger.info("step %d | eval loss %.4f", iteration, record.eval_losses[-1])
         if args.exit_interval and iteration % args.exit_interval == 0:
             if log_here:
@@ -524,7 +631,7 @@ def _evaluate(
     model: list[Any],
     eval_iter: Iterator[dict[str, Any]],
     step_args: dict[str, Any],
-) -> float:
+) -> float | None:
     with training.evaluation() as metrics:
         for chunk in model:
             chunk.eval()
@@ -537,6 +644,8 @@ def _evaluate(
         finally:
             for chunk in model:
                 chunk.train()
+        if batches[0] is None:  # not the last pipeline stage
+            return None
         loss = float(torch.stack(batches).mean())
         metrics["loss"] = loss
     return loss
@@ -586,14 +695,14 @@ def main() -> int:
     summary = run()
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
-    if summary["steps"]:
+    if summary["losses"]:
         print(
             f"trained {summary['steps']} step(s) on {summary['device']}: loss "
             f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, "
             f"median step {summary['median_step_ms']:.2f} ms"
         )
-    else:
-        print(f"trained 0 steps on {summary['device']}")
+    else:  # no step, or a pipeline stage that computes no loss
+        print(f"trained {summary['steps']} step(s) on {summary['device']}")
     if summary["eval_losses"]:
         print("eval losses: " + ", ".join(f"{loss:.4f}" for loss in summary["eval_losses"]))
     print(f"shutdown: {summary['shutdown_reason']}")

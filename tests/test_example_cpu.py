@@ -466,3 +466,41 @@ def test_redirect_runs_backward_under_the_mode() -> None:
 
     assert seen == ["cpu", "cpu"]
     assert x.grad is not None and x.grad.tolist() == [4.0, 4.0, 4.0]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--num-virtual-stages-per-pipeline-rank", "2"], "need --pipeline-model-parallel-size"),
+        (
+            ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+             "--num-layers-per-virtual-pipeline-stage", "3"],
+            "must be divisible by --num-layers-per-virtual-pipeline-stage 3",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+             "--num-microbatches", "3"],
+            "--num-microbatches (3) divisible by --pipeline-model-parallel-size (2)",
+        ),
+        (["--fp8-format", "hybrid"], "--fp8-format needs --transformer-impl transformer_engine"),
+    ],
+)  # fmt: skip
+def test_pipeline_and_fp8_flags_are_checked_before_anything_runs(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        train(*argv)
+    assert excinfo.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_virtual_stages_from_layers_per_stage_as_megatron_lm_derives_them() -> None:
+    parser = train_gpt.build_parser(get_plugin_manager())
+    args = parser.parse_args(
+        ["--pipeline-model-parallel-size", "2", "--num-layers", "8",
+         "--num-layers-per-virtual-pipeline-stage", "2", "--num-microbatches", "4"]
+    )  # fmt: skip
+    assert train_gpt._virtual_stages(parser, args) == 2
+    args = parser.parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "8",
+                              "--num-layers-per-virtual-pipeline-stage", "4"])  # fmt: skip
+    assert train_gpt._virtual_stages(parser, args) is None  # one chunk per rank: no interleaving

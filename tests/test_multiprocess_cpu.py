@@ -106,3 +106,52 @@ def test_one_rank_raising_ends_every_rank_cleanly_without_a_hang(tmp_path, env):
         "rank 0 shutdown exception",
     ), output[-4000:]
     assert "rank 1 fails at step 2" in output
+
+
+PIPELINE_HOST = textwrap.dedent(
+    """
+    import json, os, sys
+    sys.path.insert(0, {examples!r})
+    import train_gpt
+    summary = train_gpt.run({argv!r})
+    print("summary", os.environ["RANK"], json.dumps(summary), flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "virtual",
+    [
+        [],
+        ["--num-layers-per-virtual-pipeline-stage", "1"],
+        ["--num-virtual-stages-per-pipeline-rank", "2"],
+    ],
+)
+def test_pipeline_parallel_two_stages_train_with_the_loss_on_the_last_stage(tmp_path, env, virtual):
+    """PP=2 over gloo, megatron-core's pipeline schedule (interleaved with virtual stages),
+    4 micro-batches per step: both stages run every step, only the last computes the loss."""
+    import json
+
+    argv = [
+        "--train-iters", "4", "--log-interval", "0", "--num-layers", "4",
+        "--pipeline-model-parallel-size", "2", "--num-microbatches", "4", *virtual,
+    ]  # fmt: skip
+    script = tmp_path / "pipeline.py"
+    script.write_text(PIPELINE_HOST.format(examples=str(EXAMPLES), argv=argv))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), str(script)],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    summaries = {
+        line.split()[1]: json.loads(line.split(" ", 2)[2])
+        for line in result.stdout.splitlines()
+        if line.startswith("summary ")
+    }
+    first, last = summaries["0"], summaries["1"]
+    assert first["steps"] == last["steps"] == 4
+    assert first["losses"] == []  # the first stage computes no loss
+    assert len(last["losses"]) == 4 and last["losses"][-1] < last["losses"][0]
