@@ -36,8 +36,13 @@ def junit_outcomes(paths: list[Path]) -> dict[str, str]:
             for child in case:
                 if child.tag in ("failure", "error", "skipped"):
                     outcome = "failed" if child.tag == "failure" else child.tag
-            outcomes[case.get("name", "")] = outcome
+            outcomes[_test_name(case.get("name", ""))] = outcome
     return outcomes
+
+
+def _test_name(name: str) -> str:
+    # pytest-xdist's --dist loadgroup appends "@<group>" to the ids of grouped tests.
+    return name.rsplit("::", 1)[-1].split("@", 1)[0]
 
 
 def _option(argv: list[str], flag: str, default: str) -> str:
@@ -63,8 +68,7 @@ def ended(line: dict[str, Any]) -> str:
 
 def result(line: dict[str, Any], outcomes: dict[str, str]) -> str:
     parts = []
-    test = line.get("test") or ""
-    name = test.rsplit("::", 1)[-1]
+    name = _test_name(line.get("test") or "")
     if name in outcomes:
         parts.append(f"**{outcomes[name]}**")
     if line.get("role") == "in-process":

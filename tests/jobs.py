@@ -211,9 +211,10 @@ def run_job(
     :param log_dir: Where ``stdout.log`` and ``stderr.log`` go (created).
     :param timeout_s: Wall-clock limit; past it every process of the job is killed.
     :param env: The job's environment (``os.environ`` when ``None``), the tag added.
-    :param dump_signal: Sent to every process of a timed-out job except the first one,
-        ``dump_grace_s`` before the kill, e.g. ``SIGUSR1`` where the job registered
-        ``faulthandler`` for it: their stacks then show in the logs where they hung.
+    :param dump_signal: Sent to every process of a timed-out job ``dump_grace_s`` before
+        the kill, e.g. ``SIGUSR1`` where the job's processes registered ``faulthandler``
+        for it: their stacks then show in the logs where they hung (a process without a
+        handler for it, torchrun's agent for one, may end by it: it is being killed anyway).
     :param linger_s: How long processes may take to disappear after the job ended by
         itself before they count as leftovers.
     """
@@ -245,7 +246,7 @@ def run_job(
             wall_s = time.monotonic() - start
             timed_out = True
             if dump_signal is not None:
-                _signal_all(job_pids(tag, proc.pid) - {proc.pid}, dump_signal)
+                _signal_all(job_pids(tag, proc.pid), dump_signal)
                 time.sleep(dump_grace_s)
             survivors = kill_job(tag, proc.pid)
             rc = proc.wait()

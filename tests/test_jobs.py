@@ -92,7 +92,7 @@ def test_a_hanging_torchrun_job_is_killed_whole_at_its_timeout(tmp_path: Path) -
     )
     workers = [json.loads((ready / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert result.timed_out, result.describe() + "\n" + result.tail()
-    assert result.rc == -signal.SIGKILL
+    assert result.signal in (signal.SIGKILL, signal.SIGUSR1)  # killed, or ended by the dump
     assert 12 <= result.wall_s < 20
     # The point of the tag: torchrun's workers are session leaders of their own sessions, so
     # neither killing torchrun nor its process group reaches them.
