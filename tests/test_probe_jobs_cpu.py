@@ -9,13 +9,13 @@ through ``examples/cpu_redirect.py`` (skipped where it cannot, as ``tests/cpu_on
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.metadata
 import math
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 from cpu_only import needs_mcore_on_cpu
@@ -31,21 +31,32 @@ OVERLAP = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-pa
 TIMEOUT_S = 120
 
 
-def events_of(record: dict[str, Any], *names: str) -> list[list[Any]]:
-    return [event for event in record["events"] if event[0] in names]
+# The three single-process jobs, run side by side (two cores): each test reads its own.
+JOBS = {
+    # a completed run with evaluation and the distributed optimizer's pre-hook toggling
+    "completed": (
+        [*SHORT, *FULL, "--cuda-graph-warmup-steps", "2", "--eval-interval", "3", *OVERLAP],
+        {},
+    ),
+    "raise": ([*SHORT, *FULL], {"MCGRAPH_PROBE_RAISE": "3:0"}),
+    "sigterm": ([*SHORT, *FULL], {"MCGRAPH_PROBE_SIGTERM": "3:0"}),
+}
 
 
 @pytest.fixture(scope="module")
-def completed(tmp_path_factory: pytest.TempPathFactory) -> TrainJob:
-    """A completed run with evaluation and the distributed optimizer's pre-hook toggling."""
-    argv = [*SHORT, *FULL, "--cuda-graph-warmup-steps", "2", "--eval-interval", "3", *OVERLAP]
-    return launch(
-        "completed",
-        argv,
-        job_dir=tmp_path_factory.mktemp("completed"),
-        timeout_s=TIMEOUT_S,
-        env=CPU,
-    )
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TrainJob]:
+    def one(name: str) -> TrainJob:
+        argv, env = JOBS[name]
+        job_dir = tmp_path_factory.mktemp(name)
+        return launch(name, argv, job_dir=job_dir, timeout_s=TIMEOUT_S, env={**CPU, **env})
+
+    with concurrent.futures.ThreadPoolExecutor(len(JOBS)) as pool:
+        return dict(zip(JOBS, pool.map(one, JOBS), strict=True))
+
+
+@pytest.fixture
+def completed(jobs: dict[str, TrainJob]) -> TrainJob:
+    return jobs["completed"]
 
 
 def test_the_probe_is_not_installed_in_this_process() -> None:
@@ -107,14 +118,10 @@ def test_a_results_line_and_its_table_row(completed: TrainJob, tmp_path: Path) -
     assert "--eval-interval 3" in rows[0]
 
 
-def test_a_raise_at_a_step_ends_the_job_non_zero_with_the_reason_recorded(tmp_path: Path) -> None:
-    job = launch(
-        "raise",
-        [*SHORT, *FULL],
-        job_dir=tmp_path,
-        timeout_s=TIMEOUT_S,
-        env={**CPU, "MCGRAPH_PROBE_RAISE": "3:0"},
-    )
+def test_a_raise_at_a_step_ends_the_job_non_zero_with_the_reason_recorded(
+    jobs: dict[str, TrainJob],
+) -> None:
+    job = jobs["raise"]
     assert job.result.rc == 1 and not job.result.timed_out, job.context()
     assert job.result.leftovers == []
     record = job.record(0)
@@ -135,15 +142,9 @@ def test_a_raise_at_a_step_ends_the_job_non_zero_with_the_reason_recorded(tmp_pa
 
 
 def test_sigterm_at_a_step_ends_the_job_by_the_signal_with_the_reason_recorded(
-    tmp_path: Path,
+    jobs: dict[str, TrainJob],
 ) -> None:
-    job = launch(
-        "sigterm",
-        [*SHORT, *FULL],
-        job_dir=tmp_path,
-        timeout_s=TIMEOUT_S,
-        env={**CPU, "MCGRAPH_PROBE_SIGTERM": "3:0"},
-    )
+    job = jobs["sigterm"]
     assert job.result.signal == signal.SIGTERM and not job.result.timed_out, job.context()
     assert job.result.leftovers == []
     record = job.record(0)
