@@ -34,9 +34,12 @@ OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/mcgraph-gpu-suite.XXXXXX")
 mkdir -p "$WORK/logs"
 export MCGRAPH_GPU_RESULTS="$OUT/results.jsonl" MCGRAPH_GPU_LOGS="$WORK/logs"
+export MCGRAPH_JOB_TAGS_FILE="$WORK/job_tags"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 finish() {
+  # Normally nothing: the launcher ends every job. This catches a pytest killed outright.
+  "$PY" tests/jobs.py --kill-tags "$MCGRAPH_JOB_TAGS_FILE" >> "$OUT/summary.txt" 2>&1
   {
     echo "# GPU processes left at the end (pid, memory): must be none"
     command -v nvidia-smi >/dev/null && nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader

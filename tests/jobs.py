@@ -33,6 +33,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 TAG_VAR = "MCGRAPH_JOB_TAG"
+TAGS_FILE_VAR = "MCGRAPH_JOB_TAGS_FILE"
+"""If set, every job's tag is appended to this file, so that a driver can end what is left
+even after the process that launched the jobs was killed (``python tests/jobs.py
+--kill-tags FILE``)."""
 
 # A process exits in a few steps: a process that just ended may still be listed for a moment.
 _LINGER_S = 5.0
@@ -224,6 +228,9 @@ def run_job(
     tag = uuid.uuid4().hex
     job_env = dict(os.environ if env is None else env)
     job_env[TAG_VAR] = tag
+    if os.environ.get(TAGS_FILE_VAR):
+        with open(os.environ[TAGS_FILE_VAR], "a") as tags:
+            tags.write(tag + "\n")
     stdout, stderr = log_dir / "stdout.log", log_dir / "stderr.log"
     timed_out = False
     survivors: list[int] = []
@@ -288,3 +295,23 @@ def torchrun_command(nproc: int, script: str | Path, *args: str) -> list[str]:
         str(script),
         *args,
     ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python tests/jobs.py --kill-tags FILE``: kill what is left of the jobs listed."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="End what is left of tagged jobs.")
+    parser.add_argument("--kill-tags", type=Path, required=True, help="one job tag per line")
+    args = parser.parse_args(argv)
+    tags = args.kill_tags.read_text().split() if args.kill_tags.exists() else []
+    left = {tag: sorted(job_pids(tag)) for tag in tags}
+    survivors = [pid for tag in tags if left[tag] for pid in kill_job(tag)]
+    killed = sorted(pid for pids in left.values() for pid in pids)
+    print(f"jobs: {len(tags)}; processes left and killed: {killed or 'none'}", end="")
+    print(f"; would not die: {survivors}" if survivors else "")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

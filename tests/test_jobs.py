@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from jobs import _stat, job_pids, run_job, torchrun_command
+from jobs import main as jobs_main
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
@@ -132,3 +134,24 @@ def test_torchrun_command_uses_this_python_and_a_free_port() -> None:
     assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--standalone" in command
     assert command[-3:] == ["x.py", "--a", "1"]
+
+
+def test_a_driver_ends_what_is_left_of_the_jobs_it_listed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tags = tmp_path / "tags"
+    monkeypatch.setenv("MCGRAPH_JOB_TAGS_FILE", str(tags))
+    result = run_job([sys.executable, "-c", "pass"], log_dir=tmp_path, timeout_s=60)
+    assert tags.read_text().split() == [result.tag]
+    # as if the launcher had been killed outright: a tagged process nobody ended
+    stray = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        env={**os.environ, "MCGRAPH_JOB_TAG": result.tag},
+    )
+    try:
+        assert job_pids(result.tag) == {stray.pid}
+        assert jobs_main(["--kill-tags", str(tags)]) == 0
+        assert stray.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        stray.kill()
+    assert f"processes left and killed: [{stray.pid}]" in capsys.readouterr().out
