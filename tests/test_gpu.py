@@ -1,37 +1,77 @@
-"""CUDA graphs for real: the example loop on a CUDA device, through the plugin.
+"""CUDA graphs for real, run the way users run them: one fresh process per scenario.
 
-Skipped without CUDA (CI has none); run on the H200 as ../shared/gpu/README.md describes,
-with megatron-core 0.16.1 + Transformer Engine 2.11 and with 0.19.2. Tests that need
-Transformer Engine are skipped when it is not importable. With ``MCGRAPH_GPU_RESULTS`` set
-to a file, every run's report is appended to it as one JSON line (BENCHMARKS.md uses them).
+Every scenario is its own job, launched by its test through ``tests/jobs.py``:
+``python examples/train_gpt.py ...`` on one GPU, ``torchrun --standalone --nproc-per-node 2
+examples/train_gpt.py ...`` on two. Running scenarios in one process hid a real bug (per-layer
+TE graphs failed in every fresh process but passed in file order, on state earlier tests
+left behind), so no test here uses anything another test did: each passes alone and in any
+order. A job that runs past its timeout is killed whole, torchrun's workers included (they
+live in their own sessions), and fails its test with its logs' tails; after every job the
+launcher checks that none of its processes is left. What a run did comes back through the
+probe plugin (``tests/probe/``, installed for the jobs through its ``.dist-info``): each
+rank's hook events, run report, losses and the CUDA graph plugin's cleanup facts.
 
-Speed is never asserted here (benchmarks/ measures it); correctness, capture steps, cleanup,
-memory and loss parity are.
+The scenarios are the table :data:`SCENARIOS` below (name, flags, GPUs, expected capture
+step, expectations). Assertions, on every rank:
+
+* good runs: exit code 0, the expected shutdown reason (``completed``/``early_exit``),
+  captured at the expected step (and for evaluation a validation graph too), replayed on
+  every later step, ``graphs freed == graph count > 0``, allocated memory after the free
+  back near its level before the capture (8 MiB slack; 64 MiB with warm-up 0, whose
+  capture precedes Adam's state), the expected forward pre-hook toggles, finite losses, no
+  process group left at exit, and loss parity with the scenario's eager twin (the same
+  flags without the CUDA-graph ones, so the same model and seed) within ``rtol=atol=1e-2``
+  (bf16), per rank;
+* failure runs (a raise, SIGTERM or failed capture injected by the probe): the job ends
+  non-zero in under 60 s (not a speed limit: the bound that tells an ended job from a hung
+  one), and each failing rank's record says ``exception``/``signal`` with its graphs freed
+  and allocated memory back near the pre-capture level.
+
+The eager twins run inside the tests that need them, once per pytest process (cached by
+command line); ``xdist_group`` marks keep the scenarios sharing a twin on one worker under
+``--dist loadgroup``. Speed is never asserted (``benchmarks/`` measures it); each job's
+report goes to ``MCGRAPH_GPU_RESULTS`` when set (one JSON line per job, see
+``tests/gpu_table.py``). Two runs in one process, the one thing that needs in-process
+state, is ``tests/test_gpu_in_process.py``.
+
+Markers: ``gpu`` (one GPU; skipped without CUDA) and ``multigpu`` (two GPUs; skipped with
+fewer); TE scenarios are skipped without Transformer Engine. On a 2-GPU host the single-GPU
+scenarios run two at a time (pytest-xdist, each worker's jobs pinned to its own GPU through
+``CUDA_VISIBLE_DEVICES``: ``gw0`` -> the first, ``gw1`` -> the second); the two-GPU ones run
+in a second invocation without xdist. On the device (after ``../shared/gpu/README.md``'s
+install steps), one call each, under 600 s::
+
+    source /tmp/gpu/env.sh && bash tests/gpu_suite.sh $OUT single
+    source /tmp/gpu/env.sh && bash tests/gpu_suite.sh $OUT multi
+    source /tmp/gpu/env.sh && bash tests/gpu_suite.sh $OUT single -k "te_attn or exception"
+
+or by hand::
+
+    MCGRAPH_GPU_RESULTS=$OUT/results.jsonl python3 -m pytest tests/test_gpu.py \\
+        tests/test_gpu_in_process.py -m gpu -n 2 --dist loadgroup -W ignore -q
+    MCGRAPH_GPU_RESULTS=$OUT/results.jsonl python3 -m pytest tests/test_gpu.py -m multigpu \\
+        -W ignore -q
 """
 
 from __future__ import annotations
 
-import gc
+import dataclasses
+import hashlib
 import importlib.util
-import json
+import math
 import os
+import signal
+import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-
-needs_te = pytest.mark.skipif(
-    importlib.util.find_spec("transformer_engine") is None,
-    reason="needs Transformer Engine (pip install 'megatron-cudagraph-plugin[te]')",
-)
+from train_jobs import TrainJob, append_result, launch, pinned_device, result_line
 
 # A small bf16 GPT: big enough to launch real kernels, quick to build.
-MODEL = [
+MODEL = (
     "--bf16",
     "--num-layers",
     "2",
@@ -47,189 +87,538 @@ MODEL = [
     "1024",
     "--log-interval",
     "0",
-]
-TE_SPEC = ["--transformer-impl", "transformer_engine"]
-FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
-OVERLAP = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"]
+)
+STEPS = 12
+TE_SPEC = ("--transformer-impl", "transformer_engine")
+FULL = ("--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration")
+OVERLAP = ("--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce")
+MOE = (
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-token-dispatcher-type",
+    "alltoall",
+    "--moe-permute-fusion",
+)
+TP2_SP = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
+EVAL = ("--eval-interval", "4", "--eval-iters", "2")
+
+# bf16 loss parity, eager vs graphed (as the in-process suite had it).
+PARITY_TOLERANCE = {"rtol": 1e-2, "atol": 1e-2}
+# A failure job must have ended by then: the correctness bound of "no hang" (issue 12).
+NO_HANG_S = 60.0
+GOOD_TIMEOUT_S = float(os.environ.get("MCGRAPH_GPU_JOB_TIMEOUT", "180"))
+# Longer than NO_HANG_S, so that a slow exit is reported with its time rather than as a hang.
+FAILURE_TIMEOUT_S = 90.0
 
 
-def te(scope: str) -> list[str]:
-    return [*TE_SPEC, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", scope]
+def te(scope: str) -> tuple[str, ...]:
+    return ("--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", scope)
 
 
-def run(name: str, *argv: str, steps: int = 12, plugins=()) -> tuple[dict[str, Any], Any]:
-    import train_gpt
-    from recording import Recorder
-
-    recorder = Recorder()
-    try:
-        summary = train_gpt.run(
-            ["--train-iters", str(steps), *MODEL, *argv], plugins=[recorder, *plugins]
-        )
-    finally:
-        _record(name, argv, recorder)
-        gc.collect()
-        torch.cuda.empty_cache()
-    return summary, recorder
+def warmup(steps: int) -> tuple[str, ...]:
+    return ("--cuda-graph-warmup-steps", str(steps))
 
 
-def _record(name: str, argv: tuple[str, ...], recorder: Any) -> None:
-    path = os.environ.get("MCGRAPH_GPU_RESULTS")
-    if not path or recorder.report is None:
-        return
-    plugin = recorder.graph_plugin
-    with open(path, "a") as sink:
-        sink.write(
-            json.dumps(
-                {
-                    "test": name,
-                    "argv": list(argv),
-                    "report": recorder.report.to_dict(),
-                    "allocated_after_free_mib": plugin.allocated_after_free_mib,
-                }
+HOST_TOGGLES = (("disable_pre_hook", False), ("enable_pre_hook",))
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """One row of the scenario table.
+
+    :ivar base: Flags shared with the eager twin (model spec, parallelism, evaluation, ...).
+    :ivar graphs: The CUDA-graph flags; the eager twin runs ``base`` without them.
+    :ivar capture_step: The training step the capture must happen at (every rank).
+    :ivar last_step: The last training step that runs (``STEPS - 1`` unless it exits early).
+    :ivar end: The expected shutdown reason (of the failing ranks, for a failure).
+    :ivar fault: The probe's fault-injection variables for the job.
+    :ivar failing_ranks: Ranks the fault hits (failure scenarios).
+    :ivar stages: The graphs captured, in order: ``training``, then ``validation``.
+    :ivar toggles: The expected forward pre-hook toggles, in order (``None``: not checked).
+    :ivar slack_mib: How far above the pre-capture level allocated memory may be after free.
+    """
+
+    name: str
+    base: tuple[str, ...]
+    graphs: tuple[str, ...]
+    nproc: int = 1
+    capture_step: int | None = 3
+    last_step: int = STEPS - 1
+    start_step: int = 0
+    te: bool = False
+    parity: bool = True
+    end: str = "completed"
+    fault: tuple[tuple[str, str], ...] = ()
+    failing_ranks: tuple[int, ...] = ()
+    stages: tuple[str, ...] = ("training",)
+    toggles: tuple[tuple[Any, ...], ...] | None = None
+    slack_mib: float = 8.0
+
+    @property
+    def failure(self) -> bool:
+        return bool(self.fault)
+
+    @property
+    def fault_step(self) -> int | None:
+        """The step a raise or SIGTERM is injected at (``None`` for a capture failure)."""
+        for var, value in self.fault:
+            if var.endswith(("_RAISE", "_SIGTERM")):
+                return int(value.split(":")[0])
+        return None
+
+    def argv(self) -> list[str]:
+        return ["--train-iters", str(STEPS), *MODEL, *self.base, *self.graphs]
+
+    def eager_argv(self) -> list[str]:
+        return ["--train-iters", str(STEPS), *MODEL, *self.base]
+
+    @property
+    def twin_key(self) -> str:
+        text = " ".join([str(self.nproc), *self.eager_argv()])
+        return "eager-" + hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
+def _fault(var: str, value: str) -> tuple[tuple[str, str], ...]:
+    return ((f"MCGRAPH_PROBE_{var}", value),)
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    # -- one GPU --------------------------------------------------------------------------
+    Scenario("full_iteration", (), FULL),
+    Scenario("full_iteration_eval", EVAL, FULL, stages=("training", "validation")),
+    Scenario(
+        "full_iteration_te_spec_eval",
+        (*TE_SPEC, *EVAL),
+        FULL,
+        te=True,
+        stages=("training", "validation"),
+    ),
+    Scenario("full_iteration_overlap", OVERLAP, FULL, toggles=HOST_TOGGLES),
+    Scenario("te_attn", TE_SPEC, te("attn"), te=True),
+    Scenario("te_attn_mlp", TE_SPEC, te("attn,mlp"), te=True),
+    Scenario("te_moe", (*TE_SPEC, *MOE), te("attn,moe_router,moe_preprocess"), te=True),
+    Scenario(
+        # Captured while the host still has the pre-hooks off for its first step, before the
+        # first optimizer step: Adam's state comes after the "before capture" snapshot.
+        "te_overlap_w0",
+        (*TE_SPEC, *OVERLAP),
+        (*te("attn,mlp"), *warmup(0)),
+        capture_step=0,
+        te=True,
+        toggles=HOST_TOGGLES,
+        slack_mib=64.0,
+    ),
+    Scenario(
+        "te_overlap_w2",
+        (*TE_SPEC, *OVERLAP),
+        (*te("attn,mlp"), *warmup(2)),
+        capture_step=2,
+        te=True,
+        toggles=HOST_TOGGLES * 2,
+    ),
+    Scenario(
+        # A resumed run warms up again: capture at start step + warm-up.
+        "te_overlap_w2_resumed",
+        (*TE_SPEC, *OVERLAP, "--start-step", "4"),
+        (*te("attn,mlp"), *warmup(2)),
+        capture_step=6,
+        start_step=4,
+        te=True,
+        toggles=HOST_TOGGLES * 2,
+    ),
+    Scenario(
+        "full_iteration_early_exit",
+        ("--exit-interval", "8"),
+        FULL,
+        last_step=7,
+        end="early_exit",
+        parity=False,
+    ),
+    Scenario(
+        "te_attn_mlp_early_exit",
+        (*TE_SPEC, "--exit-interval", "8"),
+        te("attn,mlp"),
+        last_step=7,
+        end="early_exit",
+        te=True,
+        parity=False,
+    ),
+    Scenario(
+        "exception_full_iteration",
+        (),
+        FULL,
+        end="exception",
+        fault=_fault("RAISE", "6:0"),
+        failing_ranks=(0,),
+        parity=False,
+    ),
+    Scenario(
+        "exception_te_attn_mlp",
+        TE_SPEC,
+        te("attn,mlp"),
+        te=True,
+        end="exception",
+        fault=_fault("RAISE", "6:0"),
+        failing_ranks=(0,),
+        parity=False,
+    ),
+    Scenario(
+        "sigterm_full_iteration",
+        (),
+        FULL,
+        end="signal",
+        fault=_fault("SIGTERM", "6:0"),
+        failing_ranks=(0,),
+        parity=False,
+    ),
+    Scenario(
+        "sigterm_te_attn_mlp",
+        TE_SPEC,
+        te("attn,mlp"),
+        te=True,
+        end="signal",
+        fault=_fault("SIGTERM", "6:0"),
+        failing_ranks=(0,),
+        parity=False,
+    ),
+    Scenario(
+        "capture_failure_te_attn_mlp",
+        TE_SPEC,
+        te("attn,mlp"),
+        te=True,
+        end="exception",
+        fault=_fault("FAIL_CAPTURE", "all"),
+        failing_ranks=(0,),
+        parity=False,
+    ),
+    Scenario(
+        # Fails midway through the capture (a module's forward raises while capturing).
+        "capture_failure_inside_te_attn_mlp",
+        TE_SPEC,
+        te("attn,mlp"),
+        te=True,
+        end="exception",
+        fault=(*_fault("FAIL_CAPTURE", "all"), *_fault("FAIL_CAPTURE_AT", "inside")),
+        failing_ranks=(0,),
+        parity=False,
+    ),
+    Scenario(
+        "capture_failure_inside_full_iteration",
+        (),
+        FULL,
+        end="exception",
+        fault=(*_fault("FAIL_CAPTURE", "all"), *_fault("FAIL_CAPTURE_AT", "inside")),
+        failing_ranks=(0,),
+        parity=False,
+    ),
+    # -- two GPUs -------------------------------------------------------------------------
+    Scenario("dp2_full_iteration", (), FULL, nproc=2),
+    Scenario(
+        "dp2_te_attn_mlp_distopt",
+        (*TE_SPEC, "--use-distributed-optimizer"),
+        te("attn,mlp"),
+        nproc=2,
+        te=True,
+    ),
+    Scenario("tp2_sp_te_attn", (*TE_SPEC, *TP2_SP), te("attn"), nproc=2, te=True),
+    Scenario(
+        "dp2_raise_rank1_full_iteration",
+        (),
+        FULL,
+        nproc=2,
+        end="exception",
+        fault=_fault("RAISE", "6:1"),
+        failing_ranks=(1,),
+        parity=False,
+    ),
+    Scenario(
+        "dp2_raise_rank1_te_attn_mlp",
+        TE_SPEC,
+        te("attn,mlp"),
+        nproc=2,
+        te=True,
+        end="exception",
+        fault=_fault("RAISE", "6:1"),
+        failing_ranks=(1,),
+        parity=False,
+    ),
+    Scenario(
+        "tp2_capture_failure_te_attn",
+        (*TE_SPEC, *TP2_SP),
+        te("attn"),
+        nproc=2,
+        te=True,
+        end="exception",
+        fault=_fault("FAIL_CAPTURE", "all"),
+        failing_ranks=(0, 1),
+        parity=False,
+    ),
+    Scenario(
+        "dp2_sigterm_rank1_full_iteration",
+        (),
+        FULL,
+        nproc=2,
+        end="signal",
+        fault=_fault("SIGTERM", "6:1"),
+        failing_ranks=(1,),
+        parity=False,
+    ),
+)
+
+BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
+assert len(BY_NAME) == len(SCENARIOS), "scenario names must be unique"
+
+# -------------------------------------------------------------------------------------------
+# Selection, skips and markers.
+# -------------------------------------------------------------------------------------------
+
+HAS_TE = importlib.util.find_spec("transformer_engine") is not None
+CUDA = torch.cuda.is_available()
+DEVICE_COUNT = torch.cuda.device_count() if CUDA else 0
+
+
+def _marks(scenario: Scenario) -> list[Any]:
+    marks: list[Any] = []
+    if scenario.nproc == 1:
+        marks.append(pytest.mark.gpu)
+        marks.append(pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
+    else:
+        marks.append(pytest.mark.multigpu)
+        marks.append(
+            pytest.mark.skipif(
+                DEVICE_COUNT < scenario.nproc,
+                reason=f"needs {scenario.nproc} CUDA devices (found {DEVICE_COUNT})",
             )
-            + "\n"
+        )
+    if scenario.te:
+        marks.append(
+            pytest.mark.skipif(
+                not HAS_TE,
+                reason="needs Transformer Engine (pip install 'megatron-cudagraph-plugin[te]')",
+            )
+        )
+    if scenario.parity:
+        marks.append(pytest.mark.xdist_group(scenario.twin_key))
+    return marks
+
+
+def _params(good: bool) -> list[Any]:
+    return [
+        pytest.param(scenario, id=scenario.name, marks=_marks(scenario))
+        for scenario in SCENARIOS
+        if scenario.failure != good
+    ]
+
+
+# -------------------------------------------------------------------------------------------
+# Running jobs.
+# -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def jobs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the jobs' logs and probe records go: ``MCGRAPH_GPU_LOGS`` (the suite driver
+    tars it) or a pytest temporary folder."""
+    logs = os.environ.get("MCGRAPH_GPU_LOGS")
+    if logs:
+        Path(logs).mkdir(parents=True, exist_ok=True)
+        return Path(logs)
+    return tmp_path_factory.mktemp("gpu-jobs")
+
+
+def _current_test() -> str | None:
+    current = os.environ.get("PYTEST_CURRENT_TEST")
+    return current.rsplit(" ", 1)[0] if current else None
+
+
+def run_scenario_job(
+    scenario: Scenario, role: str, argv: list[str], jobs_root: Path, env: dict[str, str]
+) -> TrainJob:
+    job_env = dict(env)
+    if scenario.nproc == 1:
+        device = pinned_device(
+            os.environ.get("PYTEST_XDIST_WORKER"),
+            os.environ.get("CUDA_VISIBLE_DEVICES"),
+            DEVICE_COUNT,
+        )
+        if device is not None:
+            job_env["CUDA_VISIBLE_DEVICES"] = device
+    job = launch(
+        f"{scenario.name}/{role}",
+        argv,
+        job_dir=jobs_root / f"{scenario.name}-{role}-{uuid.uuid4().hex[:6]}",
+        timeout_s=FAILURE_TIMEOUT_S if role == "fault" else GOOD_TIMEOUT_S,
+        nproc=scenario.nproc,
+        env=job_env,
+        dump_signal=signal.SIGUSR1,
+    )
+    append_result(result_line(job, scenario.name, role, test=_current_test()))
+    return job
+
+
+class EagerTwins:
+    """Each eager twin runs once per pytest process, by whichever test needs it first."""
+
+    def __init__(self, jobs_root: Path) -> None:
+        self.jobs_root = jobs_root
+        self.jobs: dict[str, TrainJob] = {}
+
+    def get(self, scenario: Scenario) -> TrainJob:
+        if scenario.twin_key not in self.jobs:
+            job = run_scenario_job(scenario, "eager", scenario.eager_argv(), self.jobs_root, {})
+            check_eager_twin(scenario, job)
+            self.jobs[scenario.twin_key] = job
+        return self.jobs[scenario.twin_key]
+
+
+@pytest.fixture(scope="session")
+def eager_twins(jobs_root: Path) -> EagerTwins:
+    return EagerTwins(jobs_root)
+
+
+# -------------------------------------------------------------------------------------------
+# Assertions.
+# -------------------------------------------------------------------------------------------
+
+
+def check_job_ended_cleanly(job: TrainJob) -> None:
+    result = job.result
+    assert not result.timed_out, f"HANG: killed at the timeout\n{job.context()}"
+    assert result.leftovers == [], f"processes left behind: {result.leftovers}\n{job.context()}"
+    assert result.survivors == [], f"processes that would not die: {result.survivors}"
+
+
+def capture_stages(events: list[list[Any]]) -> list[tuple[str, int]]:
+    """``(stage, step)`` of each completed capture, the stage told by the events around it."""
+    stages, evaluating = [], False
+    for event in events:
+        if event[0] == "evaluation_start":
+            evaluating = True
+        elif event[0] == "evaluation_end":
+            evaluating = False
+        elif event[0] == "after_capture":
+            stages.append(("validation" if evaluating else "training", event[1]))
+    return stages
+
+
+def memory_levels(record: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(allocated before the capture, allocated after the free), in MiB: the plugin's
+    numbers where it has them, else the probe's own readings around the same moments."""
+    report = record.get("report") or {}
+    facts = record.get("graph_plugin") or {}
+    memory = record.get("memory") or {}
+    before = (report.get("memory_before_capture") or {}).get("allocated_mib")
+    if before is None:
+        before = memory.get("before_capture_mib")
+    after = facts.get("allocated_after_free_mib")
+    if after is None:
+        after = memory.get("at_record_mib")
+    return before, after
+
+
+def check_memory_back(job: TrainJob, rank: int, slack_mib: float) -> None:
+    before, after = memory_levels(job.record(rank))
+    assert before is not None and after is not None, (rank, before, after, job.context())
+    assert after <= before + slack_mib, (
+        f"rank {rank}: allocated {after:.1f} MiB after the free, {before:.1f} MiB before the "
+        f"capture (slack {slack_mib} MiB)"
+    )
+
+
+def check_graphed_rank(scenario: Scenario, job: TrainJob, rank: int) -> None:
+    record = job.record(rank)
+    context = f"rank {rank}\n{job.context()}"
+    assert record["shutdown_reason"] == scenario.end, context
+    assert "cudagraph-run" in record["plugins"], f"the CUDA graph plugin did not load\n{context}"
+    report = record["report"]
+    assert report is not None and report["graphs_captured"], (report, context)
+    assert report["capture_step"] == scenario.capture_step, (report["capture_step"], context)
+    assert report["replay_steps"] == list(range(scenario.capture_step + 1, scenario.last_step + 1))
+    assert report["capture_seconds"] > 0
+    assert report["memory_before_capture"] is not None
+    facts = record["graph_plugin"]
+    assert facts is not None, context
+    assert facts["graphs_freed"] == report["graph_count"] > 0, (facts, report["graph_count"])
+    check_memory_back(job, rank, scenario.slack_mib)
+
+    events = record["events"]
+    stages = capture_stages(events)
+    assert [stage for stage, _ in stages] == list(scenario.stages), (stages, context)
+    assert stages[0][1] == scenario.capture_step
+    if facts.get("captures") is not None:
+        assert [c["stage"] for c in facts["captures"]] == list(scenario.stages)
+    steps = [event[1] for event in events if event[0] == "step"]
+    assert steps == list(range(scenario.start_step, scenario.last_step + 1))
+    if scenario.toggles is not None:
+        toggles = [tuple(e) for e in events if e[0] in ("disable_pre_hook", "enable_pre_hook")]
+        assert toggles == list(scenario.toggles), toggles
+    if "--eval-interval" in scenario.base:
+        assert record["eval_losses"] and all(math.isfinite(x) for x in record["eval_losses"])
+
+    losses = job.losses(rank)
+    assert record["loss_steps"] == steps
+    assert len(losses) == len(steps) and all(math.isfinite(x) for x in losses), losses
+    at_exit = record.get("at_exit")
+    assert at_exit == {"process_group_initialized": False}, f"at exit: {at_exit}\n{context}"
+
+
+def check_eager_twin(scenario: Scenario, job: TrainJob) -> None:
+    check_job_ended_cleanly(job)
+    assert job.result.rc == 0, f"the eager twin failed\n{job.context()}"
+    for rank in range(scenario.nproc):
+        record = job.record(rank)
+        assert record["shutdown_reason"] == scenario.end
+        assert record["report"] is not None and not record["report"]["graphs_captured"]
+
+
+def check_parity(scenario: Scenario, graphed: TrainJob, eager: TrainJob) -> None:
+    for rank in range(scenario.nproc):
+        torch.testing.assert_close(
+            torch.tensor(graphed.losses(rank)),
+            torch.tensor(eager.losses(rank)),
+            **PARITY_TOLERANCE,
+            msg=lambda text, rank=rank: f"rank {rank}: graphed vs eager losses: {text}",
         )
 
 
-def assert_captured_and_freed(
-    recorder: Any, capture_step: int, steps: int, slack_mib: float = 8.0
-) -> None:
-    report = recorder.report
-    assert report.graphs_captured, report.no_graph_reason
-    assert report.capture_step == capture_step
-    assert report.replay_steps == list(range(capture_step + 1, steps))
-    assert report.capture_seconds > 0
-    assert report.memory_before_capture is not None
-    plugin = recorder.graph_plugin
-    assert plugin.graphs_freed == report.graph_count > 0
-    # After the free, allocated memory is back near its level before the capture.
-    limit = report.memory_before_capture.allocated_mib + slack_mib
-    assert plugin.allocated_after_free_mib <= limit, (
-        plugin.allocated_after_free_mib,
-        report.memory_before_capture,
-    )
-    assert not torch.distributed.is_initialized()
+def check_failure(scenario: Scenario, job: TrainJob) -> None:
+    check_job_ended_cleanly(job)
+    result = job.result
+    assert result.rc != 0, f"the job succeeded despite the fault\n{job.context()}"
+    if scenario.nproc == 1 and scenario.end == "signal":
+        assert result.signal == signal.SIGTERM, job.context()
+    assert result.wall_s < NO_HANG_S, f"took {result.wall_s:.1f} s to end\n{job.context()}"
+    for rank in scenario.failing_ranks:
+        record = job.record(rank)
+        context = f"rank {rank}\n{job.context()}"
+        assert record["shutdown_reason"] == scenario.end, context
+        assert record["losses"] is None  # never read from the device on an error path
+        assert any(event[0] == "fault" for event in record["events"]), context
+        report, facts = record["report"], record["graph_plugin"]
+        assert report is not None and facts is not None, context
+        if scenario.fault_step is not None:  # the fault comes after the capture
+            assert report["capture_step"] == scenario.capture_step, context
+            assert facts["graphs_freed"] == report["graph_count"] > 0, (facts, report)
+        else:  # the capture itself failed: whatever it made is freed
+            assert not report["graphs_captured"], report
+            assert facts["graphs_freed"] >= report["graph_count"] == 0, (facts, report)
+        check_memory_back(job, rank, scenario.slack_mib)
 
 
-def test_full_iteration(tmp_path):
-    summary, rec = run(
-        "full_iteration", *FULL, "--cuda-graph-report-json", str(tmp_path / "r.json")
-    )
-    assert_captured_and_freed(rec, capture_step=3, steps=12)
-    assert json.loads((tmp_path / "r.json").read_text())["graph_count"] == 1
-    assert all(torch.isfinite(torch.tensor(summary["losses"])))
+@pytest.mark.parametrize("scenario", _params(good=True))
+def test_scenario(scenario: Scenario, jobs_root: Path, eager_twins: EagerTwins) -> None:
+    job = run_scenario_job(scenario, "graphed", scenario.argv(), jobs_root, {})
+    check_job_ended_cleanly(job)
+    assert job.result.rc == 0, job.context()
+    for rank in range(scenario.nproc):
+        check_graphed_rank(scenario, job, rank)
+    if scenario.parity:
+        check_parity(scenario, job, eager_twins.get(scenario))
 
 
-def test_full_iteration_with_evaluation_and_te_spec():
-    if importlib.util.find_spec("transformer_engine") is None:
-        extra: list[str] = []
-    else:
-        extra = TE_SPEC
-    _, rec = run("full_iteration_eval", *FULL, *extra, "--eval-interval", "4", "--eval-iters", "2")
-    stages = [c["stage"] for c in rec.graph_plugin.captures]
-    assert stages == ["training", "validation"]
-    assert_captured_and_freed(rec, capture_step=3, steps=12)
-
-
-@needs_te
-@pytest.mark.parametrize("scope", ["attn", "attn,mlp"])
-def test_te_scopes(scope):
-    summary, rec = run(f"te_{scope}", *te(scope))
-    assert_captured_and_freed(rec, capture_step=3, steps=12)
-    assert all(torch.isfinite(torch.tensor(summary["losses"])))
-
-
-@needs_te
-@pytest.mark.parametrize("warmup", [0, 2])
-def test_te_distributed_optimizer_pre_hook_path(warmup):
-    _, rec = run(
-        f"te_overlap_w{warmup}", *te("attn,mlp"), *OVERLAP, "--cuda-graph-warmup-steps", str(warmup)
-    )
-    # With no warm-up the capture precedes the first optimizer step, so Adam's state (about
-    # 22 MiB for this model) is allocated after the "before capture" snapshot.
-    assert_captured_and_freed(
-        rec, capture_step=warmup, steps=12, slack_mib=64.0 if warmup == 0 else 8.0
-    )
-    toggles = [e for e in rec.events if e[0] in ("disable_pre_hook", "enable_pre_hook")]
-    if warmup == 0:  # captured while the host still had them off for its first step
-        assert toggles == [("disable_pre_hook", False), ("enable_pre_hook",)]
-    else:
-        assert toggles == [
-            ("disable_pre_hook", False),
-            ("enable_pre_hook",),
-            ("disable_pre_hook", False),
-            ("enable_pre_hook",),
-        ]
-
-
-def test_full_iteration_distributed_optimizer():
-    _, rec = run("full_iteration_overlap", *FULL, *OVERLAP)
-    assert_captured_and_freed(rec, capture_step=3, steps=12)
-
-
-@pytest.mark.parametrize("mode", ["full_iteration", "te_attn_mlp"])
-def test_exception_mid_run_frees_graphs_and_destroys_the_process_group(mode):
-    import train_gpt
-    from recording import RaiseAt, Recorder
-
-    if mode == "te_attn_mlp" and importlib.util.find_spec("transformer_engine") is None:
-        pytest.skip("needs Transformer Engine")
-    argv = FULL if mode == "full_iteration" else te("attn,mlp")
-    recorder = Recorder()
-    with pytest.raises(RuntimeError, match="injected"):
-        train_gpt.run(
-            ["--train-iters", "12", *MODEL, *argv],
-            plugins=[recorder, RaiseAt(6, RuntimeError("injected"))],
-        )
-    _record(f"exception_{mode}", tuple(argv), recorder)
-    assert recorder.events[-1] == ("shutdown", "exception")
-    plugin = recorder.graph_plugin
-    assert plugin.graphs_freed == recorder.report.graph_count > 0
-    assert plugin.allocated_after_free_mib <= plugin.memory_before.allocated_mib + 8
-    assert not torch.distributed.is_initialized()
-    # the next run in this process starts clean and captures at its own step
-    _, rec = run(f"after_exception_{mode}", *argv, "--cuda-graph-warmup-steps", "2", steps=6)
-    assert_captured_and_freed(rec, capture_step=2, steps=6)
-
-
-def test_two_runs_in_one_process_capture_again():
-    _, first = run("two_runs_1", *FULL, "--cuda-graph-warmup-steps", "2", steps=6)
-    _, second = run(
-        "two_runs_2", *FULL, "--cuda-graph-warmup-steps", "3", "--start-step", "10", steps=16
-    )
-    assert_captured_and_freed(first, capture_step=2, steps=6)
-    assert_captured_and_freed(second, capture_step=13, steps=16)
-
-
-@pytest.mark.parametrize("mode", ["full_iteration", "te_attn_mlp"])
-def test_loss_parity_eager_vs_graphed(mode):
-    if mode == "te_attn_mlp":
-        if importlib.util.find_spec("transformer_engine") is None:
-            pytest.skip("needs Transformer Engine")
-        base, graphed = TE_SPEC, te("attn,mlp")
-    else:
-        base, graphed = [], FULL
-    eager, _ = run(f"parity_eager_{mode}", *base, steps=20)
-    cuda, rec = run(f"parity_graphed_{mode}", *graphed, steps=20)
-    assert rec.report.graphs_captured
-    torch.testing.assert_close(
-        torch.tensor(cuda["losses"]), torch.tensor(eager["losses"]), rtol=1e-2, atol=1e-2
-    )
-
-
-# Last: a failed capture can leave CUDA/TE state that later captures in this process trip on.
-@needs_te
-def test_te_moe_dense_parts():
-    _, rec = run(
-        "te_moe",
-        *te("attn,moe_router,moe_preprocess"),
-        "--num-experts",
-        "4",
-        "--moe-router-topk",
-        "2",
-        "--moe-token-dispatcher-type",
-        "alltoall",
-        "--moe-permute-fusion",
-    )
-    assert_captured_and_freed(rec, capture_step=3, steps=12)
+@pytest.mark.parametrize("scenario", _params(good=False))
+def test_failure_scenario_ends_the_job(scenario: Scenario, jobs_root: Path) -> None:
+    job = run_scenario_job(scenario, "fault", scenario.argv(), jobs_root, dict(scenario.fault))
+    check_failure(scenario, job)

@@ -1,0 +1,370 @@
+"""The GPU suite's table and checks, on the CPU (the GPU jobs themselves need the device).
+
+Every scenario of ``tests/test_gpu.py`` parses with the example's parser and passes the CUDA
+graph plugin's own validation (as ``mcgraph_configure`` runs it at the start of a job), its
+expectations agree with its flags (capture step = start step + warm-up, DP x TP = GPUs,
+faults the probe accepts), and the checks a GPU job's records go through accept a record
+shaped like a good run's and reject each defect they exist to catch. A GPU call costs
+device time; a check that cannot fail, or fails on a good run, is found here first.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import subprocess
+import sys
+import tarfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_gpu
+from test_gpu import SCENARIOS, Scenario
+
+import train_gpt
+from cudagraph_plugin.validation import CudaGraphConfigError
+from hookspecs import TrainingRun, get_plugin_manager
+from jobs import JobResult
+from train_jobs import PROBE_PATH, REPO, TrainJob, pinned_device
+
+GOOD = [s for s in SCENARIOS if not s.failure]
+FAILURES = [s for s in SCENARIOS if s.failure]
+
+
+def parse(argv: list[str]) -> Any:
+    return train_gpt.build_parser(get_plugin_manager()).parse_args(argv)
+
+
+def _probe() -> Any:
+    spec = importlib.util.spec_from_file_location("mcgraph_probe", PROBE_PATH / "mcgraph_probe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_the_scenario_agrees_with_its_flags(scenario: Scenario) -> None:
+    args = parse(scenario.argv())
+    eager = parse(scenario.eager_argv())
+    assert eager.cuda_graph_impl == "none"
+    assert args.cuda_graph_impl != "none"
+    assert args.start_step == scenario.start_step
+    warmup = 3 if args.cuda_graph_warmup_steps is None else args.cuda_graph_warmup_steps
+    assert scenario.capture_step == scenario.start_step + warmup
+    if args.exit_interval:
+        first_exit = -(-(scenario.start_step + 1) // args.exit_interval) * args.exit_interval
+        assert scenario.last_step == first_exit - 1
+        assert scenario.end == "early_exit"
+    else:
+        assert scenario.last_step == args.train_iters - 1
+    assert scenario.nproc % args.tensor_model_parallel_size == 0
+    assert scenario.te == (args.transformer_impl == "transformer_engine")
+    assert ("validation" in scenario.stages) == (args.eval_interval is not None)
+    if args.use_distributed_optimizer and args.overlap_param_gather:
+        assert scenario.toggles is not None
+    if scenario.failure:
+        assert scenario.failing_ranks and max(scenario.failing_ranks) < scenario.nproc
+        assert not scenario.parity
+        assert scenario.end in ("exception", "signal")
+        probe = _probe()
+        env = dict(scenario.fault)
+        for rank in range(scenario.nproc):
+            # the probe accepts the fault (it would fail the job's configure otherwise)
+            run = probe.Probe(
+                get_plugin_manager(load_entrypoints=False), {**env, "RANK": str(rank)}
+            )
+            hit = run.fail_capture or any(
+                spec is not None and probe._applies(spec[1], rank)
+                for spec in (run.raise_at, run.sigterm_at)
+            )
+            assert hit == (rank in scenario.failing_ranks)
+        if scenario.fault_step is not None:
+            assert scenario.capture_step < scenario.fault_step < scenario.last_step
+    else:
+        assert scenario.end in ("completed", "early_exit")
+
+
+def configure(argv: list[str]) -> None:
+    """What a job does first: the plugins validate the configuration in configure."""
+    pm = get_plugin_manager()
+    args = train_gpt.build_parser(pm).parse_args(argv)
+    run = TrainingRun(
+        pm, config=args, train_iters=args.train_iters, start_step=args.start_step, handle_signals=()
+    )
+    with run:
+        pass
+
+
+def test_every_scenario_passes_the_plugins_validation() -> None:
+    for scenario in SCENARIOS:
+        configure(scenario.argv())
+    # ... which is a real check: the MoE scenario without TE's fused permutation fails it
+    moe = test_gpu.BY_NAME["te_moe"].argv()
+    moe.remove("--moe-permute-fusion")
+    with pytest.raises(CudaGraphConfigError, match="moe_preprocess"):
+        configure(moe)
+
+
+def test_scenario_names_are_the_test_ids_and_the_eager_twins_are_shared() -> None:
+    names = [s.name for s in SCENARIOS]
+    assert len(set(names)) == len(names)
+    twins = {s.name: s.twin_key for s in GOOD}
+    assert twins["te_attn"] == twins["te_attn_mlp"]
+    assert twins["te_overlap_w0"] == twins["te_overlap_w2"] != twins["te_overlap_w2_resumed"]
+    assert twins["full_iteration"] != twins["dp2_full_iteration"]
+
+
+# -------------------------------------------------------------------------------------------
+# The checks, on records shaped like the probe's.
+# -------------------------------------------------------------------------------------------
+
+
+def _result(rc: int = 0, wall_s: float = 20.0, **changes: Any) -> JobResult:
+    fields = dict(
+        name="x",
+        command=["python"],
+        rc=rc,
+        wall_s=wall_s,
+        timed_out=False,
+        stdout=Path("/nonexistent/stdout.log"),
+        stderr=Path("/nonexistent/stderr.log"),
+        tag="t",
+        leftovers=[],
+        survivors=[],
+    )
+    fields.update(changes)
+    return JobResult(**fields)
+
+
+def fails(check: Any) -> bool:
+    try:
+        check()
+    except AssertionError:
+        return True
+    return False
+
+
+def check_all_ranks(s: Scenario, job: TrainJob) -> None:
+    for rank in range(s.nproc):
+        test_gpu.check_graphed_rank(s, job, rank)
+
+
+def good_record(s: Scenario) -> dict[str, Any]:
+    """What the probe writes for a run of ``s`` that does what the table expects."""
+    impl = "local" if "local" in s.graphs else "transformer_engine"
+    events: list[list[Any]] = [list(t) for t in s.toggles or ()]
+    events.append(["train_start", s.start_step, test_gpu.STEPS])
+    captures = [{"stage": "training", "step": s.capture_step, "seconds": 0.5}]
+    for step in range(s.start_step, s.last_step + 1):
+        events.append(["step", step])
+        if step == s.capture_step:
+            events += [["before_capture", step, impl, []], ["after_capture", step, 2]]
+        events.append(["step_end", step])
+        if "validation" in s.stages and (step + 1) % 4 == 0:
+            events.append(["evaluation_start", step])
+            if step == 7:
+                events += [["before_capture", step, impl, []], ["after_capture", step, 2]]
+                captures.append({"stage": "validation", "step": 7, "seconds": 0.5})
+            events.append(["evaluation_end", step])
+    events += [["report"], ["shutdown", s.end]]
+    steps = list(range(s.start_step, s.last_step + 1))
+    return {
+        "shutdown_reason": s.end,
+        "plugins": ["probe", "cudagraph", "cudagraph-run", "mcgraph-probe-run"],
+        "events": events,
+        "report": {
+            "graphs_captured": True,
+            "capture_step": s.capture_step,
+            "replay_steps": list(range(s.capture_step + 1, s.last_step + 1)),
+            "capture_seconds": 0.5,
+            "memory_before_capture": {"allocated_mib": 128.0},
+            "memory_after_capture": {"allocated_mib": 130.0},
+            "graph_count": 2,
+        },
+        "graph_plugin": {
+            "graphs_freed": 2,
+            "allocated_after_free_mib": 64.0,
+            "memory_before": {"allocated_mib": 128.0},
+            "captures": captures,
+        },
+        "memory": {"before_capture_mib": 128.0, "at_record_mib": 64.0},
+        "loss_steps": steps,
+        "losses": [7.0 - 0.1 * i for i in range(len(steps))],
+        "eval_losses": [6.5] * sum(1 for e in events if e[0] == "evaluation_end"),
+        "at_exit": {"process_group_initialized": False},
+    }
+
+
+def job_of(s: Scenario, records: dict[int, dict[str, Any]], **result: Any) -> TrainJob:
+    return TrainJob(s.name, s.argv(), s.nproc, _result(**result), records)
+
+
+def _set(record: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    record = copy.deepcopy(record)
+    *parents, last = path.split(".")
+    target = record
+    for key in parents:
+        target = target[key]
+    target[last] = value
+    return record
+
+
+GOOD_RUN_DEFECTS = {
+    "capture a step late": lambda r, s: _set(r, "report.capture_step", s.capture_step + 1),
+    "a replay step missing": lambda r, s: _set(
+        r, "report.replay_steps", r["report"]["replay_steps"][1:]
+    ),
+    "a graph not freed": lambda r, s: _set(r, "graph_plugin.graphs_freed", 1),
+    "no graph at all": lambda r, s: _set(
+        _set(r, "graph_plugin.graphs_freed", 0), "report.graph_count", 0
+    ),
+    "memory not back": lambda r, s: _set(r, "graph_plugin.allocated_after_free_mib", 200.0),
+    "wrong shutdown reason": lambda r, s: _set(r, "shutdown_reason", "exception"),
+    "a NaN loss": lambda r, s: _set(r, "losses", [*r["losses"][:-1], float("nan")]),
+    "a process group left": lambda r, s: _set(r, "at_exit.process_group_initialized", True),
+    "no exit record": lambda r, s: {k: v for k, v in r.items() if k != "at_exit"},
+    "the graph plugin missing": lambda r, s: _set(r, "plugins", ["probe", "mcgraph-probe-run"]),
+    "a step missing": lambda r, s: _set(
+        r, "events", [e for e in r["events"] if e != ["step", s.last_step]]
+    ),
+}
+
+SAMPLES = [
+    "full_iteration_eval",
+    "te_overlap_w2_resumed",
+    "te_attn_mlp_early_exit",
+    "tp2_sp_te_attn",
+]
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_the_good_run_checks_pass_a_good_record_and_catch_every_defect(name: str) -> None:
+    s = test_gpu.BY_NAME[name]
+    good = good_record(s)
+    check_all_ranks(s, job_of(s, {r: good for r in range(s.nproc)}))
+    defects = dict(GOOD_RUN_DEFECTS)
+    if s.toggles:
+        defects["no toggles"] = lambda r, s: _set(
+            r, "events", [e for e in r["events"] if "pre_hook" not in e[0]]
+        )
+    if "validation" in s.stages:
+        defects["no validation graph"] = lambda r, s: _set(
+            r, "events", [e for e in r["events"] if e[0] != "after_capture" or e[1] != 7]
+        )
+    for defect, make in defects.items():
+        records = {r: good for r in range(s.nproc)}
+        records[s.nproc - 1] = make(good, s)  # the last rank's record has the defect
+        job = job_of(s, records)
+        assert fails(lambda job=job: check_all_ranks(s, job)), f"not caught: {defect}"
+    # and a job that hung, or left a process behind, fails before any record is read
+    for result in ({"timed_out": True, "rc": -9}, {"leftovers": [4242]}):
+        with pytest.raises(AssertionError):
+            test_gpu.check_job_ended_cleanly(job_of(s, {0: good}, **result))
+
+
+def failure_record(s: Scenario) -> dict[str, Any]:
+    captured = s.fault_step is not None
+    return {
+        "shutdown_reason": s.end,
+        "losses": None,
+        "events": [["step", 6], ["fault", "raise", 6], ["report"], ["shutdown", s.end]],
+        "report": {
+            "graphs_captured": captured,
+            "capture_step": s.capture_step if captured else None,
+            "graph_count": 2 if captured else 0,
+            "memory_before_capture": {"allocated_mib": 128.0} if captured else None,
+        },
+        "graph_plugin": {"graphs_freed": 2 if captured else 0, "allocated_after_free_mib": 64.0},
+        "memory": {"before_capture_mib": 128.0, "at_record_mib": 64.0},
+    }
+
+
+@pytest.mark.parametrize("s", FAILURES, ids=lambda s: s.name)
+def test_the_failure_checks_pass_an_ended_job_and_catch_a_hang_or_a_leak(s: Scenario) -> None:
+    rc = -15 if s.nproc == 1 and s.end == "signal" else 1
+    records = {rank: failure_record(s) for rank in s.failing_ranks}
+    test_gpu.check_failure(s, job_of(s, records, rc=rc, wall_s=12.0))
+    bad_jobs = [
+        job_of(s, records, rc=0),
+        job_of(s, records, rc=rc, wall_s=61.0),
+        job_of(s, records, rc=-9, timed_out=True, wall_s=90.0),
+        job_of(s, {}, rc=rc),
+    ]
+    rank = s.failing_ranks[-1]
+    for path, value in (
+        ("shutdown_reason", "completed"),
+        ("graph_plugin.allocated_after_free_mib", 300.0),
+        ("graph_plugin.graphs_freed", 1 if s.fault_step is not None else -1),
+        ("losses", [1.0]),
+    ):
+        bad_jobs.append(job_of(s, {**records, rank: _set(records[rank], path, value)}, rc=rc))
+    if rc == -15:
+        bad_jobs.append(job_of(s, records, rc=1))
+    for job in bad_jobs:
+        assert fails(lambda job=job: test_gpu.check_failure(s, job)), job
+
+
+def test_parity_is_per_rank_within_the_bf16_tolerance() -> None:
+    s = test_gpu.BY_NAME["dp2_full_iteration"]
+    eager = job_of(s, {0: {"losses": [7.0, 6.0]}, 1: {"losses": [7.5, 6.5]}})
+    close = job_of(s, {0: {"losses": [7.05, 6.04]}, 1: {"losses": [7.5, 6.55]}})
+    test_gpu.check_parity(s, close, eager)
+    off = job_of(s, {0: {"losses": [7.0, 6.0]}, 1: {"losses": [7.5, 6.7]}})
+    with pytest.raises(AssertionError, match="rank 1"):
+        test_gpu.check_parity(s, off, eager)
+
+
+def test_capture_stages_come_from_the_events_around_them() -> None:
+    events = [
+        ["step", 3],
+        ["after_capture", 3, 1],
+        ["evaluation_start", 7],
+        ["after_capture", 7, 2],
+        ["evaluation_end", 7],
+    ]
+    assert test_gpu.capture_stages(events) == [("training", 3), ("validation", 7)]
+
+
+def test_each_xdist_worker_pins_its_jobs_to_its_own_gpu() -> None:
+    assert pinned_device(None, None, 2) is None
+    assert pinned_device("master", None, 2) is None
+    assert [pinned_device(w, None, 2) for w in ("gw0", "gw1", "gw2")] == ["0", "1", "0"]
+    assert [pinned_device(w, "3,5", 8) for w in ("gw0", "gw1")] == ["3", "5"]
+    assert pinned_device("gw0", None, 0) is None
+
+
+@pytest.mark.slow
+def test_the_suite_driver_runs_and_packs_its_outputs_where_no_gpu_is_visible(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "CUDA_VISIBLE_DEVICES": "",
+        "TMPDIR": str(tmp_path),
+    }
+    command = [
+        "bash",
+        str(REPO / "tests" / "gpu_suite.sh"),
+        str(out),
+        "single",
+        "-k",
+        "full_iteration_eval",
+    ]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # at most 8 files come back from the device
+    assert sorted(path.name for path in out.iterdir()) == ["logs.tar.gz", "summary.txt", "table.md"]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        junit = ET.fromstring(tar.extractfile("./junit_single.xml").read())
+        assert "./gpu_processes_after.txt" in tar.getnames()
+    cases = {case.get("name"): case for case in junit.iter("testcase")}
+    assert sorted(cases) == ["test_scenario[full_iteration_eval]"]
+    for case in cases.values():
+        assert case.find("skipped").get("message") == "needs a CUDA device"
+    assert "## single: pytest exit code 0" in (out / "summary.txt").read_text()
+    assert list(tmp_path.glob("mcgraph-gpu-suite.*")) == []  # its work folder is gone

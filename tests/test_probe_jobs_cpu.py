@@ -1,0 +1,176 @@
+"""The probe plugin in real training jobs on the CPU: ``python examples/train_gpt.py`` and a
+2-rank gloo torchrun, launched through ``tests/jobs.py`` as the GPU suite launches them.
+
+The probe is found through its ``.dist-info`` on the job's ``PYTHONPATH`` (never in this
+process), writes each rank's record on every exit path, and injects the faults the GPU
+failure scenarios use: a raise and a SIGTERM at a step. Megatron-core trains on the CPU here
+through ``examples/cpu_redirect.py`` (skipped where it cannot, as ``tests/cpu_only.py`` says).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.metadata
+import math
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cpu_only import needs_mcore_on_cpu
+
+from train_jobs import REPO, TrainJob, append_result, launch, result_line
+
+pytestmark = [needs_mcore_on_cpu, pytest.mark.slow]
+
+CPU = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+SHORT = ["--train-iters", "6", "--log-interval", "0"]
+FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
+OVERLAP = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+TIMEOUT_S = 120
+
+
+# The three single-process jobs, run side by side (two cores): each test reads its own.
+JOBS = {
+    # a completed run with evaluation and the distributed optimizer's pre-hook toggling
+    "completed": (
+        [*SHORT, *FULL, "--cuda-graph-warmup-steps", "2", "--eval-interval", "3", *OVERLAP],
+        {},
+    ),
+    "raise": ([*SHORT, *FULL], {"MCGRAPH_PROBE_RAISE": "3:0"}),
+    "sigterm": ([*SHORT, *FULL], {"MCGRAPH_PROBE_SIGTERM": "3:0"}),
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TrainJob]:
+    def one(name: str) -> TrainJob:
+        argv, env = JOBS[name]
+        job_dir = tmp_path_factory.mktemp(name)
+        return launch(name, argv, job_dir=job_dir, timeout_s=TIMEOUT_S, env={**CPU, **env})
+
+    with concurrent.futures.ThreadPoolExecutor(len(JOBS)) as pool:
+        return dict(zip(JOBS, pool.map(one, JOBS), strict=True))
+
+
+@pytest.fixture
+def completed(jobs: dict[str, TrainJob]) -> TrainJob:
+    return jobs["completed"]
+
+
+def test_the_probe_is_not_installed_in_this_process() -> None:
+    names = {ep.name for ep in importlib.metadata.entry_points(group="mcgraph")}
+    assert "probe" not in names
+
+
+def test_a_completed_run_is_recorded_through_the_dist_info(completed: TrainJob) -> None:
+    result = completed.result
+    assert result.rc == 0 and not result.timed_out, completed.context()
+    assert result.leftovers == []
+    record = completed.record(0)
+    assert record["distributions"]["probe"] == "mcgraph_probe"
+    # registered after the CUDA graph plugin's run plugin: its shutdown wrapper is outermost
+    plugins = record["plugins"]
+    assert plugins.index("cudagraph-run") < plugins.index("mcgraph-probe-run")
+    steps = [e for s in range(6) for e in (["step", s], ["step_end", s])]
+    expected = [
+        ["disable_pre_hook", False],
+        ["train_start", 0, 6],
+        *steps[:2],
+        ["enable_pre_hook"],
+        *steps[2:6],
+        ["evaluation_start", 2],
+        ["evaluation_end", 2],
+        *steps[6:],
+        ["evaluation_start", 5],
+        ["evaluation_end", 5],
+        ["report"],
+        ["shutdown", "completed"],
+    ]
+    assert record["events"] == expected
+    assert (record["shutdown_reason"], record["exception"]) == ("completed", None)
+    assert record["loss_steps"] == list(range(6))
+    assert len(record["losses"]) == 6 and all(math.isfinite(x) for x in record["losses"])
+    assert len(record["eval_losses"]) == 2 and all(math.isfinite(x) for x in record["eval_losses"])
+    report = record["report"]
+    assert report["device"] == "cpu" and not report["graphs_captured"]
+    assert report["versions"]["megatron-core"]
+    assert record["graph_plugin"]["graphs_freed"] == 0
+    assert record["at_exit"] == {"process_group_initialized": False}
+    assert "shutdown: completed" in result.stdout.read_text()
+
+
+def test_a_results_line_and_its_table_row(completed: TrainJob, tmp_path: Path) -> None:
+    results = tmp_path / "results.jsonl"
+    append_result(result_line(completed, "cpu_completed", "graphed", test="t[cpu]"), results)
+    append_result(result_line(completed, "cpu_completed", "eager", test="t[cpu]"), results)
+    table = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "gpu_table.py"), str(results)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    rows = [line for line in table.splitlines() if line.startswith("| cpu_completed")]
+    assert len(rows) == 1, table  # eager twins are left out
+    assert "0.16.1" in rows[0] and "rc 0" in rows[0] and "completed" in rows[0]
+    assert "--eval-interval 3" in rows[0]
+
+
+def test_a_raise_at_a_step_ends_the_job_non_zero_with_the_reason_recorded(
+    jobs: dict[str, TrainJob],
+) -> None:
+    job = jobs["raise"]
+    assert job.result.rc == 1 and not job.result.timed_out, job.context()
+    assert job.result.leftovers == []
+    record = job.record(0)
+    assert record["shutdown_reason"] == "exception"
+    assert "injected failure at step 3 on rank 0" in record["exception"]
+    assert record["events"][-5:] == [
+        ["step", 3],
+        ["step_end", 3],
+        ["fault", "raise", 3],
+        ["report"],
+        ["shutdown", "exception"],
+    ]
+    assert record["losses"] is None and record["loss_steps"] == [0, 1, 2, 3]
+    assert record["report"]["shutdown_reason"] == "exception"
+    # an uncaught exception still runs the interpreter's exit handlers
+    assert record["at_exit"] == {"process_group_initialized": False}
+    assert "RuntimeError: mcgraph probe: injected failure" in job.result.stderr.read_text()
+
+
+def test_sigterm_at_a_step_ends_the_job_by_the_signal_with_the_reason_recorded(
+    jobs: dict[str, TrainJob],
+) -> None:
+    job = jobs["sigterm"]
+    assert job.result.signal == signal.SIGTERM and not job.result.timed_out, job.context()
+    assert job.result.leftovers == []
+    record = job.record(0)
+    assert record["shutdown_reason"] == "signal"
+    assert record["events"][-3:] == [["fault", "sigterm", 3], ["report"], ["shutdown", "signal"]]
+    assert record["losses"] is None
+    assert "at_exit" not in record  # the process ended by the signal: no exit handlers
+
+
+def test_two_gloo_ranks_end_non_zero_in_time_when_rank_1_raises(tmp_path: Path) -> None:
+    job = launch(
+        "gloo-raise",
+        [*SHORT, *FULL],
+        nproc=2,
+        job_dir=tmp_path,
+        timeout_s=90,
+        env={**CPU, "MCGRAPH_PROBE_RAISE": "2:1"},
+        dump_signal=signal.SIGUSR1,
+    )
+    result = job.result
+    assert not result.timed_out, f"HANG\n{job.context()}"
+    assert result.rc != 0 and result.wall_s < 60, job.context()
+    assert result.leftovers == [] and result.survivors == []
+    failing = job.record(1)
+    assert failing["shutdown_reason"] == "exception"
+    assert "on rank 1" in failing["exception"]
+    assert failing["world_size"] == 2
+    if 0 in job.records:  # rank 0 cannot complete without rank 1; stopped by torchrun or peer
+        assert job.records[0]["shutdown_reason"] in ("exception", "signal"), job.context()
