@@ -144,7 +144,13 @@ def test_display_name_is_the_flag_for_a_namespace_and_the_path_otherwise():
         ([], ()),
         ("attn", ("attn",)),
         ("attn,mlp", ("attn", "mlp")),
-        (" attn , mlp ,", ("attn", "mlp")),
+        (" attn , mlp ", ("attn", "mlp")),
+        # Empty names (doubled, leading, trailing commas) are kept for validation to report.
+        (" attn , mlp ,", ("attn", "mlp", "")),
+        ("attn,,mlp", ("attn", "", "mlp")),
+        (",attn", ("", "attn")),
+        (["attn", ""], ("attn", "")),
+        (["attn,mlp", "moe_router"], ("attn", "mlp", "moe_router")),
         (["attn", " moe_router ", "moe_preprocess"], ("attn", "moe_router", "moe_preprocess")),
         (("mlp",), ("mlp",)),
         # Unknown and duplicated names are kept for validation to report.
@@ -313,9 +319,13 @@ def test_none_values_fall_back_to_defaults():
     assert s.recompute_modules == ("core_attn", "mlp")
 
 
-def test_warmup_steps_value_is_kept_as_given_for_validation():
-    assert read_settings(NS(cuda_graph_warmup_steps="3")).warmup_steps == "3"
-    assert read_settings(NS(cuda_graph_warmup_steps=-1)).warmup_steps == -1
+def test_warmup_steps_string_is_read_and_a_bad_one_is_a_listed_problem():
+    assert read_settings(NS(cuda_graph_warmup_steps="3")).warmup_steps == 3
+    s = read_settings(NS(cuda_graph_warmup_steps=-1))
+    assert s.warmup_steps == DEFAULT_WARMUP_STEPS  # the default stands in; the value is reported
+    (problem,) = s.input_problems
+    assert (problem.setting, problem.value) == ("warmup_steps", -1)
+    assert problem.problem == "cuda_graph_warmup_steps must be a non-negative integer"
 
 
 def test_moe_properties():
