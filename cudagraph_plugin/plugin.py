@@ -40,7 +40,7 @@ from cudagraph_plugin.report import (
     verdict,
 )
 from cudagraph_plugin.settings import Settings, read_settings
-from cudagraph_plugin.validation import CudaGraphConfigError, Violation
+from cudagraph_plugin.validation import CudaGraphConfigError, Violation, warmup_warning
 from hookspecs import call_hook, hookimpl
 
 logger = logging.getLogger("cudagraph_plugin")
@@ -265,6 +265,9 @@ class CudaGraphPlugin:
     @hookimpl
     def mcgraph_train_start(self, start_step: int, train_iters: int) -> None:
         self.start_step = start_step
+        warning = warmup_warning(self.settings, start_step, train_iters)
+        if warning:
+            logger.warning("%s", warning)
 
     @hookimpl
     def mcgraph_train_step_start(self, step: int) -> None:
