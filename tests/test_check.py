@@ -117,7 +117,11 @@ def test_fp8_te_mlp_with_full_recompute_fails():
     (problem,) = [line for line in got if line.startswith("1. ")]
     assert problem.startswith(
         "1. --recompute-granularity, --recompute-num-layers, --cuda-graph-scope = "
-        "('full', 1, 'mlp'): full recompute is only supported with full iteration CUDA graph"
+        "('full', 1, 'mlp'): layer-level (full) recompute works only with the full-iteration "
+        "graph"
+    )
+    assert problem.endswith(
+        '(megatron-core: "full recompute is only supported with full iteration CUDA graph")'
     )
     assert (
         "fix: use selective recompute (recompute_granularity=selective), turn CUDA graphs off, "
@@ -226,7 +230,7 @@ def test_expandable_segments_dry_run(monkeypatch):
     code, out = check(DENSE_TE)
     assert code == 0, out
     assert any(
-        line.startswith("preflight: (dry run) would set NCCL_GRAPH_REGISTER=0")
+        line.startswith("auto-fix: set NCCL_GRAPH_REGISTER=0: PYTORCH_CUDA_ALLOC_CONF has")
         for line in lines(out)
     )
     assert any("advice: PYTORCH_CUDA_ALLOC_CONF has expandable_segments" in x for x in lines(out))
@@ -249,11 +253,13 @@ def test_no_flags_means_graphs_off_and_ok():
     assert lines(out)[0].startswith("cuda graphs: impl=none scope=- warmup=3 ")
 
 
-def test_bad_flag_value_exits_2(capsys):
-    with pytest.raises(SystemExit) as info:
-        run_check(["--cuda-graph-scope", "attn,bogus"], out=io.StringIO())
-    assert info.value.code == 2
-    assert "unknown scope(s) 'bogus'" in capsys.readouterr().err
+def test_bad_flag_value_is_a_listed_problem_exit_1(capsys):
+    code, out = check(
+        ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,bogus"]
+    )
+    assert code == 1
+    assert "1. --cuda-graph-scope = 'attn,bogus': unknown CUDA graph scope(s) 'bogus'" in out
+    assert capsys.readouterr().err == ""
 
 
 def test_check_leaves_the_logger_as_it_found_it():
