@@ -77,9 +77,8 @@ def inspect_environment(
                 Violation(
                     ("NCCL_GRAPH_REGISTER",),
                     "unset",
-                    "Setting NCCL_GRAPH_REGISTER=0 to avoid illegal memory access when using "
-                    f"CUDA Graph with {alloc_var}={EXPANDABLE} is needed, but NCCL "
-                    "is already initialised and has read its environment",
+                    f"{alloc_var} has {EXPANDABLE}, so CUDA graphs need NCCL_GRAPH_REGISTER=0, "
+                    "but NCCL is already initialised and has read its environment",
                     "export NCCL_GRAPH_REGISTER=0 before the process starts (or before "
                     "init_process_group), or drop expandable_segments:True",
                     (_NCCL_PHRASE,),
@@ -90,8 +89,8 @@ def inspect_environment(
                 Violation(
                     ("NCCL_GRAPH_REGISTER", alloc_var),
                     repr((register, environ[alloc_var])),
-                    "Setting NCCL_GRAPH_REGISTER=0 to avoid illegal memory access when using CUDA "
-                    f"Graph with {alloc_var}={EXPANDABLE}",
+                    f"{alloc_var} has {EXPANDABLE}, so CUDA graphs need NCCL_GRAPH_REGISTER=0 "
+                    "(NCCL's buffer registration otherwise makes illegal memory accesses)",
                     "export NCCL_GRAPH_REGISTER=0, or drop expandable_segments:True",
                     (_NCCL_PHRASE,),
                 )

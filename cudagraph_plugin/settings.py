@@ -473,8 +473,8 @@ class Settings:
     ``impl="local"`` + ``scope=("full_iteration",)`` for full-iteration graphs) whatever
     spelling the host used; every other value to its type (see :func:`normalise`).
     ``sources`` maps each setting found in the host config to the name the user knows it
-    by; ``input_problems`` lists the values that could not be read (their settings keep
-    their defaults).
+    by (``paths``: to its path); ``input_problems`` lists the values that could not be read
+    (their settings keep their defaults).
     """
 
     impl: Any = "none"
@@ -519,6 +519,7 @@ class Settings:
     scope_conflict: tuple[tuple[str, str], ...] = ()
     input_problems: tuple[FieldProblem, ...] = ()
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
+    paths: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def enabled(self) -> bool:
@@ -606,11 +607,13 @@ def read_settings(config: Any) -> Settings:
     """
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    paths: dict[str, str] = {}
     problems: list[FieldProblem] = []
     for setting in FIELD_PATHS:
         value, path = lookup(config, setting)
         if path is None:
             continue
+        paths[setting] = path
         sources[setting] = display_name(config, path)
         if setting == "scope":
             values[setting] = value
@@ -633,4 +636,5 @@ def read_settings(config: Any) -> Settings:
         scope_conflict=_scope_conflict(config),
         input_problems=tuple(problems),
         sources=sources,
+        paths=paths,
     )

@@ -952,11 +952,15 @@ def plan_autofixes(config: Any, settings: Settings, *, harness: bool = False) ->
 
 
 def settings_after(settings: Settings, fixes: list[AutoFix]) -> Settings:
-    """``settings`` as they read once ``fixes`` are applied to the config."""
-    changed: dict[str, Any] = {}
-    for fix in fixes:
-        if not fix.environment:
-            changed[fix.setting] = () if fix.setting == "scope" else fix.value
+    """``settings`` as they read once ``fixes`` are applied to the config: every setting
+    read from a path a fix writes (Megatron-LM's ``check_for_nan_in_loss_and_grad`` holds
+    both NaN checks) takes the written value."""
+    written = {fix.path: fix.value for fix in fixes if not fix.environment}
+    changed = {
+        setting: (() if setting == "scope" else written[path])
+        for setting, path in settings.paths.items()
+        if path in written
+    }
     return dataclasses.replace(settings, **changed) if changed else settings
 
 
