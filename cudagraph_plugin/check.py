@@ -55,15 +55,17 @@ def _hint(parser: argparse.ArgumentParser, message: str) -> str:
         return ""
     known = [flag for flag in parser._option_string_actions if flag.startswith("--")]
     hints = []
+    after_flag = False  # the values of an unknown flag are unrecognized too; no hint for them
     for token in message.removeprefix("unrecognized arguments: ").split():
         if token.startswith("-"):
             close = difflib.get_close_matches(token.split("=")[0], known, n=1)
             if close:
                 hints.append(f"{token}: did you mean {close[0]}?")
-        else:
+        elif not after_flag:
             hints.append(
                 f"{token}: a value without a flag; only {', '.join(LIST_FLAGS)} take several values"
             )
+        after_flag = token.startswith("-")
     return "".join(f"\n  hint: {hint}" for hint in hints)
 
 
@@ -74,6 +76,7 @@ def _flags(dest: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = _CheckParser(
         prog="python -m cudagraph_plugin check",
+        allow_abbrev=False,  # as Megatron-LM: a misspelled flag is an error, not a prefix
         description="Check a CUDA-graph configuration against every known constraint, as a "
         "run would. Exit codes: 0 OK, 1 problems (bad flag values included), 2 a broken "
         "command line.",

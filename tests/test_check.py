@@ -485,6 +485,13 @@ def test_broken_command_line_exits_2_in_a_few_lines_with_a_hint():
     assert "exit codes: 0 OK, 1 problems, 2 a broken command line" in err[-1]
 
 
+def test_abbreviated_flag_is_not_taken_for_another_as_megatron_lm(capsys):
+    with pytest.raises(SystemExit) as info:
+        run_check([*TE, "--cuda-graph-scop", "attn"], out=io.StringIO())
+    assert info.value.code == 2
+    assert "did you mean --cuda-graph-scope?" in capsys.readouterr().err
+
+
 def test_flag_without_value_exits_2():
     with pytest.raises(SystemExit) as info:
         run_check(["--num-experts"], out=io.StringIO())
