@@ -459,7 +459,7 @@ def normalise(setting: str, value: Any) -> Any:
             FieldProblem(
                 setting,
                 value,
-                _PROBLEM_TEXT.get(setting, f"{exc.problem}"),
+                _PROBLEM_TEXT.get(setting, exc.problem),
                 _FIX_TEXT.get(setting, exc.fix),
             )
         ) from None
