@@ -1,9 +1,12 @@
 """Command-line flags and the performance-harness overrides.
 
 * :func:`add_cuda_graph_arguments` adds ``--cuda-graph-impl``, ``--cuda-graph-scope``
-  (comma-separated, spaces tolerated, each name checked), ``--cuda-graph-warmup-steps``
-  and the report options to any argparse parser, also under the underscore spellings of
-  Megatron-Bridge's performance harness (``--cuda_graph_impl`` ...).
+  (space-separated as Megatron-LM's flag, or comma-separated as Megatron-Bridge's harness,
+  each name checked), ``--cuda-graph-warmup-steps`` and the report options to any argparse
+  parser, also under the underscore spellings of Megatron-Bridge's performance harness
+  (``--cuda_graph_impl`` ...). ``lenient=True`` (the ``check`` command) keeps every value as
+  given, for validation to report all bad values at once instead of argparse stopping at
+  the first.
 * :func:`apply_overrides` is the harness's ``set_cuda_graph_overrides`` for any config
   shape: it sets the given values and the harness's side effects (TE RNG tracker flags on
   for graphs, scope cleared for ``none``, loss NaN check off for ``full_iteration``), each
@@ -17,6 +20,7 @@ import logging
 from typing import Any
 
 from cudagraph_plugin.settings import (
+    DEPRECATED_SCOPES,
     FIELD_PATHS,
     IMPLS,
     MISSING,
@@ -28,19 +32,42 @@ from cudagraph_plugin.settings import (
     read_settings,
     resolve,
 )
-from cudagraph_plugin.validation import apply_autofixes
+from cudagraph_plugin.validation import plan_autofixes, write_autofixes
 
 logger = logging.getLogger("cudagraph_plugin")
 
 FLAG_DESTS = ("cuda_graph_impl", "cuda_graph_scope", "cuda_graph_warmup_steps")
 
 
+def join_scope_tokens(tokens: list[str]) -> str:
+    """One scope string from a flag's tokens: ``attn mlp`` (Megatron-LM), ``attn,mlp``
+    (Megatron-Bridge) and ``attn, mlp`` (unquoted) all give ``"attn,mlp"``; a doubled comma
+    inside a token stays for validation to report."""
+    text = ""
+    for token in tokens:
+        if text and not text.rstrip().endswith(",") and not token.lstrip().startswith(","):
+            text += ","
+        text += token
+    return text
+
+
 def parse_scope_arg(text: str) -> list[str]:
-    """argparse ``type`` for ``--cuda-graph-scope``: ``"attn, mlp"`` -> ``["attn", "mlp"]``."""
+    """Check a ``--cuda-graph-scope`` value: ``"attn, mlp"`` -> ``["attn", "mlp"]``."""
     names = list(parse_scope(text))
     if not names:
         raise argparse.ArgumentTypeError(
-            f"empty scope {text!r}: give comma-separated names from {', '.join(SCOPES)}"
+            f"empty scope {text!r}: give scope names from {', '.join(SCOPES)}"
+        )
+    if "" in names:
+        raise argparse.ArgumentTypeError(
+            f"empty scope name in {text!r} (a doubled, leading or trailing comma)"
+        )
+    deprecated = [name for name in names if name in DEPRECATED_SCOPES]
+    if deprecated:
+        raise argparse.ArgumentTypeError(
+            f"scope {deprecated[0]!r} in {text!r} is a deprecated megatron-core name "
+            "('full' meant whole-layer capture, which this plugin does not manage): name the "
+            "scopes, e.g. attn mlp, or full_iteration with --cuda-graph-impl local"
         )
     unknown = [name for name in names if name not in SCOPES]
     if unknown:
@@ -52,6 +79,35 @@ def parse_scope_arg(text: str) -> list[str]:
     if duplicated:
         raise argparse.ArgumentTypeError(f"scope(s) listed twice in {text!r}: {duplicated}")
     return names
+
+
+class ScopeAction(argparse.Action):
+    """``--cuda-graph-scope S [S ...]``: the tokens joined and checked (a bad value is a
+    usage error naming the flag)."""
+
+    lenient = False
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        text = join_scope_tokens(list(values))
+        if self.lenient:
+            setattr(namespace, self.dest, text)
+            return
+        try:
+            setattr(namespace, self.dest, parse_scope_arg(text))
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from None
+
+
+class RawScopeAction(ScopeAction):
+    """As :class:`ScopeAction`, keeping the joined text for validation to report."""
+
+    lenient = True
 
 
 def _non_negative_int(text: str) -> int:
@@ -73,32 +129,38 @@ def _flags(parser: argparse.ArgumentParser, dest: str) -> list[str]:
     return spellings
 
 
-def add_cuda_graph_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the CUDA-graph flags to ``parser`` (flags the parser already has are left alone)."""
+def add_cuda_graph_arguments(parser: argparse.ArgumentParser, *, lenient: bool = False) -> None:
+    """Add the CUDA-graph flags to ``parser`` (flags the parser already has are left alone).
+
+    :param lenient: Keep the values as given (no choices, no types): for a caller that
+        validates them all together and reports every bad one (the ``check`` command).
+    """
     group = parser.add_argument_group("CUDA graphs (megatron-cudagraph-plugin)")
+    impl_help = (
+        "none; local (with scope full_iteration: megatron-core's FullCudaGraphWrapper); "
+        "transformer_engine (per-layer TE graphs)"
+    )
     options: list[tuple[str, dict[str, Any]]] = [
         (
             "cuda_graph_impl",
-            dict(
-                choices=IMPLS,
-                default="none",
-                help="none; local (with scope full_iteration: megatron-core's "
-                "FullCudaGraphWrapper); transformer_engine (per-layer TE graphs)",
-            ),
+            dict(default="none", metavar="{" + ",".join(IMPLS) + "}", help=impl_help)
+            if lenient
+            else dict(choices=IMPLS, default="none", help=impl_help),
         ),
         (
             "cuda_graph_scope",
             dict(
-                type=parse_scope_arg,
+                nargs="+",
+                action=RawScopeAction if lenient else ScopeAction,
                 default=None,
-                metavar="SCOPE[,SCOPE...]",
-                help=f"comma-separated: {', '.join(SCOPES)}",
+                metavar="SCOPE",
+                help=f"space- or comma-separated: {', '.join(SCOPES)}",
             ),
         ),
         (
             "cuda_graph_warmup_steps",
             dict(
-                type=_non_negative_int,
+                type=None if lenient else _non_negative_int,
                 default=None,
                 metavar="N",
                 help="eager steps before capture (default: megatron-core's 3)",
@@ -173,16 +235,5 @@ def apply_overrides(
     for change in changes:
         logger.warning("override: %s", change)
     settings = read_settings(config)
-    changes += apply_autofixes(config, settings)
-    if settings.impl == "local" and settings.full_iteration:
-        for path in existing_paths(config, "check_for_nan_in_loss"):
-            if resolve(config, path):
-                assign(config, path, False)
-                change = (
-                    f"full_iteration CUDA graph: set {display_name(config, path)}=False (the "
-                    "loss cannot be "
-                    "inspected inside the captured iteration)"
-                )
-                logger.warning("auto-fix: %s", change)
-                changes.append(change)
+    changes += write_autofixes(config, plan_autofixes(config, settings, harness=True))
     return changes

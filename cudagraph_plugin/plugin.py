@@ -26,7 +26,6 @@ flush), so the failing rank reaches the host's teardown and exits.
 
 from __future__ import annotations
 
-import argparse
 import enum
 import gc
 import logging
@@ -35,10 +34,9 @@ from typing import Any
 
 from cudagraph_plugin import compat
 from cudagraph_plugin.cleanup import ReleaseStep, release_each, settle
-from cudagraph_plugin.cli import apply_overrides
+from cudagraph_plugin.config_check import check_config
 from cudagraph_plugin.guard import FIX, ShapeGuard, StaticShapeError
 from cudagraph_plugin.mechanisms import FullIterationGraphs, TEGraphs
-from cudagraph_plugin.preflight import preflight
 from cudagraph_plugin.report import (
     MIB,
     MemorySnapshot,
@@ -48,13 +46,7 @@ from cudagraph_plugin.report import (
     verdict,
 )
 from cudagraph_plugin.settings import Settings, read_settings
-from cudagraph_plugin.validation import (
-    CudaGraphConfigError,
-    Violation,
-    advice,
-    apply_autofixes,
-    validate,
-)
+from cudagraph_plugin.validation import CudaGraphConfigError, Violation, warmup_warning
 from hookspecs import ShutdownReason, call_hook, hookimpl
 
 logger = logging.getLogger("cudagraph_plugin")
@@ -150,26 +142,22 @@ class CudaGraphPlugin:
 
     @classmethod
     def configure(cls, config: Any, pluginmanager: Any) -> CudaGraphPlugin:
-        """Read, auto-fix, validate and preflight the host's configuration."""
-        settings = read_settings(config)
-        if isinstance(config, argparse.Namespace):
-            # A command line is the performance-harness path: its side effects apply.
-            changed = apply_overrides(config)
-        else:
-            changed = apply_autofixes(config, settings)
-        if changed:
-            settings = read_settings(config)
-        validate(settings)
-        for note in advice(settings):
-            logger.warning("advice: %s", note)
+        """Check the host's configuration (``check_config``: the same verdict as
+        ``python -m cudagraph_plugin check``) and apply its auto-fixes only if it has no
+        problems; otherwise raise, leaving ``config`` and the environment untouched."""
         cuda = compat.cuda_available()
-        if settings.enabled and cuda:
-            preflight(
-                settings,
-                nccl_initialized=compat.nccl_initialized,
-                te_available=compat.te_available,
-            )
-        elif settings.enabled:
+        result = check_config(
+            config,
+            te_available=compat.te_available if cuda else None,
+            nccl_initialized=compat.nccl_initialized,
+        )
+        result.apply(config)
+        settings = result.settings
+        for note in result.advice:
+            logger.warning("advice: %s", note)
+        for note in result.notes:
+            logger.info("note: %s", note)
+        if settings.enabled and not cuda:
             logger.warning(
                 "CUDA graphs need a CUDA device and none is available: this run is eager and "
                 "captures nothing (cuda_graph_impl=%s, scope=%s was validated)",
@@ -327,6 +315,9 @@ class CudaGraphPlugin:
     @hookimpl
     def mcgraph_train_start(self, start_step: int, train_iters: int) -> None:
         self.start_step = start_step
+        warning = warmup_warning(self.settings, start_step, train_iters)
+        if warning:
+            logger.warning("%s", warning)
 
     @hookimpl
     def mcgraph_train_step_start(self, step: int) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from cudagraph_plugin import __main__ as entry
 from cudagraph_plugin import compat
-from cudagraph_plugin.check import run_check
+from cudagraph_plugin.check import build_parser, run_check
 
 DENSE_FULL_ITERATION = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
 DENSE_TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp"]
@@ -117,7 +117,11 @@ def test_fp8_te_mlp_with_full_recompute_fails():
     (problem,) = [line for line in got if line.startswith("1. ")]
     assert problem.startswith(
         "1. --recompute-granularity, --recompute-num-layers, --cuda-graph-scope = "
-        "('full', 1, 'mlp'): full recompute is only supported with full iteration CUDA graph"
+        "('full', 1, 'mlp'): layer-level (full) recompute works only with the full-iteration "
+        "graph"
+    )
+    assert problem.endswith(
+        '(megatron-core: "full recompute is only supported with full iteration CUDA graph")'
     )
     assert (
         "fix: use selective recompute (recompute_granularity=selective), turn CUDA graphs off, "
@@ -226,7 +230,7 @@ def test_expandable_segments_dry_run(monkeypatch):
     code, out = check(DENSE_TE)
     assert code == 0, out
     assert any(
-        line.startswith("preflight: (dry run) would set NCCL_GRAPH_REGISTER=0")
+        line.startswith("auto-fix: set NCCL_GRAPH_REGISTER=0: PYTORCH_CUDA_ALLOC_CONF has")
         for line in lines(out)
     )
     assert any("advice: PYTORCH_CUDA_ALLOC_CONF has expandable_segments" in x for x in lines(out))
@@ -249,11 +253,13 @@ def test_no_flags_means_graphs_off_and_ok():
     assert lines(out)[0].startswith("cuda graphs: impl=none scope=- warmup=3 ")
 
 
-def test_bad_flag_value_exits_2(capsys):
-    with pytest.raises(SystemExit) as info:
-        run_check(["--cuda-graph-scope", "attn,bogus"], out=io.StringIO())
-    assert info.value.code == 2
-    assert "unknown scope(s) 'bogus'" in capsys.readouterr().err
+def test_bad_flag_value_is_a_listed_problem_exit_1(capsys):
+    code, out = check(
+        ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,bogus"]
+    )
+    assert code == 1
+    assert "1. --cuda-graph-scope = 'attn,bogus': unknown CUDA graph scope(s) 'bogus'" in out
+    assert capsys.readouterr().err == ""
 
 
 def test_check_leaves_the_logger_as_it_found_it():
@@ -349,3 +355,195 @@ def test_main_usage(capsys, argv, code):
 def test_main_dispatches_to_check(capsys):
     assert entry.main(["check", *FP8_TE_MLP_FULL_RECOMPUTE]) == 1
     assert "FAILED" in capsys.readouterr().out
+
+
+# -- what real launchers pass ---------------------------------------------------------------------
+
+TE = ["--cuda-graph-impl", "transformer_engine"]
+
+
+@pytest.mark.parametrize(
+    "scope",
+    [
+        ["--cuda-graph-scope", "attn", "mlp"],
+        ["--cuda_graph_scope", "attn", "mlp"],
+        ["--cuda-graph-scope", "attn,", "mlp"],
+        ["--cuda-graph-scope=attn,mlp"],
+        ["--cuda-graph-modules", "attn", "mlp"],
+    ],
+    ids=["megatron-lm", "underscores", "unquoted-comma", "equals", "megatron-core-0.19-modules"],
+)
+def test_space_separated_scopes_as_megatron_lm_takes_them(scope):
+    # Before: "unrecognized arguments: mlp" and exit 2.
+    code, out = check([*TE, *scope])
+    assert code == 0, out
+    assert lines(out)[0].startswith("cuda graphs: impl=transformer_engine scope=attn,mlp ")
+
+
+def test_new_generation_full_iteration_impl_spelling():
+    code, out = check(["--cuda-graph-impl", "full_iteration"])
+    assert code == 0, out
+    assert lines(out)[0].startswith("cuda graphs: impl=local scope=full_iteration ")
+
+
+def test_moe_layer_freq_pattern_string_is_checked():
+    # Before: "argument --moe-layer-freq: invalid int value" and exit 2.
+    moe = ["--num-experts", "8", "--moe-layer-freq"]
+    code, out = check(
+        [*TE, "--cuda-graph-scope", "attn", "mlp", "moe_router", *moe, "([0]*1+[1]*3)"]
+    )
+    assert code == 0, out
+    code, out = check([*TE, "--cuda-graph-scope", "attn", "mlp", "moe_router", *moe, "([1]*4)"])
+    assert code == 1
+    assert "mlp cuda graph is only supported for dense layers, but not found in the model" in out
+    assert "--moe-layer-freq" in out
+
+
+def test_recompute_modules_as_megatron_lm_takes_them():
+    argv = [*TE, "--cuda-graph-scope", "attn", "--recompute-granularity", "selective"]
+    code, out = check([*argv, "--recompute-modules", "layernorm", "core_attn"])
+    assert code == 1
+    assert "--attention-dropout, --recompute-modules, --cuda-graph-scope = " in out
+    assert "(0.1, ['layernorm', 'core_attn'], 'attn')" in out
+    code, out = check([*argv, "--recompute_modules", "layernorm", "mlp"])
+    assert code == 0, out
+
+
+def test_megatron_lm_nan_check_flag_is_understood():
+    code, out = check([*DENSE_FULL_ITERATION, "--no-check-for-nan-in-loss-and-grad"])
+    assert code == 0, out
+    assert NAN_FIX not in lines(out)  # already off: nothing to fix
+
+
+def test_every_bad_value_is_a_listed_problem_not_a_usage_dump(capsys):
+    # Before: the first bad value printed the 35-line usage block and exited 2.
+    code, out = check(
+        [
+            *TE,
+            "--cuda-graph-scope",
+            "attn,,mlp",
+            "--num-experts",
+            "eight",
+            "--cuda-graph-warmup-steps",
+            "-1",
+            "--moe-layer-freq",
+            "([0]*1+[1]*x)",
+            "--attention-dropout",
+            "lots",
+            "--fp8-format",
+            "e5m2",
+            "--te-version",
+            "two",
+        ]
+    )
+    assert code == 1
+    assert capsys.readouterr().err == ""
+    assert "usage:" not in out
+    assert "7 problem(s) with the CUDA graph configuration:" in out
+    for field, value in [
+        ("--te-version", "'two'"),
+        ("--fp8-format", "'e5m2'"),
+        ("--cuda-graph-warmup-steps", "'-1'"),
+        ("--num-experts", "'eight'"),
+        ("--moe-layer-freq", "'([0]*1+[1]*x)'"),
+        ("--attention-dropout", "'lots'"),
+        ("--cuda-graph-scope", "'attn,,mlp'"),
+    ]:
+        assert f". {field} = {value}: " in out, field
+    assert out.count("\n     fix: ") == 7
+
+
+@pytest.mark.parametrize("text", ["full", "full,attn"])
+def test_deprecated_full_scope_is_called_deprecated(text):
+    code, out = check([*TE, "--cuda-graph-scope", text])
+    assert code == 1
+    assert 'megatron-core: "full scope is deprecated"' in out
+    assert "unknown" not in out
+
+
+def test_every_model_flag_has_both_spellings():
+    parser = build_parser()
+    flags = [f for f in parser._option_string_actions if f.startswith("--") and f != "--help"]
+    for flag in flags:
+        other = "--" + (
+            flag[2:].replace("-", "_") if "-" in flag[2:] else flag[2:].replace("_", "-")
+        )
+        assert other in parser._option_string_actions, flag
+
+
+# -- exit codes ----------------------------------------------------------------------------------
+
+
+def test_broken_command_line_exits_2_in_a_few_lines_with_a_hint():
+    proc = _run("check", "--cuda-graph-scpoe", "attn")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    err = proc.stderr.strip().splitlines()
+    assert len(err) <= 4, proc.stderr
+    assert "unrecognized arguments: --cuda-graph-scpoe attn" in err[0]
+    assert any("did you mean --cuda-graph-scope?" in line for line in err)
+    assert "exit codes: 0 OK, 1 problems, 2 a broken command line" in err[-1]
+
+
+def test_abbreviated_flag_is_not_taken_for_another_as_megatron_lm(capsys):
+    with pytest.raises(SystemExit) as info:
+        run_check([*TE, "--cuda-graph-scop", "attn"], out=io.StringIO())
+    assert info.value.code == 2
+    assert "did you mean --cuda-graph-scope?" in capsys.readouterr().err
+
+
+def test_flag_without_value_exits_2():
+    with pytest.raises(SystemExit) as info:
+        run_check(["--num-experts"], out=io.StringIO())
+    assert info.value.code == 2
+
+
+def test_help_documents_the_exit_codes():
+    proc = _run("check", "--help")
+    assert proc.returncode == 0
+    assert "Exit codes: 0 OK, 1 problems (bad flag values included), 2 a broken" in " ".join(
+        proc.stdout.split()
+    )
+    assert "--te-version" in proc.stdout
+
+
+# -- Transformer Engine rules on a laptop ----------------------------------------------------------
+
+WGRAD = [*TE, "--cuda-graph-scope", "attn", "mlp", "--delay-wgrad-compute", "--disable-bias-linear"]
+
+
+def test_te_rules_without_te_are_not_checked_here_and_say_so():
+    # Before: rejected with "requires Transformer Engine >= 2.12.0 (installed: none)".
+    code, out = check(WGRAD)
+    assert code == 0, out
+    assert "Transformer Engine not installed here" in lines(out)[0]
+    assert any(
+        line.startswith(
+            "note: delay_wgrad_compute with attn,mlp in the CUDA graph scope needs "
+            "Transformer Engine >= 2.12.0: not checked here"
+        )
+        for line in lines(out)
+    )
+
+
+@pytest.mark.parametrize("version, code", [("2.12", 0), ("2.12.0", 0), ("2.11.0", 1)])
+def test_te_version_checks_a_gpu_recipe_on_a_laptop(version, code):
+    got, out = check([*WGRAD, "--te-version", version])
+    assert got == code, out
+    assert f"Transformer Engine {version} (--te-version)" in lines(out)[0]
+    assert "not checked here" not in out
+    if code:
+        assert 'Megatron-LM: "CUDA graph with delay_wgrad_compute requires TE version >= ' in out
+        assert f"Transformer Engine >= 2.12.0 (given: {version})" in out
+
+
+def test_installed_te_is_used_without_te_version(monkeypatch):
+    from packaging.version import Version
+
+    monkeypatch.setattr(compat, "te_version", lambda: Version("2.11.0"))
+    code, out = check(WGRAD)
+    assert code == 1
+    assert "Transformer Engine >= 2.12.0 (installed: 2.11.0)" in out
+    assert "Transformer Engine 2.11.0 (megatron" not in out
+    assert lines(out)[0].endswith("Transformer Engine 2.11.0)")
+    assert "a run needs Transformer Engine" not in out

@@ -92,11 +92,26 @@ def test_unknown_impl_exits_2(capsys):
         ("attn, mlp", ["attn", "mlp"]),
         ("attn,mlp", ["attn", "mlp"]),
         (" attn ,moe_router , moe_preprocess ", ["attn", "moe_router", "moe_preprocess"]),
-        ("attn,", ["attn"]),
     ],
 )
 def test_scope_parsing(text, expected):
     assert parser().parse_args(["--cuda-graph-scope", text]).cuda_graph_scope == expected
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [["attn", "mlp"], ["attn,", "mlp"], ["attn", ",mlp"], ["attn,mlp"], ["attn, mlp"]],
+    ids=["megatron-lm", "unquoted-comma-space", "leading-comma", "bridge", "quoted"],
+)
+def test_scope_takes_megatron_lm_space_separated_lists(tokens):
+    for flag in ("--cuda-graph-scope", "--cuda_graph_scope"):
+        assert parser().parse_args([flag, *tokens]).cuda_graph_scope == ["attn", "mlp"]
+
+
+@pytest.mark.parametrize("text", ["attn,", "attn,,mlp", ",attn", "attn, ,mlp"])
+def test_empty_scope_name_exits_2(capsys, text):
+    err = parse_error(capsys, ["--cuda-graph-scope", text])
+    assert f"empty scope name in {text!r}" in err
 
 
 @pytest.mark.parametrize("name", SCOPES)
@@ -104,12 +119,20 @@ def test_every_single_valid_scope(name):
     assert parser().parse_args(["--cuda_graph_scope", name]).cuda_graph_scope == [name]
 
 
-@pytest.mark.parametrize("text, bad", [("attn,bogus", "bogus"), ("Attn", "Attn"), ("full", "full")])
+@pytest.mark.parametrize("text, bad", [("attn,bogus", "bogus"), ("Attn", "Attn")])
 def test_unknown_scope_exits_2_naming_the_bad_value(capsys, text, bad):
     err = parse_error(capsys, ["--cuda-graph-scope", text])
     assert "--cuda-graph-scope" in err
     assert f"unknown scope(s) {bad!r}" in err
     assert "valid: full_iteration, attn, mlp, moe, moe_router, moe_preprocess, mamba" in err
+
+
+@pytest.mark.parametrize("text", ["full", "attn,full", "full_iteration_inference"])
+def test_deprecated_scope_exits_2_saying_deprecated(capsys, text):
+    err = parse_error(capsys, ["--cuda-graph-scope", text])
+    assert "is a deprecated megatron-core name" in err
+    assert "unknown" not in err
+    assert "name the scopes, e.g. attn mlp" in err
 
 
 def test_duplicated_scope_exits_2(capsys):

@@ -144,7 +144,13 @@ def test_display_name_is_the_flag_for_a_namespace_and_the_path_otherwise():
         ([], ()),
         ("attn", ("attn",)),
         ("attn,mlp", ("attn", "mlp")),
-        (" attn , mlp ,", ("attn", "mlp")),
+        (" attn , mlp ", ("attn", "mlp")),
+        # Empty names (doubled, leading, trailing commas) are kept for validation to report.
+        (" attn , mlp ,", ("attn", "mlp", "")),
+        ("attn,,mlp", ("attn", "", "mlp")),
+        (",attn", ("", "attn")),
+        (["attn", ""], ("attn", "")),
+        (["attn,mlp", "moe_router"], ("attn", "mlp", "moe_router")),
         (["attn", " moe_router ", "moe_preprocess"], ("attn", "moe_router", "moe_preprocess")),
         (("mlp",), ("mlp",)),
         # Unknown and duplicated names are kept for validation to report.
@@ -313,9 +319,13 @@ def test_none_values_fall_back_to_defaults():
     assert s.recompute_modules == ("core_attn", "mlp")
 
 
-def test_warmup_steps_value_is_kept_as_given_for_validation():
-    assert read_settings(NS(cuda_graph_warmup_steps="3")).warmup_steps == "3"
-    assert read_settings(NS(cuda_graph_warmup_steps=-1)).warmup_steps == -1
+def test_warmup_steps_string_is_read_and_a_bad_one_is_a_listed_problem():
+    assert read_settings(NS(cuda_graph_warmup_steps="3")).warmup_steps == 3
+    s = read_settings(NS(cuda_graph_warmup_steps=-1))
+    assert s.warmup_steps == DEFAULT_WARMUP_STEPS  # the default stands in; the value is reported
+    (problem,) = s.input_problems
+    assert (problem.setting, problem.value) == ("warmup_steps", -1)
+    assert problem.problem == "cuda_graph_warmup_steps must be a non-negative integer"
 
 
 def test_moe_properties():
@@ -532,3 +542,142 @@ def test_model_config_kwargs_new_spelling_reads_back_to_the_same_settings(monkey
     cfg = NS(**compat.model_config_kwargs(impl, scope, 2))
     s = read_settings(cfg)
     assert (s.impl, s.scope, s.warmup_steps, s.model_te_rng_tracker) == (impl, scope, 2, True)
+
+
+# -- the accepted forms of every value (README's table) -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, given, setting, expected",
+    [
+        # numbers as strings (YAML recipes, environment overrides)
+        ("num_moe_experts", "8", "num_moe_experts", 8),
+        ("num_experts", " 16 ", "num_moe_experts", 16),
+        ("num_moe_experts", "none", "num_moe_experts", None),
+        ("cuda_graph_warmup_steps", "0", "warmup_steps", 0),
+        ("seq_length", "4096", "seq_length", 4096),
+        ("micro_batch_size", "2", "micro_batch_size", 2),
+        ("recompute_num_layers", "1", "recompute_num_layers", 1),
+        ("moe_shared_expert_intermediate_size", "512", "moe_shared_expert_intermediate_size", 512),
+        ("moe_expert_capacity_factor", "1.5", "moe_expert_capacity_factor", 1.5),
+        ("moe_expert_capacity_factor", "None", "moe_expert_capacity_factor", None),
+        ("moe_expert_capacity_factor", "null", "moe_expert_capacity_factor", None),
+        ("moe_expert_capacity_factor", 1, "moe_expert_capacity_factor", 1.0),
+        ("moe_input_jitter_eps", "0.01", "moe_input_jitter_eps", 0.01),
+        ("attention_dropout", "0.0", "attention_dropout", 0.0),
+        ("hidden_dropout", "0.1", "hidden_dropout", 0.1),
+        # booleans as words or numbers
+        ("cpu_offloading", "false", "cpu_offloading", False),
+        ("cpu_offloading", "True", "cpu_offloading", True),
+        ("moe_permute_fusion", "yes", "moe_permute_fusion", True),
+        ("moe_permute_fusion", "off", "moe_permute_fusion", False),
+        ("variable_seq_lengths", 0, "variable_seq_lengths", False),
+        ("delay_wgrad_compute", "1", "delay_wgrad_compute", True),
+        ("use_te_rng_tracker", "false", "model_te_rng_tracker", False),
+        ("te_rng_tracker", "null", "rng_te_rng_tracker", None),
+        ("check_for_nan_in_loss", "FALSE", "check_for_nan_in_loss", False),
+        # names
+        ("moe_token_dispatcher_type", " alltoall ", "moe_token_dispatcher_type", "alltoall"),
+        ("recompute_granularity", "selective", "recompute_granularity", "selective"),
+        ("recompute_granularity", "none", "recompute_granularity", None),
+        ("recompute_method", "block", "recompute_method", "block"),
+        ("cuda_graph_impl", " transformer_engine ", "impl", "transformer_engine"),
+        # lists of names: a list, a comma-separated or a space-separated string
+        ("recompute_modules", "core_attn", "recompute_modules", ("core_attn",)),
+        ("recompute_modules", "core_attn,mlp", "recompute_modules", ("core_attn", "mlp")),
+        ("recompute_modules", "core_attn mlp", "recompute_modules", ("core_attn", "mlp")),
+        ("recompute_modules", ["core_attn", "moe"], "recompute_modules", ("core_attn", "moe")),
+        ("recompute_modules", [], "recompute_modules", ()),
+        # MoE layer frequency: an int, a 0/1 list, or Megatron-LM's --moe-layer-freq string
+        ("moe_layer_freq", "2", "moe_layer_freq", 2),
+        ("moe_layer_freq", "([0]*1+[1]*3)", "moe_layer_freq", [0, 1, 1, 1]),
+        ("moe_layer_freq", "([1]*3+[0]*1)*2", "moe_layer_freq", [1, 1, 1, 0, 1, 1, 1, 0]),
+        ("moe_layer_freq", "[0] + [1] * 2", "moe_layer_freq", [0, 1, 1]),
+        ("moe_layer_freq", "[0,1,1]", "moe_layer_freq", [0, 1, 1]),
+        ("moe_layer_freq", [1, 0], "moe_layer_freq", [1, 0]),
+    ],
+)
+def test_accepted_forms_are_normalised(field, given, setting, expected):
+    s = read_settings(NS(**{field: given}))
+    assert s.input_problems == ()
+    assert getattr(s, setting) == expected
+    assert type(getattr(s, setting)) is type(expected)
+
+
+@pytest.mark.parametrize(
+    "field, given, problem, fix",
+    [
+        ("num_moe_experts", "eight", "must be a non-negative integer", "such as 8"),
+        ("num_moe_experts", "8.0", "must be a non-negative integer", "such as 8"),
+        ("num_moe_experts", -2, "must be a non-negative integer", "such as 8"),
+        ("num_moe_experts", True, "must be a non-negative integer", "such as 8"),
+        ("seq_length", "0", "must be an integer >= 1", "such as 4096"),
+        ("cuda_graph_warmup_steps", "x", "must be a non-negative integer", "default: 3"),
+        ("moe_expert_capacity_factor", "big", "not a number", "such as 0.1"),
+        ("attention_dropout", "nan", "not a number", "such as 0.1"),
+        ("hidden_dropout", None, None, None),  # None: megatron-core's default stands
+        ("cpu_offloading", "maybe", "not a boolean", "use true or false"),
+        ("cpu_offloading", 2, "not a boolean", "use true or false"),
+        ("te_rng_tracker", "sure", "not a boolean", "use true or false"),
+        ("moe_token_dispatcher_type", "all2all", "not a known value", "allgather, alltoall, flex"),
+        ("recompute_granularity", "Full", "not a known value", "use one of full, selective"),
+        ("recompute_method", "even", "not a known value", "use one of uniform, block"),
+        ("recompute_modules", 3, "not a list of names", "comma-separated string"),
+        ("recompute_modules", ["core_attn", 3], "holds a value that is not a name", "a list"),
+        ("moe_layer_freq", "([0]*1+[1]*x)", "not an integer or a layer pattern", "([0]*1+[1]*3)"),
+        ("moe_layer_freq", "__import__('os')", "not an integer or a layer pattern", "pattern"),
+        ("moe_layer_freq", "[0,2]", "non-empty list of 0 and 1", "1 = MoE"),
+        ("moe_layer_freq", "[]", "non-empty list of 0 and 1", "1 = MoE"),
+        ("moe_layer_freq", "[0]*1000000", "pattern too long", "pattern"),
+        ("moe_layer_freq", 0, "must be an integer >= 1", "one MoE layer every N layers"),
+    ],
+)
+def test_unreadable_values_are_field_problems_never_exceptions(field, given, problem, fix):
+    s = read_settings(NS(**{field: given}))
+    if problem is None:
+        assert s.input_problems == ()
+        return
+    (p,) = s.input_problems
+    assert p.value == given
+    assert problem in p.problem
+    assert fix in p.fix
+    assert s.field(p.setting) == field
+
+
+def test_a_bad_value_keeps_the_default_so_rules_never_crash():
+    # Before: num_moe_experts="8" reached `num_moe_experts > 1` and raised a bare TypeError.
+    s = read_settings(NS(num_moe_experts="eight", moe_layer_freq="x", cpu_offloading="maybe"))
+    assert (s.num_moe_experts, s.moe_layer_freq, s.cpu_offloading) == (None, 1, False)
+    assert [p.setting for p in s.input_problems] == [
+        "num_moe_experts",
+        "moe_layer_freq",
+        "cpu_offloading",
+    ]
+
+
+def test_field_problems_name_the_flag_on_a_command_line():
+    s = read_settings(argparse.Namespace(num_experts="eight", moe_layer_freq="[2]"))
+    assert [s.field(p.setting) for p in s.input_problems] == ["--num-experts", "--moe-layer-freq"]
+
+
+def test_deprecated_full_scope_and_both_scope_fields_are_recorded():
+    assert read_settings(NS(cuda_graph_scope="full")).deprecated_full_scope
+    assert not read_settings(NS(cuda_graph_scope="attn")).deprecated_full_scope
+    s = read_settings(NS(model=NS(cuda_graph_scope=["attn"], cuda_graph_modules="attn,mlp")))
+    assert s.scope_conflict == (
+        ("model.cuda_graph_scope", "['attn']"),
+        ("model.cuda_graph_modules", "'attn,mlp'"),
+    )
+    # A 0.19 TransformerConfig after __post_init__ (scope None) or MCore's "full" default
+    # next to the other field is not a conflict.
+    assert (
+        read_settings(NS(cuda_graph_scope=None, cuda_graph_modules=["attn"])).scope_conflict == ()
+    )
+    assert (
+        read_settings(NS(cuda_graph_scope="full", cuda_graph_modules=["attn"])).scope_conflict == ()
+    )
+
+
+def test_command_line_origin_is_recorded():
+    assert read_settings(argparse.Namespace()).from_command_line
+    assert not read_settings(NS()).from_command_line

@@ -67,7 +67,7 @@ def rejected(config, *, fields, value, phrase, fix):
         validate(read_settings(config))
     err = info.value
     assert isinstance(err, ValueError)
-    matching = [v for v in err.violations if phrase in v.problem]
+    matching = [v for v in err.violations if phrase in v.text]
     assert len(matching) == 1, str(err)
     violation = matching[0]
     assert violation.fields == tuple(fields), str(err)
@@ -92,7 +92,12 @@ RULE_CASES = {
     "_full_iteration_only_local": (full_iteration(), bridge(scope="full_iteration")),
     "_full_iteration_alone": (full_iteration(), bridge("local", "full_iteration,attn")),
     "_local_is_full_iteration": (full_iteration(), bridge("local", "attn")),
-    "_warmup_steps_valid": (bridge(cuda_graph_warmup_steps=0), bridge(cuda_graph_warmup_steps=-1)),
+    "_field_values": (bridge(cuda_graph_warmup_steps="0"), bridge(cuda_graph_warmup_steps=-1)),
+    "_scope_names_deprecated": (bridge("none", "full"), bridge(scope="full,attn")),
+    "_scope_fields_not_both": (
+        bridge(scope=None, cuda_graph_modules=["attn"]),
+        bridge(scope="attn", cuda_graph_modules=["attn"]),
+    ),
     "_legacy_flags": (bridge(enable_cuda_graph=False), bridge(enable_cuda_graph=True)),
     "_te_rng_tracker": (bridge(), bridge(use_te_rng_tracker=False)),
     "_static_shapes": (bridge(variable_seq_lengths=False), bridge(variable_seq_lengths=True)),
@@ -141,9 +146,10 @@ def test_rule_table_covers_every_rule():
 @pytest.mark.parametrize("rule", validation._RULES, ids=lambda rule: rule.__name__)
 def test_each_rule_accepts_and_rejects(rule):
     good, bad = RULE_CASES[rule.__name__]
-    assert list(rule(read_settings(good))) == []
+    env = validation.Environment()
+    assert list(rule(read_settings(good), env)) == []
     assert find_violations(read_settings(good)) == []
-    assert list(rule(read_settings(bad))) != []
+    assert list(rule(read_settings(bad), env)) != []
     with pytest.raises(CudaGraphConfigError):
         validate(read_settings(bad))
 
@@ -183,8 +189,19 @@ def test_unknown_impl_rejected():
         bridge("cuda", "attn"),
         fields=["model.cuda_graph_impl"],
         value="'cuda'",
-        phrase="Invalid cuda graph implementation: 'cuda'",
+        phrase="unknown CUDA graph implementation 'cuda' (megatron-core: \"Invalid cuda graph "
+        'implementation"; Megatron-Bridge: "Invalid value for cuda_graph_impl")',
         fix="use one of none, local, transformer_engine",
+    )
+
+
+def test_misspelled_impl_gets_a_suggestion():
+    rejected(
+        bridge("transformer_engin", "attn"),
+        fields=["model.cuda_graph_impl"],
+        value="'transformer_engin'",
+        phrase="unknown CUDA graph implementation",
+        fix="(did you mean transformer_engine?)",
     )
 
 
@@ -199,7 +216,7 @@ def test_unknown_impl_named_as_flag_on_a_namespace():
     )
 
 
-@pytest.mark.parametrize("scope", ["bogus", "attn,bogus", ["attn", "ATTN"], "full,attn"])
+@pytest.mark.parametrize("scope", ["bogus", "attn,bogus", ["attn", "ATTN"]])
 def test_unknown_scope_rejected(scope):
     config = bridge(scope=scope)
     names = [n.strip() for n in (scope.split(",") if isinstance(scope, str) else scope)]
@@ -275,7 +292,7 @@ def test_full_iteration_with_te_rejected():
         fields=["model.cuda_graph_impl", "model.cuda_graph_scope"],
         value="('transformer_engine', 'full_iteration')",
         phrase="full_iteration cuda graph is not supported for cuda_graph_impl=transformer_engine",
-        fix="Please use cuda_graph_impl=local",
+        fix="use cuda_graph_impl=local with scope full_iteration",
     )
 
 
@@ -320,7 +337,16 @@ def test_warmup_steps_accepted(steps):
 
 
 @pytest.mark.parametrize(
-    "steps, shown", [(-1, "-1"), (True, "True"), (False, "False"), ("3", "'3'"), (2.0, "2.0")]
+    "steps, shown",
+    [
+        (-1, "-1"),
+        (True, "True"),
+        (False, "False"),
+        ("three", "'three'"),
+        ("-2", "'-2'"),
+        ("2.5", "'2.5'"),
+        (2.0, "2.0"),
+    ],
 )
 def test_bad_warmup_steps_rejected(steps, shown):
     rejected(
@@ -344,7 +370,7 @@ def test_legacy_flag_alone_rejected(flag, new):
         fields=[f"model.{flag}"],
         value="True",
         phrase=f"{flag} is deprecated",
-        fix=f"use cuda_graph_impl={new} with an explicit cuda_graph_scope",
+        fix=f"drop {flag} and set cuda_graph_impl={new} with an explicit cuda_graph_scope",
     )
 
 
@@ -358,12 +384,15 @@ def test_legacy_flags_both_rejected():
     )
 
 
-@pytest.mark.parametrize("flag", ["enable_cuda_graph", "external_cuda_graph"])
-def test_legacy_flag_with_impl_rejected(flag):
+@pytest.mark.parametrize(
+    "flag, impl", [("enable_cuda_graph", "transformer_engine"), ("external_cuda_graph", "local")]
+)
+def test_legacy_flag_with_impl_rejected(flag, impl):
+    scope = "full_iteration" if impl == "local" else "attn,mlp"
     rejected(
-        bridge(**{flag: True}),
+        bridge(impl, scope, **{flag: True}),
         fields=[f"model.{flag}", "model.cuda_graph_impl"],
-        value="(True, 'transformer_engine')",
+        value=f"(True, {impl!r})",
         phrase="Do not use enable_cuda_graph or external_cuda_graph with cuda_graph_impl",
         fix="drop the deprecated flag",
     )
@@ -738,8 +767,7 @@ def test_moe_recompute_with_moe_router_rejected():
         ),
         fields=["model.recompute_modules", "model.cuda_graph_scope"],
         value="(['moe'], 'attn,moe_router')",
-        phrase="moe recompute is not supported with moe_router CUDA graph with: "
-        "--cuda-graph-impl transformer_engine",
+        phrase="moe recompute is not supported with moe_router CUDA graph",
         fix="drop 'moe' from recompute_modules, or moe_router from the scope",
     )
 
@@ -901,9 +929,7 @@ def wgrad(scope="attn,mlp", **model):
 SHARED = dict(DROPLESS, moe_shared_expert_intermediate_size=512)
 
 
-@pytest.mark.parametrize(
-    "version, shown", [(None, "none"), ("2.11.0", "2.11.0"), ("2.10.0", "2.10.0")]
-)
+@pytest.mark.parametrize("version, shown", [("2.11.0", "2.11.0"), ("2.10.0", "2.10.0")])
 def test_delay_wgrad_with_attn_needs_te_2_12(te, version, shown):
     te(version)
     err = rejected(
@@ -993,8 +1019,9 @@ def test_delay_wgrad_partial_graph_needs_te_2_10(te, version):
         wgrad("mlp"),
         fields=["model.delay_wgrad_compute"],
         value="True",
-        phrase="TE version >= 2.10.0 is required for delay_wgrad_compute with partial cuda graph "
-        f"(installed: {version})",
+        phrase="delay_wgrad_compute with per-layer (partial) CUDA graphs needs Transformer Engine "
+        f'>= 2.10.0 (installed: {version}) (megatron-core: "TE version >= 2.10.0 is required '
+        'for delay_wgrad_compute with partial cuda graph")',
         fix="upgrade Transformer Engine or set delay_wgrad_compute=False",
     )
 
@@ -1033,7 +1060,7 @@ def test_many_problems_all_reported():
     )
     with pytest.raises(CudaGraphConfigError) as info:
         validate(read_settings(config))
-    problems = " | ".join(v.problem for v in info.value.violations)
+    problems = " | ".join(v.text for v in info.value.violations)
     for phrase in (
         "not supported for cuda_graph_impl=transformer_engine",
         "cannot be mixed",
@@ -1136,7 +1163,7 @@ MCORE_REJECTS = {
         "Invalid cuda graph implementation",
     ),
     "legacy-with-impl": (
-        dict(external_cuda_graph=True, cuda_graph_scope=["attn"]),
+        dict(external_cuda_graph=True, cuda_graph_impl="local", cuda_graph_scope=["attn"]),
         "Do not use enable_cuda_graph or external_cuda_graph with cuda_graph_impl",
     ),
     "legacy-both": (
@@ -1466,3 +1493,303 @@ def test_autofix_leaves_every_other_problem_for_validation():
     with pytest.raises(CudaGraphConfigError) as info:
         validate(read_settings(config))
     assert len(info.value.violations) == 2
+
+
+# -- values as launchers pass them ------------------------------------------------------------
+
+
+def test_num_moe_experts_as_a_string_is_read_not_a_type_error():
+    # Before: TypeError: '>' not supported between instances of 'str' and 'int'.
+    rejected(
+        bridge(scope="attn,moe", num_moe_experts="8"),
+        # not in this config: shown by their plain names
+        fields=[
+            "model.cuda_graph_scope",
+            "moe_expert_capacity_factor",
+            "moe_pad_expert_input_to_capacity",
+        ],
+        value="('attn,moe', None, False)",
+        phrase="moe cuda graph is only supported with drop-padding MoE",
+        fix="use moe_router,moe_preprocess for dropless MoE",
+    )
+    accepted(bridge(scope="attn,moe_router,moe_preprocess", num_moe_experts="8"))
+
+
+def test_recompute_modules_as_a_string_is_a_list_of_names_and_the_rules_fire():
+    # Before: "core_attn" was read character by character, so the rule never fired.
+    rejected(
+        bridge(
+            scope="attn",
+            recompute_granularity="selective",
+            recompute_modules="core_attn",
+            attention_dropout="0.1",
+        ),
+        fields=["model.attention_dropout", "model.recompute_modules", "model.cuda_graph_scope"],
+        value="(0.1, ['core_attn'], 'attn')",
+        phrase="attention dropout is not supported with graphed attention recomputation",
+        fix="set attention_dropout=0.0",
+    )
+    rejected(
+        bridge(
+            scope="attn,moe_router",
+            recompute_granularity="selective",
+            recompute_modules="moe,layernorm",
+            **DROPLESS,
+        ),
+        fields=["model.recompute_modules", "model.cuda_graph_scope"],
+        value="(['moe', 'layernorm'], 'attn,moe_router')",
+        phrase="moe recompute is not supported with moe_router CUDA graph",
+        fix="drop 'moe' from recompute_modules",
+    )
+
+
+@pytest.mark.parametrize("pattern", ["([1]*4)", "[1]*2+[1]*2", "1"])
+def test_moe_layer_freq_pattern_without_dense_layers_rejects_mlp(pattern):
+    # Before: a pattern string was neither 1 nor a list, so this rule was silently off.
+    err = rejected(
+        bridge(scope="attn,mlp,moe_router", moe_layer_freq=pattern, **DROPLESS),
+        fields=["model.cuda_graph_scope", "model.moe_layer_freq"],
+        value=repr(("attn,mlp,moe_router", 1 if pattern == "1" else [1, 1, 1, 1])),
+        phrase="mlp cuda graph is only supported for dense layers, but not found in the model",
+        fix="drop mlp from the scope",
+    )
+    assert len(err.violations) == 1
+
+
+def test_moe_layer_freq_pattern_with_dense_layers_allows_mlp():
+    accepted(bridge(scope="attn,mlp,moe_router", moe_layer_freq="([0]*1+[1]*3)", **DROPLESS))
+
+
+@pytest.mark.parametrize("word, rejected_too", [("false", False), ("0", False), ("true", True)])
+def test_boolean_words_are_read_not_taken_as_truthy_strings(word, rejected_too):
+    # Before: bool("false") is True, so cpu_offloading="false" was refused.
+    config = bridge(cpu_offloading=word)
+    if rejected_too:
+        rejected(
+            config,
+            fields=["model.cpu_offloading"],
+            value="True",
+            phrase="CUDA graphs not supported with CPU offloading",
+            fix="set cpu_offloading=False",
+        )
+    else:
+        accepted(config)
+
+
+def test_te_rng_tracker_false_as_a_word_is_caught():
+    config = bridge()
+    config.model.use_te_rng_tracker = "false"
+    rejected(
+        config,
+        fields=["model.use_te_rng_tracker"],
+        value="False",
+        phrase="CUDA graphs require the TE RNG tracker",
+        fix="set model.use_te_rng_tracker=True",
+    )
+
+
+def test_unreadable_value_is_one_problem_not_a_cascade():
+    # num_moe_experts cannot be read: the MoE rules must not add "not an MoE model" on top.
+    err = rejected(
+        bridge(scope="attn,moe_router", num_moe_experts="eight"),
+        fields=["model.num_moe_experts"],
+        value="'eight'",
+        phrase="must be a non-negative integer",
+        fix="give a whole number such as 8",
+    )
+    assert len(err.violations) == 1
+
+
+@pytest.mark.parametrize("scope", ["attn,,mlp", "attn,mlp,", ",attn", ["attn", ""], ["attn", " "]])
+def test_empty_scope_name_is_rejected_not_dropped(scope):
+    # Before: "attn,,mlp" was accepted silently.
+    err = rejected(
+        bridge(scope=scope),
+        fields=["model.cuda_graph_scope"],
+        value=repr(
+            ",".join(n.strip() for n in (scope.split(",") if isinstance(scope, str) else scope))
+        ),
+        phrase="an empty scope name (a doubled, leading or trailing comma)",
+        fix="remove the extra comma",
+    )
+    assert len(err.violations) == 1
+
+
+# -- deprecated megatron-core names ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scope", ["full,attn", ["attn", "full"]])
+def test_full_scope_with_others_is_called_deprecated_not_unknown(scope):
+    err = rejected(
+        bridge(scope=scope),
+        fields=["model.cuda_graph_scope"],
+        value=repr(",".join(scope.split(",") if isinstance(scope, str) else scope)),
+        phrase="'full' is megatron-core's deprecated name for whole-layer capture",
+        fix="drop 'full' and list only the parts to capture, e.g. attn,mlp",
+    )
+    message = str(err)
+    assert 'megatron-core: "full scope is deprecated"' in message
+    assert 'megatron-core: "full scope cannot be used with other scopes"' in message
+    assert "unknown" not in message
+
+
+def test_full_scope_alone_with_graphs_on_says_deprecated_whole_layer():
+    err = rejected(
+        bridge(scope="full"),
+        fields=["model.cuda_graph_impl", "model.cuda_graph_scope"],
+        value="('transformer_engine', '(empty)')",
+        phrase="'full' is megatron-core's deprecated name for that whole-layer capture",
+        fix="name the scope explicitly",
+    )
+    assert 'megatron-core: "full scope is deprecated"' in str(err)
+
+
+def test_full_iteration_inference_is_called_deprecated():
+    rejected(
+        bridge("local", None, cuda_graph_modules=["full_iteration_inference"]),
+        fields=["model.cuda_graph_modules"],
+        value="'full_iteration_inference'",
+        phrase="cuda_graph_modules 'full_iteration_inference' is deprecated",
+        fix="drop it from the scope",
+    )
+
+
+def test_scope_and_modules_both_set_rejected():
+    rejected(
+        bridge(scope="attn", cuda_graph_modules=["attn", "mlp"]),
+        fields=["model.cuda_graph_scope", "model.cuda_graph_modules"],
+        value=repr(("'attn'", "['attn', 'mlp']")),
+        phrase="cuda_graph_scope and cuda_graph_modules cannot be set together",
+        fix="keep one of them",
+    )
+
+
+@pytest.mark.parametrize(
+    "flag, impl", [("enable_cuda_graph", "local"), ("external_cuda_graph", "transformer_engine")]
+)
+def test_real_transformer_config_with_a_deprecated_flag_is_told_deprecated(flag, impl):
+    # megatron-core's __post_init__ set cuda_graph_impl itself: the user must not be told
+    # "Do not use ... with cuda_graph_impl".
+    config = _mcore_config(**{flag: True}, use_te_rng_tracker=True)
+    assert getattr(config, flag) is True and config.cuda_graph_impl == impl
+    with pytest.raises(CudaGraphConfigError) as info:
+        validate(read_settings(config))
+    (violation,) = info.value.violations
+    assert violation.fields == (flag,)
+    assert f'megatron-core: "{flag} is deprecated, use cuda_graph_impl={impl} instead"' in (
+        violation.text
+    )
+    assert "Do not use" not in str(info.value)
+    assert f"drop {flag} and set cuda_graph_impl={impl}" in violation.fix
+
+
+def test_deprecated_flag_with_a_command_line_impl_is_a_conflict():
+    # On a (Megatron-LM) command line the impl flag is the user's own.
+    args = argparse.Namespace(
+        enable_cuda_graph=True,
+        cuda_graph_impl="local",
+        cuda_graph_scope="full_iteration",
+        te_rng_tracker=True,
+    )
+    rejected(
+        args,
+        fields=["--enable-cuda-graph", "--cuda-graph-impl"],
+        value="(True, 'local')",
+        phrase="Do not use enable_cuda_graph or external_cuda_graph with cuda_graph_impl",
+        fix="drop the deprecated flag",
+    )
+
+
+# -- Transformer Engine version rules ------------------------------------------------------------
+
+
+def test_delay_wgrad_with_attn_and_no_te_is_not_checked_here_and_says_so(te):
+    te(None)
+    s = read_settings(wgrad())
+    violations, notes = validation.evaluate(s)
+    assert violations == []
+    (note,) = notes
+    assert "needs Transformer Engine >= 2.12.0: not checked here" in note
+    assert "te_version=" in note and "--te-version" in note
+
+
+def test_delay_wgrad_partial_graph_and_no_te_is_not_checked_here_and_says_so(te):
+    # Before: this branch skipped the check silently while the attn branch failed.
+    te(None)
+    violations, notes = validation.evaluate(read_settings(wgrad("mlp")))
+    assert violations == []
+    (note,) = notes
+    assert "needs Transformer Engine >= 2.10.0: not checked here" in note
+
+
+def test_delay_wgrad_without_te_still_checks_the_other_requirements(te):
+    te(None)
+    err = rejected(
+        wgrad(gradient_accumulation_fusion=False),
+        fields=["model.delay_wgrad_compute", "model.cuda_graph_scope"],
+        value="(True, 'attn,mlp')",
+        phrase="CUDA graph with delay_wgrad_compute requires gradient_accumulation_fusion",
+        fix="meet those requirements",
+    )
+    assert "Transformer Engine >=" not in err.violations[0].problem
+
+
+@pytest.mark.parametrize(
+    "version, ok", [("2.12", True), ("2.12.0", True), ("2.11.0", False), (Version("2.9"), False)]
+)
+def test_delay_wgrad_checked_against_a_given_te_version(te, version, ok):
+    te(None)  # nothing installed here: the given version decides
+    env = validation.Environment.of(version)
+    violations, notes = validation.evaluate(read_settings(wgrad()), env)
+    assert notes == []
+    if ok:
+        assert violations == []
+    else:
+        (violation,) = violations
+        assert f"Transformer Engine >= 2.12.0 (given: {Version(str(version))})" in violation.problem
+
+
+def test_given_te_version_must_be_a_version():
+    with pytest.raises(ValueError, match=r"'two' is not a version number: give one such as 2\.12"):
+        validation.Environment.of("two")
+
+
+def test_delay_wgrad_with_overlapped_shared_experts_needs_no_new_te(te):
+    # As Megatron-LM: overlapped shared experts are outside the router graph.
+    te("2.11.0")
+    accepted(wgrad("moe_router,moe_preprocess", moe_shared_expert_overlap=True, **SHARED))
+    with pytest.raises(CudaGraphConfigError):
+        validate(read_settings(wgrad("moe_router,moe_preprocess", **SHARED)))
+
+
+# -- the warm-up warning given at train start ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "warmup, start, iters, says",
+    [
+        (1000, 0, 10, "the capture step 1000 (start_step + warm-up) is never reached"),
+        (10, 0, 10, "the capture step 10 (start_step + warm-up) is never reached"),
+        (3, 8, 10, "the capture step 11 (start_step + warm-up) is never reached"),
+        (9, 0, 10, "captured at the last step (9) and never replayed"),
+    ],
+)
+def test_warmup_warning_with_the_numbers(warmup, start, iters, says):
+    s = read_settings(bridge(cuda_graph_warmup_steps=warmup))
+    warning = validation.warmup_warning(s, start, iters)
+    assert warning.startswith(
+        f"model.cuda_graph_warmup_steps={warmup} and this run trains {iters - start} step(s) "
+        f"(steps {start}..{iters - 1}: start_step={start}, train_iters={iters})"
+    )
+    assert says in warning
+
+
+@pytest.mark.parametrize("warmup, start, iters", [(3, 0, 10), (8, 0, 10), (0, 5, 7)])
+def test_no_warmup_warning_when_a_replay_step_follows_the_capture(warmup, start, iters):
+    s = read_settings(bridge(cuda_graph_warmup_steps=warmup))
+    assert validation.warmup_warning(s, start, iters) is None
+
+
+def test_no_warmup_warning_with_graphs_off():
+    s = read_settings(bridge("none", [], cuda_graph_warmup_steps=1000))
+    assert validation.warmup_warning(s, 0, 10) is None

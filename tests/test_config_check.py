@@ -1,0 +1,278 @@
+"""``check_config``: one side-effect-free verdict, the same one a run gives."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import logging
+import subprocess
+import sys
+from types import SimpleNamespace as NS
+
+import pytest
+
+from cudagraph_plugin import compat
+from cudagraph_plugin.check import build_parser, run_check
+from cudagraph_plugin.plugin import CudaGraphPlugin
+from cudagraph_plugin.settings import read_settings
+
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+@pytest.fixture(autouse=True)
+def no_te_no_alloc_conf(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
+    monkeypatch.setattr(compat, "te_version", lambda: None)
+
+
+def recipe(impl="transformer_engine", scope="attn,mlp", **model):
+    """A Megatron-Bridge-style recipe whose TE RNG tracker flags are off (auto-fixed)."""
+    fields = dict(cuda_graph_impl=impl, cuda_graph_scope=scope, use_te_rng_tracker=False)
+    fields.update(model)
+    return NS(
+        model=NS(**fields),
+        rng=NS(te_rng_tracker=False),
+        rerun_state_machine=NS(check_for_nan_in_loss=True),
+        ddp=NS(check_for_nan_in_grad=False),
+    )
+
+
+def records(caplog):
+    return [r for r in caplog.records if r.name == "cudagraph_plugin"]
+
+
+# -- the public API -------------------------------------------------------------------------------
+
+
+def test_public_names_from_the_package():
+    import cudagraph_plugin
+    from cudagraph_plugin import AutoFix, ConfigCheck, CudaGraphConfigError, Violation, check_config
+
+    assert issubclass(CudaGraphConfigError, ValueError)
+    assert callable(check_config) and ConfigCheck and AutoFix and Violation
+    assert {"check_config", "CudaGraphConfigError", "ConfigCheck"} <= set(cudagraph_plugin.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        cudagraph_plugin.nope  # noqa: B018
+
+
+def test_importing_the_api_stays_light():
+    code = (
+        "import sys\n"
+        "import cudagraph_plugin\n"
+        "light = 'cudagraph_plugin.config_check' not in sys.modules\n"
+        "from cudagraph_plugin import check_config\n"
+        "check_config({'cuda_graph_impl': 'local', 'cuda_graph_scope': 'full_iteration'})\n"
+        "heavy = sorted(m for m in sys.modules\n"
+        "               if m.split('.')[0] in ('torch', 'megatron', 'transformer_engine'))\n"
+        "print('LIGHT', light, 'HEAVY', heavy)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "LIGHT True HEAVY []" in proc.stdout
+
+
+# -- side-effect free ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config, harness",
+    [
+        (recipe(), None),
+        (recipe("local", "full_iteration"), None),
+        (recipe("none", ["attn"]), None),
+        (
+            argparse.Namespace(
+                cuda_graph_impl="local",
+                cuda_graph_scope="full_iteration",
+                te_rng_tracker=False,
+                check_for_nan_in_loss_and_grad=True,
+            ),
+            None,
+        ),
+        ({"model": {"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": ["attn"]}}, True),
+    ],
+    ids=["te", "full-iteration", "impl-none", "megatron-lm-args", "dict"],
+)
+def test_check_changes_nothing_and_logs_nothing(caplog, config, harness):
+    from cudagraph_plugin import check_config
+
+    before = copy.deepcopy(config)
+    environ = dict(EXPANDABLE)
+    with caplog.at_level(logging.DEBUG):
+        result = check_config(config, environ=environ, harness=harness)
+    assert config == before
+    assert environ == EXPANDABLE
+    assert records(caplog) == []
+    assert result.autofixes  # each case needs at least one
+    assert result.ok is (not result.problems)
+
+
+def test_autofixes_are_reported_and_the_settings_are_as_the_run_sees_them():
+    from cudagraph_plugin import check_config
+
+    config = recipe()
+    result = check_config(config, environ=EXPANDABLE)
+    assert result.ok, result.problems
+    assert [fix.message for fix in result.autofixes] == [
+        "CUDA graphs are on: set model.use_te_rng_tracker=True (TE RNG tracker)",
+        "CUDA graphs are on: set rng.te_rng_tracker=True (TE RNG tracker)",
+        "set NCCL_GRAPH_REGISTER=0: PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True and "
+        "CUDA graphs are on (NCCL is not initialised yet, so it takes effect)",
+    ]
+    assert [fix.environment for fix in result.autofixes] == [False, False, True]
+    assert result.settings.model_te_rng_tracker is True
+    assert result.settings.rng_te_rng_tracker is True
+    assert read_settings(config).model_te_rng_tracker is False  # still untouched
+
+
+def test_apply_writes_the_autofixes_and_logs_each(caplog):
+    from cudagraph_plugin import check_config
+
+    config = recipe()
+    environ = dict(EXPANDABLE)
+    result = check_config(config, environ=environ)
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        changes = result.apply(config, environ)
+    assert changes == [fix.message for fix in result.autofixes]
+    assert config.model.use_te_rng_tracker is True and config.rng.te_rng_tracker is True
+    assert environ == {**EXPANDABLE, "NCCL_GRAPH_REGISTER": "0"}
+    assert [r.getMessage() for r in records(caplog)] == [
+        f"auto-fix: {changes[0]}",
+        f"auto-fix: {changes[1]}",
+        f"preflight: {changes[2]}",
+    ]
+    assert read_settings(config) == result.settings
+    assert check_config(config, environ=environ).autofixes == ()
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        dict(cuda_graph_impl="transformer_engin"),  # an impl typo
+        dict(cpu_offloading=True),
+        dict(num_moe_experts="eight"),
+    ],
+    ids=["impl-typo", "cpu-offloading", "unreadable-value"],
+)
+def test_apply_refuses_an_invalid_configuration_and_writes_nothing(caplog, broken):
+    from cudagraph_plugin import CudaGraphConfigError, check_config
+
+    config = recipe(**broken)
+    before = copy.deepcopy(config)
+    result = check_config(config)
+    assert not result.ok
+    assert result.autofixes  # planned ...
+    with caplog.at_level(logging.DEBUG), pytest.raises(CudaGraphConfigError) as info:
+        result.apply(config)
+    assert config == before  # ... but not written
+    assert records(caplog) == []
+    assert list(info.value.violations) == list(result.problems)
+
+
+def test_notes_say_what_is_not_checked_here():
+    from cudagraph_plugin import check_config
+
+    result = check_config(recipe(delay_wgrad_compute=True, gradient_accumulation_fusion=True))
+    assert result.ok
+    assert any("Transformer Engine >= 2.12.0: not checked here" in note for note in result.notes)
+    assert any(note.startswith("a run needs Transformer Engine") for note in result.notes)
+    result = check_config(
+        recipe(delay_wgrad_compute=True, gradient_accumulation_fusion=True),
+        te_version="2.11",
+        te_available=True,
+    )
+    assert result.notes == ()
+    assert "Transformer Engine >= 2.12.0 (given: 2.11)" in result.problems[0].problem
+
+
+def test_harness_autofix_only_for_command_lines_by_default():
+    from cudagraph_plugin import check_config
+
+    fixes = check_config(recipe("local", "full_iteration")).autofixes
+    assert not any(fix.setting == "check_for_nan_in_loss" for fix in fixes)
+    fixes = check_config(recipe("local", "full_iteration"), harness=True).autofixes
+    assert [fix.path for fix in fixes if fix.setting == "check_for_nan_in_loss"] == [
+        "rerun_state_machine.check_for_nan_in_loss"
+    ]
+
+
+# -- the run gives the same verdict --------------------------------------------------------------
+
+
+def test_the_run_leaves_an_invalid_configuration_untouched():
+    # Before: an impl typo still flipped both TE RNG tracker flags, then validation failed.
+    config = recipe("transformer_engin")
+    with pytest.raises(ValueError, match="unknown CUDA graph implementation 'transformer_engin'"):
+        CudaGraphPlugin.configure(config, None)
+    assert config.model.use_te_rng_tracker is False
+    assert config.rng.te_rng_tracker is False
+
+
+VERDICT_CASES = [
+    recipe(),
+    recipe("local", "full_iteration"),
+    recipe("local", "full_iteration", cpu_offloading=True, num_moe_experts="x"),
+    recipe(scope="attn,,mlp"),
+    recipe(scope="full,attn"),
+    recipe(num_moe_experts="8", moe_layer_freq="([1]*4)", cuda_graph_scope="attn,mlp"),
+    recipe(recompute_granularity="full", recompute_num_layers="1", cuda_graph_scope="mlp"),
+    argparse.Namespace(
+        cuda_graph_impl="local",
+        cuda_graph_scope="full_iteration",
+        te_rng_tracker=False,
+        check_for_nan_in_loss_and_grad=True,
+    ),
+]
+
+
+@pytest.mark.parametrize("config", VERDICT_CASES, ids=range(len(VERDICT_CASES)))
+def test_check_and_run_give_the_same_verdict(monkeypatch, config):
+    from cudagraph_plugin import CudaGraphConfigError, check_config
+
+    monkeypatch.setattr(compat, "cuda_available", lambda: False)
+    result = check_config(copy.deepcopy(config))
+    try:
+        plugin = CudaGraphPlugin.configure(config, None)
+    except CudaGraphConfigError as exc:
+        assert not result.ok
+        assert str(exc) == str(CudaGraphConfigError(list(result.problems)))
+    else:
+        assert result.ok, result.problems
+        assert plugin.settings == result.settings
+        assert read_settings(config) == result.settings
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn", "mlp"],
+        ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"],
+        [
+            "--cuda-graph-impl",
+            "transformer_engine",
+            "--cuda-graph-scope",
+            "mlp",
+            "--num-experts",
+            "8",
+            "--recompute-granularity",
+            "full",
+            "--moe-layer-freq",
+            "x",
+        ],
+    ],
+)
+def test_the_check_command_prints_check_configs_verdict(argv):
+    from cudagraph_plugin import CudaGraphConfigError, check_config
+
+    out = io.StringIO()
+    code = run_check(argv, out=out)
+    result = check_config(build_parser().parse_args(argv), environ={}, te_available=None)
+    assert code == (0 if result.ok else 1)
+    for fix in result.autofixes:
+        assert f"  auto-fix: {fix.message}\n" in out.getvalue()
+    if not result.ok:
+        assert str(CudaGraphConfigError(list(result.problems))) in out.getvalue()
