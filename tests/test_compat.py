@@ -158,13 +158,12 @@ def test_ddp_build_context_knows_which_ddp_chunks_were_built_inside():
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    import train_gpt
-
-    args = train_gpt.build_parser(__import__("hookspecs").get_plugin_manager()).parse_args([])
     with cpu_redirect(), _world():
         from megatron.core.transformer import TransformerConfig
 
-        config = TransformerConfig(**train_gpt._transformer_config_fields(args, use_cuda=False))
+        config = TransformerConfig(
+            num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True
+        )
         module = torch.nn.Linear(2, 2)
         ddp_config = DistributedDataParallelConfig()
         context = compat.DDPBuildContext(full_iteration=False)
