@@ -178,6 +178,14 @@ def add_cuda_graph_arguments(parser: argparse.ArgumentParser, *, lenient: bool =
                 "graph and continue with the plain forward_backward_func",
             ),
         ),
+        (
+            "optimizer_cuda_graph",
+            dict(
+                action="store_true",
+                help="also capture the optimizer step (megatron-core 0.17+'s "
+                "OptimizerCudaGraphWrapper; build OptimizerConfig(optimizer_cuda_graph=True))",
+            ),
+        ),
     ]
     for dest, kwargs in options:
         flags = _flags(parser, dest)

@@ -84,6 +84,29 @@ def mcore_version() -> Version:
     return Version(package_info.__version__)
 
 
+OPTIMIZER_GRAPH_FIRST_RELEASE = Version("0.17.0")
+"""The first megatron-core release with ``OptimizerCudaGraphWrapper`` (checked on PyPI's
+0.16.1, 0.17.0, 0.18.x and 0.19.x wheels)."""
+
+
+def has_optimizer_graph() -> bool | None:
+    """Whether the installed megatron-core has ``OptimizerCudaGraphWrapper`` (None: no
+    megatron-core found). Looks for the module file, without importing megatron-core."""
+    import importlib.util
+    from pathlib import Path
+
+    try:
+        spec = importlib.util.find_spec("megatron")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return any(
+        (Path(location) / "core" / "optimizer" / "optimizer_cuda_graph.py").is_file()
+        for location in spec.submodule_search_locations
+    )
+
+
 def te_version() -> Version | None:
     """The installed Transformer Engine version, or None (read from metadata, no import)."""
     return _dist_version("transformer-engine", "transformer_engine", "transformer-engine-torch")
@@ -417,6 +440,68 @@ def free_full_iteration_graphs() -> int:
     clear_static_buffers()
     forget_shared_graph_pool()
     return freed
+
+
+# -- optimizer graphs (megatron-core 0.17+) ----------------------------------------------------
+
+
+def make_optimizer_graph_wrapper(step: Any, warmup_steps: int, use_single_mempool: bool) -> Any:
+    """megatron-core's ``OptimizerCudaGraphWrapper`` around a bound ``optimizer.step``;
+    ``use_single_mempool`` where it takes it (0.18+)."""
+    from megatron.core.optimizer.optimizer_cuda_graph import OptimizerCudaGraphWrapper
+
+    if "use_single_mempool" in inspect.signature(OptimizerCudaGraphWrapper.__init__).parameters:
+        return OptimizerCudaGraphWrapper(
+            step, cuda_graph_warmup_steps=warmup_steps, use_single_mempool=use_single_mempool
+        )
+    return OptimizerCudaGraphWrapper(step, cuda_graph_warmup_steps=warmup_steps)
+
+
+def _optimizer_graph_class() -> Any:
+    from megatron.core.optimizer.optimizer_cuda_graph import OptimizerCudaGraphWrapper
+
+    return OptimizerCudaGraphWrapper
+
+
+def optimizer_graph_captured() -> bool:
+    return _optimizer_graph_class().cuda_graph is not None
+
+
+def optimizer_graph_calls() -> int:
+    return _optimizer_graph_class().curr_iteration
+
+
+def optimizer_graph_state_dirty() -> bool:
+    cls = _optimizer_graph_class()
+    return cls.cuda_graph is not None or cls.curr_iteration != 0 or cls.result is not None
+
+
+def free_optimizer_graph() -> int:
+    """Free the class-level optimizer graph (``reset()``) and forget it; 1 if one was held."""
+    cls = _optimizer_graph_class()
+    graph, cls.cuda_graph = cls.cuda_graph, None
+    if graph is None:
+        return 0
+    graph.reset()
+    return 1
+
+
+def reset_optimizer_graph_counters() -> None:
+    cls = _optimizer_graph_class()
+    cls.result = None
+    cls.curr_iteration = 0
+
+
+def optimizer_is_capturable(optimizer: Any) -> bool | None:
+    """``OptimizerConfig.optimizer_cuda_graph`` of the built optimizer (it makes megatron-core
+    build a capturable Adam); None when the optimizer has no megatron-core config."""
+    config = getattr(optimizer, "config", None)
+    if config is None:
+        chained = getattr(optimizer, "chained_optimizers", None) or []
+        config = getattr(chained[0], "config", None) if chained else None
+    if config is None:
+        return None
+    return bool(getattr(config, "optimizer_cuda_graph", False))
 
 
 # -- Transformer Engine per-layer graphs -------------------------------------------------------

@@ -102,6 +102,24 @@ FIELD_PATHS: dict[str, tuple[str, ...]] = {
     ),
     "add_qkv_bias": ("model.add_qkv_bias", "add_qkv_bias"),
     "add_bias_linear": ("model.add_bias_linear", "add_bias_linear"),
+    "fp16": ("model.fp16", "optimizer.fp16", "fp16"),
+    "pipeline_model_parallel_size": (
+        "model.pipeline_model_parallel_size",
+        "pipeline_model_parallel_size",
+    ),
+    "virtual_pipeline_model_parallel_size": (
+        "model.virtual_pipeline_model_parallel_size",
+        "virtual_pipeline_model_parallel_size",
+    ),
+    "batch_p2p_comm": ("model.batch_p2p_comm", "batch_p2p_comm"),
+    "batch_p2p_sync": ("model.batch_p2p_sync", "batch_p2p_sync"),
+    "overlap_param_gather_with_optimizer_step": (
+        "optimizer.overlap_param_gather_with_optimizer_step",
+        "overlap_param_gather_with_optimizer_step",
+    ),
+    "optimizer_cuda_graph": ("optimizer.optimizer_cuda_graph", "optimizer_cuda_graph"),
+    "optimizer": ("optimizer.optimizer", "optimizer"),
+    "optimizer_cpu_offload": ("optimizer.optimizer_cpu_offload", "optimizer_cpu_offload"),
     "report_json": ("cuda_graph_report_json",),
     "fallback_on_slowdown": ("cuda_graph_fallback_on_slowdown",),
 }
@@ -393,6 +411,14 @@ def _to_layer_freq(value: Any) -> int | list[int] | tuple[int, ...]:
 
 _WARMUP = _to_int(0, 3)
 
+
+def _to_optimizer_name(value: Any) -> str:
+    """Megatron-LM's ``--optimizer`` / Bridge's ``optimizer.optimizer``: a name."""
+    if not isinstance(value, str) or not value.strip():
+        raise _Unreadable("not an optimizer name", "give the optimizer's name, e.g. adam")
+    return value.strip().lower()
+
+
 # setting -> (parser, optional). ``optional``: None and the words none/null/"" mean "not set"
 # (the setting stays None); otherwise None means "use the default". Settings not listed are
 # taken as given (impl and scope have their own handling, report_json is a path).
@@ -417,6 +443,9 @@ _PARSERS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "recompute_method": (_to_choice("uniform", "block"), True),
     "attention_dropout": (_to_float, False),
     "hidden_dropout": (_to_float, False),
+    "pipeline_model_parallel_size": (_to_int(1, 2), True),
+    "virtual_pipeline_model_parallel_size": (_to_int(1, 2), True),
+    "optimizer": (_to_optimizer_name, False),
 }
 BOOL_SETTINGS = (
     "enable_cuda_graph",
@@ -433,6 +462,12 @@ BOOL_SETTINGS = (
     "add_qkv_bias",
     "add_bias_linear",
     "fallback_on_slowdown",
+    "fp16",
+    "batch_p2p_comm",
+    "batch_p2p_sync",
+    "overlap_param_gather_with_optimizer_step",
+    "optimizer_cuda_graph",
+    "optimizer_cpu_offload",
 )
 _PARSERS.update({name: (to_bool, False) for name in BOOL_SETTINGS})
 _PROBLEM_TEXT = {
@@ -511,6 +546,15 @@ class Settings:
     gradient_accumulation_fusion: bool = False
     add_qkv_bias: bool = False
     add_bias_linear: bool = False
+    fp16: bool = False
+    pipeline_model_parallel_size: int | None = None
+    virtual_pipeline_model_parallel_size: int | None = None
+    batch_p2p_comm: bool = True  # megatron-core's defaults
+    batch_p2p_sync: bool = True
+    overlap_param_gather_with_optimizer_step: bool = False
+    optimizer_cuda_graph: bool = False
+    optimizer: str = "adam"
+    optimizer_cpu_offload: bool = False
     report_json: str | None = None
     fallback_on_slowdown: bool = False
     # Where the values came from, and what could not be read.
@@ -529,6 +573,10 @@ class Settings:
     @property
     def full_iteration(self) -> bool:
         return "full_iteration" in self.scope
+
+    @property
+    def pipeline_parallel(self) -> bool:
+        return (self.pipeline_model_parallel_size or 1) > 1
 
     @property
     def is_moe(self) -> bool:

@@ -55,6 +55,7 @@ def test_both_spellings_of_every_flag():
             "--cuda-graph-report-json",
             "r.json",
             "--cuda-graph-fallback-on-slowdown",
+            "--optimizer-cuda-graph",
         ]
     )
     underscores = parser().parse_args(
@@ -66,6 +67,7 @@ def test_both_spellings_of_every_flag():
             "--cuda_graph_report_json",
             "r.json",
             "--cuda_graph_fallback_on_slowdown",
+            "--optimizer_cuda_graph",
         ]
     )
     assert (
@@ -77,6 +79,7 @@ def test_both_spellings_of_every_flag():
             "cuda_graph_warmup_steps": 4,
             "cuda_graph_report_json": "r.json",
             "cuda_graph_fallback_on_slowdown": True,
+            "optimizer_cuda_graph": True,
         }
     )
 
@@ -255,7 +258,7 @@ def test_overrides_te_scopes_on_a_nested_recipe(caplog):
     assert find_violations(read_settings(config)) == []
 
 
-def test_overrides_local_full_iteration_turns_off_loss_nan_check_only(caplog):
+def test_overrides_local_full_iteration_turns_off_both_nan_checks(caplog):
     config = recipe()
     with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
         changes = apply_overrides(
@@ -264,12 +267,14 @@ def test_overrides_local_full_iteration_turns_off_loss_nan_check_only(caplog):
     assert config.model.cuda_graph_impl == "local"
     assert config.model.cuda_graph_scope == ["full_iteration"]
     assert config.rerun_state_machine.check_for_nan_in_loss is False
-    assert config.ddp.check_for_nan_in_grad is True  # recommended off, but left to the user
+    assert config.ddp.check_for_nan_in_grad is False  # Megatron-LM asserts both off
     assert config.model.use_te_rng_tracker is True and config.rng.te_rng_tracker is True
-    nan_change = [c for c in changes if "check_for_nan_in_loss" in c]
+    nan_change = [c for c in changes if "check_for_nan_in" in c]
     assert nan_change == [
         "full_iteration CUDA graph: set rerun_state_machine.check_for_nan_in_loss=False (the "
-        "loss cannot be inspected inside the captured iteration)"
+        "loss cannot be inspected inside the captured iteration)",
+        "full_iteration CUDA graph: set ddp.check_for_nan_in_grad=False (the gradients cannot "
+        "be inspected inside the captured iteration)",
     ]
     assert f"auto-fix: {nan_change[0]}" in _messages(caplog)
     assert find_violations(read_settings(config)) == []
