@@ -5,6 +5,10 @@
   (training, validation) and keeps graphs, counters and static buffers on its classes.
 * :class:`TEGraphs` — megatron-core's ``TECudaGraphHelper``: per-layer Transformer Engine
   graphs, captured when the plugin calls :meth:`TEGraphs.create`.
+* :class:`OptimizerGraphs` — megatron-core 0.17+'s ``OptimizerCudaGraphWrapper`` around the
+  host's ``optimizer.step``; it captures on its ``warmup_steps``-th call and keeps the graph
+  on its class. Installing it replaces ``optimizer.step`` on the host's optimizer (as
+  Megatron-LM and Megatron-Bridge do); releasing it puts the original back.
 
 Both answer :meth:`graph_count` and list the resources they hold as
 :class:`~cudagraph_plugin.cleanup.ReleaseStep` s, one per resource, so that shutdown can
@@ -15,6 +19,7 @@ the plugin brackets their captures. All megatron-core access goes through ``comp
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from cudagraph_plugin import compat
@@ -145,3 +150,63 @@ class TEGraphs:
 
     def _drop(self) -> None:
         self.helper = None
+
+
+class OptimizerGraphs:
+    """The optimizer step in a CUDA graph (megatron-core's ``OptimizerCudaGraphWrapper``)."""
+
+    kind = "optimizer"
+
+    def __init__(self, optimizer: Any, warmup_steps: int, use_single_mempool: bool) -> None:
+        if compat.optimizer_graph_state_dirty():
+            logger.warning(
+                "megatron-core's OptimizerCudaGraphWrapper holds state from an earlier run in "
+                "this process; resetting it so this run captures after its own %d warm-up "
+                "step(s)",
+                warmup_steps,
+            )
+            compat.free_optimizer_graph()
+            compat.reset_optimizer_graph_counters()
+        self.optimizer: Any = optimizer
+        self._own_step = vars(optimizer).get("step")  # an instance attribute the host set
+        self.wrapper: Any = compat.make_optimizer_graph_wrapper(
+            optimizer.step, warmup_steps, use_single_mempool
+        )
+        self.warmup_steps = warmup_steps
+
+    def install(self, step: Callable[[], Any]) -> None:
+        """Make ``optimizer.step`` call ``step`` (which calls :meth:`call`)."""
+        self.optimizer.step = step
+
+    def due(self) -> bool:
+        """The next ``optimizer.step()`` is the capture call."""
+        return (
+            not compat.optimizer_graph_captured()
+            and compat.optimizer_graph_calls() == self.warmup_steps
+        )
+
+    def call(self) -> Any:
+        return self.wrapper()
+
+    def graph_count(self) -> int:
+        return int(compat.optimizer_graph_captured())
+
+    def release_steps(self) -> list[ReleaseStep]:
+        return [
+            ReleaseStep("optimizer graph", compat.free_optimizer_graph, frees_graphs=True),
+            ReleaseStep(
+                "OptimizerCudaGraphWrapper step counter and result",
+                compat.reset_optimizer_graph_counters,
+            ),
+            ReleaseStep("the host's optimizer.step", self._restore_step),
+        ]
+
+    def _restore_step(self) -> None:
+        if self.optimizer is None:
+            return
+        if self._own_step is not None:
+            self.optimizer.step = self._own_step
+        else:
+            vars(self.optimizer).pop("step", None)  # the class's method again
+        self.optimizer = None
+        self.wrapper = None

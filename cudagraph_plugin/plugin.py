@@ -36,7 +36,7 @@ from cudagraph_plugin import compat
 from cudagraph_plugin.cleanup import ReleaseStep, release_each, settle
 from cudagraph_plugin.config_check import check_config
 from cudagraph_plugin.guard import FIX, ShapeGuard, StaticShapeError
-from cudagraph_plugin.mechanisms import FullIterationGraphs, TEGraphs
+from cudagraph_plugin.mechanisms import FullIterationGraphs, OptimizerGraphs, TEGraphs
 from cudagraph_plugin.report import (
     MIB,
     MemorySnapshot,
@@ -63,6 +63,16 @@ _RNG_PROBLEM = (
 _RNG_FIX = (
     "seed with model_parallel_cuda_manual_seed(**run.rng_options(...)) so it gets "
     "te_rng_tracker=True and use_cudagraphable_rng=True"
+)
+
+
+_CAPTURABLE_PROBLEM = (
+    "the optimizer graph needs the optimizer megatron-core builds for it (a capturable Adam), "
+    "but the optimizer was built with OptimizerConfig.optimizer_cuda_graph=False"
+)
+_CAPTURABLE_FIX = (
+    "build the optimizer with OptimizerConfig(..., optimizer_cuda_graph=True) (Megatron-LM: "
+    "--optimizer-cuda-graph; Megatron-Bridge: optimizer.optimizer_cuda_graph=True)"
 )
 
 
@@ -106,8 +116,9 @@ class CudaGraphPlugin:
         self.settings = settings
         self.pm = pluginmanager
         self.cuda = cuda
-        self.active = settings.enabled and cuda
-        if not settings.enabled:
+        self.active = settings.enabled and cuda  # model graphs: full iteration or TE layers
+        self.optimizer_graph = settings.optimizer_cuda_graph and cuda
+        if not (settings.enabled or settings.optimizer_cuda_graph):
             self.no_graph_reason: str | None = "CUDA graphs are off (cuda_graph_impl=none)"
         elif not cuda:
             self.no_graph_reason = "no CUDA device (CUDA graphs need one; the run was eager)"
@@ -121,6 +132,7 @@ class CudaGraphPlugin:
         self.build = compat.DDPBuildContext(settings.full_iteration) if self.active else None
         self.te: TEGraphs | None = None
         self.full: FullIterationGraphs | None = None
+        self.optim: OptimizerGraphs | None = None
         self._wrapped: dict[int, tuple[Any, _ForwardBackward]] = {}
         self.guard = ShapeGuard()
         self.timer = StepTimer(use_cuda=cuda)
@@ -228,9 +240,16 @@ class CudaGraphPlugin:
         self.model = model
         self.seq_length = seq_length
         self.micro_batch_size = micro_batch_size
-        if not self.active:
-            return
-        self._check_built_config(model_config, seq_length, micro_batch_size)
+        self.model_config = model_config
+        if self.active:
+            self._build_model_graphs(model, optimizer, model_config, seq_length, micro_batch_size)
+        if self.optimizer_graph:
+            self._build_optimizer_graph(optimizer, model_config)
+
+    def _build_model_graphs(
+        self, model: list[Any], optimizer: Any, model_config: Any, seq_length: int, mbs: int
+    ) -> None:
+        self._check_built_config(model_config, seq_length, mbs)
         if self._te and not compat.num_microbatches_calculator_ready():
             raise CudaGraphConfigError(
                 [Violation(("num_microbatches_calculator",), "not initialised", *_CALC_FIX)]
@@ -249,9 +268,8 @@ class CudaGraphPlugin:
                     )
                 ]
             )
-        self.model_config = model_config
         if self._te:
-            self.te = TEGraphs(model, model_config, seq_length, micro_batch_size, [optimizer])
+            self.te = TEGraphs(model, model_config, seq_length, mbs, [optimizer])
             logger.info(
                 "TE CUDA graphs: %d graphable layer(s) for scope %s; capture at step "
                 "start_step + %d",
@@ -259,6 +277,29 @@ class CudaGraphPlugin:
                 ",".join(self.settings.scope),
                 self.settings.warmup_steps,
             )
+
+    def _build_optimizer_graph(self, optimizer: Any, model_config: Any) -> None:
+        if compat.optimizer_is_capturable(optimizer) is False:
+            raise CudaGraphConfigError(
+                [
+                    Violation(
+                        ("OptimizerConfig.optimizer_cuda_graph",),
+                        "False",
+                        _CAPTURABLE_PROBLEM,
+                        _CAPTURABLE_FIX,
+                    )
+                ]
+            )
+        self.optim = OptimizerGraphs(
+            optimizer, self.settings.warmup_steps, compat.single_mempool(model_config)
+        )
+        self.optim.install(_OptimizerStep(self, self.optim))
+        logger.info(
+            "optimizer CUDA graph: optimizer.step is captured at its call number %d "
+            "(step start_step + %d)",
+            self.settings.warmup_steps,
+            self.settings.warmup_steps,
+        )
 
     def _check_built_config(self, model_config: Any, seq_length: int, mbs: int) -> None:
         built = read_settings(model_config)
@@ -310,7 +351,7 @@ class CudaGraphPlugin:
 
     @hookimpl
     def mcgraph_warmup_steps(self, config: Any) -> int | None:
-        return self.settings.warmup_steps if self.active else None
+        return self.settings.warmup_steps if self.active or self.optimizer_graph else None
 
     @hookimpl
     def mcgraph_train_start(self, start_step: int, train_iters: int) -> None:
@@ -379,7 +420,8 @@ class CudaGraphPlugin:
         import torch
 
         step = self.step
-        impl, scope = self.settings.impl, list(self.settings.scope)
+        impl = self.settings.impl
+        scope = ["optimizer"] if stage == "optimizer" else list(self.settings.scope)
         call_hook(self.pm, "mcgraph_before_capture", step=step, impl=impl, scope=scope)
         torch.cuda.synchronize()
         before = MemorySnapshot.take()
@@ -387,12 +429,14 @@ class CudaGraphPlugin:
         result = capture()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        if not self.captures:  # the report's memory numbers are the first capture's
-            self.memory_before, self.memory_after = before, MemorySnapshot.take()
+        # The report's memory numbers span the captures of the first capture step (a
+        # full-iteration or TE capture and the optimizer's, in the same step).
+        if not self.captures:
+            self.memory_before = before
+        if not self.captures or self.captures[0]["step"] == step:
+            self.memory_after = MemorySnapshot.take()
         self.captures.append({"stage": stage, "step": step, "seconds": seconds})
-        mechanism = self.te or self.full
-        assert mechanism is not None
-        self.graph_count = mechanism.graph_count()
+        self.graph_count = self._graphs_held()
         self.graphs_held_max = max(self.graphs_held_max, self.graph_count)
         if self.phase is Phase.BUILT:
             self._advance((Phase.BUILT,), Phase.CAPTURED)
@@ -471,10 +515,16 @@ class CudaGraphPlugin:
         replay = [s for s in steps if capture_step < s <= last_replay]
         return eager, replay, durations
 
+    def _graphs_held(self) -> int:
+        return sum(m.graph_count() for m in (self.te, self.full, self.optim) if m is not None)
+
     def _training_capture_step(self) -> int | None:
-        for capture in self.captures:
-            if capture["stage"] == "training":
-                return capture["step"]
+        """The step whose capture splits eager from replay steps: the training graph's
+        (full iteration or TE), else the optimizer graph's."""
+        for stage in ("training", "optimizer"):
+            for capture in self.captures:
+                if capture["stage"] == stage:
+                    return capture["step"]
         return None
 
     def _maybe_fall_back(self, step: int) -> None:
@@ -540,7 +590,7 @@ class CudaGraphPlugin:
 
     def _release_steps(self, quiet: bool) -> list[ReleaseStep]:
         steps: list[ReleaseStep] = []
-        for mechanism in (self.te, self.full):
+        for mechanism in (self.optim, self.te, self.full):
             if mechanism is not None:
                 steps += mechanism.release_steps()
         steps += [
@@ -574,6 +624,7 @@ class CudaGraphPlugin:
         self.cleanup_failures = result.failures
         self.te = None
         self.full = None
+        self.optim = None
         if self.cuda:
             self.allocated_after_free_mib = _allocated_mib()
             before = self.memory_before.allocated_mib if self.memory_before else None
@@ -623,7 +674,7 @@ class CudaGraphPlugin:
                 f"(start_step + {self.settings.warmup_steps})"
             )
             text = f"no graph captured: {no_graph_reason}"
-        training_capture = next((c for c in self.captures if c["stage"] == "training"), None)
+        capture_step = self._training_capture_step()
         return RunReport(
             impl=self.settings.impl,
             scope=list(self.settings.scope),
@@ -631,7 +682,7 @@ class CudaGraphPlugin:
             no_graph_reason=no_graph_reason,
             warmup_steps=self.settings.warmup_steps if self.active else None,
             start_step=self.start_step,
-            capture_step=training_capture["step"] if training_capture else None,
+            capture_step=capture_step,
             capture_seconds=sum(c["seconds"] for c in self.captures) if self.captures else None,
             graph_count=self.graphs_held_max,
             steps_timed=len(durations),
@@ -699,3 +750,17 @@ class _ForwardBackward:
 
     def __call__(self, **kwargs: Any) -> Any:
         return self._plugin._forward_backward(self._eager, kwargs)
+
+
+class _OptimizerStep:
+    """What ``optimizer.step`` is while the optimizer graph is installed: megatron-core's
+    wrapper, with its capture call bracketed by the capture hooks, timing and memory."""
+
+    def __init__(self, plugin: CudaGraphPlugin, graphs: OptimizerGraphs) -> None:
+        self._plugin = plugin
+        self._graphs = graphs
+
+    def __call__(self) -> Any:
+        if self._graphs.due():
+            return self._plugin._capture("optimizer", self._graphs.call)
+        return self._graphs.call()

@@ -123,6 +123,7 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
     )
     train.add_argument("--eval-iters", type=int, default=2)
     train.add_argument("--lr", type=float, default=3e-3)
+    train.add_argument("--clip-grad", type=float, default=1.0, help="gradient clipping norm")
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--log-interval", type=int, default=1)
 
@@ -141,6 +142,13 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="interleaved pipeline schedule: model chunks per pipeline rank (Megatron-LM's flag)",
+    )
+    parallel.add_argument(
+        "--batch-p2p-comm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pipeline stages exchange activations with batched p2p (megatron-core's default; "
+        "it synchronises the device after each exchange)",
     )
     parallel.add_argument("--sequence-parallel", action="store_true")
     parallel.add_argument("--use-distributed-optimizer", action="store_true")
@@ -338,6 +346,7 @@ def _transformer_config_fields(args: argparse.Namespace, use_cuda: bool) -> dict
         "tensor_model_parallel_size": args.tensor_model_parallel_size,
         "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
         "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
+        "batch_p2p_comm": args.batch_p2p_comm,
         "sequence_parallel": args.sequence_parallel,
         "use_cpu_initialization": not use_cuda,
         "bf16": args.bf16,
@@ -431,14 +440,19 @@ def _build_model(training: TrainingRun, args: argparse.Namespace, config: Any) -
 def _build_optimizer(args: argparse.Namespace, model: list[Any]) -> Any:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    fields: dict[str, Any] = {}
+    if getattr(args, "optimizer_cuda_graph", False):
+        # A plugin's --optimizer-cuda-graph (megatron-core 0.17+): a capturable Adam.
+        fields["optimizer_cuda_graph"] = True
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=args.lr,
         weight_decay=0.01,
-        clip_grad=1.0,
+        clip_grad=args.clip_grad,
         bf16=args.bf16,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        **fields,
     )
     return get_megatron_optimizer(optimizer_config, model)
 

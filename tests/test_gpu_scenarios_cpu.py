@@ -98,14 +98,24 @@ def configure(argv: list[str]) -> None:
         pass
 
 
-def test_every_scenario_passes_the_plugins_validation() -> None:
+def test_every_scenario_passes_the_plugins_validation(monkeypatch) -> None:
+    from cudagraph_plugin import compat
+
     for scenario in SCENARIOS:
-        configure(scenario.argv())
+        with monkeypatch.context() as patch:
+            if scenario.needs_optimizer_graph:  # its GPU run needs megatron-core 0.17+
+                patch.setattr(compat, "has_optimizer_graph", lambda: True)
+            configure(scenario.argv())
     # ... which is a real check: the MoE scenario without TE's fused permutation fails it
     moe = test_gpu.BY_NAME["te_moe"].argv()
     moe.remove("--moe-permute-fusion")
     with pytest.raises(CudaGraphConfigError, match="moe_preprocess"):
         configure(moe)
+    # and the pipeline full-iteration scenario with megatron-core's default batched p2p
+    pipeline = test_gpu.BY_NAME["pp2_full_iteration_unbatched_p2p"].argv()
+    pipeline.remove("--no-batch-p2p-comm")
+    with pytest.raises(CudaGraphConfigError, match="batch_isend_irecv"):
+        configure(pipeline)
 
 
 def test_scenario_names_are_the_test_ids_and_the_eager_twins_are_shared() -> None:

@@ -1,0 +1,82 @@
+"""A stand-in for megatron-core 0.19's ``megatron.core.optimizer.optimizer_cuda_graph``.
+
+megatron-core 0.16.1 (the CPU suite's version) has no optimizer graph; 0.17.0 added
+``OptimizerCudaGraphWrapper``. :class:`OptimizerCudaGraphWrapper` here follows 0.19.2's
+class (``megatron/core/optimizer/optimizer_cuda_graph.py``) line for line where it matters:
+the same constructor signature, class-level ``curr_iteration``/``cuda_graph``/``result``,
+capture on the ``cuda_graph_warmup_steps``-th call between two barriers, replay afterwards,
+and a ``__del__`` that drops the class-level graph. Capture goes through ``torch.cuda.graph``
+and ``torch.cuda.CUDAGraph``, which the CPU tests replace with the fakes of ``fakes.py``.
+
+:func:`install` makes it importable under the real module name and tells ``compat`` that
+the installed megatron-core has it.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import torch
+
+MODULE = "megatron.core.optimizer.optimizer_cuda_graph"
+
+
+class OptimizerCudaGraphWrapper:
+    """Mirrors megatron-core 0.19.2's ``OptimizerCudaGraphWrapper``."""
+
+    curr_iteration = 0
+    cuda_graph: Any = None
+    result: Any = None
+
+    def __init__(self, optimizer_step_func, cuda_graph_warmup_steps=1, use_single_mempool=False):
+        self.optimizer_step_func = optimizer_step_func
+        self.cuda_graph_warmup_steps = cuda_graph_warmup_steps
+        self.use_single_mempool = use_single_mempool
+
+    def __call__(self, *args, **kwargs):
+        assert len(args) == 0, "optimizer.step() does not accept positional args"
+        assert len(kwargs) == 0, "optimizer.step() does not accept keyword args"
+        if self.curr_iter() == self.cuda_graph_warmup_steps:
+            torch.distributed.barrier()
+            assert OptimizerCudaGraphWrapper.cuda_graph is None
+            OptimizerCudaGraphWrapper.cuda_graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(OptimizerCudaGraphWrapper.cuda_graph):
+                OptimizerCudaGraphWrapper.result = self.optimizer_step_func()
+            torch.cuda.synchronize()
+            torch.distributed.barrier()
+        if OptimizerCudaGraphWrapper.cuda_graph is None:
+            OptimizerCudaGraphWrapper.result = self.optimizer_step_func()
+        else:
+            OptimizerCudaGraphWrapper.cuda_graph.replay()
+        OptimizerCudaGraphWrapper.curr_iteration += 1
+        return OptimizerCudaGraphWrapper.result
+
+    def curr_iter(self):
+        return OptimizerCudaGraphWrapper.curr_iteration
+
+    def next_iter(self):
+        OptimizerCudaGraphWrapper.curr_iteration += 1
+
+    def __del__(self):
+        if OptimizerCudaGraphWrapper.cuda_graph is not None:
+            del OptimizerCudaGraphWrapper.cuda_graph
+            OptimizerCudaGraphWrapper.cuda_graph = None
+        if OptimizerCudaGraphWrapper.result is not None:
+            OptimizerCudaGraphWrapper.result = None
+
+
+def install(monkeypatch: Any) -> type[OptimizerCudaGraphWrapper]:
+    """Make the wrapper importable as megatron-core's and report the feature as present."""
+    from cudagraph_plugin import compat
+
+    module = types.ModuleType(MODULE)
+    module.OptimizerCudaGraphWrapper = OptimizerCudaGraphWrapper
+    monkeypatch.setitem(sys.modules, MODULE, module)
+    monkeypatch.setattr(compat, "has_optimizer_graph", lambda: True)
+    monkeypatch.setattr(OptimizerCudaGraphWrapper, "curr_iteration", 0)
+    monkeypatch.setattr(OptimizerCudaGraphWrapper, "cuda_graph", None)
+    monkeypatch.setattr(OptimizerCudaGraphWrapper, "result", None)
+    return OptimizerCudaGraphWrapper
