@@ -130,9 +130,7 @@ def test_the_json_file_follows_the_schema(tmp_path: Path):
 def test_schema_problems_finds_what_does_not_conform(change, problem):
     data = make_report().to_dict()
     change(data)
-    assert any(found.startswith(problem) for found in schema_problems(data)), (
-        schema_problems(data)
-    )
+    assert any(found.startswith(problem) for found in schema_problems(data)), schema_problems(data)
 
 
 def test_hooks_md_documents_every_field_with_the_schema_version():
