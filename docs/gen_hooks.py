@@ -77,7 +77,8 @@ FIRED_ELSEWHERE = {
 
 INTRO = """\
 Hooks a Megatron-Core training loop (the *host*) fires and plugins implement. Import the
-marker from the contract package: `from hookspecs import hookimpl`; every hook name starts
+marker from the contract package: `from hookspecs import hookimpl` (the distribution
+`mcgraph-hookspecs`, pure Python: a plugin depends on it alone); every hook name starts
 with `{prefix}_`, and `{prefix}` is also the entry-point group plugins register under.
 
 **No hook ever runs inside a captured or replayed CUDA graph.** Hooks are Python (about

@@ -545,3 +545,34 @@ def test_a_plugins_own_tests_run_on_the_contract_alone(site: Path, tmp_path: Pat
     not_called = {"mcgraph_report", *set_up}
     expected = [entry for entry in documented_order(0, 3, 1) if entry[0] not in not_called]
     assert recorded == expected
+
+
+# -------------------------------------------------------------------------------------------
+# The guide's example plugin is valid against the specs.
+# -------------------------------------------------------------------------------------------
+
+
+def test_the_guides_example_plugin_registers_and_runs_on_the_contract(caplog):
+    guide = (REPO / "docs" / "guide.md").read_text()
+    section = guide.split("### Implement hooks", 1)[1]
+    source = re.search(r"```python\n(.*?)```", section, re.S)[1]
+    module = type(sys)("mcgraph_steptimer_from_the_guide")
+    exec(compile(source, "docs/guide.md", "exec"), module.__dict__)
+
+    class OneWarmupStep:
+        @hookimpl
+        def mcgraph_warmup_steps(self):
+            return 1
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(module, name="steptimer")
+    pm.register(OneWarmupStep())
+    caplog.set_level(logging.INFO, logger="mcgraph_steptimer")
+    config = type("Config", (), {"steptimer_out": None})()
+    with hookspecs.TrainingRun(pm, config, train_iters=2, handle_signals=()) as run:
+        for step in range(2):
+            with run.train_step(step):
+                pass
+    pm.check_pending()
+    assert pm.plugin_name("steptimer:StepTimer") == "steptimer"
+    assert "warm-up over at step 1" in [r.getMessage() for r in caplog.records]
