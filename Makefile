@@ -12,13 +12,15 @@ DEMO_ARGS ?= --cuda-graph-impl local --cuda-graph-scope full_iteration --train-i
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-$(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml
+# The package depends on the hook contract, its own distribution (mcgraph-hookspecs, built
+# from hookspecs/): both are installed from this checkout, in one pip call.
+$(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml hookspecs/setup.cfg hookspecs/pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
 	@if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
 	  echo "no CUDA device: installing the CPU build of torch ($(TORCH_CPU)) first"; \
 	  $(BIN)/python -m pip install -q "$(TORCH_CPU)"; \
 	fi
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e ./hookspecs -e '.[test]'
 	touch $@
 
 venv: $(VENV)/.installed

@@ -79,6 +79,7 @@ class Mode:
     scope: str | None
     transformer_impl: str
     eager_reference: str | None  # the mode whose step time the speed-up is relative to
+    extra: tuple[str, ...] = ()  # more of the plugin's flags (e.g. the optimizer graph)
 
     @property
     def needs_te(self) -> bool:
@@ -274,6 +275,7 @@ def plugin_argv(size: Size, mode: Mode, s: Settings, use_cuda: bool) -> list[str
         argv += ["--cuda-graph-scope", mode.scope]
     if mode.graphed:
         argv += ["--cuda-graph-warmup-steps", str(s.warmup)]
+    argv += list(mode.extra)
     if s.bf16:
         argv.append("--bf16")
     if s.cpu:

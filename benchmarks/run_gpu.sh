@@ -13,8 +13,9 @@ if [ ! -f "$GPU_ENV" ]; then
 fi
 # shellcheck disable=SC1090
 source "$GPU_ENV"
-# Installed (not just on PYTHONPATH) so the cudagraph entry point exists.
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/proj . \
+# Installed (not just on PYTHONPATH) so the cudagraph entry point exists; the hook contract
+# (hookspecs/) is its own distribution.
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/proj ./hookspecs . \
   || { echo "could not install the project into /tmp/proj" >&2; exit 2; }
 export PYTHONPATH=/tmp/proj:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-runs/bench}

@@ -14,7 +14,9 @@ from cudagraph_plugin.cli import add_cuda_graph_arguments
 from cudagraph_plugin.plugin import CudaGraphPlugin
 from hookspecs import hookimpl
 
-RUN_PLUGIN_NAME = "cudagraph-run"
+RUN_PLUGIN_NAME = "cudagraph:CudaGraphPlugin"
+"""The name the plugin manager gives the per-run plugin (``<plugin>:<ClassName>``): it is
+registered without a name, so it counts as plugin ``cudagraph`` in error notes."""
 
 
 @hookimpl
@@ -24,4 +26,4 @@ def mcgraph_add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @hookimpl
 def mcgraph_configure(config: Any, pluginmanager: Any) -> None:
-    pluginmanager.register(CudaGraphPlugin.configure(config, pluginmanager), name=RUN_PLUGIN_NAME)
+    pluginmanager.register(CudaGraphPlugin.configure(config, pluginmanager))

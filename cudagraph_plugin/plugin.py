@@ -150,6 +150,7 @@ class CudaGraphPlugin:
         self.report: RunReport | None = None
         self.allocated_after_free_mib: float | None = None
         self.cleanup_failures: list[tuple[str, BaseException]] = []
+        self._shutdown_entered = False
         self._eager_after_shutdown_logged = False
 
     @classmethod
@@ -349,9 +350,12 @@ class CudaGraphPlugin:
 
     # -- training -----------------------------------------------------------------------------
 
-    @hookimpl
-    def mcgraph_warmup_steps(self, config: Any) -> int | None:
-        return self.settings.warmup_steps if self.active or self.optimizer_graph else None
+    # Answered in every run mode (graphs off, no CUDA device too), so plugins see the
+    # post-warmup step wherever they run; tryfirst, so the step TE graphs are captured at
+    # is the configured one whatever else answers.
+    @hookimpl(tryfirst=True)
+    def mcgraph_warmup_steps(self, config: Any) -> int:
+        return self.settings.warmup_steps
 
     @hookimpl
     def mcgraph_train_start(self, start_step: int, train_iters: int) -> None:
@@ -557,13 +561,14 @@ class CudaGraphPlugin:
 
     # -- shutdown -----------------------------------------------------------------------------
 
-    # tryfirst: outermost among the wrappers, so another plugin's wrapper that raises before
-    # its yield cannot skip this cleanup.
-    @hookimpl(wrapper=True, tryfirst=True)
+    # A plain wrapper, the documented middle layer (hookspecs.spec.mcgraph_shutdown): other
+    # plugins' tryfirst wrappers are always outside it, their trylast wrappers and plain
+    # implementations always inside, whatever the registration order.
+    @hookimpl(wrapper=True)
     def mcgraph_shutdown(self, reason: Any, exception: BaseException | None) -> Any:
-        # The report goes out before the other plugins' shutdown implementations run (they
-        # may close the sinks it is written to); graphs are freed after them, whatever
-        # happened before.
+        # The report goes out before the inner shutdown implementations run (they may close
+        # the sinks it is written to); graphs are freed after them, whatever happened before.
+        self._shutdown_entered = True
         quiet = self._device_may_block(reason)
         report_error: Exception | None = None
         try:
@@ -581,6 +586,31 @@ class CudaGraphPlugin:
         if report_error is not None:
             raise report_error
         return result
+
+    # The safety net of the wrapper above: a wrapper between the two that raises before its
+    # yield (which the hook contract forbids) makes pluggy skip the plain one; the report
+    # and the cleanup then happen here, outside every plain and trylast wrapper.
+    @hookimpl(wrapper=True, tryfirst=True, specname="mcgraph_shutdown")
+    def shutdown_guard(self, reason: Any, exception: BaseException | None) -> Any:
+        try:
+            return (yield)
+        except BaseException as error:
+            if not self._shutdown_entered:
+                self._shutdown_skipped(str(reason), exception or error)
+            raise
+
+    def _shutdown_skipped(self, reason: str, exception: BaseException) -> None:
+        logger.error(
+            "a mcgraph_shutdown wrapper raised before its yield and skipped the CUDA graph "
+            "plugin's shutdown (%r): reporting and freeing the graphs from its guard",
+            exception,
+        )
+        quiet = self._device_may_block(reason)
+        try:
+            self._emit_report(reason, sync=not quiet)
+        except Exception as report_error:
+            logger.error("the run report failed", exc_info=report_error)
+        self._release_all(reason, quiet=quiet, exception=exception)
 
     @staticmethod
     def _device_may_block(reason: Any) -> bool:
@@ -680,7 +710,7 @@ class CudaGraphPlugin:
             scope=list(self.settings.scope),
             graphs_captured=bool(self.captures),
             no_graph_reason=no_graph_reason,
-            warmup_steps=self.settings.warmup_steps if self.active else None,
+            warmup_steps=self.settings.warmup_steps,
             start_step=self.start_step,
             capture_step=capture_step,
             capture_seconds=sum(c["seconds"] for c in self.captures) if self.captures else None,

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hookspecs.report_schema import REPORT_SCHEMA_VERSION
+
 MIB = 1024 * 1024
 NOISE_FLOOR = 0.02  # below a 2% difference nobody should call a winner
 
@@ -177,13 +179,18 @@ def verdict(eager: list[float], replay: list[float]) -> tuple[str, float | None,
 
 @dataclasses.dataclass
 class RunReport:
-    """The run report; ``to_dict()`` is JSON-ready, ``format_table()`` is for humans."""
+    """The run report; ``to_dict()`` is JSON-ready, ``format_table()`` is for humans.
+
+    Plugins see it through the ``mcgraph_report`` hook and may rely only on ``to_dict()``
+    (the public schema of :mod:`hookspecs.report_schema`, documented in docs/hooks.md) and
+    ``format_table()``; the attributes here are internals.
+    """
 
     impl: str
     scope: list[str]
     graphs_captured: bool
     no_graph_reason: str | None
-    warmup_steps: int | None
+    warmup_steps: int
     start_step: int | None
     capture_step: int | None
     capture_seconds: float | None
@@ -223,7 +230,8 @@ class RunReport:
         return self.peak_allocated_at_end_mib - before.peak_allocated_mib
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        """The public form: the keys of :data:`hookspecs.report_schema.REPORT_FIELDS`."""
+        data = {"schema_version": REPORT_SCHEMA_VERSION, **dataclasses.asdict(self)}
         data["memory_overhead_mib"] = self.memory_overhead_mib
         data["peak_overhead_mib"] = self.peak_overhead_mib
         data["memory_overhead_pct"] = _pct(

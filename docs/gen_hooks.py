@@ -5,8 +5,9 @@
 
 Everything in the reference comes from ``hookspecs``: the sections are the banner comments of
 ``hookspecs/spec.py`` in file order, each hook's signature and docstring come from its spec,
-its nature from the pluggy spec options, and the order table from a torch-free run of
-:class:`hookspecs.TrainingRun`. Only the "fired by" column is written here, and a hook
+its nature from the pluggy spec options, the order table from a torch-free run of
+:class:`hookspecs.TrainingRun`, and the run report's table from
+``hookspecs.report_schema``. Only the "fired by" column is written here, and a hook
 missing from it stops the generator.
 """
 
@@ -32,6 +33,12 @@ import pluggy  # noqa: E402
 
 from hookspecs import PROJECT_NAME, TrainingRun, get_plugin_manager, hookimpl  # noqa: E402
 from hookspecs import spec as default_spec  # noqa: E402
+from hookspecs.report_schema import (  # noqa: E402
+    MEMORY_SNAPSHOT_FIELDS,
+    REPORT_FIELDS,
+    REPORT_SCHEMA_VERSION,
+    VERSIONS_KEYS,
+)
 
 # Which host call fires each hook that TrainingRun fires.
 FIRED_BY_RUN = {
@@ -70,7 +77,8 @@ FIRED_ELSEWHERE = {
 
 INTRO = """\
 Hooks a Megatron-Core training loop (the *host*) fires and plugins implement. Import the
-marker from the contract package: `from hookspecs import hookimpl`; every hook name starts
+marker from the contract package: `from hookspecs import hookimpl` (the distribution
+`mcgraph-hookspecs`, pure Python: a plugin depends on it alone); every hook name starts
 with `{prefix}_`, and `{prefix}` is also the entry-point group plugins register under.
 
 **No hook ever runs inside a captured or replayed CUDA graph.** Hooks are Python (about
@@ -264,6 +272,46 @@ def order_table(spec_names: set[str]) -> str:
     )
 
 
+# -- the run report -------------------------------------------------------------------------
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def report_section() -> str:
+    """The run report's schema, from :mod:`hookspecs.report_schema`."""
+    rows = ["| key | type | unit | meaning | `None` when |", "|---|---|---|---|---|"]
+    for field in REPORT_FIELDS:
+        rows.append(
+            f"| `{field.name}` | `{_cell(field.type)}` | {field.unit} | {_cell(field.meaning)} "
+            f"| {_cell(field.none) or 'never'} |"
+        )
+    memory = ", ".join(f"`{key}`" for key in MEMORY_SNAPSHOT_FIELDS)
+    versions = ", ".join(f"`{key}`" for key in VERSIONS_KEYS)
+    text = f"""\\
+## The run report
+
+The CUDA graph plugin passes the run report to [`mcgraph_report`](#mcgraph_report) at
+shutdown, in every run mode, and writes it as JSON with `--cuda-graph-report-json PATH`
+(rank N > 0 of a multi-process run writes `<stem>.rankN<suffix>`). Read it with
+`report.to_dict()`: a dict of JSON-ready values with exactly the keys below, the same as
+the JSON file's (`report.format_table()` is the logged table, for people; nothing else of
+the object is public). Steps are numbered as the hooks number them.
+
+- The memory snapshots are dicts with the keys {memory}.
+- `versions` has the keys {versions}.
+
+**Schema version {REPORT_SCHEMA_VERSION}** (the `schema_version` key). Every change to
+these fields (one added, removed or renamed, or a change of type, unit or meaning)
+increases it; check it before you rely on the fields. The same schema, as data, with a
+checker a plugin's tests can use: `hookspecs.report_schema` (`REPORT_FIELDS`,
+`schema_problems(report.to_dict())`), in the `mcgraph-hookspecs` distribution.
+
+"""
+    return text + "\n".join(rows) + "\n"
+
+
 # -- the page -------------------------------------------------------------------------------
 
 
@@ -287,6 +335,7 @@ def render(spec_module: ModuleType = default_spec) -> str:
         "## Conventions\n",
         inline(_module_conventions(spec_module), names) + "\n",
         order_table(names),
+        report_section(),
         "## Hooks at a glance\n",
         "| section | hook | nature |",
         "|---|---|---|",

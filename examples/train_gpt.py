@@ -108,15 +108,21 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
     data.add_argument("--num-microbatches", type=int, default=1)
 
     train = parser.add_argument_group("training")
-    train.add_argument("--train-iters", type=int, default=10)
+    train.add_argument(
+        "--train-iters", type=int, default=10, help="train steps up to this one (exclusive)"
+    )
     train.add_argument(
         "--start-step",
         type=int,
         default=0,
-        help="number the steps from here, as a resumed run would (no checkpoint is loaded)",
+        help="the first step (steps are numbered from 0): start here, as a run resumed after "
+        "that many steps would (no checkpoint is loaded)",
     )
     train.add_argument(
-        "--exit-interval", type=int, default=None, help="stop after a step that is a multiple"
+        "--exit-interval",
+        type=int,
+        default=None,
+        help="stop once the number of finished steps is a multiple of this",
     )
     train.add_argument(
         "--eval-interval", type=int, default=None, help="evaluate after every N training steps"
@@ -592,6 +598,8 @@ def _train(
         training.disable_forward_pre_hook(model, param_sync=False)
         config.param_sync_func = None
 
+    if log_here:
+        logger.info("training steps %d to %d", args.start_step, args.train_iters - 1)
     for step in range(args.start_step, args.train_iters):
         with training.train_step(step) as metrics:
             start = time.perf_counter()
@@ -616,12 +624,13 @@ def _train(
             training.enable_forward_pre_hook(model)
             config.param_sync_func = param_sync_func
 
+        # Intervals count finished steps (Megatron-LM's iterations); log lines name the step
+        # as the hooks and the run report do, from 0.
         iteration = step + 1
         if log_here and args.log_interval and iteration % args.log_interval == 0:
             logger.info(
-                "step %d/%d | loss %.4f | grad norm %.3f | %.2f ms",
-                iteration,
-                args.train_iters,
+                "step %d | loss %.4f | grad norm %.3f | %.2f ms",
+                step,
                 float("nan") if loss is None else loss.item(),
                 grad_norm if grad_norm is not None else float("nan"),
                 elapsed_ms,
@@ -631,10 +640,10 @@ def _train(
             if eval_loss is not None:
                 record.eval_losses.append(eval_loss)
             if log_here and eval_loss is not None:
-                logger.info("step %d | eval loss %.4f", iteration, record.eval_losses[-1])
+                logger.info("step %d | eval loss %.4f", step, record.eval_losses[-1])
         if args.exit_interval and iteration % args.exit_interval == 0:
             if log_here:
-                logger.info("exit interval reached after step %d", iteration)
+                logger.info("exit interval (%d steps) reached after step %d", iteration, step)
             break
 
 

@@ -5,7 +5,10 @@ entry-point discovery and blocking (``manager``), the host's default implementat
 "perform" hooks (``host_defaults``), and the host-side :class:`TrainingRun` helper that fires
 the hooks in order and guarantees the shutdown hook on every exit path (``run``).
 
-It imports neither torch nor megatron at run time, so a plugin author can depend on it alone.
+It imports neither torch nor megatron at run time, so a plugin author can depend on it alone:
+it is its own distribution, ``mcgraph-hookspecs`` (built by ``hookspecs/pyproject.toml``;
+pluggy is its only dependency), and ``megatron-cudagraph-plugin`` depends on it. The run
+report's public schema is ``report_schema``.
 
 One name, ``mcgraph``, is the marker name, the hook prefix and the entry-point group.
 """
@@ -13,6 +16,10 @@ One name, ``mcgraph``, is the marker name, the hook prefix and the entry-point g
 from __future__ import annotations
 
 import pluggy
+
+__version__ = "0.1.0"
+"""The contract's version (the ``mcgraph-hookspecs`` distribution's): a hook or report change
+that breaks plugins raises the minor version while it is 0.x."""
 
 PROJECT_NAME = "mcgraph"
 """Marker name, hook prefix (``mcgraph_``) and entry-point group."""
@@ -23,7 +30,13 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 """Marks a hook implementation: ``@hookimpl`` / ``@hookimpl(wrapper=True)`` in plugins."""
 
-from hookspecs.manager import BLOCK_ENV_VAR, get_plugin_manager  # noqa: E402
+from hookspecs.manager import (  # noqa: E402
+    BLOCK_ENV_VAR,
+    McgraphPluginManager,
+    get_plugin_manager,
+    plugin_name,
+)
+from hookspecs.report_schema import REPORT_SCHEMA_VERSION, Report  # noqa: E402
 from hookspecs.run import (  # noqa: E402
     ShutdownReason,
     SignalReceived,
@@ -35,6 +48,9 @@ from hookspecs.run import (  # noqa: E402
 __all__ = [
     "BLOCK_ENV_VAR",
     "PROJECT_NAME",
+    "REPORT_SCHEMA_VERSION",
+    "McgraphPluginManager",
+    "Report",
     "ShutdownReason",
     "SignalReceived",
     "TrainingRun",
@@ -43,4 +59,5 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "merge_kwargs",
+    "plugin_name",
 ]

@@ -25,6 +25,8 @@ from typing import Any
 
 import pluggy
 
+from hookspecs.manager import describe_plugin
+
 logger = logging.getLogger(__name__)
 
 # Managers that already served a run: configure is historic, so reusing one would replay
@@ -79,7 +81,9 @@ def blame(pluginmanager: pluggy.PluginManager, hook_name: str, exc: BaseExceptio
     """Add a note naming the plugin whose ``hook_name`` implementation raised ``exc``.
 
     pluggy propagates a plugin's exception unchanged; the traceback tells which
-    implementation raised it. Only the innermost hook call adds the note.
+    implementation raised it. Only the innermost hook call adds the note. The note names
+    the plugin as blocking and log lines do (an object a plugin registered is named by that
+    plugin), with its distribution where one installed it.
     """
     if not isinstance(exc, Exception) or getattr(exc, "_mcgraph_blamed", False):
         return
@@ -97,7 +101,8 @@ def blame(pluginmanager: pluggy.PluginManager, hook_name: str, exc: BaseExceptio
                 culprit = impl.plugin_name
         tb = tb.tb_next
     if culprit is not None:
-        exc.add_note(f"raised by plugin {culprit!r} in its {hook_name} implementation")
+        who = describe_plugin(pluginmanager, culprit)
+        exc.add_note(f"raised by plugin {who} in its {hook_name} implementation")
         exc._mcgraph_blamed = True  # type: ignore[attr-defined]
 
 

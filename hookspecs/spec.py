@@ -16,6 +16,14 @@ Conventions (they matter, pluggy enforces only some of them):
   and cost about 1-3 µs each; they run between graph replays, never inside them. The
   capture itself happens between :func:`mcgraph_before_capture` and
   :func:`mcgraph_after_capture`.
+* Steps are numbered from 0: a fresh run's first step is step 0, a resumed run's is
+  ``start_step`` (the number of steps done before), and ``train_iters`` is the step at which
+  training completes (exclusive). Every hook, the run report and the example hosts' log
+  lines use these numbers.
+* A plugin has one name, its entry-point name: it is blocked by that name
+  (``MCGRAPH_BLOCK_PLUGINS``), and log lines and error notes name it so, with its
+  distribution. Objects a plugin registers from its hooks (a per-run object, without a
+  ``name``) are named ``<plugin>:<ClassName>`` and count as that plugin.
 
 The order in which :class:`hookspecs.TrainingRun` fires them is documented in
 ``docs/hooks.md`` and checked by the tests.
@@ -33,6 +41,7 @@ if TYPE_CHECKING:
 
     import pluggy
 
+    from hookspecs.report_schema import Report
     from hookspecs.run import ShutdownReason
 
 
@@ -182,8 +191,13 @@ def mcgraph_forward_backward_func(forward_backward_func: Any) -> Any:
 def mcgraph_warmup_steps(config: Any) -> int | None:
     """Number of eager training steps before the post-warmup step.
 
-    Asked by :class:`TrainingRun` when it starts training. If no plugin answers, the run
-    has no post-warmup step and :func:`mcgraph_post_warmup_step` never fires.
+    Asked by :class:`TrainingRun` when it starts training. The CUDA graph plugin answers it
+    in every run mode (graphs on, graphs off, no CUDA device) with the configured
+    ``cuda_graph_warmup_steps`` (default 3), from a ``tryfirst`` implementation, so its
+    answer is the one a run uses. Answer it yourself only where the CUDA graph plugin is not
+    loaded (blocked, or in your plugin's own tests); to see the answer, wrap the hook
+    (``answer = yield``). If no plugin answers, the run has no post-warmup step and
+    :func:`mcgraph_post_warmup_step` never fires.
 
     :param config: The host's configuration object.
 
@@ -218,8 +232,14 @@ def mcgraph_post_warmup_step(step: int, start_step: int) -> None:
 
     Fired exactly once per run, right after :func:`mcgraph_train_step_start`, for the step
     where ``step - start_step == warmup_steps`` (counted from the start step, so a resumed
-    run warms up again). Per-layer CUDA graphs are captured here; the step then runs on
-    the captured graphs.
+    run warms up again; with ``warmup_steps == 0`` the first step), in every run mode:
+    graphs on, graphs off and on a machine without CUDA. Per-layer CUDA graphs are captured
+    here; the step then runs on the captured graphs.
+
+    It cannot fire in two cases: no plugin answered :func:`mcgraph_warmup_steps` (the CUDA
+    graph plugin is blocked or not installed, and no other plugin answers;
+    ``run.warmup_steps`` is then ``None``), or the run ends before that step
+    (``train_iters - start_step <= warmup_steps``, an early exit or an exception first).
 
     :param step: The step about to run.
     :param start_step: The first step of this run.
@@ -335,16 +355,20 @@ def mcgraph_after_capture(
 
 
 @hookspec
-def mcgraph_report(report: Any) -> None:
+def mcgraph_report(report: Report) -> None:
     """The run report: what CUDA graphs bought this run.
 
-    Fired once per run by the CUDA graph plugin, from its ``mcgraph_shutdown`` wrapper:
-    before the non-wrapper ``mcgraph_shutdown`` implementations run (inside any wrapper
-    placed outside the plugin's) and before the graphs are freed. ``report`` has
-    ``to_dict()`` (plain, JSON-ready values) and ``format_table()``; see
-    ``cudagraph_plugin.report.RunReport``.
+    Fired once per run by the CUDA graph plugin (whenever it is loaded, in every run mode)
+    when its ``mcgraph_shutdown`` wrapper is entered: after the ``tryfirst`` shutdown
+    wrappers are entered, before any ``trylast`` wrapper or plain implementation of
+    ``mcgraph_shutdown`` runs, and while the graphs are still held (see
+    :func:`mcgraph_shutdown`).
 
-    :param report: The run report.
+    :param report: The run report. ``report.to_dict()`` gives its fields as JSON-ready
+        values, following the schema in "The run report" above (versioned by its
+        ``schema_version`` key; ``hookspecs.report_schema`` has it as data);
+        ``report.format_table()`` gives the table the plugin logs, for people. Nothing
+        else of the object is public.
 
     Result: notification.
     """
@@ -362,9 +386,25 @@ def mcgraph_shutdown(reason: ShutdownReason, exception: BaseException | None) ->
     Fired exactly once per run by :class:`TrainingRun`, on every exit path, from a
     ``finally``. Implement cleanup with ``@hookimpl(wrapper=True)`` and
     ``try: return (yield) finally: cleanup()`` so it runs even if another plugin's
-    implementation raises; never raise before the ``yield`` (that would skip the wrappers
-    and implementations inside yours, the CUDA graph plugin's cleanup among them unless it
-    is outermost).
+    implementation raises; never raise before the ``yield``: pluggy would skip the wrappers
+    and implementations inside yours. (The CUDA graph plugin keeps a ``tryfirst`` guard that
+    still reports and frees its graphs when a wrapper inside that guard does so.)
+
+    The implementations run in three layers, whatever order the plugins were installed,
+    loaded or registered in:
+
+    1. Wrappers marked ``tryfirst=True`` (outermost): entered first, finished last. Their
+       code before ``yield`` runs before the report; their ``finally`` runs after the CUDA
+       graph plugin has freed its graphs, so the report has arrived by then.
+    2. The CUDA graph plugin's wrapper (a plain ``wrapper=True``): on entry it fires
+       :func:`mcgraph_report`; in its ``finally`` it frees the graphs (and the memory
+       they hold), whatever happened inside.
+    3. Inside it: wrappers marked ``trylast=True`` and every non-wrapper implementation.
+       They run after the report has arrived and while the graphs are still held.
+
+    A wrapper without a mark sits on either side of the CUDA graph plugin's, depending on
+    registration order: mark yours ``tryfirst`` or ``trylast`` when the side matters. Among
+    wrappers with the same mark, the one registered later is outer.
 
     :param reason: Why the run ended: ``completed``, ``early_exit``, ``exception``,
         ``interrupted`` (KeyboardInterrupt) or ``signal`` (SIGTERM).

@@ -40,8 +40,7 @@ PLUGIN_EVENTS = {"before_capture", "after_capture", "report"}
 class Recorder:
     """A plugin implementing every hook: records ``(hook, details...)`` in call order."""
 
-    def __init__(self, warmup: int | None = None) -> None:
-        self.warmup = warmup
+    def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.step_metrics: dict[int, dict[str, Any]] = {}
         self.eval_metrics: list[dict[str, Any]] = []
@@ -102,10 +101,12 @@ class Recorder:
     def mcgraph_forward_backward_func(self, forward_backward_func: Any) -> None:
         self.calls.append(("forward_backward_func",))
 
-    @hookimpl
-    def mcgraph_warmup_steps(self, config: Any) -> int | None:
-        self.calls.append(("warmup_steps",))
-        return self.warmup
+    # A query the CUDA graph plugin answers (in every run mode): observed, not answered.
+    @hookimpl(wrapper=True)
+    def mcgraph_warmup_steps(self, config: Any) -> Iterator[None]:
+        answer = yield
+        self.calls.append(("warmup_steps", answer))
+        return answer
 
     @hookimpl
     def mcgraph_train_start(self, start_step: int, train_iters: int) -> None:
@@ -200,10 +201,9 @@ def test_loss_is_finite_and_falls_over_ten_steps() -> None:
 
 
 def test_hook_order_of_a_short_run_with_evaluation() -> None:
-    recorder = Recorder(warmup=1)
-    summary = train(
-        "--train-iters", "3", "--eval-interval", "2", "--eval-iters", "2", plugins=(recorder,)
-    )
+    recorder = Recorder()
+    argv = ["--train-iters", "3", "--eval-interval", "2", "--eval-iters", "2"]
+    summary = train(*argv, "--cuda-graph-warmup-steps", "1", plugins=(recorder,))
 
     assert recorder.host_calls() == [
         ("add_arguments",),
@@ -216,7 +216,7 @@ def test_hook_order_of_a_short_run_with_evaluation() -> None:
         ("model_build_context.exit",),
         ("model_built", 1, 32, 2),
         ("forward_backward_func",),
-        ("warmup_steps",),
+        ("warmup_steps", 1),
         ("train_start", 0, 3),
         ("train_step_start", 0),
         ("train_step_end", 0),

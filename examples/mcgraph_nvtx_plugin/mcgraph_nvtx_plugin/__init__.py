@@ -2,7 +2,8 @@
 
 An example of a third-party plugin for Megatron-Core training loops that host mcgraph
 plugins. It is a separate distribution that registers under the ``mcgraph`` entry-point
-group and depends only on the public hook contract (``hookspecs``) and torch.
+group and depends only on the public hook contract (``hookspecs``, from the
+``mcgraph-hookspecs`` distribution) and torch.
 
 Modules:
 

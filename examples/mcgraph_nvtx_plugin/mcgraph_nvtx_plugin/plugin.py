@@ -14,8 +14,9 @@ from hookspecs import hookimpl
 from mcgraph_nvtx_plugin.sink import REPORT_ENV_VAR
 from mcgraph_nvtx_plugin.tracer import RunTracer
 
-RUN_PLUGIN_NAME = "nvtx-run"
-"""The name the per-run tracer is registered under (error notes name it)."""
+RUN_PLUGIN_NAME = "nvtx:RunTracer"
+"""The name the plugin manager gives the per-run tracer, registered without a name: it
+counts as plugin ``nvtx``, the name error notes, log lines and blocking use."""
 
 
 @hookimpl
@@ -34,4 +35,4 @@ def mcgraph_add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @hookimpl
 def mcgraph_configure(config: Any, pluginmanager: Any) -> None:
-    pluginmanager.register(RunTracer.from_config(config), name=RUN_PLUGIN_NAME)
+    pluginmanager.register(RunTracer.from_config(config))

@@ -277,11 +277,11 @@ class RunTracer:
     def mcgraph_shutdown(
         self, reason: ShutdownReason, exception: BaseException | None
     ) -> Iterator[None]:
-        # tryfirst: the outermost wrapper, so the shutdown range and this plugin's cleanup
-        # enclose every other plugin's shutdown, and the run report (sent from inside the
-        # CUDA graph plugin's shutdown wrapper) is written before the file closes. Nothing
-        # may raise before the yield: pluggy would then skip the inner implementations,
-        # among them the CUDA graph plugin's, which frees the graphs.
+        # tryfirst: outside the CUDA graph plugin's shutdown wrapper whatever the
+        # registration order (docs/hooks.md, mcgraph_shutdown), so the shutdown range
+        # encloses the graphs being freed, and the run report (sent when that wrapper is
+        # entered) is written before the file closes. Nothing may raise before the yield:
+        # pluggy would then skip the implementations inside this one.
         self.shutdown_reason = str(reason)
         error: Exception | None = None
         try:

@@ -152,12 +152,15 @@ _ORDER_ROW = re.compile(r"^\| (\d+) \| \[`(mcgraph_\w+)`\]\(#mcgraph_\w+\) \| *(
 _OTHER_ROW = re.compile(r"^\| \[`(mcgraph_\w+)`\]\(#mcgraph_\w+\) \| (.*) \|$")
 
 
-def documented_order(train_iters: int, evaluate_after: set[int]) -> list[tuple[str, int | None]]:
-    """The ``(hook, step)`` sequence docs/hooks.md promises for a run that nobody answers
-    ``mcgraph_warmup_steps`` for (so no post-warmup step), evaluating after the given steps.
+def documented_order(
+    train_iters: int, warmup_steps: int, evaluate_after: set[int]
+) -> list[tuple[str, int | None]]:
+    """The ``(hook, step)`` sequence docs/hooks.md promises for a run from step 0 with
+    ``warmup_steps`` (so a post-warmup step), evaluating after the given steps.
 
-    Built from the order table: its set-up rows, its first (plain) step, its evaluation
-    rows and its last row; ``mcgraph_report`` comes inside ``mcgraph_shutdown``.
+    Built from the order table: its set-up rows, its first (plain) step, its post-warmup
+    row, its evaluation rows and its last row; ``mcgraph_report`` comes inside
+    ``mcgraph_shutdown``, after this plugin's tryfirst wrapper is entered.
     """
     text = HOOKS_MD.read_text()
     rows = [
@@ -169,18 +172,24 @@ def documented_order(train_iters: int, evaluate_after: set[int]) -> list[tuple[s
     first_step = next(i for i, (_, step) in enumerate(rows) if step is not None)
     setup = [(hook, None) for hook, _ in rows[:first_step]]
     plain_step = [hook for hook, step in rows if step == rows[first_step][1]]
+    post_warmup = [hook for hook, _ in rows if hook == "mcgraph_post_warmup_step"]
     evaluation = [hook for hook, _ in rows if hook.startswith("mcgraph_evaluation_")]
     last_hook, _ = rows[-1]
     fired_by = {m[1]: m[2] for m in map(_OTHER_ROW.match, text.splitlines()) if m}
     assert fired_by["mcgraph_report"].endswith("inside `mcgraph_shutdown`")
     # What this reading of the table gives; a change of the docs should be looked at here.
     assert plain_step == ["mcgraph_train_step_start", "mcgraph_train_step_end"]
+    assert post_warmup == ["mcgraph_post_warmup_step"]
     assert evaluation == ["mcgraph_evaluation_start", "mcgraph_evaluation_end"]
     assert last_hook == "mcgraph_shutdown"
 
     order = list(setup)
     for step in range(train_iters):
-        order += [(hook, step) for hook in plain_step]
+        start, end = plain_step
+        order.append((start, step))
+        if step == warmup_steps:
+            order.append((post_warmup[0], step))
+        order.append((end, step))
         if step in evaluate_after:
             order += [(hook, step) for hook in evaluation]
     return [*order, (last_hook, None), ("mcgraph_report", None)]
@@ -274,7 +283,8 @@ def test_a_run_feeds_the_plugin_the_documented_hooks_and_the_report(
     )
     # Every hook name of the per-run tracer is a known hook (no typo went unnoticed).
     witness.pluginmanager.check_pending()
-    assert witness.pluginmanager.get_plugin("nvtx-run") is not None
+    assert witness.pluginmanager.get_plugin("nvtx:RunTracer") is not None
+    assert witness.pluginmanager.plugin_name("nvtx:RunTracer") == "nvtx"
 
     assert summary["steps"] == 4 and summary["shutdown_reason"] == "completed"
     report_line, timeline = read_jsonl(out)
@@ -289,12 +299,14 @@ def test_a_run_feeds_the_plugin_the_documented_hooks_and_the_report(
     assert timeline["shutdown_reason"] == "completed"
     assert timeline["step_events_dropped"] == 0
     events = timeline["events"]
-    assert [(e["hook"], e.get("step")) for e in events] == documented_order(4, {1, 3})
+    # On the CPU too: the CUDA graph plugin answers the warm-up (3) in every run mode.
+    assert [(e["hook"], e.get("step")) for e in events] == documented_order(4, 3, {1, 3})
     assert all(e["memory"]["max_rss_mib"] > 0 for e in events)
     assert [e["seconds"] for e in events] == sorted(e["seconds"] for e in events)
     by_hook = {e["hook"]: e for e in events}
     assert by_hook["mcgraph_model_built"]["seq_length"] == 32
-    assert by_hook["mcgraph_warmup_steps"]["answer"] is None  # no graphs without CUDA
+    assert by_hook["mcgraph_warmup_steps"]["answer"] == 3
+    assert report["warmup_steps"] == 3 and report["schema_version"] == 1
     assert by_hook["mcgraph_report"]["graphs_captured"] is False
 
     # A memory line for every event: INFO for lifecycle events, DEBUG for steps.
@@ -342,7 +354,10 @@ def test_its_exception_surfaces_and_shutdown_still_cleans_up(
             plugins=[witness],
         )
 
-    assert f"raised by plugin 'nvtx-run' in its {hook} implementation" in (excinfo.value.__notes__)
+    assert (
+        f"raised by plugin 'nvtx' (mcgraph-nvtx-plugin 0.1.0) in its {hook} implementation"
+        in excinfo.value.__notes__
+    )
     # The CUDA graph plugin's shutdown ran in full: report, then graphs freed.
     assert witness.reasons == [reason]
     assert [r["shutdown_reason"] for r in witness.reports] == [reason]
@@ -351,7 +366,7 @@ def test_its_exception_surfaces_and_shutdown_still_cleans_up(
     assert any(m.startswith(f"shutdown ({reason}): ") for m in messages)
     # And the failing plugin's own cleanup ran: report and timeline written, file closed.
     assert [record["kind"] for record in read_jsonl(out)] == ["report", "timeline"]
-    assert witness.pluginmanager.get_plugin("nvtx-run").sink.closed
+    assert witness.pluginmanager.get_plugin("nvtx:RunTracer").sink.closed
     assert_cleaned_up()
 
 
@@ -368,9 +383,10 @@ def test_an_unwritable_report_path_fails_at_configure(
             ["--cpu", "--nvtx-report-jsonl", str(not_a_dir / "nvtx.jsonl")], plugins=[witness]
         )
 
-    assert "raised by plugin 'nvtx' in its mcgraph_configure implementation" in (
-        excinfo.value.__notes__
-    )
+    assert excinfo.value.__notes__ == [
+        "raised by plugin 'nvtx' (mcgraph-nvtx-plugin 0.1.0) in its mcgraph_configure "
+        "implementation"
+    ]
     assert witness.reasons == ["exception"]
     assert_cleaned_up()
 
@@ -404,7 +420,7 @@ def traced_run(nvtx: FakeNvtx, fail_in_step: int | None = None) -> Any:
 
     pm = get_plugin_manager(load_entrypoints=False)
     tracer = RunTracer(nvtx=nvtx, cuda=False, sink=None)
-    pm.register(tracer, name="nvtx-run")
+    pm.register(tracer)
     capture = {"impl": "local", "scope": ["full_iteration"]}
     with TrainingRun(pm, config=None, train_iters=3) as run:
         for step in range(3):

@@ -1,0 +1,316 @@
+"""The run report's public schema: what ``report.to_dict()`` holds in ``mcgraph_report``.
+
+The CUDA graph plugin builds the report; this module is the contract for whoever reads it
+(a plugin, a dashboard reading ``--cuda-graph-report-json``). ``docs/hooks.md`` renders it
+as a table, and the tests check the plugin's report against it field by field.
+
+``report.to_dict()`` is a flat dict of JSON-ready values whose keys are exactly
+:data:`REPORT_FIELDS` (two of them, the memory snapshots, are dicts with the keys of
+:data:`MEMORY_SNAPSHOT_FIELDS`, and ``versions`` has the keys of :data:`VERSIONS_KEYS`).
+Steps are numbered as the hooks number them: from 0, ``start_step`` first.
+
+:data:`REPORT_SCHEMA_VERSION` is in the dict as ``schema_version``. Every change to the
+fields (one added, removed or renamed, or a change of type, unit or meaning) increases it;
+a reader checks it before trusting the fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+REPORT_SCHEMA_VERSION = 1
+"""The version of :data:`REPORT_FIELDS`, the value of the report's ``schema_version``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportField:
+    """One key of ``report.to_dict()``.
+
+    :param name: The key.
+    :param type: Its value's type, as Python annotates it (``None`` is JSON ``null``).
+    :param unit: The unit of a number, or ``""``.
+    :param meaning: What the value says.
+    :param none: When the value is ``None``, or ``""`` if it never is.
+    """
+
+    name: str
+    type: str
+    unit: str
+    meaning: str
+    none: str = ""
+
+
+_NO_CAPTURE = "no graph was captured"
+
+REPORT_FIELDS: tuple[ReportField, ...] = (
+    ReportField("schema_version", "int", "", f"this schema's version ({REPORT_SCHEMA_VERSION})"),
+    ReportField(
+        "impl",
+        "str",
+        "",
+        "the configured implementation: `none`, `local` (full-iteration graphs; megatron-core "
+        "0.18+'s `full_iteration` impl is reported as `local`) or `transformer_engine`",
+    ),
+    ReportField(
+        "scope",
+        "list[str]",
+        "",
+        'the configured scopes, e.g. `["full_iteration"]` or `["attn", "mlp"]`; `[]` with '
+        "impl `none`",
+    ),
+    ReportField("graphs_captured", "bool", "", "whether any CUDA graph was captured"),
+    ReportField(
+        "no_graph_reason",
+        "str | None",
+        "",
+        "why no graph was captured (graphs off, no CUDA device, or the run ended before the "
+        "capture step)",
+        "a graph was captured",
+    ),
+    ReportField(
+        "warmup_steps",
+        "int",
+        "steps",
+        "the configured warm-up: eager steps from `start_step` before the post-warmup step "
+        "(the answer to `mcgraph_warmup_steps`), in every run mode",
+    ),
+    ReportField(
+        "start_step",
+        "int | None",
+        "step",
+        "the first training step of the run (greater than 0 when resuming)",
+        "training never started (the run ended before its first `run.train_step`)",
+    ),
+    ReportField(
+        "capture_step",
+        "int | None",
+        "step",
+        "the training step that captured the graphs (its post-warmup hook for "
+        "`transformer_engine`, its forward/backward for `full_iteration`)",
+        "no graph was captured during training",
+    ),
+    ReportField(
+        "capture_seconds",
+        "float | None",
+        "s",
+        "wall-clock time of every capture of the run added up (training and evaluation), the "
+        "device synchronised before and after each",
+        _NO_CAPTURE,
+    ),
+    ReportField("graph_count", "int", "graphs", "the most CUDA graphs held at once; 0 without"),
+    ReportField("steps_timed", "int", "steps", "training steps that finished and were timed"),
+    ReportField(
+        "eager_steps",
+        "list[int]",
+        "step",
+        "the steps behind `eager_step_ms`: before the capture step, without the run's first "
+        "step (it pays one-off costs); every timed step but the first when nothing was captured",
+    ),
+    ReportField(
+        "eager_step_ms",
+        "float | None",
+        "ms",
+        "median time of the `eager_steps`",
+        "`eager_steps` is empty (e.g. fewer than 2 warm-up steps)",
+    ),
+    ReportField(
+        "replay_steps",
+        "list[int]",
+        "step",
+        "the steps behind `replay_step_ms`: after the capture step (up to `fallback_step`)",
+    ),
+    ReportField(
+        "replay_step_ms",
+        "float | None",
+        "ms",
+        "median time of the `replay_steps`",
+        "`replay_steps` is empty",
+    ),
+    ReportField(
+        "speedup",
+        "float | None",
+        "ratio",
+        "`eager_step_ms / replay_step_ms`; above 1 means replay is faster",
+        "either median is missing",
+    ),
+    ReportField(
+        "verdict",
+        "str",
+        "",
+        "`faster` or `slower` (beyond `noise`), `no_gain` (within it), or `unknown` (no "
+        "samples on one side, or nothing captured)",
+    ),
+    ReportField("verdict_text", "str", "", "the verdict in one sentence, for people"),
+    ReportField(
+        "noise",
+        "float",
+        "fraction",
+        "the relative difference the verdict needed (at least 0.02, i.e. 2%, more when step "
+        "times scatter); 0.0 with verdict `unknown`",
+    ),
+    ReportField(
+        "memory_before_capture",
+        "dict[str, float] | None",
+        "MiB",
+        "the CUDA allocator right before the first capture (keys: `allocated_mib`, "
+        "`reserved_mib`, `peak_allocated_mib`)",
+        _NO_CAPTURE,
+    ),
+    ReportField(
+        "memory_after_capture",
+        "dict[str, float] | None",
+        "MiB",
+        "the same, right after the first capture",
+        _NO_CAPTURE,
+    ),
+    ReportField(
+        "peak_allocated_at_end_mib",
+        "float | None",
+        "MiB",
+        "peak allocated device memory of the process when the report was made",
+        _NO_CAPTURE,
+    ),
+    ReportField(
+        "memory_overhead_mib",
+        "float | None",
+        "MiB",
+        "allocated memory after minus before the first capture",
+        _NO_CAPTURE,
+    ),
+    ReportField(
+        "memory_overhead_pct",
+        "float | None",
+        "%",
+        "`memory_overhead_mib` as a percentage of the allocated memory before the capture",
+        f"{_NO_CAPTURE}, or nothing was allocated before it",
+    ),
+    ReportField(
+        "peak_overhead_mib",
+        "float | None",
+        "MiB",
+        "`peak_allocated_at_end_mib` minus the peak before the first capture",
+        _NO_CAPTURE,
+    ),
+    ReportField(
+        "peak_overhead_pct",
+        "float | None",
+        "%",
+        "`peak_overhead_mib` as a percentage of the peak before the capture",
+        f"{_NO_CAPTURE}, or the peak before it was 0",
+    ),
+    ReportField(
+        "fallback_step",
+        "int | None",
+        "step",
+        "the step after which the fallback policy (`--cuda-graph-fallback-on-slowdown`) freed "
+        "the full-iteration graph; later steps ran eagerly",
+        "no fallback happened",
+    ),
+    ReportField(
+        "graphs_held",
+        "int",
+        "graphs",
+        "CUDA graphs held when the report was made (they are freed right after it)",
+    ),
+    ReportField(
+        "shutdown_reason",
+        "str",
+        "",
+        "how the run ended: `completed`, `early_exit`, `exception`, `interrupted` or `signal`",
+    ),
+    ReportField("device", "str", "", "`cpu`, or the CUDA device's name"),
+    ReportField(
+        "versions",
+        "dict[str, str | None]",
+        "",
+        "installed versions (keys: `torch`, `megatron-core`, `transformer-engine`); a value "
+        "is `None` when that package is not installed",
+    ),
+    ReportField(
+        "rank",
+        "int",
+        "",
+        "this process's rank in the default process group (0 without torch.distributed); "
+        "rank N > 0 writes its JSON to `<stem>.rankN<suffix>`",
+    ),
+    ReportField("world_size", "int", "ranks", "processes in the default process group"),
+)
+"""Every key of ``report.to_dict()``, in the order the reference lists them."""
+
+MEMORY_SNAPSHOT_FIELDS = ("allocated_mib", "reserved_mib", "peak_allocated_mib")
+"""The keys of ``memory_before_capture`` and ``memory_after_capture`` (MiB, floats)."""
+
+VERSIONS_KEYS = ("torch", "megatron-core", "transformer-engine")
+"""The keys of ``versions``."""
+
+
+class Report(Protocol):
+    """What ``mcgraph_report`` passes: use only these two methods."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as a dict of JSON-ready values with the keys of :data:`REPORT_FIELDS`."""
+        ...
+
+    def format_table(self) -> str:
+        """The report as the table the CUDA graph plugin logs (for people, not parsing)."""
+        ...
+
+
+def schema_problems(data: dict[str, Any]) -> list[str]:
+    """What in ``data`` (a ``report.to_dict()`` or its JSON) does not follow this schema:
+    missing or unknown keys, values of the wrong type, a different ``schema_version``.
+    An empty list means it conforms; a plugin's tests can check a report they build."""
+    problems = []
+    expected = {field.name: field for field in REPORT_FIELDS}
+    for name in sorted(expected.keys() - data.keys()):
+        problems.append(f"missing key {name!r}")
+    for name in sorted(data.keys() - expected.keys()):
+        problems.append(f"unknown key {name!r}")
+    for name, field in expected.items():
+        if name in data and not _conforms(data[name], field.type):
+            problems.append(f"{name}={data[name]!r} is not {field.type}")
+    if data.get("schema_version") != REPORT_SCHEMA_VERSION:
+        problems.append(
+            f"schema_version {data.get('schema_version')!r}, this schema is {REPORT_SCHEMA_VERSION}"
+        )
+    for name in ("memory_before_capture", "memory_after_capture"):
+        if isinstance(data.get(name), dict) and set(data[name]) != set(MEMORY_SNAPSHOT_FIELDS):
+            problems.append(f"{name} has keys {sorted(data[name])}, not {MEMORY_SNAPSHOT_FIELDS}")
+    if isinstance(data.get("versions"), dict) and set(data["versions"]) != set(VERSIONS_KEYS):
+        problems.append(f"versions has keys {sorted(data['versions'])}, not {VERSIONS_KEYS}")
+    return problems
+
+
+def _split_top(text: str, separator: str) -> list[str]:
+    """``text`` split at ``separator`` outside brackets."""
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth == 0 and text.startswith(separator, index):
+            parts.append(text[start:index])
+            start = index + len(separator)
+    return [*parts, text[start:]]
+
+
+def _conforms(value: Any, annotation: str) -> bool:
+    """Whether ``value`` is of the type ``annotation`` spells (the vocabulary of
+    :data:`REPORT_FIELDS`: ``None``, ``bool``, ``int``, ``float``, ``str``, ``list[X]``,
+    ``dict[str, X]`` and unions of them)."""
+    alternatives = _split_top(annotation, " | ")
+    if len(alternatives) > 1:
+        return any(_conforms(value, alternative) for alternative in alternatives)
+    if annotation.startswith("list["):
+        return isinstance(value, list) and all(_conforms(v, annotation[5:-1]) for v in value)
+    if annotation.startswith("dict["):
+        key, item = _split_top(annotation[5:-1], ", ")
+        return isinstance(value, dict) and all(
+            _conforms(k, key) and _conforms(v, item) for k, v in value.items()
+        )
+    if annotation == "None":
+        return value is None
+    if annotation == "float":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if annotation == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    return type(value).__name__ == annotation
