@@ -73,6 +73,34 @@ def signature(batch: Any, path: str = "batch", depth: int = 0) -> tuple[tuple[st
     return ((path, type(batch).__name__), *described)
 
 
+_TENSOR = object()
+
+
+def fingerprint(batch: Any, depth: int = 0) -> Any:
+    """What :func:`signature` describes, as a cheap comparable value (no strings): the
+    guard compares every micro-batch of every replayed step with it, and builds the readable
+    :func:`signature` only to say what changed."""
+    shape = getattr(batch, "shape", None)
+    if shape is not None:
+        dtype = getattr(batch, "dtype", None)
+        if dtype is not None:
+            return (_TENSOR, tuple(shape), dtype)
+    if isinstance(batch, float):
+        return (float, repr(batch))  # NaN != NaN; its repr is stable
+    if isinstance(batch, _SCALARS) or isinstance(batch, enum.Enum):
+        return (type(batch), batch)
+    if depth >= _MAX_DEPTH:
+        return (type(batch), repr(batch))
+    if isinstance(batch, dict):
+        return (dict, tuple((key, fingerprint(batch[key], depth + 1)) for key in batch))
+    if isinstance(batch, (list, tuple)):
+        return (type(batch), tuple(fingerprint(v, depth + 1) for v in batch))
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        fields = tuple(f.name for f in dataclasses.fields(batch))
+        return (type(batch), tuple((n, fingerprint(getattr(batch, n), depth + 1)) for n in fields))
+    return (type(batch), signature(batch, depth=depth))
+
+
 def _difference(expected: tuple, actual: tuple) -> str:
     exp, act = dict(expected), dict(actual)
     for key in sorted(set(exp) | set(act)):
@@ -143,9 +171,8 @@ class ShapeGuard:
         return _CheckedIterator(self, stage, iterator, record, chunk)
 
     def _see(self, stage: str, index: int, chunk: int, batch: Any, record: bool) -> None:
-        sig = signature(batch)
         if record:
-            self._recording[stage].batches[(chunk, index)] = sig
+            self._recording[stage].batches[(chunk, index)] = (fingerprint(batch), signature(batch))
             return
         ref = self._reference[stage]
         if (chunk, index) not in ref.batches:
@@ -154,10 +181,11 @@ class ShapeGuard:
                 f"capture (step {ref.step}), which saw {len(ref.batches)} micro-batch(es); "
                 f"replaying the graph would use stale buffers. Fix: {FIX}"
             )
-        if sig != ref.batches[(chunk, index)]:
+        expected, described = ref.batches[(chunk, index)]
+        if fingerprint(batch) != expected:
             raise StaticShapeError(
                 f"{stage} micro-batch {index} (model chunk {chunk}) changed after CUDA graph "
-                f"capture (step {ref.step}): {_difference(ref.batches[(chunk, index)], sig)}; "
+                f"capture (step {ref.step}): {_difference(described, signature(batch))}; "
                 f"replaying the graph would use stale buffers. Fix: {FIX}"
             )
 

@@ -13,7 +13,8 @@
 # and logs.tar.gz (every job's stdout/stderr and probe records, junit XML, pytest's output,
 # the GPU processes left at the end, which must be none).
 #
-# Environment: PYTHON (default python3); SUITE_BUDGET_S (default 540): the pytest runs get what
+# Environment: PYTHON (default python3); SINGLE_WORKERS / MULTI_WORKERS (default 2 / 1): xdist
+# workers for each part; SUITE_BUDGET_S (default 540): the pytest runs get what
 # is left of it (then SIGINT: the running job is killed whole, junit and logs still written);
 # MCGRAPH_GPU_JOB_TIMEOUT (default 180): the timeout of each good job. On the H200, after the
 # install steps of ../shared/gpu/README.md: `source /tmp/gpu/env.sh` first.
@@ -95,7 +96,8 @@ if [ "$NGPU" -ge 2 ]; then
       && export PYTHONPATH="$PYTHONPATH:${TMPDIR:-/tmp}/mcgraph-xdist"
   fi
   if "$PY" -c "import xdist" 2>/dev/null; then
-    XDIST=(-n 2 --dist loadgroup)
+    # SINGLE_WORKERS=4 runs two jobs per GPU (speed is never asserted, memory is plenty).
+    XDIST=(-n "${SINGLE_WORKERS:-2}" --dist loadgroup)
   else
     echo "pytest-xdist not installed: the single-GPU scenarios run one at a time" | tee -a "$OUT/summary.txt"
   fi
@@ -122,7 +124,13 @@ if [ "$PART" = single ] || [ "$PART" = all ]; then
   run_part single tests/test_gpu.py tests/test_gpu_in_process.py -m "gpu and not multigpu" "${XDIST[@]}" "$@"
 fi
 if [ "$PART" = multi ] || [ "$PART" = all ]; then
-  run_part multi tests/test_gpu.py -m multigpu "$@"
+  # MULTI_WORKERS=2 runs two 2-GPU jobs at a time (good runs only: the failure jobs' 60 s
+  # bound is measured on a machine they do not share).
+  MULTI_XDIST=()
+  if [ "${MULTI_WORKERS:-1}" -gt 1 ] && [ ${#XDIST[@]} -gt 0 ]; then
+    MULTI_XDIST=(-n "$MULTI_WORKERS" --dist loadgroup)
+  fi
+  run_part multi tests/test_gpu.py -m multigpu "${MULTI_XDIST[@]}" "$@"
 fi
 echo "suite part $PART took $(( $(date +%s) - START )) s, status $STATUS" | tee -a "$OUT/summary.txt"
 exit $STATUS

@@ -69,6 +69,7 @@ import pytest
 import torch
 
 from cudagraph_plugin import compat
+from cudagraph_plugin.entry import RUN_PLUGIN_NAME
 from train_jobs import TrainJob, append_result, launch, pinned_device, result_line
 
 # A small bf16 GPT: big enough to launch real kernels, quick to build.
@@ -621,7 +622,7 @@ def check_graphed_rank(scenario: Scenario, job: TrainJob, rank: int) -> None:
     record = job.record(rank)
     context = f"rank {rank}\n{job.context()}"
     assert record["shutdown_reason"] == scenario.end, context
-    assert "cudagraph-run" in record["plugins"], f"the CUDA graph plugin did not load\n{context}"
+    assert RUN_PLUGIN_NAME in record["plugins"], f"the CUDA graph plugin did not load\n{context}"
     report = record["report"]
     assert report is not None and report["graphs_captured"], (report, context)
     assert report["capture_step"] == scenario.capture_step, (report["capture_step"], context)

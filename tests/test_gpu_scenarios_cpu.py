@@ -25,6 +25,7 @@ import test_gpu
 from test_gpu import SCENARIOS, Scenario
 
 import train_gpt
+from cudagraph_plugin.entry import RUN_PLUGIN_NAME
 from cudagraph_plugin.validation import CudaGraphConfigError
 from hookspecs import TrainingRun, get_plugin_manager
 from jobs import JobResult
@@ -183,7 +184,7 @@ def good_record(s: Scenario) -> dict[str, Any]:
     steps = list(range(s.start_step, s.last_step + 1))
     return {
         "shutdown_reason": s.end,
-        "plugins": ["probe", "cudagraph", "cudagraph-run", "mcgraph-probe-run"],
+        "plugins": ["probe", "cudagraph", RUN_PLUGIN_NAME, "mcgraph-probe-run"],
         "events": events,
         "report": {
             "graphs_captured": True,

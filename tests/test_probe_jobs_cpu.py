@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from cpu_only import needs_mcore_on_cpu
 
+from cudagraph_plugin.entry import RUN_PLUGIN_NAME
 from train_jobs import REPO, TrainJob, append_result, launch, result_line
 
 pytestmark = [needs_mcore_on_cpu, pytest.mark.slow]
@@ -72,14 +73,17 @@ def test_a_completed_run_is_recorded_through_the_dist_info(completed: TrainJob) 
     assert record["distributions"]["probe"] == "mcgraph_probe"
     # registered after the CUDA graph plugin's run plugin: its shutdown wrapper is outermost
     plugins = record["plugins"]
-    assert plugins.index("cudagraph-run") < plugins.index("mcgraph-probe-run")
+    assert plugins.index(RUN_PLUGIN_NAME) < plugins.index("mcgraph-probe-run")
     steps = [e for s in range(6) for e in (["step", s], ["step_end", s])]
     expected = [
         ["disable_pre_hook", False],
         ["train_start", 0, 6],
         *steps[:2],
         ["enable_pre_hook"],
-        *steps[2:6],
+        *steps[2:4],
+        ["step", 2],
+        ["post_warmup", 2, 0],  # fires on the CPU too (warm-up 2)
+        ["step_end", 2],
         ["evaluation_start", 2],
         ["evaluation_end", 2],
         *steps[6:],
@@ -127,8 +131,9 @@ def test_a_raise_at_a_step_ends_the_job_non_zero_with_the_reason_recorded(
     record = job.record(0)
     assert record["shutdown_reason"] == "exception"
     assert "injected failure at step 3 on rank 0" in record["exception"]
-    assert record["events"][-5:] == [
+    assert record["events"][-6:] == [
         ["step", 3],
+        ["post_warmup", 3, 0],  # the default warm-up is 3
         ["step_end", 3],
         ["fault", "raise", 3],
         ["report"],

@@ -1,0 +1,224 @@
+"""The plugin's own host time per training step, measured in-process.
+
+The end-to-end ratio "loop with the plugin / hand-written loop" cannot resolve a few
+microseconds on a host whose CPU speed moves by tens of percent between runs (BENCHMARKS.md
+section 2). This measures the plugin's share directly instead, inside one run of the
+example loop (``examples/train_gpt.py``), by timing exactly the code the plugin adds to a
+step:
+
+* ``hooks``: ``TrainingRun.train_step`` entering and leaving (every ``mcgraph_*`` step hook:
+  dispatch by pluggy, the plugin's step timer, post-warmup);
+* ``forward_backward``: the plugin's forward/backward wrapper minus the megatron-core call it
+  wraps (the capture decision, the input-copy ordering, the guard's set-up);
+* ``guard``: checking each micro-batch against the captured one (the static-shape guard),
+  which runs while megatron-core draws the micro-batches.
+
+Timed with ``time.perf_counter_ns`` around each piece on the steady-state steps (after the
+capture step); medians over those steps, in microseconds. The target is < 20 µs per step.
+
+GPU (after ../shared/gpu/README.md's install)::
+
+    PYTHONPATH=$PWD:$PWD/examples:$PYTHONPATH python3 benchmarks/plugin_host_time.py \\
+        --mode full_iteration --out $OUT/host_time_full.json
+
+CPU (the plugin is inactive without CUDA graphs, so only ``hooks`` is measured)::
+
+    python benchmarks/plugin_host_time.py --cpu --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for path in (ROOT, ROOT / "examples"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+TARGET_US = 20.0
+MODES = {
+    "full_iteration": ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"],
+    "te_attn_mlp": [
+        "--transformer-impl",
+        "transformer_engine",
+        "--cuda-graph-impl",
+        "transformer_engine",
+        "--cuda-graph-scope",
+        "attn,mlp",
+    ],
+    "eager": [],
+}
+
+
+class StepClock:
+    """Nanoseconds spent in each instrumented piece, per training step."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.ns: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+
+    def add(self, piece: str, ns: int) -> None:
+        if self.step is not None:
+            self.ns[self.step][piece] += ns
+
+
+def instrument(clock: StepClock, stack: contextlib.ExitStack) -> None:
+    """Wrap the pieces the plugin adds to a step (undone when ``stack`` closes)."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    from cudagraph_plugin import guard, plugin
+    from hookspecs import run
+
+    def patch(owner: Any, name: str, replacement: Any) -> None:
+        original = getattr(owner, name)
+        setattr(owner, name, replacement)
+        stack.callback(setattr, owner, name, original)
+
+    train_step = run.TrainingRun.train_step
+
+    @contextlib.contextmanager
+    def timed_train_step(self: Any, step: int) -> Any:
+        clock.step = step
+        start = time.perf_counter_ns()
+        manager = train_step(self, step)
+        metrics = manager.__enter__()
+        clock.add("hooks", time.perf_counter_ns() - start)
+        try:
+            yield metrics
+        except BaseException:
+            if not manager.__exit__(*sys.exc_info()):
+                raise
+        else:
+            start = time.perf_counter_ns()
+            manager.__exit__(None, None, None)
+            clock.add("hooks", time.perf_counter_ns() - start)
+
+    patch(run.TrainingRun, "train_step", timed_train_step)
+
+    forward_backward = plugin.CudaGraphPlugin._forward_backward
+    inner_ns = [0]
+
+    def timed_forward_backward(self: Any, eager: Any, kwargs: dict[str, Any]) -> Any:
+        def timed_eager(**inner_kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return eager(**inner_kwargs)
+            finally:
+                inner_ns[0] += time.perf_counter_ns() - start
+
+        inner_ns[0] = 0
+        start = time.perf_counter_ns()
+        result = forward_backward(self, timed_eager, kwargs)
+        clock.add("forward_backward", time.perf_counter_ns() - start - inner_ns[0])
+        return result
+
+    patch(plugin.CudaGraphPlugin, "_forward_backward", timed_forward_backward)
+
+    mcore_call = FullCudaGraphWrapper.__call__
+
+    def timed_mcore_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter_ns()
+        try:
+            return mcore_call(self, *args, **kwargs)
+        finally:
+            inner_ns[0] += time.perf_counter_ns() - start
+
+    patch(FullCudaGraphWrapper, "__call__", timed_mcore_call)
+
+    see = guard.ShapeGuard._see
+
+    def timed_see(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter_ns()
+        try:
+            return see(self, *args, **kwargs)
+        finally:
+            spent = time.perf_counter_ns() - start
+            clock.add("guard", spent)
+            inner_ns[0] -= spent  # it ran inside megatron-core's call: count it as the guard
+
+    patch(guard.ShapeGuard, "_see", timed_see)
+
+
+def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    import train_gpt
+    from hookspecs import hookimpl
+
+    class Capture:
+        step: int | None = None
+
+        @hookimpl
+        def mcgraph_report(self, report: Any) -> None:
+            self.step = report.capture_step
+
+    capture = Capture()
+    clock = StepClock()
+    argv = [
+        "--train-iters", str(args.steps), "--log-interval", "0", "--bf16",
+        "--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
+        "--seq-length", "512", "--micro-batch-size", "2",
+        "--cuda-graph-warmup-steps", str(args.warmup), *MODES[mode],
+    ]  # fmt: skip
+    if args.cpu:
+        argv = [a for a in argv if a != "--bf16"] + ["--cpu", "--seq-length", "32"]
+    with contextlib.ExitStack() as stack:
+        instrument(clock, stack)
+        train_gpt.run(argv, plugins=[capture])
+    first = (capture.step if capture.step is not None else args.warmup) + 1
+    steady = {step: pieces for step, pieces in clock.ns.items() if step >= first}
+    pieces = ("hooks", "forward_backward", "guard")
+    per_piece = {
+        piece: statistics.median(p[piece] for p in steady.values()) / 1000.0 if steady else None
+        for piece in pieces
+    }
+    totals = [sum(p[piece] for piece in pieces) / 1000.0 for p in steady.values()]
+    total = statistics.median(totals) if totals else None
+    return {
+        "mode": mode,
+        "capture_step": capture.step,
+        "steady_steps": len(steady),
+        "us_per_step": per_piece,
+        "total_us_per_step": total,
+        "total_us_p90": sorted(totals)[int(0.9 * (len(totals) - 1))] if totals else None,
+        "target_us": TARGET_US,
+        "within_target": total is not None and total < TARGET_US,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=list(MODES), default="full_iteration")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--out", help="write the result as JSON here")
+    args = parser.parse_args(argv)
+    import torch
+
+    from cudagraph_plugin import compat
+
+    result = measure(args.mode, args)
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    result.update(
+        date=time.strftime("%Y-%m-%d"),
+        device=torch.cuda.get_device_name() if use_cuda else "cpu",
+        versions=compat.versions(),
+        command=" ".join([sys.executable, *sys.argv]),
+    )
+    text = json.dumps(result, indent=2, sort_keys=True)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
