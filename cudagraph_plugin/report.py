@@ -35,7 +35,8 @@ class StepTimer:
     On CUDA a step is a pair of events. Pairs whose end event the device has passed
     (``Event.query()``, which does not block) become milliseconds as later steps stop, so a
     run of any length holds only the events still in flight (a few steps' worth), and the
-    timings as 16 bytes per step.
+    timings as 16 bytes per step. Read events are recorded again by later steps instead of
+    creating new ones (creating a CUDA event costs the host more than recording one).
     """
 
     def __init__(self, use_cuda: bool) -> None:
@@ -44,12 +45,19 @@ class StepTimer:
         self._in_flight: collections.deque[tuple[int, Any, Any]] = collections.deque()
         self._steps = array.array("q")
         self._ms = array.array("d")
+        self._spare: list[Any] = []
+        self._event_class: Any = None
 
     def _mark(self) -> Any:
         if self.use_cuda:
-            import torch
+            if self._spare:
+                event = self._spare.pop()
+            else:
+                if self._event_class is None:
+                    import torch
 
-            event = torch.cuda.Event(enable_timing=True)
+                    self._event_class = torch.cuda.Event
+                event = self._event_class(enable_timing=True)
             event.record()
             return event
         return time.perf_counter()
@@ -89,6 +97,7 @@ class StepTimer:
                 return
             self._in_flight.popleft()
             self._keep(step, start.elapsed_time(end))
+            self._spare += (start, end)
 
     def durations_ms(self, sync: bool = True) -> dict[int, float]:
         """Milliseconds per finished step. Steps still in flight on the device are waited

@@ -85,6 +85,28 @@ def test_cuda_timer_never_waits_in_the_steady_state_and_holds_few_events(device)
     assert durations[0] == 2.0 and durations[1] == 3.0 and durations[999] == 2.0 + 999 % 3
 
 
+def test_cuda_timer_records_read_events_again_instead_of_creating_new_ones(device):
+    import torch
+
+    created = []
+    event_class = torch.cuda.Event
+
+    class Counting(event_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            created.append(self)
+
+    torch.cuda.Event = Counting  # the fixture's monkeypatch restores it
+    timer = StepTimer(use_cuda=True)
+    for step in range(200):
+        timer.start(step)
+        device.advance(1.0)
+        timer.stop(step)
+        device.pass_all()
+    assert len(created) <= 4  # two pairs at most: one in flight, one being reused
+    assert timer.durations_ms() == {step: 1.0 for step in range(200)}
+
+
 def test_cuda_timer_waits_once_for_steps_still_in_flight(device):
     timer = StepTimer(use_cuda=True)
     for step in range(5):  # the host runs ahead: the device has passed nothing
