@@ -290,3 +290,33 @@ def test_rank_0_logs_the_table_and_other_ranks_write_their_own_json(
     other = tmp_path / "report.rank1.json"
     assert json.loads(other.read_text())["rank"] == 1
     assert json.loads(other.read_text())["world_size"] == 2
+
+
+# -- megatron-core 0.18+ arguments read from the model config --------------------------------------
+
+
+@pytest.mark.parametrize("single", [True, False])
+def test_single_mempool_comes_from_the_model_config(fake_graphs, monkeypatch, single):
+    """Megatron-LM passes ``config.cuda_graph_use_single_mempool``; it was hard-coded."""
+    from megatron.core import full_cuda_graph
+
+    from fakes import _fake_full_cuda_graph_019
+
+    monkeypatch.setattr(full_cuda_graph, "FullCudaGraphWrapper", _fake_full_cuda_graph_019())
+    made = []
+    original = compat.make_full_iteration_wrapper
+
+    def remember(func, warmup_steps, use_single_mempool):
+        wrapper = original(func, warmup_steps, use_single_mempool)
+        made.append(wrapper.use_single_mempool)
+        return wrapper
+
+    monkeypatch.setattr(compat, "make_full_iteration_wrapper", remember)
+
+    class Config:
+        @hookimpl
+        def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
+            model_config.cuda_graph_use_single_mempool = single  # 0.18+'s field
+
+    run(*FULL, "--cuda-graph-warmup-steps", "1", plugins=[Config()], steps=3)
+    assert made == [single]
