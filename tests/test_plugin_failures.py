@@ -16,7 +16,6 @@ import json
 import logging
 
 import pytest
-import torch
 from cpu_only import needs_mcore_on_cpu
 
 import cpu_redirect as redirect
@@ -25,7 +24,7 @@ from cudagraph_plugin import compat
 from cudagraph_plugin import plugin as plugin_module
 from cudagraph_plugin.report import StepTimer
 from cudagraph_plugin.validation import CudaGraphConfigError
-from fakes import FakeCUDAGraph, install_fake_cuda_graphs
+from fakes import install_fake_cuda_graphs
 from hookspecs import TrainingRun, hookimpl
 from recording import RaiseAt, Recorder
 
@@ -38,16 +37,7 @@ OVERLAP = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-g
 
 @pytest.fixture
 def fake_graphs(monkeypatch):
-    created: list[FakeCUDAGraph] = []
-
-    class Tracked(FakeCUDAGraph):
-        def __init__(self, keep_graph: bool = False) -> None:
-            super().__init__(keep_graph)
-            created.append(self)
-
     log = install_fake_cuda_graphs(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Tracked)
-    log.graphs = created
     yield log
     assert not compat.full_iteration_state_dirty(), "a run left FullCudaGraphWrapper state"
 

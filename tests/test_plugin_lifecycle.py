@@ -8,8 +8,10 @@ DDP with its forward pre-hooks, the distributed optimizer, ``get_forward_backwar
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
+import weakref
 from typing import Any
 
 import pytest
@@ -21,7 +23,7 @@ from cpu_redirect import cpu_redirect
 from cudagraph_plugin import compat
 from cudagraph_plugin import plugin as plugin_module
 from cudagraph_plugin.guard import StaticShapeError
-from fakes import FakeCUDAGraph, FakeTECudaGraphHelper, install_fake_cuda_graphs
+from fakes import FakeTECudaGraphHelper, install_fake_cuda_graphs
 from hookspecs import ShutdownReason, hookimpl
 from recording import RaiseAt, Recorder
 
@@ -35,16 +37,7 @@ OVERLAP = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-g
 @pytest.fixture
 def fake_graphs(monkeypatch):
     """A CUDA device as far as the plugin can tell, with fake graph capture and TE."""
-    created: list[FakeCUDAGraph] = []
-
-    class Tracked(FakeCUDAGraph):
-        def __init__(self, keep_graph: bool = False) -> None:
-            super().__init__(keep_graph)
-            created.append(self)
-
     log = install_fake_cuda_graphs(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Tracked)
-    log.graphs = created
     yield log
     assert not compat.full_iteration_state_dirty(), "a run left FullCudaGraphWrapper state"
 
@@ -130,6 +123,43 @@ def test_full_iteration_plugin_reports_json(fake_graphs, tmp_path):
     assert data["versions"]["megatron-core"] == "0.16.1"
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("--num-microbatches", "2"), ("--eval-interval", "2", "--eval-iters", "2")],
+    ids=["plain", "two-microbatches", "with-evaluation"],
+)
+def test_full_iteration_graphs_train_exactly_as_eager(fake_graphs, extra):
+    """The fake graph replays the captured work on the static buffers (a replay that missed
+    an input copy, a gradient or an update would change the losses); step for step the
+    losses are those of the eager run."""
+    argv = ("--cuda-graph-warmup-steps", "2", *extra)
+    graphs, _ = run(*FULL, *argv, steps=7)
+    eager, _ = run("--cuda-graph-impl", "none", *argv, steps=7)
+    training = fake_graphs.graphs[0]
+    assert training.replays == 7 - 2
+    assert graphs["losses"] == eager["losses"]
+    assert graphs["eval_losses"] == eager["eval_losses"]
+    assert graphs["losses"][-1] < graphs["losses"][2]  # replays train
+
+
+def test_a_capture_changes_nothing_and_reads_nothing_on_the_host(fake_graphs):
+    """Like a real capture, the fake one leaves every existing tensor as it was (the replay
+    right after it does the work once) and refuses host reads."""
+    parameter = torch.ones(3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        parameter.add_(1.0)
+        doubled = parameter * 2
+    assert parameter.tolist() == [1.0, 1.0, 1.0]
+    graph.replay()
+    assert parameter.tolist() == [2.0, 2.0, 2.0] and doubled.tolist() == [4.0, 4.0, 4.0]
+    graph.replay()
+    assert parameter.tolist() == [3.0, 3.0, 3.0] and doubled.tolist() == [6.0, 6.0, 6.0]
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            parameter.sum().item()
+
+
 # -- cleanup on every exit path -------------------------------------------------------------------
 
 
@@ -160,6 +190,54 @@ def test_graphs_are_freed_once_on_every_exit_path(fake_graphs, extra, plugins, r
         assert not helper.graphs_created()
         assert all(layer.cuda_graphs == [] for layer in helper.flattened_callables)
     assert recorder.graph_plugin.phase is plugin_module.Phase.SHUT_DOWN
+
+
+class KeepsWeakRefs:
+    """Weak references to what the run built, to see what outlives its shutdown."""
+
+    @hookimpl
+    def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
+        self.model = [weakref.ref(chunk) for chunk in model]
+        self.optimizer = weakref.ref(optimizer)
+
+
+@pytest.mark.parametrize("mode", ["full", "te"])
+def test_shutdown_releases_every_resource_the_run_held(fake_graphs, monkeypatch, mode):
+    """Each resource of the run, one by one: nothing is held once shutdown returns."""
+    from megatron.core import full_cuda_graph
+    from megatron.core.transformer import cuda_graphs
+
+    # 0.18+'s process-wide graph pool handle of full-iteration graphs (0.16 has none)
+    monkeypatch.setattr(full_cuda_graph, "_shared_graph_pool", (0, 7), raising=False)
+    refs = KeepsWeakRefs()
+    argv = (*TE, *OVERLAP) if mode == "te" else FULL
+    _, rec = run(*argv, "--cuda-graph-warmup-steps", "2", plugins=[refs], steps=5)
+    plugin = rec.graph_plugin
+    assert plugin.phase is plugin_module.Phase.SHUT_DOWN
+    assert plugin.te is None and plugin.full is None
+    assert not plugin.guard.is_armed("training") and not plugin.manual_hooks_pending
+    assert plugin.model is None and plugin.model_config is None and not plugin._wrapped
+    assert ("clear_cublas_workspaces", None) in fake_graphs.events
+    assert not compat.full_iteration_state_dirty()
+    assert not cuda_graphs.is_graph_capturing()
+    if mode == "te":
+        [helper] = fake_graphs.helpers
+        assert not helper.graphs_created()
+        assert all(
+            layer.cuda_graphs == []
+            and layer.cuda_graph_manual_hooks == []
+            and layer._graph_seen.was_reset
+            for layer in helper.flattened_callables
+        )
+        assert plugin.graphs_freed == 2
+        return
+    assert [(g.resets, g.captured) for g in fake_graphs.graphs] == [(1, False)]
+    assert plugin.graphs_freed == 1
+    assert full_cuda_graph._shared_graph_pool is None
+    # Nothing keeps the model or the optimizer alive (the graph's recording referenced every
+    # parameter; megatron-core's distributed optimizer, used in the TE case, would).
+    gc.collect()
+    assert [ref() for ref in refs.model] == [None] and refs.optimizer() is None
 
 
 def test_exception_before_capture_frees_nothing_and_resets_state(fake_graphs):
@@ -244,24 +322,101 @@ def test_te_warmup_zero_sets_manual_hooks_when_the_host_enables_the_pre_hooks(fa
     assert fake_graphs.events[1:3] == [("create_cudagraphs", False), ("set_manual_hooks", True)]
 
 
-def test_te_manual_hooks_run_on_replay(fake_graphs, monkeypatch):
-    counts = {"hooks": 0}
+@pytest.fixture
+def bucket_per_layer(monkeypatch):
+    """DDP buckets small enough that each layer's parameters have their own all-gather (as
+    in any model of real size): a layer then gets its parameters only through its own
+    forward pre-hook, never as a side effect of another module's."""
+    from megatron.core import distributed
+
+    config_class = distributed.DistributedDataParallelConfig
+    monkeypatch.setattr(
+        distributed,
+        "DistributedDataParallelConfig",
+        lambda **kwargs: config_class(**kwargs, bucket_size=1000),
+    )
+
+
+def test_te_replay_gets_the_param_all_gather_through_the_manual_hooks(
+    fake_graphs, bucket_per_layer, monkeypatch
+):
+    """A replayed TE graph runs no Python: the DDP forward pre-hooks of its modules do not
+    fire, and only megatron-core's manual hooks (set after the capture) finish the layer's
+    parameter all-gather before the graph reads the parameters."""
+    from fakes import FakeGraphedCallable
+
+    replays = []
+    replay = FakeGraphedCallable.__call__
+
+    def checked(self, *args, **kwargs):
+        [ddp] = fake_graphs.helpers[0].model
+        groups = {ddp.param_to_bucket_group[p] for p in self.layer.parameters()}
+        gathered = all(g.param_gather_dispatched and g.param_gather_handle is None for g in groups)
+        replays.append((len(groups), gathered))
+        return replay(self, *args, **kwargs)
+
+    monkeypatch.setattr(FakeGraphedCallable, "__call__", checked)
+    summary, _ = run(*TE, *OVERLAP, "--cuda-graph-warmup-steps", "1", steps=5)
+    assert summary["steps"] == 5
+    assert len(replays) == 2 * (5 - 1)  # two graphed layers, replayed from step 1 on
+    assert all(groups > 0 for groups, _ in replays)
+    assert [gathered for _, gathered in replays] == [True] * len(replays)
+
+
+def test_te_replay_fires_no_module_hook_of_a_graphed_layer(fake_graphs, monkeypatch):
+    """Only the manual hooks reach a graphed layer's modules on replay: one call per module
+    with parameters, per layer and replay."""
     from megatron.core.distributed import DistributedDataParallel
 
+    calls = []
     original = DistributedDataParallel._make_forward_pre_hook
 
     def counting(self):
         hook = original(self)
 
         def wrapped(module, *args):
-            counts["hooks"] += 1
+            calls.append(module)
             return hook(module, *args)
 
         return wrapped
 
     monkeypatch.setattr(DistributedDataParallel, "_make_forward_pre_hook", counting)
-    run(*TE, *OVERLAP, "--cuda-graph-warmup-steps", "1", steps=4)
-    assert counts["hooks"] > 0
+    # step 0: pre-hooks off (the host); step 1: eager with pre-hooks; steps 2-4: replays
+    run(*TE, *OVERLAP, "--cuda-graph-warmup-steps", "2", steps=5)
+    [helper] = fake_graphs.helpers
+    graphed = {
+        id(module)
+        for layer in helper.flattened_callables
+        for module in layer.modules()
+        if next(module.parameters(recurse=False), None) is not None
+    }
+    assert [layer._graph_seen.calls for layer in helper.flattened_callables] == [3, 3]
+    on_graphed = [module for module in calls if id(module) in graphed]
+    assert len(on_graphed) == len(graphed) * (1 + 3)
+
+
+@pytest.mark.parametrize("generation", ["0.16", "0.19"])
+def test_te_helper_is_made_by_compat_for_either_generation(monkeypatch, generation):
+    """megatron-core's helper class is the fake of either generation; the plugin builds it
+    through compat (0.19's with the model's process groups) and drives it to the end."""
+    from fakes import FakeTECudaGraphHelper019
+
+    helper_class = FakeTECudaGraphHelper019 if generation == "0.19" else FakeTECudaGraphHelper
+    log = install_fake_cuda_graphs(monkeypatch, te_helper=helper_class)
+    _, rec = run(*TE, *OVERLAP, "--cuda-graph-warmup-steps", "2", steps=5)
+    [helper] = log.helpers
+    assert type(helper) is helper_class
+    assert rec.report.capture_step == 2 and rec.report.graph_count == 2
+    assert [event for event, _ in log.events] == [
+        "init",
+        "create_cudagraphs",
+        "set_manual_hooks",
+        "delete_cuda_graphs",
+        "clear_cublas_workspaces",
+    ]
+    if generation == "0.19":
+        [ddp] = helper.model
+        assert helper.capture_finished() and helper.pg_collection is ddp.module.pg_collection
 
 
 def test_te_without_pre_hooks_never_toggles(fake_graphs):
