@@ -436,8 +436,16 @@ def test_te_without_pre_hooks_never_toggles(fake_graphs):
 class ChangeInputs:
     """From ``step`` on, hand the forward/backward a changed batch or micro-batch count."""
 
-    def __init__(self, step: int, *, seq: int | None = None, microbatches: int | None = None):
+    def __init__(
+        self,
+        step: int,
+        *,
+        seq: int | None = None,
+        microbatches: int | None = None,
+        stage: str = "training",
+    ):
         self.step, self.seq, self.microbatches = step, seq, microbatches
+        self.forward_only = stage == "validation"
         self.current = None
 
     @hookimpl
@@ -452,7 +460,7 @@ class ChangeInputs:
             if (
                 self.current is not None
                 and self.current >= self.step
-                and not kwargs["forward_only"]
+                and kwargs["forward_only"] == self.forward_only
             ):
                 if self.microbatches is not None:
                     kwargs["num_microbatches"] = self.microbatches
@@ -460,7 +468,11 @@ class ChangeInputs:
                     original = kwargs["data_iterator"]
                     kwargs["data_iterator"] = (
                         {
-                            k: (v[:, : self.seq] if torch.is_tensor(v) and v.dim() == 2 else v)
+                            k: (
+                                v[:, : self.seq].contiguous()
+                                if torch.is_tensor(v) and v.dim() == 2
+                                else v
+                            )
                             for k, v in batch.items()
                         }
                         for batch in original
@@ -498,6 +510,23 @@ def test_microbatch_count_change_after_capture_raises(fake_graphs):
             ["--train-iters", "6", "--log-interval", "0", *FULL],
             plugins=[ChangeInputs(4, microbatches=2)],
         )
+
+
+def test_te_graphs_leave_evaluation_free_to_change_shape(fake_graphs):
+    """megatron-core replays TE graphs in training mode only: evaluation batches may change
+    shape after the capture (the guard watches training alone)."""
+    summary, _ = run(
+        *TE,
+        "--cuda-graph-warmup-steps",
+        "1",
+        "--eval-interval",
+        "2",
+        "--eval-iters",
+        "1",
+        plugins=[ChangeInputs(4, seq=16, stage="validation")],
+        steps=6,
+    )
+    assert summary["steps"] == 6 and len(summary["eval_losses"]) == 3
 
 
 def test_shape_change_before_capture_is_fine(fake_graphs):
