@@ -88,6 +88,36 @@ def _written(func: Any, args: tuple, kwargs: dict[str, Any]) -> Iterator[torch.T
         yield from _tensors(value)
 
 
+def _wait_for_collective(out: Any) -> None:
+    """A collective in a graph completes in stream order, like any kernel: a replay waits
+    for each one before the next op."""
+    for value in tree_flatten(out)[0]:
+        if not isinstance(value, torch.Tensor) and hasattr(value, "wait"):
+            value.wait()
+
+
+@contextlib.contextmanager
+def _collective_waits_unrecorded() -> Iterator[None]:
+    """gloo finishes some collectives (a coalesced reduce-scatter) inside ``Work.wait()``,
+    copying from buffers of its own that no recorded op made: replayed, those copies would
+    bring back the capture's values. They belong to the collective, which a replay waits
+    for, so a capture does not record them."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    work = torch.distributed.Work
+    original = work.wait
+
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with _disable_current_modes():
+            return original(self, *args, **kwargs)
+
+    work.wait = wait
+    try:
+        yield
+    finally:
+        work.wait = original
+
+
 class _Recording(TorchDispatchMode):
     """What a capture records: each op with its (static) tensors and the outputs it made."""
 
@@ -115,6 +145,7 @@ class _Recording(TorchDispatchMode):
                 self._saved.add(id(tensor))
                 self._before.append((tensor, tensor.clone()))
         out = func(*args, **kwargs)
+        _wait_for_collective(out)
         inputs = {_storage(tensor) for tensor in _tensors((args, kwargs))}
         made = []
         for index, value in enumerate(tree_flatten(out)[0]):
@@ -142,9 +173,7 @@ class _Recording(TorchDispatchMode):
                 flat = tree_flatten(out)[0]
                 for index, target in made:
                     target.copy_(flat[index])
-                for value in flat:  # a collective's work handle: the graph waits on it
-                    if isinstance(value, torch.ScriptObject) and hasattr(value, "wait"):
-                        value.wait()
+                _wait_for_collective(out)
 
 
 class FakeCUDAGraph:
@@ -161,6 +190,7 @@ class FakeCUDAGraph:
         self.capture_pool: Any = None
         self.capture_error_mode: str | None = None
         self._recording: _Recording | None = None
+        self._capture_context = contextlib.ExitStack()
         self._rng_before: torch.Tensor | None = None
 
     def capture_begin(
@@ -176,12 +206,14 @@ class FakeCUDAGraph:
         # A capture draws no random numbers: the replays do, from where the generator is.
         self._rng_before = torch.get_rng_state()
         self._recording = _Recording()
-        self._recording.__enter__()
+        self._capture_context = contextlib.ExitStack()
+        self._capture_context.enter_context(_collective_waits_unrecorded())
+        self._capture_context.enter_context(self._recording)
 
     def capture_end(self) -> None:
         assert self.capturing, "capture_end without capture_begin"
         assert self._recording is not None
-        self._recording.__exit__(None, None, None)
+        self._capture_context.close()
         self._recording.undo_writes()
         torch.set_rng_state(self._rng_before)
         self.capturing = False

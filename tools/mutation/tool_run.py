@@ -9,6 +9,7 @@ cap; what ran is reported, the rest counted as not run. Results: ``.mutation/<mo
 
     python tools/mutation/tool_run.py                      # every module, default caps
     python tools/mutation/tool_run.py --module guard --cap-minutes 10
+    python tools/mutation/tool_run.py --module plugin --resume   # go on where the cap stopped
 
 docs/mutation-testing.md records the last run and why each survivor is acceptable.
 """
@@ -187,7 +188,12 @@ def _survivors(database: Path) -> str:
 
 
 def run_module(
-    module: str, tests: tuple[str, ...], cap_minutes: float, socket: Path, execute: bool = True
+    module: str,
+    tests: tuple[str, ...],
+    cap_minutes: float,
+    socket: Path,
+    execute: bool = True,
+    resume: bool = False,
 ) -> dict:
     name = module.replace("/", "_").removesuffix(".py")
     config, database = WORK / f"{name}.toml", WORK / f"{name}.sqlite"
@@ -205,12 +211,13 @@ def run_module(
             excluded=excluded,
         )
     )
-    database.unlink(missing_ok=True)
     tree = WORK / "tree"
-    subprocess.run([BIN / "cosmic-ray", "init", config, database], cwd=tree, check=True)
-    subprocess.run([BIN / "cr-filter-operators", database, config], cwd=tree, check=True)
-    if module in FOCUS:
-        _skip_outside_focus(database, module, tree)
+    if not (resume and database.exists()):
+        database.unlink(missing_ok=True)
+        subprocess.run([BIN / "cosmic-ray", "init", config, database], cwd=tree, check=True)
+        subprocess.run([BIN / "cr-filter-operators", database, config], cwd=tree, check=True)
+        if module in FOCUS:
+            _skip_outside_focus(database, module, tree)
     start = time.monotonic()
     try:
         if execute:
@@ -231,6 +238,9 @@ def main() -> int:
     parser.add_argument("--module", action="append", help="a module (substring); default all")
     parser.add_argument("--cap-minutes", type=float, help="override each module's time cap")
     parser.add_argument("--count", action="store_true", help="count the mutants, run none")
+    parser.add_argument(
+        "--resume", action="store_true", help="go on with a module's earlier session"
+    )
     args = parser.parse_args()
     modules = [m for m in MODULES if not args.module or any(k in m for k in args.module)]
     tree = WORK / "tree"
@@ -251,7 +261,12 @@ def main() -> int:
         for module in modules:
             tests, cap = MODULES[module]
             results[module] = run_module(
-                module, tests, args.cap_minutes or cap, socket, execute=not args.count
+                module,
+                tests,
+                args.cap_minutes or cap,
+                socket,
+                execute=not args.count,
+                resume=args.resume,
             )
     finally:
         server.kill()
