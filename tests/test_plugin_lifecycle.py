@@ -119,6 +119,8 @@ def test_full_iteration_plugin_reports_json(fake_graphs, tmp_path):
     run(*FULL, "--cuda-graph-report-json", str(path), steps=6)
     data = json.loads(path.read_text())
     assert data["graphs_captured"] is True and data["capture_step"] == 3
+    # the memory around the (first) capture, in MiB (zeros on the CPU)
+    assert data["memory_before_capture"] is not None and data["memory_after_capture"] is not None
     assert data["device"] == "fake CUDA device (CPU)"
     assert data["versions"]["megatron-core"] == "0.16.1"
 
@@ -532,6 +534,28 @@ def test_te_graphs_leave_evaluation_free_to_change_shape(fake_graphs):
         steps=6,
     )
     assert summary["steps"] == 6 and len(summary["eval_losses"]) == 3
+
+
+class SeqLengthArgument:
+    """Hands every training forward/backward call another ``seq_length`` than the model's."""
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def mcgraph_forward_backward_func(self, forward_backward_func):
+        inner = yield
+
+        def call(**kwargs):
+            if not kwargs["forward_only"]:
+                kwargs["seq_length"] = 16
+            return inner(**kwargs)
+
+        return call
+
+
+def test_te_calls_must_keep_the_shapes_the_graphs_were_captured_for(fake_graphs):
+    """The guard compares later calls with the first one after the capture; the TE graphs
+    were captured for the model_built() shapes, which the first call must match too."""
+    with pytest.raises(StaticShapeError, match="captured for seq_length=32"):
+        run(*TE, "--cuda-graph-warmup-steps", "1", plugins=[SeqLengthArgument()], steps=4)
 
 
 def test_shape_change_before_capture_is_fine(fake_graphs):
