@@ -80,6 +80,9 @@ def test_full_iteration_captures_after_warmup_counted_from_the_start_step(
     assert summary["shutdown_reason"] == "completed"
     report = rec.report
     assert report.graphs_captured and report.capture_step == capture_step
+    # the capture is timed inside its step
+    capture_ms = rec.graph_plugin.timer.durations_ms()[capture_step]
+    assert 0 < report.capture_seconds * 1000 <= capture_ms
     assert report.replay_steps == list(range(capture_step + 1, 10))
     assert report.eager_steps == list(range(start + 1, capture_step))
     assert rec.graph_plugin.graphs_freed == 1
