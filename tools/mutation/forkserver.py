@@ -41,6 +41,10 @@ def _child(request: dict, output: int) -> int:
     os.dup2(output, 2)
     os.chdir(request["cwd"])
     sys.path.insert(0, request["cwd"])
+    # Child processes the tests start (a SIGTERM test, torchrun) import the mutant too.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [request["cwd"], os.environ.get("PYTHONPATH")])
+    )
     sys.dont_write_bytecode = True
     sys.pycache_prefix = tempfile.mkdtemp(prefix="mutant-pycache-")  # never a stale .pyc
     import pytest

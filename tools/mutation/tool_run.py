@@ -10,6 +10,7 @@ cap; what ran is reported, the rest counted as not run. Results: ``.mutation/<mo
     python tools/mutation/tool_run.py                      # every module, default caps
     python tools/mutation/tool_run.py --module guard --cap-minutes 10
     python tools/mutation/tool_run.py --module plugin --resume   # go on where the cap stopped
+    python tools/mutation/tool_run.py --module run --recheck     # survivors again (new tests)
 
 docs/mutation-testing.md records the last run and why each survivor is acceptable.
 """
@@ -194,6 +195,7 @@ def run_module(
     socket: Path,
     execute: bool = True,
     resume: bool = False,
+    recheck: bool = False,
 ) -> dict:
     name = module.replace("/", "_").removesuffix(".py")
     config, database = WORK / f"{name}.toml", WORK / f"{name}.sqlite"
@@ -212,7 +214,10 @@ def run_module(
         )
     )
     tree = WORK / "tree"
-    if not (resume and database.exists()):
+    if recheck and database.exists():  # survivors of an earlier session run again
+        with sqlite3.connect(database) as db:
+            db.execute("delete from work_results where test_outcome = 'SURVIVED'")
+    elif not (resume and database.exists()):
         database.unlink(missing_ok=True)
         subprocess.run([BIN / "cosmic-ray", "init", config, database], cwd=tree, check=True)
         subprocess.run([BIN / "cr-filter-operators", database, config], cwd=tree, check=True)
@@ -241,6 +246,9 @@ def main() -> int:
     parser.add_argument(
         "--resume", action="store_true", help="go on with a module's earlier session"
     )
+    parser.add_argument(
+        "--recheck", action="store_true", help="run an earlier session's survivors again"
+    )
     args = parser.parse_args()
     modules = [m for m in MODULES if not args.module or any(k in m for k in args.module)]
     tree = WORK / "tree"
@@ -267,6 +275,7 @@ def main() -> int:
                 socket,
                 execute=not args.count,
                 resume=args.resume,
+                recheck=args.recheck,
             )
     finally:
         server.kill()
