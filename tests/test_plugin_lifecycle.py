@@ -106,6 +106,7 @@ def test_full_iteration_validation_gets_its_own_graph(fake_graphs):
     assert validation.replays == 6 - 1
     assert training.resets == validation.resets == 1
     assert rec.report.graph_count == 2
+    assert rec.graph_plugin.graphs_freed == 2
 
 
 def test_two_runs_in_one_process_capture_again_at_the_right_step(fake_graphs):
@@ -671,7 +672,7 @@ def test_shutdown_reason_enum_is_what_plugins_see(fake_graphs):
     assert rec.report.shutdown_reason == ShutdownReason.COMPLETED.value
 
 
-def test_failed_te_capture_clears_megatron_cores_capture_flag(fake_graphs, monkeypatch):
+def test_failed_te_capture_clears_megatron_cores_capture_flag(fake_graphs, monkeypatch, caplog):
     """A create_cudagraphs() that fails after megatron-core set its global "capturing" flag
     must not leave every later forward on the capture path (seen on the H200)."""
     from megatron.core.transformer import cuda_graphs
@@ -681,13 +682,18 @@ def test_failed_te_capture_clears_megatron_cores_capture_flag(fake_graphs, monke
         raise RuntimeError("capture failed")
 
     monkeypatch.setattr(FakeTECudaGraphHelper, "create_cudagraphs", failing)
-    with pytest.raises(RuntimeError, match="capture failed"):
-        run(*TE, steps=6)
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        with pytest.raises(RuntimeError, match="capture failed"):
+            run(*TE, steps=6)
     assert not cuda_graphs.is_graph_capturing()
+    assert caplog.text.count("the TE capture failed midway") == 1
+    caplog.clear()
     monkeypatch.undo()  # the real fakes again, and the next run trains normally
     install_fake_cuda_graphs(monkeypatch)
-    summary, rec = run(*TE, steps=5)
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        summary, rec = run(*TE, steps=5)
     assert rec.report.graphs_captured and summary["steps"] == 5
+    assert "the TE capture failed midway" not in caplog.text
 
 
 def test_te_needs_the_micro_batch_calculator():
