@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,3 +61,69 @@ def subprocess_env() -> dict[str, str]:
     if value is not None:
         env[BLOCK_ENV_VAR] = value
     return env
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("randomly"):
+        seed = config.getoption("randomly_seed")
+        terminalreporter.write_line(f"random test order: --randomly-seed={seed} repeats it")
+
+
+# -- no test leaves state behind -------------------------------------------------------------
+#
+# The suite runs in random order, so a test must not depend on what another left in the
+# process. Each test is checked for the process-wide state this project's tests touch; one
+# that leaves any of it behind fails, naming it (fix the test or the code it drives).
+
+
+def _process_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "SIGTERM handler": signal.getsignal(signal.SIGTERM),
+        "transformer_engine module": sys.modules.get("transformer_engine"),
+    }
+    if "torch" in sys.modules:
+        import torch
+
+        state["torch.distributed initialised"] = torch.distributed.is_initialized()
+        state["torch.cuda.is_available"] = torch.cuda.is_available
+        state["torch.cuda.CUDAGraph"] = torch.cuda.CUDAGraph
+    if "cpu_redirect" in sys.modules:
+        state["cpu_redirect active"] = sys.modules["cpu_redirect"].is_active()
+    if "megatron.core.parallel_state" in sys.modules:
+        state["megatron-core model parallel initialised"] = sys.modules[
+            "megatron.core.parallel_state"
+        ].model_parallel_is_initialized()
+    if "megatron.core.num_microbatches_calculator" in sys.modules:
+        calculator = sys.modules["megatron.core.num_microbatches_calculator"]
+        state["megatron-core micro-batch calculator"] = (
+            calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None
+        )
+    if "megatron.core.full_cuda_graph" in sys.modules:
+        from cudagraph_plugin import compat
+
+        state["FullCudaGraphWrapper class state"] = compat.full_iteration_state_dirty()
+    if "megatron.core.transformer.cuda_graphs" in sys.modules:
+        cuda_graphs = sys.modules["megatron.core.transformer.cuda_graphs"]
+        state["megatron-core capture flag"] = cuda_graphs.is_graph_capturing()
+        state["megatron-core TECudaGraphHelper"] = cuda_graphs.TECudaGraphHelper
+    return state
+
+
+_STATE_BEFORE = pytest.StashKey[dict[str, Any]]()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    item.stash[_STATE_BEFORE] = _process_state()  # before any fixture is set up
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    result = yield  # every fixture of the test is finalised (monkeypatch undone) by now
+    before = item.stash.get(_STATE_BEFORE, None)
+    if before is not None:
+        after = _process_state()
+        left = [name for name in before if name in after and after[name] != before[name]]
+        assert not left, f"the test left process state behind: {', '.join(left)}"
+    return result

@@ -202,3 +202,25 @@ def test_configure_error_is_blamed(pm):
     assert blame_notes(excinfo.value) == [
         "raised by plugin 'validator' in its mcgraph_configure implementation"
     ]
+
+
+def test_the_note_names_the_raising_plugin_wherever_it_was_registered():
+    pm = get_plugin_manager(load_entrypoints=False)
+
+    class Fine:
+        @hookimpl
+        def mcgraph_train_step_end(self, step, metrics):
+            pass
+
+    class Raising:
+        @hookimpl
+        def mcgraph_train_step_end(self, step, metrics):
+            raise RuntimeError("boom")
+
+    pm.register(Fine(), name="fine")
+    pm.register(Raising(), name="raising")
+    with pytest.raises(RuntimeError) as info:
+        call_hook(pm, "mcgraph_train_step_end", step=0, metrics={})
+    assert info.value.__notes__ == [
+        "raised by plugin 'raising' in its mcgraph_train_step_end implementation"
+    ]

@@ -426,3 +426,61 @@ def test_sigterm_ignored_before_the_run_stays_ignored(tmp_path):
     finally:
         proc.kill()
         proc.communicate()
+
+
+# -- the run's bookkeeping ---------------------------------------------------------------------
+
+
+def test_last_step_is_none_until_a_step_finished(pm, rec):
+    with TrainingRun(pm, None, train_iters=8, start_step=5) as run:
+        assert run.last_step is None
+        with run.train_step(5):
+            assert run.last_step is None  # step 5 has not finished yet
+        assert run.last_step == 5
+
+
+def test_a_run_past_train_iters_completed(pm, rec):
+    """A host that trains beyond ``train_iters`` still completed the run."""
+    with TrainingRun(pm, None, train_iters=2) as run:
+        loop(run, 3)
+    assert rec.calls == [(ShutdownReason.COMPLETED, None)]
+
+
+def test_run_arguments_after_the_config_are_keyword_only(pm):
+    with pytest.raises(TypeError):
+        TrainingRun(pm, None, 2)  # train_iters by position
+    with TrainingRun(pm, None, train_iters=0) as run:
+        with pytest.raises(TypeError):
+            run.model_built([], None, None, 32, 2)
+
+
+def test_leaving_the_run_again_swallows_nothing(pm, rec):
+    run = TrainingRun(pm, None, train_iters=0)
+    with run:
+        pass
+    assert run.__exit__(RuntimeError, RuntimeError("again"), None) is False
+
+
+def test_the_hosts_own_sigterm_handler_is_back_after_the_run(pm, rec):
+    def host_handler(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, host_handler)
+    try:
+        with TrainingRun(pm, None, train_iters=0):
+            assert signal.getsignal(signal.SIGTERM) is not host_handler
+        assert signal.getsignal(signal.SIGTERM) is host_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_an_ignored_signal_stays_ignored_and_the_others_are_handled(pm, rec):
+    before = signal.getsignal(signal.SIGTERM)
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        with TrainingRun(pm, None, train_iters=0, handle_signals=(signal.SIGUSR1, signal.SIGTERM)):
+            assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

@@ -16,7 +16,6 @@ import json
 import logging
 
 import pytest
-import torch
 from cpu_only import needs_mcore_on_cpu
 
 import cpu_redirect as redirect
@@ -25,7 +24,7 @@ from cudagraph_plugin import compat
 from cudagraph_plugin import plugin as plugin_module
 from cudagraph_plugin.report import StepTimer
 from cudagraph_plugin.validation import CudaGraphConfigError
-from fakes import FakeCUDAGraph, install_fake_cuda_graphs
+from fakes import install_fake_cuda_graphs
 from hookspecs import TrainingRun, hookimpl
 from recording import RaiseAt, Recorder
 
@@ -38,16 +37,7 @@ OVERLAP = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-g
 
 @pytest.fixture
 def fake_graphs(monkeypatch):
-    created: list[FakeCUDAGraph] = []
-
-    class Tracked(FakeCUDAGraph):
-        def __init__(self, keep_graph: bool = False) -> None:
-            super().__init__(keep_graph)
-            created.append(self)
-
     log = install_fake_cuda_graphs(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Tracked)
-    log.graphs = created
     yield log
     assert not compat.full_iteration_state_dirty(), "a run left FullCudaGraphWrapper state"
 
@@ -196,8 +186,9 @@ def _args(argv):
     return pm, parser.parse_args(argv)
 
 
-def test_forward_backward_after_shutdown_runs_eagerly(fake_graphs):
-    """Megatron-LM-style evaluation after training: the graphs are gone by then."""
+def test_forward_backward_after_shutdown_runs_eagerly(fake_graphs, caplog):
+    """Megatron-LM-style evaluation after training: the graphs are gone by then (said
+    once, not on every call)."""
     calls = []
 
     def eager(**kwargs):
@@ -205,11 +196,14 @@ def test_forward_backward_after_shutdown_runs_eagerly(fake_graphs):
         return ["eager"]
 
     pm, args = _args(FULL)
-    with redirect.cpu_redirect():
+    with redirect.cpu_redirect(), caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
         with TrainingRun(pm, config=args, train_iters=1) as training:
             fwd_bwd = training.forward_backward_func(eager)
-        result = fwd_bwd(forward_only=True, data_iterator=None, num_microbatches=1)
-    assert result == ["eager"] and len(calls) == 1
+        results = [
+            fwd_bwd(forward_only=True, data_iterator=None, num_microbatches=1) for _ in range(3)
+        ]
+    assert results == [["eager"]] * 3 and len(calls) == 3
+    assert caplog.text.count("called after shutdown: running eagerly") == 1
 
 
 def test_asking_for_the_forward_backward_again_keeps_the_live_graph(fake_graphs):

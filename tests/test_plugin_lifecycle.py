@@ -8,8 +8,10 @@ DDP with its forward pre-hooks, the distributed optimizer, ``get_forward_backwar
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
+import weakref
 from typing import Any
 
 import pytest
@@ -21,7 +23,7 @@ from cpu_redirect import cpu_redirect
 from cudagraph_plugin import compat
 from cudagraph_plugin import plugin as plugin_module
 from cudagraph_plugin.guard import StaticShapeError
-from fakes import FakeCUDAGraph, FakeTECudaGraphHelper, install_fake_cuda_graphs
+from fakes import FakeTECudaGraphHelper, install_fake_cuda_graphs
 from hookspecs import ShutdownReason, hookimpl
 from recording import RaiseAt, Recorder
 
@@ -35,16 +37,7 @@ OVERLAP = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-g
 @pytest.fixture
 def fake_graphs(monkeypatch):
     """A CUDA device as far as the plugin can tell, with fake graph capture and TE."""
-    created: list[FakeCUDAGraph] = []
-
-    class Tracked(FakeCUDAGraph):
-        def __init__(self, keep_graph: bool = False) -> None:
-            super().__init__(keep_graph)
-            created.append(self)
-
     log = install_fake_cuda_graphs(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Tracked)
-    log.graphs = created
     yield log
     assert not compat.full_iteration_state_dirty(), "a run left FullCudaGraphWrapper state"
 
@@ -88,6 +81,9 @@ def test_full_iteration_captures_after_warmup_counted_from_the_start_step(
     assert summary["shutdown_reason"] == "completed"
     report = rec.report
     assert report.graphs_captured and report.capture_step == capture_step
+    # the capture is timed inside its step
+    capture_ms = rec.graph_plugin.timer.durations_ms()[capture_step]
+    assert 0 < report.capture_seconds * 1000 <= capture_ms
     assert report.replay_steps == list(range(capture_step + 1, 10))
     assert report.eager_steps == list(range(start + 1, capture_step))
     assert rec.graph_plugin.graphs_freed == 1
@@ -111,6 +107,7 @@ def test_full_iteration_validation_gets_its_own_graph(fake_graphs):
     assert validation.replays == 6 - 1
     assert training.resets == validation.resets == 1
     assert rec.report.graph_count == 2
+    assert rec.graph_plugin.graphs_freed == 2
 
 
 def test_two_runs_in_one_process_capture_again_at_the_right_step(fake_graphs):
@@ -127,8 +124,52 @@ def test_full_iteration_plugin_reports_json(fake_graphs, tmp_path):
     run(*FULL, "--cuda-graph-report-json", str(path), steps=6)
     data = json.loads(path.read_text())
     assert data["graphs_captured"] is True and data["capture_step"] == 3
+    # the memory around the (first) capture, in MiB (zeros on the CPU)
+    assert data["memory_before_capture"] is not None and data["memory_after_capture"] is not None
     assert data["device"] == "fake CUDA device (CPU)"
     assert data["versions"]["megatron-core"] == "0.16.1"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        (),
+        ("--num-microbatches", "2"),
+        ("--eval-interval", "2", "--eval-iters", "2"),
+        OVERLAP,  # collectives inside the graph, the distributed optimizer around it
+    ],
+    ids=["plain", "two-microbatches", "with-evaluation", "distributed-optimizer-overlap"],
+)
+def test_full_iteration_graphs_train_exactly_as_eager(fake_graphs, extra):
+    """The fake graph replays the captured work on the static buffers (a replay that missed
+    an input copy, a gradient or an update would change the losses); step for step the
+    losses are those of the eager run."""
+    argv = ("--cuda-graph-warmup-steps", "2", *extra)
+    graphs, _ = run(*FULL, *argv, steps=7)
+    eager, _ = run("--cuda-graph-impl", "none", *argv, steps=7)
+    training = fake_graphs.graphs[0]
+    assert training.replays == 7 - 2
+    assert graphs["losses"] == eager["losses"]
+    assert graphs["eval_losses"] == eager["eval_losses"]
+    assert graphs["losses"][-1] < graphs["losses"][2]  # replays train
+
+
+def test_a_capture_changes_nothing_and_reads_nothing_on_the_host(fake_graphs):
+    """Like a real capture, the fake one leaves every existing tensor as it was (the replay
+    right after it does the work once) and refuses host reads."""
+    parameter = torch.ones(3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        parameter.add_(1.0)
+        doubled = parameter * 2
+    assert parameter.tolist() == [1.0, 1.0, 1.0]
+    graph.replay()
+    assert parameter.tolist() == [2.0, 2.0, 2.0] and doubled.tolist() == [4.0, 4.0, 4.0]
+    graph.replay()
+    assert parameter.tolist() == [3.0, 3.0, 3.0] and doubled.tolist() == [6.0, 6.0, 6.0]
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            parameter.sum().item()
 
 
 # -- cleanup on every exit path -------------------------------------------------------------------
@@ -161,6 +202,54 @@ def test_graphs_are_freed_once_on_every_exit_path(fake_graphs, extra, plugins, r
         assert not helper.graphs_created()
         assert all(layer.cuda_graphs == [] for layer in helper.flattened_callables)
     assert recorder.graph_plugin.phase is plugin_module.Phase.SHUT_DOWN
+
+
+class KeepsWeakRefs:
+    """Weak references to what the run built, to see what outlives its shutdown."""
+
+    @hookimpl
+    def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
+        self.model = [weakref.ref(chunk) for chunk in model]
+        self.optimizer = weakref.ref(optimizer)
+
+
+@pytest.mark.parametrize("mode", ["full", "te"])
+def test_shutdown_releases_every_resource_the_run_held(fake_graphs, monkeypatch, mode):
+    """Each resource of the run, one by one: nothing is held once shutdown returns."""
+    from megatron.core import full_cuda_graph
+    from megatron.core.transformer import cuda_graphs
+
+    # 0.18+'s process-wide graph pool handle of full-iteration graphs (0.16 has none)
+    monkeypatch.setattr(full_cuda_graph, "_shared_graph_pool", (0, 7), raising=False)
+    refs = KeepsWeakRefs()
+    argv = (*TE, *OVERLAP) if mode == "te" else FULL
+    _, rec = run(*argv, "--cuda-graph-warmup-steps", "2", plugins=[refs], steps=5)
+    plugin = rec.graph_plugin
+    assert plugin.phase is plugin_module.Phase.SHUT_DOWN
+    assert plugin.te is None and plugin.full is None
+    assert not plugin.guard.is_armed("training") and not plugin.manual_hooks_pending
+    assert plugin.model is None and plugin.model_config is None and not plugin._wrapped
+    assert ("clear_cublas_workspaces", None) in fake_graphs.events
+    assert not compat.full_iteration_state_dirty()
+    assert not cuda_graphs.is_graph_capturing()
+    if mode == "te":
+        [helper] = fake_graphs.helpers
+        assert not helper.graphs_created()
+        assert all(
+            layer.cuda_graphs == []
+            and layer.cuda_graph_manual_hooks == []
+            and layer._graph_seen.was_reset
+            for layer in helper.flattened_callables
+        )
+        assert plugin.graphs_freed == 2
+        return
+    assert [(g.resets, g.captured) for g in fake_graphs.graphs] == [(1, False)]
+    assert plugin.graphs_freed == 1
+    assert full_cuda_graph._shared_graph_pool is None
+    # Nothing keeps the model or the optimizer alive (the graph's recording referenced every
+    # parameter; megatron-core's distributed optimizer, used in the TE case, would).
+    gc.collect()
+    assert [ref() for ref in refs.model] == [None] and refs.optimizer() is None
 
 
 def test_exception_before_capture_frees_nothing_and_resets_state(fake_graphs):
@@ -245,24 +334,101 @@ def test_te_warmup_zero_sets_manual_hooks_when_the_host_enables_the_pre_hooks(fa
     assert fake_graphs.events[1:3] == [("create_cudagraphs", False), ("set_manual_hooks", True)]
 
 
-def test_te_manual_hooks_run_on_replay(fake_graphs, monkeypatch):
-    counts = {"hooks": 0}
+@pytest.fixture
+def bucket_per_layer(monkeypatch):
+    """DDP buckets small enough that each layer's parameters have their own all-gather (as
+    in any model of real size): a layer then gets its parameters only through its own
+    forward pre-hook, never as a side effect of another module's."""
+    from megatron.core import distributed
+
+    config_class = distributed.DistributedDataParallelConfig
+    monkeypatch.setattr(
+        distributed,
+        "DistributedDataParallelConfig",
+        lambda **kwargs: config_class(**kwargs, bucket_size=1000),
+    )
+
+
+def test_te_replay_gets_the_param_all_gather_through_the_manual_hooks(
+    fake_graphs, bucket_per_layer, monkeypatch
+):
+    """A replayed TE graph runs no Python: the DDP forward pre-hooks of its modules do not
+    fire, and only megatron-core's manual hooks (set after the capture) finish the layer's
+    parameter all-gather before the graph reads the parameters."""
+    from fakes import FakeGraphedCallable
+
+    replays = []
+    replay = FakeGraphedCallable.__call__
+
+    def checked(self, *args, **kwargs):
+        [ddp] = fake_graphs.helpers[0].model
+        groups = {ddp.param_to_bucket_group[p] for p in self.layer.parameters()}
+        gathered = all(g.param_gather_dispatched and g.param_gather_handle is None for g in groups)
+        replays.append((len(groups), gathered))
+        return replay(self, *args, **kwargs)
+
+    monkeypatch.setattr(FakeGraphedCallable, "__call__", checked)
+    summary, _ = run(*TE, *OVERLAP, "--cuda-graph-warmup-steps", "1", steps=5)
+    assert summary["steps"] == 5
+    assert len(replays) == 2 * (5 - 1)  # two graphed layers, replayed from step 1 on
+    assert all(groups > 0 for groups, _ in replays)
+    assert [gathered for _, gathered in replays] == [True] * len(replays)
+
+
+def test_te_replay_fires_no_module_hook_of_a_graphed_layer(fake_graphs, monkeypatch):
+    """Only the manual hooks reach a graphed layer's modules on replay: one call per module
+    with parameters, per layer and replay."""
     from megatron.core.distributed import DistributedDataParallel
 
+    calls = []
     original = DistributedDataParallel._make_forward_pre_hook
 
     def counting(self):
         hook = original(self)
 
         def wrapped(module, *args):
-            counts["hooks"] += 1
+            calls.append(module)
             return hook(module, *args)
 
         return wrapped
 
     monkeypatch.setattr(DistributedDataParallel, "_make_forward_pre_hook", counting)
-    run(*TE, *OVERLAP, "--cuda-graph-warmup-steps", "1", steps=4)
-    assert counts["hooks"] > 0
+    # step 0: pre-hooks off (the host); step 1: eager with pre-hooks; steps 2-4: replays
+    run(*TE, *OVERLAP, "--cuda-graph-warmup-steps", "2", steps=5)
+    [helper] = fake_graphs.helpers
+    graphed = {
+        id(module)
+        for layer in helper.flattened_callables
+        for module in layer.modules()
+        if next(module.parameters(recurse=False), None) is not None
+    }
+    assert [layer._graph_seen.calls for layer in helper.flattened_callables] == [3, 3]
+    on_graphed = [module for module in calls if id(module) in graphed]
+    assert len(on_graphed) == len(graphed) * (1 + 3)
+
+
+@pytest.mark.parametrize("generation", ["0.16", "0.19"])
+def test_te_helper_is_made_by_compat_for_either_generation(monkeypatch, generation):
+    """megatron-core's helper class is the fake of either generation; the plugin builds it
+    through compat (0.19's with the model's process groups) and drives it to the end."""
+    from fakes import FakeTECudaGraphHelper019
+
+    helper_class = FakeTECudaGraphHelper019 if generation == "0.19" else FakeTECudaGraphHelper
+    log = install_fake_cuda_graphs(monkeypatch, te_helper=helper_class)
+    _, rec = run(*TE, *OVERLAP, "--cuda-graph-warmup-steps", "2", steps=5)
+    [helper] = log.helpers
+    assert type(helper) is helper_class
+    assert rec.report.capture_step == 2 and rec.report.graph_count == 2
+    assert [event for event, _ in log.events] == [
+        "init",
+        "create_cudagraphs",
+        "set_manual_hooks",
+        "delete_cuda_graphs",
+        "clear_cublas_workspaces",
+    ]
+    if generation == "0.19":
+        [ddp] = helper.model
+        assert helper.capture_finished() and helper.pg_collection is ddp.module.pg_collection
 
 
 def test_te_without_pre_hooks_never_toggles(fake_graphs):
@@ -282,8 +448,16 @@ def test_te_without_pre_hooks_never_toggles(fake_graphs):
 class ChangeInputs:
     """From ``step`` on, hand the forward/backward a changed batch or micro-batch count."""
 
-    def __init__(self, step: int, *, seq: int | None = None, microbatches: int | None = None):
+    def __init__(
+        self,
+        step: int,
+        *,
+        seq: int | None = None,
+        microbatches: int | None = None,
+        stage: str = "training",
+    ):
         self.step, self.seq, self.microbatches = step, seq, microbatches
+        self.forward_only = stage == "validation"
         self.current = None
 
     @hookimpl
@@ -298,7 +472,7 @@ class ChangeInputs:
             if (
                 self.current is not None
                 and self.current >= self.step
-                and not kwargs["forward_only"]
+                and kwargs["forward_only"] == self.forward_only
             ):
                 if self.microbatches is not None:
                     kwargs["num_microbatches"] = self.microbatches
@@ -306,7 +480,11 @@ class ChangeInputs:
                     original = kwargs["data_iterator"]
                     kwargs["data_iterator"] = (
                         {
-                            k: (v[:, : self.seq] if torch.is_tensor(v) and v.dim() == 2 else v)
+                            k: (
+                                v[:, : self.seq].contiguous()
+                                if torch.is_tensor(v) and v.dim() == 2
+                                else v
+                            )
                             for k, v in batch.items()
                         }
                         for batch in original
@@ -346,6 +524,45 @@ def test_microbatch_count_change_after_capture_raises(fake_graphs):
         )
 
 
+def test_te_graphs_leave_evaluation_free_to_change_shape(fake_graphs):
+    """megatron-core replays TE graphs in training mode only: evaluation batches may change
+    shape after the capture (the guard watches training alone)."""
+    summary, _ = run(
+        *TE,
+        "--cuda-graph-warmup-steps",
+        "1",
+        "--eval-interval",
+        "2",
+        "--eval-iters",
+        "1",
+        plugins=[ChangeInputs(4, seq=16, stage="validation")],
+        steps=6,
+    )
+    assert summary["steps"] == 6 and len(summary["eval_losses"]) == 3
+
+
+class SeqLengthArgument:
+    """Hands every training forward/backward call another ``seq_length`` than the model's."""
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def mcgraph_forward_backward_func(self, forward_backward_func):
+        inner = yield
+
+        def call(**kwargs):
+            if not kwargs["forward_only"]:
+                kwargs["seq_length"] = 16
+            return inner(**kwargs)
+
+        return call
+
+
+def test_te_calls_must_keep_the_shapes_the_graphs_were_captured_for(fake_graphs):
+    """The guard compares later calls with the first one after the capture; the TE graphs
+    were captured for the model_built() shapes, which the first call must match too."""
+    with pytest.raises(StaticShapeError, match="captured for seq_length=32"):
+        run(*TE, "--cuda-graph-warmup-steps", "1", plugins=[SeqLengthArgument()], steps=4)
+
+
 def test_shape_change_before_capture_is_fine(fake_graphs):
     summary, _ = run(
         *FULL, "--cuda-graph-warmup-steps", "3", plugins=[ChangeInputs(0, seq=16)], steps=6
@@ -374,7 +591,11 @@ def test_fallback_frees_the_graph_when_replay_loses(fake_graphs, monkeypatch, ca
     assert losses[fallback_step + 1] != losses[fallback_step + 2]
 
 
-def test_fallback_keeps_graphs_that_win(fake_graphs):
+def test_fallback_keeps_graphs_that_win(fake_graphs, monkeypatch):
+    # The verdict is given: the fake replay does the work in Python, its timing means nothing.
+    monkeypatch.setattr(
+        plugin_module, "verdict", lambda eager, replay: ("faster", 1.5, 0.02, "replay is faster")
+    )
     _, rec = run(
         *FULL, "--cuda-graph-warmup-steps", "2", "--cuda-graph-fallback-on-slowdown", steps=10
     )
@@ -452,7 +673,7 @@ def test_shutdown_reason_enum_is_what_plugins_see(fake_graphs):
     assert rec.report.shutdown_reason == ShutdownReason.COMPLETED.value
 
 
-def test_failed_te_capture_clears_megatron_cores_capture_flag(fake_graphs, monkeypatch):
+def test_failed_te_capture_clears_megatron_cores_capture_flag(fake_graphs, monkeypatch, caplog):
     """A create_cudagraphs() that fails after megatron-core set its global "capturing" flag
     must not leave every later forward on the capture path (seen on the H200)."""
     from megatron.core.transformer import cuda_graphs
@@ -462,13 +683,18 @@ def test_failed_te_capture_clears_megatron_cores_capture_flag(fake_graphs, monke
         raise RuntimeError("capture failed")
 
     monkeypatch.setattr(FakeTECudaGraphHelper, "create_cudagraphs", failing)
-    with pytest.raises(RuntimeError, match="capture failed"):
-        run(*TE, steps=6)
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        with pytest.raises(RuntimeError, match="capture failed"):
+            run(*TE, steps=6)
     assert not cuda_graphs.is_graph_capturing()
+    assert caplog.text.count("the TE capture failed midway") == 1
+    caplog.clear()
     monkeypatch.undo()  # the real fakes again, and the next run trains normally
     install_fake_cuda_graphs(monkeypatch)
-    summary, rec = run(*TE, steps=5)
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        summary, rec = run(*TE, steps=5)
     assert rec.report.graphs_captured and summary["steps"] == 5
+    assert "the TE capture failed midway" not in caplog.text
 
 
 def test_te_needs_the_micro_batch_calculator():

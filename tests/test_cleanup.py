@@ -1,0 +1,85 @@
+"""Releasing resources one guarded step at a time (``cudagraph_plugin.cleanup``)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from cudagraph_plugin.cleanup import ReleaseStep, release_each, settle
+
+
+def _raise(exc: BaseException):
+    def release() -> None:
+        raise exc
+
+    return release
+
+
+def test_every_step_runs_and_only_graph_steps_count_graphs(caplog):
+    done = []
+    steps = [
+        ReleaseStep("graphs", lambda: done.append("graphs") or 3, frees_graphs=True),
+        ReleaseStep("broken", _raise(RuntimeError("stuck"))),
+        ReleaseStep("counters", lambda: done.append("counters") or 7),
+        ReleaseStep("more graphs", lambda: done.append("more") or 2, frees_graphs=True),
+    ]
+    with caplog.at_level(logging.ERROR, logger="cudagraph_plugin"):
+        result = release_each(steps)
+    assert done == ["graphs", "counters", "more"]
+    assert result.graphs_freed == 5
+    [(resource, exc)] = result.failures
+    assert resource == "broken" and str(exc) == "stuck"
+    assert "releasing broken failed" in caplog.text
+
+
+def test_a_keyboard_interrupt_in_one_step_does_not_stop_the_others():
+    done = []
+    result = release_each(
+        [
+            ReleaseStep("interrupted", _raise(KeyboardInterrupt())),
+            ReleaseStep("next", lambda: done.append("next")),
+        ]
+    )
+    assert done == ["next"]
+    assert isinstance(result.failures[0][1], KeyboardInterrupt)
+
+
+def test_settle_without_failures_does_nothing():
+    settle([], None)
+    run_exception = RuntimeError("run")
+    settle([], run_exception)
+    assert not getattr(run_exception, "__notes__", [])
+
+
+def test_settle_notes_every_failure_on_the_runs_own_exception():
+    run_exception = RuntimeError("run")
+    settle([("a", RuntimeError("x")), ("b", KeyboardInterrupt())], run_exception)
+    assert run_exception.__notes__ == [
+        "cleanup: releasing a failed: RuntimeError('x')",
+        "cleanup: releasing b failed: KeyboardInterrupt()",
+    ]
+
+
+def test_settle_raises_the_first_failure_naming_the_others():
+    first, second, third = RuntimeError("x"), ValueError("y"), OSError("z")
+    with pytest.raises(RuntimeError) as info:
+        settle([("a", first), ("b", second), ("c", third)], None)
+    assert info.value is first
+    assert first.__notes__ == [
+        "raised while releasing a at shutdown",
+        "cleanup: releasing b also failed: ValueError('y')",
+        "cleanup: releasing c also failed: OSError('z')",
+    ]
+
+
+def test_settle_raises_a_keyboard_interrupt_first():
+    """A Ctrl-C during cleanup still stops the program, whatever failed before it."""
+    error, interrupt = RuntimeError("x"), KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt) as info:
+        settle([("a", error), ("b", interrupt)], None)
+    assert info.value is interrupt
+    assert interrupt.__notes__ == [
+        "raised while releasing b at shutdown",
+        "cleanup: releasing a also failed: RuntimeError('x')",
+    ]
