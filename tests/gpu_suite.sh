@@ -89,7 +89,7 @@ fi
 
 XDIST=()
 NGPU=$(cat "$WORK/ngpu" 2>/dev/null || echo 0)
-if [ "$NGPU" -ge 2 ]; then
+if [ "$NGPU" -ge 2 ] || { [ "$NGPU" -ge 1 ] && [ -n "${SINGLE_WORKERS:-}" ]; }; then
   # pytest-xdist is pure Python: wheels dropped in .gpu/wheels/test install without network.
   if ! "$PY" -c "import xdist" 2>/dev/null && ls .gpu/wheels/test/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-deps --no-index --target "${TMPDIR:-/tmp}/mcgraph-xdist" .gpu/wheels/test/*.whl \
