@@ -492,6 +492,22 @@ def reset_optimizer_graph_counters() -> None:
     cls.curr_iteration = 0
 
 
+def grad_norm_on_device() -> bool | None:
+    """Whether megatron-core computes the gradient norm with fused multi-tensor kernels
+    (Transformer Engine's or Apex's), on the device. Without either it falls back to
+    ``megatron.core.utils.local_multi_tensor_l2_norm``, which reads the norm on the host
+    (``float(...)``): an optimizer step that does so cannot be captured (seen on an H200,
+    megatron-core 0.19.2 with Transformer Engine 2.11 and no Apex). None: not known."""
+    try:
+        from megatron.core.optimizer import clip_grads
+    except ImportError:
+        return None
+    implementation = getattr(clip_grads, "l2_norm_impl", None)
+    if implementation is None:
+        return None
+    return getattr(implementation, "__module__", None) != "megatron.core.utils"
+
+
 def optimizer_is_capturable(optimizer: Any) -> bool | None:
     """``OptimizerConfig.optimizer_cuda_graph`` of the built optimizer (it makes megatron-core
     build a capturable Adam); None when the optimizer has no megatron-core config."""

@@ -76,6 +76,20 @@ _CAPTURABLE_FIX = (
 )
 
 
+_GRAD_NORM_PROBLEM = (
+    "megatron-core computes the gradient norm inside optimizer.step() with its local "
+    "fallback (neither Transformer Engine's nor Apex's multi-tensor kernels could be "
+    "imported), which reads the norm on the host: the optimizer step cannot be captured "
+    '(it fails with "operation not permitted when stream is capturing")'
+)
+_GRAD_NORM_FIX = (
+    "install Apex (amp_C) or a Transformer Engine whose transformer_engine.pytorch.optimizers "
+    'provides the multi-tensor kernels megatron-core imports (megatron-core warns "Falling '
+    'back to local implementations of multi_tensor_applier" when it has none), or turn the '
+    "optimizer graph off"
+)
+
+
 _CALC_FIX = (
     "megatron-core's TECudaGraphHelper reads the global micro-batch calculator while it "
     "captures, and the host has not set it up",
@@ -280,6 +294,17 @@ class CudaGraphPlugin:
             )
 
     def _build_optimizer_graph(self, optimizer: Any, model_config: Any) -> None:
+        if compat.grad_norm_on_device() is False:
+            raise CudaGraphConfigError(
+                [
+                    Violation(
+                        ("megatron.core.optimizer.clip_grads.l2_norm_impl",),
+                        "local_multi_tensor_l2_norm",
+                        _GRAD_NORM_PROBLEM,
+                        _GRAD_NORM_FIX,
+                    )
+                ]
+            )
         if compat.optimizer_is_capturable(optimizer) is False:
             raise CudaGraphConfigError(
                 [

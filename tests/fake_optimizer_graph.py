@@ -5,8 +5,15 @@ megatron-core 0.16.1 (the CPU suite's version) has no optimizer graph; 0.17.0 ad
 class (``megatron/core/optimizer/optimizer_cuda_graph.py``) line for line where it matters:
 the same constructor signature, class-level ``curr_iteration``/``cuda_graph``/``result``,
 capture on the ``cuda_graph_warmup_steps``-th call between two barriers, replay afterwards,
-and a ``__del__`` that drops the class-level graph. Capture goes through ``torch.cuda.graph``
-and ``torch.cuda.CUDAGraph``, which the CPU tests replace with the fakes of ``fakes.py``.
+and a ``__del__`` that drops the class-level graph.
+
+One difference, on purpose: the graph is a :class:`StepGraph`, whose replay runs the step
+again, not ``fakes.py``'s recording graph. On the CPU megatron-core's optimizer step cannot
+be captured at all (torch's CPU Adam reads its step counter on the host, megatron-core
+0.16's gradient clipping calls ``.item()``; the recording fake rightly refuses both), so
+these tests check the plugin's handling of the optimizer graph (capture step, hooks,
+report, cleanup, the host's ``optimizer.step`` restored), not the capturability of the step,
+which the plugin checks itself (``compat.grad_norm_on_device``).
 
 :func:`install` makes it importable under the real module name and tells ``compat`` that
 the installed megatron-core has it.
@@ -16,11 +23,34 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 MODULE = "megatron.core.optimizer.optimizer_cuda_graph"
+
+
+class StepGraph:
+    """Mirrors the part of ``torch.cuda.CUDAGraph`` the wrapper and the plugin use
+    (``replay``, ``reset``); a replay runs the captured step function again."""
+
+    made: ClassVar[list[StepGraph]] = []
+
+    def __init__(self, step: Any) -> None:
+        self.step = step
+        self.replays = 0
+        self.resets = 0
+        StepGraph.made.append(self)
+
+    def replay(self) -> Any:
+        """Run the step again; its result stands for the graph's static outputs."""
+        assert self.step is not None, "replay of a graph that was reset"
+        self.replays += 1
+        return self.step()
+
+    def reset(self) -> None:
+        self.resets += 1
+        self.step = None
 
 
 class OptimizerCudaGraphWrapper:
@@ -41,16 +71,17 @@ class OptimizerCudaGraphWrapper:
         if self.curr_iter() == self.cuda_graph_warmup_steps:
             torch.distributed.barrier()
             assert OptimizerCudaGraphWrapper.cuda_graph is None
-            OptimizerCudaGraphWrapper.cuda_graph = torch.cuda.CUDAGraph()
+            OptimizerCudaGraphWrapper.cuda_graph = StepGraph(self.optimizer_step_func)
             torch.cuda.synchronize()
-            with torch.cuda.graph(OptimizerCudaGraphWrapper.cuda_graph):
-                OptimizerCudaGraphWrapper.result = self.optimizer_step_func()
+            # the real capture records the step without running it; its result tensors are
+            # the graph's static outputs (here: the one computed by the first replay below)
+            OptimizerCudaGraphWrapper.result = None
             torch.cuda.synchronize()
             torch.distributed.barrier()
         if OptimizerCudaGraphWrapper.cuda_graph is None:
             OptimizerCudaGraphWrapper.result = self.optimizer_step_func()
         else:
-            OptimizerCudaGraphWrapper.cuda_graph.replay()
+            OptimizerCudaGraphWrapper.result = OptimizerCudaGraphWrapper.cuda_graph.replay()
         OptimizerCudaGraphWrapper.curr_iteration += 1
         return OptimizerCudaGraphWrapper.result
 
@@ -79,4 +110,5 @@ def install(monkeypatch: Any) -> type[OptimizerCudaGraphWrapper]:
     monkeypatch.setattr(OptimizerCudaGraphWrapper, "curr_iteration", 0)
     monkeypatch.setattr(OptimizerCudaGraphWrapper, "cuda_graph", None)
     monkeypatch.setattr(OptimizerCudaGraphWrapper, "result", None)
+    monkeypatch.setattr(StepGraph, "made", [])
     return OptimizerCudaGraphWrapper

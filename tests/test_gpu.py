@@ -333,17 +333,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         failing_ranks=(0,),
         parity=False,
     ),
-    Scenario(
-        # Fails midway through the capture (a module's forward raises while capturing).
-        "capture_failure_inside_te_attn_mlp",
-        TE_SPEC,
-        te("attn,mlp"),
-        te=True,
-        end="exception",
-        fault=(*_fault("FAIL_CAPTURE", "all"), *_fault("FAIL_CAPTURE_AT", "inside")),
-        failing_ranks=(0,),
-        parity=False,
-    ),
+    # No "midway" TE capture failure: the probe raises from a module forward pre-hook, and
+    # Transformer Engine refuses modules with hooks before capturing ("Modules must not have
+    # hooks registered at the time they are passed", seen on the H200). A TE capture that
+    # fails midway is covered on the CPU (tests/test_plugin_lifecycle.py).
     Scenario(
         "capture_failure_inside_full_iteration",
         (),
@@ -453,6 +446,9 @@ assert len(BY_NAME) == len(SCENARIOS), "scenario names must be unique"
 
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 HAS_OPTIMIZER_GRAPH = bool(compat.has_optimizer_graph())
+# megatron-core's optimizer step is capturable only with a gradient norm computed on the
+# device (the plugin refuses the optimizer graph otherwise: tests/test_optimizer_graph.py).
+GRAD_NORM_ON_DEVICE = HAS_OPTIMIZER_GRAPH and compat.grad_norm_on_device() is not False
 CUDA = torch.cuda.is_available()
 DEVICE_COUNT = torch.cuda.device_count() if CUDA else 0
 
@@ -482,6 +478,14 @@ def _marks(scenario: Scenario) -> list[Any]:
             pytest.mark.skipif(
                 not HAS_OPTIMIZER_GRAPH,
                 reason="needs megatron-core >= 0.17.0 (OptimizerCudaGraphWrapper)",
+            )
+        )
+        marks.append(
+            pytest.mark.skipif(
+                not GRAD_NORM_ON_DEVICE,
+                reason="megatron-core computes the gradient norm with its host-reading "
+                "fallback here (no Apex, no TE multi-tensor kernels): the optimizer step "
+                "cannot be captured",
             )
         )
     if scenario.parity:

@@ -24,6 +24,8 @@ from recording import RaiseAt, Recorder
 
 pytestmark = needs_mcore_on_cpu
 
+REAL_GRAD_NORM_ON_DEVICE = compat.grad_norm_on_device
+
 FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
 OPTIM = ["--optimizer-cuda-graph"]
 
@@ -41,6 +43,9 @@ def graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Tracked)
     log.graphs = created
     log.wrapper = fake_optimizer_graph.install(monkeypatch)
+    # Where megatron-core has fused multi-tensor kernels (TE or Apex), as a GPU machine
+    # should: here on the CPU it has only its host-reading fallback (tested below).
+    monkeypatch.setattr(compat, "grad_norm_on_device", lambda: True)
     yield log
     assert not compat.full_iteration_state_dirty()
     assert not compat.optimizer_graph_state_dirty(), "a run left optimizer graph state"
@@ -93,7 +98,8 @@ def test_full_iteration_and_optimizer_graphs_capture_in_the_same_step(
         ("before_capture", capture, "local", ("full_iteration",)),
         ("before_capture", capture, "local", ("optimizer",)),
     ]
-    full, optimizer = graphs.graphs
+    [full] = graphs.graphs
+    [optimizer] = fake_optimizer_graph.StepGraph.made
     assert optimizer.replays == steps - capture  # the capture call replays once too
     assert full.resets == optimizer.resets == 1
     report = rec.report
@@ -127,7 +133,7 @@ def test_exception_after_capture_frees_the_optimizer_graph_and_restores_step(gra
         )
     [optimizer] = capturable
     assert "step" not in vars(optimizer)
-    assert [g.resets for g in graphs.graphs] == [1, 1]
+    assert [g.resets for g in graphs.graphs + fake_optimizer_graph.StepGraph.made] == [1, 1]
 
 
 def test_an_optimizer_built_without_the_flag_is_refused_with_the_fix(graphs, monkeypatch):
@@ -158,3 +164,17 @@ def test_state_left_by_an_earlier_run_is_reset_with_a_warning(graphs, capturable
 def test_megatron_core_016_refuses_the_request_naming_the_release():
     with pytest.raises(CudaGraphConfigError, match=r"first released in megatron-core 0\.17\.0"):
         run(*FULL, *OPTIM, steps=2)
+
+
+def test_a_gradient_norm_read_on_the_host_is_refused_with_the_fix(graphs, capturable, monkeypatch):
+    """megatron-core without TE's or Apex's kernels (this CPU machine, and the H200 with
+    megatron-core 0.19.2 + TE 2.11) computes the norm with a host read: the capture would
+    fail with "operation not permitted when stream is capturing"."""
+    monkeypatch.setattr(compat, "grad_norm_on_device", REAL_GRAD_NORM_ON_DEVICE)
+    assert compat.grad_norm_on_device() is False  # megatron-core's local fallback here
+    with pytest.raises(CudaGraphConfigError) as info:
+        run(*FULL, *OPTIM, steps=4)
+    message = str(info.value)
+    assert "local_multi_tensor_l2_norm" in message
+    assert "Falling back to local implementations of multi_tensor_applier" in message
+    assert graphs.graphs == fake_optimizer_graph.StepGraph.made == []  # refused before capture
