@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 import pytest
+import test_gpu
 import torch
 
 from recording import RaiseAt, Recorder
@@ -31,23 +32,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-MODEL = [
-    "--bf16",
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "256",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "128",
-    "--micro-batch-size",
-    "2",
-    "--vocab-size",
-    "1024",
-    "--log-interval",
-    "0",
-]
+# The suite's tiny bf16 GPT (tests/test_gpu.py), as arguments of train_gpt.run.
+MODEL = list(test_gpu.MODEL)
 FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
 TE_ATTN_MLP = [
     "--transformer-impl",
