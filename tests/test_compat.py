@@ -65,6 +65,20 @@ def test_free_full_iteration_graphs_resets_016_class_state_by_hand():
     assert compat.free_full_iteration_graphs() == 0
 
 
+@pytest.mark.parametrize("left", ["graph", "counter", "result only", "static buffers"])
+def test_any_single_leftover_counts_as_dirty_state(left):
+    assert not compat.full_iteration_state_dirty()
+    if left == "graph":
+        FullCudaGraphWrapper.cuda_graph["validation"] = FakeCUDAGraph()
+    elif left == "counter":
+        FullCudaGraphWrapper.curr_iteration["training"] = 3
+    elif left == "static buffers":
+        StaticBufferLoader.static_buffers["validation"].append({"tokens": torch.zeros(1)})
+    else:  # a result alone is overwritten by the next call: nothing to reset
+        FullCudaGraphWrapper.result["training"] = [{"loss": torch.ones(1)}]
+    assert compat.full_iteration_state_dirty() is (left != "result only")
+
+
 def test_free_keeps_the_static_buffer_dict_object():
     """megatron-core's loaders hold the class dict; it must be cleared, not replaced."""
     buffers = StaticBufferLoader.static_buffers
