@@ -181,8 +181,10 @@ def test_ddp_build_context_knows_which_ddp_chunks_were_built_inside():
         module = torch.nn.Linear(2, 2)
         ddp_config = DistributedDataParallelConfig()
         context = compat.DDPBuildContext(full_iteration=False)
+        assert context.entered is False
         with context.enter():
             inside = DDP(config=config, ddp_config=ddp_config, module=module)
+        assert context.entered is True  # what the violation says when a chunk is missing
         outside = DDP(config=config, ddp_config=ddp_config, module=torch.nn.Linear(2, 2))
         assert context.missing([inside]) == []
         assert context.missing([inside, outside]) == [1]
