@@ -65,6 +65,20 @@ def test_free_full_iteration_graphs_resets_016_class_state_by_hand():
     assert compat.free_full_iteration_graphs() == 0
 
 
+@pytest.mark.parametrize("left", ["graph", "counter", "result only", "static buffers"])
+def test_any_single_leftover_counts_as_dirty_state(left):
+    assert not compat.full_iteration_state_dirty()
+    if left == "graph":
+        FullCudaGraphWrapper.cuda_graph["validation"] = FakeCUDAGraph()
+    elif left == "counter":
+        FullCudaGraphWrapper.curr_iteration["training"] = 3
+    elif left == "static buffers":
+        StaticBufferLoader.static_buffers["validation"].append({"tokens": torch.zeros(1)})
+    else:  # a result alone is overwritten by the next call: nothing to reset
+        FullCudaGraphWrapper.result["training"] = [{"loss": torch.ones(1)}]
+    assert compat.full_iteration_state_dirty() is (left != "result only")
+
+
 def test_free_keeps_the_static_buffer_dict_object():
     """megatron-core's loaders hold the class dict; it must be cleared, not replaced."""
     buffers = StaticBufferLoader.static_buffers
@@ -166,8 +180,10 @@ def test_ddp_build_context_knows_which_ddp_chunks_were_built_inside():
         module = torch.nn.Linear(2, 2)
         ddp_config = DistributedDataParallelConfig()
         context = compat.DDPBuildContext(full_iteration=False)
+        assert context.entered is False
         with context.enter():
             inside = DDP(config=config, ddp_config=ddp_config, module=module)
+        assert context.entered is True  # what the violation says when a chunk is missing
         outside = DDP(config=config, ddp_config=ddp_config, module=torch.nn.Linear(2, 2))
         assert context.missing([inside]) == []
         assert context.missing([inside, outside]) == [1]

@@ -121,6 +121,24 @@ def test_after_an_abnormal_multi_rank_end_shutdown_never_waits_on_the_device(
         assert not helper.graphs_created()
 
 
+def test_an_abnormal_single_rank_end_still_waits_and_flushes(fake_graphs, monkeypatch):
+    """No peer can be gone in a one-rank run: the report reads its timings and the cache is
+    flushed as after a normal end."""
+    syncs, flushes = [], []
+    original = StepTimer.durations_ms
+
+    def durations(self, sync=True):
+        syncs.append(sync)
+        return original(self, sync=sync)
+
+    monkeypatch.setattr(StepTimer, "durations_ms", durations)
+    monkeypatch.setattr(plugin_module, "_empty_cache", lambda: flushes.append(1))
+    monkeypatch.setattr(plugin_module, "_allocated_mib", lambda: 0.0)
+    with pytest.raises(RuntimeError, match="alone"):
+        run(*FULL, plugins=[RaiseAt(4, RuntimeError("alone"))])
+    assert syncs == [True] and flushes == [1]
+
+
 def test_a_clean_multi_rank_end_still_flushes_the_cache(fake_graphs, monkeypatch):
     flushes = []
     monkeypatch.setattr(plugin_module, "_empty_cache", lambda: flushes.append(1))
@@ -209,7 +227,7 @@ def test_forward_backward_after_shutdown_runs_eagerly(fake_graphs, caplog):
 def test_asking_for_the_forward_backward_again_keeps_the_live_graph(fake_graphs):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    answers = []
+    answers, bare = [], []
 
     class AskAgain:
         @hookimpl
@@ -220,12 +238,14 @@ def test_asking_for_the_forward_backward_again_keeps_the_live_graph(fake_graphs)
         def mcgraph_train_step_end(self, step, metrics):
             if step in (3, 4):  # after the capture at step 1
                 hook = self.pm.hook.mcgraph_forward_backward_func
-                answers.append(hook(forward_backward_func=get_forward_backward_func()))
+                bare.append(get_forward_backward_func())
+                answers.append(hook(forward_backward_func=bare[-1]))
 
     run(*FULL, "--cuda-graph-warmup-steps", "1", plugins=[AskAgain()], steps=6)
     [graph] = fake_graphs.graphs  # no second capture
     assert graph.replays == 6 - 1 and graph.resets == 1  # freed once, at shutdown
     assert answers[0] is answers[1]
+    assert answers[0] is not bare[0]  # the plugin's callable, not megatron-core's bare one
 
 
 # -- TE manual hooks, DDP build stream ------------------------------------------------------------
