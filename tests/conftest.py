@@ -53,6 +53,18 @@ def _block_missing_cudagraph_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(BLOCK_ENV_VAR, value)
 
 
+@pytest.fixture
+def fake_graphs(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A CUDA device as far as the plugin can tell, with the fake graph capture and TE of
+    ``tests/fakes.py``; no run may leave full-iteration state behind."""
+    from cudagraph_plugin import compat
+    from fakes import install_fake_cuda_graphs
+
+    log = install_fake_cuda_graphs(monkeypatch)
+    yield log
+    assert not compat.full_iteration_state_dirty(), "a run left FullCudaGraphWrapper state"
+
+
 @pytest.fixture(scope="session")
 def subprocess_env() -> dict[str, str]:
     """Environment for a child Python: this one, with the same plugin blocking."""

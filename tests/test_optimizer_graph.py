@@ -12,14 +12,12 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 from cpu_only import needs_mcore_on_cpu
 
 import fake_optimizer_graph
 import train_gpt
 from cudagraph_plugin import compat
 from cudagraph_plugin.validation import CudaGraphConfigError
-from fakes import FakeCUDAGraph, install_fake_cuda_graphs
 from recording import RaiseAt, Recorder
 
 pytestmark = needs_mcore_on_cpu
@@ -31,23 +29,12 @@ OPTIM = ["--optimizer-cuda-graph"]
 
 
 @pytest.fixture
-def graphs(monkeypatch):
-    created: list[FakeCUDAGraph] = []
-
-    class Tracked(FakeCUDAGraph):
-        def __init__(self, keep_graph: bool = False) -> None:
-            super().__init__(keep_graph)
-            created.append(self)
-
-    log = install_fake_cuda_graphs(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Tracked)
-    log.graphs = created
-    log.wrapper = fake_optimizer_graph.install(monkeypatch)
+def graphs(fake_graphs, monkeypatch):
+    fake_graphs.wrapper = fake_optimizer_graph.install(monkeypatch)
     # Where megatron-core has fused multi-tensor kernels (TE or Apex), as a GPU machine
     # should: here on the CPU it has only its host-reading fallback (tested below).
     monkeypatch.setattr(compat, "grad_norm_on_device", lambda: True)
-    yield log
-    assert not compat.full_iteration_state_dirty()
+    yield fake_graphs
     assert not compat.optimizer_graph_state_dirty(), "a run left optimizer graph state"
 
 

@@ -24,7 +24,6 @@ from cudagraph_plugin import compat
 from cudagraph_plugin import plugin as plugin_module
 from cudagraph_plugin.report import StepTimer
 from cudagraph_plugin.validation import CudaGraphConfigError
-from fakes import install_fake_cuda_graphs
 from hookspecs import TrainingRun, hookimpl
 from recording import RaiseAt, Recorder
 
@@ -33,13 +32,6 @@ pytestmark = needs_mcore_on_cpu
 FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
 TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp"]
 OVERLAP = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"]
-
-
-@pytest.fixture
-def fake_graphs(monkeypatch):
-    log = install_fake_cuda_graphs(monkeypatch)
-    yield log
-    assert not compat.full_iteration_state_dirty(), "a run left FullCudaGraphWrapper state"
 
 
 def run(*argv: str, plugins=(), steps: int = 6):

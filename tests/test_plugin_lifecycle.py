@@ -34,14 +34,6 @@ TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp
 OVERLAP = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"]
 
 
-@pytest.fixture
-def fake_graphs(monkeypatch):
-    """A CUDA device as far as the plugin can tell, with fake graph capture and TE."""
-    log = install_fake_cuda_graphs(monkeypatch)
-    yield log
-    assert not compat.full_iteration_state_dirty(), "a run left FullCudaGraphWrapper state"
-
-
 def run(*argv: str, plugins=(), steps: int = 8) -> tuple[dict[str, Any], Recorder]:
     recorder = Recorder()
     summary = train_gpt.run(
