@@ -88,57 +88,51 @@ def test_a_second_ctrl_c_during_cleanup_does_not_skip_the_rest(fake_graphs, monk
     compat.reset_full_iteration_counters()
 
 
-@pytest.mark.parametrize("mode", ["full", "te"])
-def test_after_an_abnormal_multi_rank_end_shutdown_never_waits_on_the_device(
-    fake_graphs, monkeypatch, mode
-):
-    """A peer may be dead: neither the report's timings nor a cache flush may synchronise."""
-    syncs, flushes = [], []
+@pytest.fixture
+def device_waits(monkeypatch):
+    """What shutdown asks of the device: the report's timing reads (``sync`` each) and
+    cache flushes."""
+    waits: dict[str, list] = {"syncs": [], "flushes": []}
     original = StepTimer.durations_ms
 
     def durations(self, sync=True):
-        syncs.append(sync)
+        waits["syncs"].append(sync)
         return original(self, sync=sync)
 
     monkeypatch.setattr(StepTimer, "durations_ms", durations)
-    monkeypatch.setattr(plugin_module, "_empty_cache", lambda: flushes.append(1))
+    monkeypatch.setattr(plugin_module, "_empty_cache", lambda: waits["flushes"].append(1))
     monkeypatch.setattr(plugin_module, "_allocated_mib", lambda: 0.0)
+    return waits
+
+
+@pytest.mark.parametrize("mode", ["full", "te"])
+def test_after_an_abnormal_multi_rank_end_shutdown_never_waits_on_the_device(
+    fake_graphs, device_waits, monkeypatch, mode
+):
+    """A peer may be dead: neither the report's timings nor a cache flush may synchronise."""
     monkeypatch.setattr(compat, "distributed_world", lambda: (1, 2))
     with pytest.raises(RuntimeError, match="peer"):
         run(*(FULL if mode == "full" else TE), plugins=[RaiseAt(4, RuntimeError("peer"))])
-    assert syncs == [False] and flushes == []
+    assert device_waits == {"syncs": [False], "flushes": []}
     assert fake_graphs.graphs[0].resets == 1 if mode == "full" else True
     if mode == "te":
         [helper] = fake_graphs.helpers
         assert not helper.graphs_created()
 
 
-def test_an_abnormal_single_rank_end_still_waits_and_flushes(fake_graphs, monkeypatch):
+def test_an_abnormal_single_rank_end_still_waits_and_flushes(fake_graphs, device_waits):
     """No peer can be gone in a one-rank run: the report reads its timings and the cache is
     flushed as after a normal end."""
-    syncs, flushes = [], []
-    original = StepTimer.durations_ms
-
-    def durations(self, sync=True):
-        syncs.append(sync)
-        return original(self, sync=sync)
-
-    monkeypatch.setattr(StepTimer, "durations_ms", durations)
-    monkeypatch.setattr(plugin_module, "_empty_cache", lambda: flushes.append(1))
-    monkeypatch.setattr(plugin_module, "_allocated_mib", lambda: 0.0)
     with pytest.raises(RuntimeError, match="alone"):
         run(*FULL, plugins=[RaiseAt(4, RuntimeError("alone"))])
-    assert syncs == [True] and flushes == [1]
+    assert device_waits == {"syncs": [True], "flushes": [1]}
 
 
-def test_a_clean_multi_rank_end_still_flushes_the_cache(fake_graphs, monkeypatch):
-    flushes = []
-    monkeypatch.setattr(plugin_module, "_empty_cache", lambda: flushes.append(1))
-    monkeypatch.setattr(plugin_module, "_allocated_mib", lambda: 0.0)
+def test_a_clean_multi_rank_end_still_flushes_the_cache(fake_graphs, device_waits, monkeypatch):
     monkeypatch.setattr(compat, "distributed_world", lambda: (0, 2))
     monkeypatch.setattr(compat, "any_rank", lambda flag: flag)
     run(*FULL)
-    assert flushes == [1]
+    assert device_waits["flushes"] == [1]
 
 
 # -- decisions every rank takes together --------------------------------------------------------
