@@ -201,3 +201,23 @@ def test_disarm_forgets_the_reference():
     guard.disarm()
     assert not guard.is_armed("training")
     call(guard, seq_length=16, data_iterator=batches(2, seq=16))
+
+
+def test_nested_values_are_described_by_shape_down_to_the_depth_limit():
+    """Four dicts deep a tensor is still described by shape and dtype, not by its values."""
+
+    def nested(tensor):
+        return {"a": {"b": {"c": {"d": tensor}}}}
+
+    assert signature(nested(torch.zeros(2))) == signature(nested(torch.ones(2)))
+    assert signature(nested(torch.zeros(2))) != signature(nested(torch.zeros(3)))
+
+
+def test_plain_objects_are_described_by_their_public_fields():
+    class Params:
+        def __init__(self, max_seqlen, cache):
+            self.max_seqlen = max_seqlen
+            self._cache = cache  # private: not part of what the graph baked in
+
+    assert signature(Params(32, cache=1)) == signature(Params(32, cache=2))
+    assert signature(Params(32, cache=1)) != signature(Params(16, cache=1))
