@@ -289,13 +289,17 @@ class TrainingRun:
 
     # -- the loop -----------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def train_step(self, step: int) -> Iterator[dict[str, Any]]:
+    def train_step(self, step: int) -> _TrainStep:
         """One training step: start (and post-warmup) hooks on entry, end hook on success.
 
-        Yields a dict the host fills with the step's metrics for ``mcgraph_train_step_end``.
-        Steps must be consecutive from ``start_step``: the capture step depends on it.
+        A context manager whose value is a dict the host fills with the step's metrics for
+        ``mcgraph_train_step_end``. Steps must be consecutive from ``start_step``: the
+        capture step depends on it. (A small class rather than a generator: it runs on
+        every step.)
         """
+        return _TrainStep(self, step)
+
+    def _step_started(self, step: int) -> dict[str, Any]:
         self._check_active()
         if step != self._next_step:
             raise ValueError(
@@ -305,7 +309,12 @@ class TrainingRun:
             )
         if not self._train_started:
             self._start_training()
-        self._call("mcgraph_train_step_start", step=step)
+        # Called directly rather than through call_hook: this runs on every step.
+        try:
+            self.hook.mcgraph_train_step_start(step=step)
+        except BaseException as exc:
+            blame(self.pluginmanager, "mcgraph_train_step_start", exc)
+            raise
         if (
             self._warmup_steps is not None
             and step - self.start_step == self._warmup_steps
@@ -315,10 +324,15 @@ class TrainingRun:
             # twice (the hook fires exactly once per run).
             self._post_warmup_fired = True
             self._call("mcgraph_post_warmup_step", step=step, start_step=self.start_step)
-        metrics: dict[str, Any] = {}
-        yield metrics
+        return {}
+
+    def _step_ended(self, step: int, metrics: dict[str, Any]) -> None:
         self._next_step = step + 1
-        self._call("mcgraph_train_step_end", step=step, metrics=metrics)
+        try:
+            self.hook.mcgraph_train_step_end(step=step, metrics=metrics)
+        except BaseException as exc:
+            blame(self.pluginmanager, "mcgraph_train_step_end", exc)
+            raise
 
     @contextlib.contextmanager
     def evaluation(self) -> Iterator[dict[str, Any]]:
@@ -436,6 +450,27 @@ class TrainingRun:
             return isinstance(exc, SignalReceived)
         _terminate_by(signum)
         return False  # not reached for terminating signals
+
+
+class _TrainStep:
+    """The context manager of :meth:`TrainingRun.train_step`."""
+
+    __slots__ = ("_metrics", "_run", "_step")
+
+    def __init__(self, run: TrainingRun, step: int) -> None:
+        self._run = run
+        self._step = step
+        self._metrics: dict[str, Any] | None = None
+
+    def __enter__(self) -> dict[str, Any]:
+        self._metrics = self._run._step_started(self._step)
+        return self._metrics
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc_type is None:
+            assert self._metrics is not None
+            self._run._step_ended(self._step, self._metrics)
+        return False
 
 
 def _terminate_by(signum: int) -> None:
