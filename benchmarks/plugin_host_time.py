@@ -39,24 +39,15 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for path in (ROOT, ROOT / "examples"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import gpu_modes  # noqa: E402  (sets up sys.path for the project and the example)
 
 TARGET_US = 20.0
-MODES = {
-    "full_iteration": ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"],
-    "te_attn_mlp": [
-        "--transformer-impl",
-        "transformer_engine",
-        "--cuda-graph-impl",
-        "transformer_engine",
-        "--cuda-graph-scope",
-        "attn,mlp",
-    ],
-    "eager": [],
-}
+# The model of the other GPU benchmarks (gpu_modes, gpu_limit), so the numbers line up.
+SIZE = gpu_modes.SIZES["4L-512H"]
+MODES = ("full_iteration", "te_attn_mlp", "eager")
 
 
 class StepClock:
@@ -161,14 +152,18 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
     capture = Capture()
     clock = StepClock()
-    argv = [
-        "--train-iters", str(args.steps), "--log-interval", "0", "--bf16",
-        "--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
-        "--seq-length", "512", "--micro-batch-size", "2",
-        "--cuda-graph-warmup-steps", str(args.warmup), *MODES[mode],
-    ]  # fmt: skip
-    if args.cpu:
-        argv = [a for a in argv if a != "--bf16"] + ["--cpu", "--seq-length", "32"]
+    settings = gpu_modes.Settings(
+        steps=args.steps,
+        warmup=args.warmup,
+        repeats=1,
+        seq_length=32 if args.cpu else 512,
+        micro_batch_size=2,
+        vocab_size=128,
+        bf16=not args.cpu,
+        cpu=args.cpu,
+        smoke=False,
+    )
+    argv = gpu_modes.plugin_argv(SIZE, gpu_modes.MODES[mode], settings, use_cuda=not args.cpu)
     with contextlib.ExitStack() as stack:
         instrument(clock, stack)
         train_gpt.run(argv, plugins=[capture])
@@ -196,7 +191,7 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=list(MODES), default="full_iteration")
+    parser.add_argument("--mode", choices=MODES, default="full_iteration")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--cpu", action="store_true")

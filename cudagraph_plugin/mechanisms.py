@@ -1,4 +1,4 @@
-"""The two capture mechanisms, behind one small interface.
+"""The capture mechanisms, behind one small interface.
 
 * :class:`FullIterationGraphs` — megatron-core's ``FullCudaGraphWrapper`` around the
   whole forward/backward; it captures on its ``warmup_steps``-th call per stage
@@ -10,14 +10,15 @@
   on its class. Installing it replaces ``optimizer.step`` on the host's optimizer (as
   Megatron-LM and Megatron-Bridge do); releasing it puts the original back.
 
-Both answer :meth:`graph_count` and list the resources they hold as
+Each answers :meth:`graph_count` and lists the resources it holds as
 :class:`~cudagraph_plugin.cleanup.ReleaseStep` s, one per resource, so that shutdown can
-release each in its own guarded step. Neither fires hooks, times or measures anything:
+release each in its own guarded step. None fires hooks, times or measures anything:
 the plugin brackets their captures. All megatron-core access goes through ``compat``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -31,8 +32,6 @@ logger = logging.getLogger("cudagraph_plugin")
 class FullIterationGraphs:
     """Full-iteration graphs: one ``FullCudaGraphWrapper`` per forward/backward function the
     host hands over (they share megatron-core's class-level graphs and counters)."""
-
-    kind = "full_iteration"
 
     def __init__(self, warmup_steps: int, use_single_mempool: bool) -> None:
         self.warmup_steps = warmup_steps
@@ -77,15 +76,11 @@ class FullIterationGraphs:
         """The graphs alone (the opt-in fallback frees them and carries on eagerly)."""
         return [
             ReleaseStep(
-                "full-iteration training graph",
-                lambda: compat.free_full_iteration_graph("training"),
+                f"full-iteration {stage} graph",
+                functools.partial(compat.free_full_iteration_graph, stage),
                 frees_graphs=True,
-            ),
-            ReleaseStep(
-                "full-iteration validation graph",
-                lambda: compat.free_full_iteration_graph("validation"),
-                frees_graphs=True,
-            ),
+            )
+            for stage in compat.STAGES
         ]
 
     def release_steps(self) -> list[ReleaseStep]:
@@ -103,8 +98,6 @@ class FullIterationGraphs:
 
 class TEGraphs:
     """Per-layer Transformer Engine graphs through megatron-core's ``TECudaGraphHelper``."""
-
-    kind = "transformer_engine"
 
     def __init__(
         self,
@@ -154,8 +147,6 @@ class TEGraphs:
 
 class OptimizerGraphs:
     """The optimizer step in a CUDA graph (megatron-core's ``OptimizerCudaGraphWrapper``)."""
-
-    kind = "optimizer"
 
     def __init__(self, optimizer: Any, warmup_steps: int, use_single_mempool: bool) -> None:
         if compat.optimizer_graph_state_dirty():

@@ -294,28 +294,27 @@ class CudaGraphPlugin:
             )
 
     def _build_optimizer_graph(self, optimizer: Any, model_config: Any) -> None:
+        violations = []
         if compat.grad_norm_on_device() is False:
-            raise CudaGraphConfigError(
-                [
-                    Violation(
-                        ("megatron.core.optimizer.clip_grads.l2_norm_impl",),
-                        "local_multi_tensor_l2_norm",
-                        _GRAD_NORM_PROBLEM,
-                        _GRAD_NORM_FIX,
-                    )
-                ]
+            violations.append(
+                Violation(
+                    ("megatron.core.optimizer.clip_grads.l2_norm_impl",),
+                    "local_multi_tensor_l2_norm",
+                    _GRAD_NORM_PROBLEM,
+                    _GRAD_NORM_FIX,
+                )
             )
         if compat.optimizer_is_capturable(optimizer) is False:
-            raise CudaGraphConfigError(
-                [
-                    Violation(
-                        ("OptimizerConfig.optimizer_cuda_graph",),
-                        "False",
-                        _CAPTURABLE_PROBLEM,
-                        _CAPTURABLE_FIX,
-                    )
-                ]
+            violations.append(
+                Violation(
+                    ("OptimizerConfig.optimizer_cuda_graph",),
+                    "False",
+                    _CAPTURABLE_PROBLEM,
+                    _CAPTURABLE_FIX,
+                )
             )
+        if violations:
+            raise CudaGraphConfigError(violations)
         self.optim = OptimizerGraphs(
             optimizer, self.settings.warmup_steps, compat.single_mempool(model_config)
         )
