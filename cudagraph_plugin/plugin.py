@@ -110,10 +110,6 @@ _BUILD_FIX = (
     "the stream the capture needs, as Megatron-LM's loop does)"
 )
 
-# Run endings after which a peer rank may be dead or stuck in a collective: nothing at
-# shutdown may wait on the device then.
-_ABNORMAL = (ShutdownReason.EXCEPTION, ShutdownReason.INTERRUPTED, ShutdownReason.SIGNAL)
-
 
 class Phase(enum.Enum):
     CONFIGURED = "configured"
@@ -640,7 +636,7 @@ class CudaGraphPlugin:
     def _device_may_block(reason: Any) -> bool:
         """After an abnormal end of a multi-rank run a peer may never join the collectives
         queued on this device: waiting on it (a synchronisation, a cache flush) can hang."""
-        return reason in _ABNORMAL and compat.distributed_world()[1] > 1
+        return ShutdownReason(reason).abnormal and compat.distributed_world()[1] > 1
 
     def _release_steps(self, quiet: bool) -> list[ReleaseStep]:
         steps: list[ReleaseStep] = []

@@ -135,7 +135,7 @@ def end_distributed(run: TrainingRun) -> None:
     from megatron.core import parallel_state
 
     dist = torch.distributed
-    failed = run.shutdown_reason in ("exception", "interrupted", "signal")
+    failed = run.shutdown_reason is not None and run.shutdown_reason.abnormal
     if failed and dist.is_initialized() and dist.get_world_size() > 1:
         # A peer may never join a pending collective: a graceful teardown would wait
         # forever. Abort, so this rank exits now and the launcher ends the others.

@@ -315,11 +315,7 @@ def _end_distributed(reason: ShutdownReason | None) -> None:
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 
     dist = torch.distributed
-    abnormal = reason in (
-        ShutdownReason.EXCEPTION,
-        ShutdownReason.INTERRUPTED,
-        ShutdownReason.SIGNAL,
-    )
+    abnormal = reason is not None and reason.abnormal
     if abnormal and dist.is_initialized() and dist.get_world_size() > 1:
         logger.warning(
             "rank %d: the run ended by %s; aborting the process groups instead of a graceful "

@@ -43,6 +43,13 @@ class ShutdownReason(enum.StrEnum):
     INTERRUPTED = "interrupted"
     SIGNAL = "signal"
 
+    @property
+    def abnormal(self) -> bool:
+        """The run ended by an exception, Ctrl-C or a signal: in a multi-rank job a peer may
+        be gone, so nothing may wait on it (no device synchronisation, no graceful
+        process-group teardown)."""
+        return self in (ShutdownReason.EXCEPTION, ShutdownReason.INTERRUPTED, ShutdownReason.SIGNAL)
+
 
 class SignalReceived(BaseException):
     """Raised in the main thread when a handled signal (SIGTERM) arrives during a run.

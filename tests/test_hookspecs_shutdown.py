@@ -484,3 +484,12 @@ def test_an_ignored_signal_stays_ignored_and_the_others_are_handled(pm, rec):
         assert signal.getsignal(signal.SIGTERM) is before
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_abnormal_endings_are_exception_interrupt_and_signal():
+    assert {r for r in ShutdownReason if r.abnormal} == {
+        ShutdownReason.EXCEPTION,
+        ShutdownReason.INTERRUPTED,
+        ShutdownReason.SIGNAL,
+    }
+    assert ShutdownReason("signal").abnormal and not ShutdownReason("early_exit").abnormal
