@@ -66,7 +66,7 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack) -> None:
     """Wrap the pieces the plugin adds to a step (undone when ``stack`` closes)."""
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
-    from cudagraph_plugin import guard, plugin
+    from cudagraph_plugin.runtime import guard, interceptor
     from hookspecs import run
 
     def patch(owner: Any, name: str, replacement: Any) -> None:
@@ -95,7 +95,7 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack) -> None:
 
     patch(run.TrainingRun, "train_step", timed_train_step)
 
-    forward_backward = plugin.CudaGraphPlugin._forward_backward
+    forward_backward = interceptor.ForwardBackwardInterceptor.call
     inner_ns = [0]
 
     def timed_forward_backward(self: Any, eager: Any, kwargs: dict[str, Any]) -> Any:
@@ -112,7 +112,7 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack) -> None:
         clock.add("forward_backward", time.perf_counter_ns() - start - inner_ns[0])
         return result
 
-    patch(plugin.CudaGraphPlugin, "_forward_backward", timed_forward_backward)
+    patch(interceptor.ForwardBackwardInterceptor, "call", timed_forward_backward)
 
     mcore_call = FullCudaGraphWrapper.__call__
 

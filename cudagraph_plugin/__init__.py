@@ -7,22 +7,20 @@ Public API (imported on first use, so ``import cudagraph_plugin`` stays cheap)::
     result = check_config(cfg, te_version="2.12")   # changes nothing
     result.problems, result.autofixes, result.advice, result.notes
 
-Modules (each owns one thing; ``grep`` for the name):
+The package is layered; each layer imports only the ones listed before it (a test keeps
+it so, ``docs/architecture.md`` draws it):
 
-* ``settings``     — read the CUDA-graph settings from whatever config the host has, and
-  normalise the values launchers pass (strings of numbers, booleans, lists, patterns).
-* ``validation``   — every constraint, one error listing all violations with their fixes;
-  the auto-fixes, planned without touching the config; the warm-up warning.
-* ``preflight``    — environment facts (``NCCL_GRAPH_REGISTER`` with expandable segments).
-* ``config_check`` — ``check_config()``: the side-effect-free verdict the run and ``check``
-  share.
-* ``cli``          — argparse flags and the performance-harness overrides.
-* ``check``        — ``python -m cudagraph_plugin check``.
-* ``compat``       — the only module that knows megatron-core / TE version differences.
-* ``guard``        — the static-shape guard for captured graphs.
-* ``report``       — eager-vs-replay timing, capture time, memory; the run report.
-* ``plugin``       — the hook implementations: one small state machine per run.
-* ``entry``        — the entry-point module that registers a plugin per run.
+* ``hookspecs`` (its own distribution) — the contract between host and plugins;
+* ``config/``  — pure Python: read settings from any host config, the rules, the
+  environment facts, advice, and the one writer of automatic fixes (``check_config``);
+* ``cli/``     — the command-line flags, the harness overrides and the ``check`` command;
+* ``compat/``  — the only code that knows megatron-core's and Transformer Engine's APIs;
+* ``runtime/`` — one run: the plugin class and the small objects it delegates to;
+* ``entry``    — the entry-point module that registers a plugin per run.
+
+The flat modules of 0.1.0 (``settings``, ``validation``, ``preflight``, ``config_check``,
+``check``, ``guard``, ``report``, ``plugin``, ``mechanisms``, ``cleanup``) re-export their
+names for one release and warn.
 """
 
 from __future__ import annotations
@@ -33,11 +31,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "check_config": "cudagraph_plugin.config_check",
-    "ConfigCheck": "cudagraph_plugin.config_check",
-    "CudaGraphConfigError": "cudagraph_plugin.validation",
-    "Violation": "cudagraph_plugin.validation",
-    "AutoFix": "cudagraph_plugin.validation",
+    "check_config": "cudagraph_plugin.config.check",
+    "ConfigCheck": "cudagraph_plugin.config.check",
+    "CudaGraphConfigError": "cudagraph_plugin.config.errors",
+    "Violation": "cudagraph_plugin.config.errors",
+    "AutoFix": "cudagraph_plugin.config.fixes",
 }
 __all__ = ["__version__", *_EXPORTS]
 

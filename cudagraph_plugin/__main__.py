@@ -1,10 +1,10 @@
-"""``python -m cudagraph_plugin check ...`` (see ``cudagraph_plugin.check``)."""
+"""``python -m cudagraph_plugin check ...`` (see ``cudagraph_plugin.cli.check``)."""
 
 from __future__ import annotations
 
 import sys
 
-from cudagraph_plugin.check import run_check
+from cudagraph_plugin.cli.check import run_check
 
 USAGE = "usage: python -m cudagraph_plugin check [flags]   (check --help lists them)"
 

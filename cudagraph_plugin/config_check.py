@@ -1,127 +1,27 @@
-"""One side-effect-free check of a CUDA-graph configuration, with the verdict a run gives.
+"""Deprecated: ``cudagraph_plugin.config_check`` moved into ``cudagraph_plugin.config``;
+the old path re-exports the same objects for one release (0.1.x) and warns on
+import. The names now live in:
 
-:func:`check_config` reads the host's configuration (any shape ``settings.read_settings``
-takes), plans the documented auto-fixes without applying them, validates the configuration
-as it will be once they are applied, inspects the environment and returns a
-:class:`ConfigCheck`: the problems, the auto-fixes, the advice, and what could not be
-checked here. It changes nothing: not the configuration, not the environment, and it logs
-nothing.
-
-The run (``CudaGraphPlugin.configure``) and ``python -m cudagraph_plugin check`` both use
-it. Only the run writes the auto-fixes, through :meth:`ConfigCheck.apply`, and only into a
-configuration without problems.
-
-Pure Python: no torch, no megatron import.
+* ``cudagraph_plugin.config.check``
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import os
-from collections.abc import Callable, Mapping, MutableMapping
-from typing import Any
+import warnings
 
-from cudagraph_plugin.preflight import inspect_environment
-from cudagraph_plugin.settings import Settings, read_settings
-from cudagraph_plugin.validation import (
-    INSTALLED,
-    AutoFix,
-    CudaGraphConfigError,
-    Environment,
-    Violation,
-    advice,
-    evaluate,
-    plan_autofixes,
-    settings_after,
-    write_autofixes,
+from cudagraph_plugin.config.check import (
+    ConfigCheck,
+    check_config,
 )
 
+warnings.warn(
+    "cudagraph_plugin.config_check is deprecated (moved into cudagraph_plugin.config) "
+    "and goes away in the next release",
+    DeprecationWarning,
+    stacklevel=2,
+)
 
-@dataclasses.dataclass(frozen=True)
-class ConfigCheck:
-    """The verdict on one configuration.
-
-    :ivar settings: The settings as the run will see them (auto-fixes included).
-    :ivar problems: Every violation; the configuration can work only when there are none.
-    :ivar autofixes: The documented auto-fixes the run applies (config fields and
-        environment variables), not applied by the check.
-    :ivar advice: Warnings for a configuration that can work (never raised).
-    :ivar notes: What could not be checked here (e.g. Transformer Engine rules on a
-        machine without it).
-    :ivar environment: The facts the rules were checked against (Transformer Engine
-        version).
-    """
-
-    settings: Settings
-    problems: tuple[Violation, ...]
-    autofixes: tuple[AutoFix, ...]
-    advice: tuple[str, ...]
-    notes: tuple[str, ...]
-    environment: Environment
-
-    @property
-    def ok(self) -> bool:
-        """The configuration can work (no problems)."""
-        return not self.problems
-
-    def raise_for_problems(self) -> None:
-        """Raise :class:`CudaGraphConfigError` listing every problem, if there are any."""
-        if self.problems:
-            raise CudaGraphConfigError(list(self.problems))
-
-    def apply(self, config: Any, environ: MutableMapping[str, str] | None = None) -> list[str]:
-        """Write the auto-fixes into ``config`` (the object that was checked) and
-        ``environ`` (``os.environ`` by default), logging each; return what changed.
-
-        :raises CudaGraphConfigError: if there are problems; nothing is written then.
-        """
-        self.raise_for_problems()
-        return write_autofixes(config, list(self.autofixes), environ)
-
-
-def check_config(
-    config: Any,
-    *,
-    te_version: Any = INSTALLED,
-    te_available: bool | Callable[[], bool] | None = None,
-    environ: Mapping[str, str] | None = None,
-    nccl_initialized: bool | Callable[[], bool] = False,
-    harness: bool | None = None,
-) -> ConfigCheck:
-    """Check ``config`` as a run would, without changing anything.
-
-    :param config: The host's configuration: a Megatron-Bridge-style nested config, a
-        megatron-core ``TransformerConfig``, a Megatron-LM ``args`` namespace or a dict.
-    :param te_version: The Transformer Engine version the rules check against:
-        ``"installed"`` (this machine's, the default), a version such as ``"2.12"`` (to check
-        a GPU recipe on a laptop), or None. Without a version those rules are not checked
-        and say so in ``notes``.
-    :param te_available: Whether Transformer Engine's graph support can be used (a bool or
-        a query, asked only for TE graphs); None: not checked here (a note says so).
-    :param environ: The environment to inspect (``os.environ`` by default; only read).
-    :param nccl_initialized: NCCL has already read its environment (a bool or a query,
-        asked only when it matters).
-    :param harness: Apply the performance harness's auto-fixes too (a ``full_iteration``
-        command line turns the loss NaN check off). Default: for an argparse namespace.
-    :raises ValueError: if ``te_version`` is not a version number.
-    """
-    if harness is None:
-        harness = isinstance(config, argparse.Namespace)
-    env = os.environ if environ is None else environ
-    given = Environment.of(te_version)
-    read = read_settings(config)
-    fixes = plan_autofixes(config, read, harness=harness)
-    settings = settings_after(read, fixes)
-    problems, notes = evaluate(settings, given)
-    env_fixes, env_problems, env_notes = inspect_environment(
-        settings, env, nccl_initialized=nccl_initialized, te_available=te_available
-    )
-    return ConfigCheck(
-        settings=settings,
-        problems=tuple(problems + env_problems),
-        autofixes=tuple(fixes + env_fixes),
-        advice=tuple(advice(settings, env)),
-        notes=tuple(notes + env_notes),
-        environment=given,
-    )
+__all__ = [
+    "ConfigCheck",
+    "check_config",
+]

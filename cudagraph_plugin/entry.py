@@ -1,7 +1,7 @@
 """The entry-point module (group ``mcgraph``, name ``cudagraph``).
 
 Stateless: it adds the command-line flags and, when a run is configured, validates the
-configuration and registers a fresh :class:`~cudagraph_plugin.plugin.CudaGraphPlugin` for
+configuration and registers a fresh :class:`~cudagraph_plugin.runtime.plugin.CudaGraphPlugin` for
 that run on the run's plugin manager.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cudagraph_plugin.cli import add_cuda_graph_arguments
-from cudagraph_plugin.plugin import CudaGraphPlugin
+from cudagraph_plugin.cli.flags import add_cuda_graph_arguments
+from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
 from hookspecs import hookimpl
 
 RUN_PLUGIN_NAME = "cudagraph:CudaGraphPlugin"

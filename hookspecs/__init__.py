@@ -5,6 +5,11 @@ entry-point discovery and blocking (``manager``), the host's default implementat
 "perform" hooks (``host_defaults``), and the host-side :class:`TrainingRun` helper that fires
 the hooks in order and guarantees the shutdown hook on every exit path (``run``).
 
+Leaf modules come first and nothing imports this package's ``__init__`` from inside it:
+``markers`` (the name and pluggy markers) and ``reasons`` (why a run ended) import nothing
+of the contract; ``spec`` and ``host_defaults`` import ``markers``; ``manager`` imports
+them; ``run`` imports ``manager`` and ``reasons``.
+
 It imports neither torch nor megatron at run time, so a plugin author can depend on it alone:
 it is its own distribution, ``mcgraph-hookspecs`` (built by ``hookspecs/pyproject.toml``;
 pluggy is its only dependency), and ``megatron-cudagraph-plugin`` depends on it. The run
@@ -15,35 +20,20 @@ One name, ``mcgraph``, is the marker name, the hook prefix and the entry-point g
 
 from __future__ import annotations
 
-import pluggy
-
-__version__ = "0.1.0"
-"""The contract's version (the ``mcgraph-hookspecs`` distribution's): a hook or report change
-that breaks plugins raises the minor version while it is 0.x."""
-
-PROJECT_NAME = "mcgraph"
-"""Marker name, hook prefix (``mcgraph_``) and entry-point group."""
-
-hookspec = pluggy.HookspecMarker(PROJECT_NAME)
-"""Marks a hook specification (used only in :mod:`hookspecs.spec`)."""
-
-hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
-"""Marks a hook implementation: ``@hookimpl`` / ``@hookimpl(wrapper=True)`` in plugins."""
-
-from hookspecs.manager import (  # noqa: E402
+from hookspecs.manager import (
     BLOCK_ENV_VAR,
     McgraphPluginManager,
     get_plugin_manager,
     plugin_name,
 )
-from hookspecs.report_schema import REPORT_SCHEMA_VERSION, Report  # noqa: E402
-from hookspecs.run import (  # noqa: E402
-    ShutdownReason,
-    SignalReceived,
-    TrainingRun,
-    call_hook,
-    merge_kwargs,
-)
+from hookspecs.markers import PROJECT_NAME, hookimpl, hookspec
+from hookspecs.reasons import ShutdownReason, SignalReceived
+from hookspecs.report_schema import REPORT_SCHEMA_VERSION, Report
+from hookspecs.run import TrainingRun, call_hook, merge_kwargs
+
+__version__ = "0.1.0"
+"""The contract's version (the ``mcgraph-hookspecs`` distribution's): a hook or report change
+that breaks plugins raises the minor version while it is 0.x."""
 
 __all__ = [
     "BLOCK_ENV_VAR",

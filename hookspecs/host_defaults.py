@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hookspecs import hookimpl
+from hookspecs.markers import hookimpl
 
 
 @hookimpl(trylast=True)

@@ -23,7 +23,8 @@ from typing import Any
 
 import pluggy
 
-from hookspecs import PROJECT_NAME, host_defaults, spec
+from hookspecs import host_defaults, spec
+from hookspecs.markers import PROJECT_NAME
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ signal). A failing shutdown hook never hides the exception that ended the run.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import os
 import signal
@@ -26,40 +25,13 @@ from typing import Any
 import pluggy
 
 from hookspecs.manager import describe_plugin
+from hookspecs.reasons import ShutdownReason, SignalReceived
 
 logger = logging.getLogger(__name__)
 
 # Managers that already served a run: configure is historic, so reusing one would replay
 # the old run's configuration to late plugins. Weak, so finished runs' managers go away.
 _USED_MANAGERS: weakref.WeakSet[pluggy.PluginManager] = weakref.WeakSet()
-
-
-class ShutdownReason(enum.StrEnum):
-    """Why a run ended (the ``reason`` of ``mcgraph_shutdown``)."""
-
-    COMPLETED = "completed"
-    EARLY_EXIT = "early_exit"
-    EXCEPTION = "exception"
-    INTERRUPTED = "interrupted"
-    SIGNAL = "signal"
-
-    @property
-    def abnormal(self) -> bool:
-        """The run ended by an exception, Ctrl-C or a signal: in a multi-rank job a peer may
-        be gone, so nothing may wait on it (no device synchronisation, no graceful
-        process-group teardown)."""
-        return self in (ShutdownReason.EXCEPTION, ShutdownReason.INTERRUPTED, ShutdownReason.SIGNAL)
-
-
-class SignalReceived(BaseException):
-    """Raised in the main thread when a handled signal (SIGTERM) arrives during a run.
-
-    A ``BaseException`` so that a host's ``except Exception`` does not swallow it.
-    """
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(f"received {signal.Signals(signum).name}")
 
 
 def merge_kwargs(

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hookspecs import hookspec
+from hookspecs.markers import hookspec
 
 if TYPE_CHECKING:
     import argparse
@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 
     import pluggy
 
+    from hookspecs.reasons import ShutdownReason
     from hookspecs.report_schema import Report
-    from hookspecs.run import ShutdownReason
 
 
 # -------------------------------------------------------------------------------------------

@@ -101,12 +101,12 @@ class OptimizerCudaGraphWrapper:
 
 def install(monkeypatch: Any) -> type[OptimizerCudaGraphWrapper]:
     """Make the wrapper importable as megatron-core's and report the feature as present."""
-    from cudagraph_plugin import compat
+    from cudagraph_plugin.config import environment
 
     module = types.ModuleType(MODULE)
     module.OptimizerCudaGraphWrapper = OptimizerCudaGraphWrapper
     monkeypatch.setitem(sys.modules, MODULE, module)
-    monkeypatch.setattr(compat, "has_optimizer_graph", lambda: True)
+    monkeypatch.setattr(environment, "has_optimizer_graph", lambda: True)
     monkeypatch.setattr(OptimizerCudaGraphWrapper, "curr_iteration", 0)
     monkeypatch.setattr(OptimizerCudaGraphWrapper, "cuda_graph", None)
     monkeypatch.setattr(OptimizerCudaGraphWrapper, "result", None)

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from cudagraph_plugin import __main__ as entry
-from cudagraph_plugin import compat
-from cudagraph_plugin.check import build_parser, run_check
+from cudagraph_plugin.cli.check import build_parser, run_check
+from cudagraph_plugin.config import environment
 
 DENSE_FULL_ITERATION = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
 DENSE_TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp"]
@@ -54,7 +54,7 @@ def clean_env(monkeypatch):
     """A deterministic environment: no allocator options, no Transformer Engine."""
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
-    monkeypatch.setattr(compat, "te_version", lambda: None)
+    monkeypatch.setattr(environment, "installed_te_version", lambda: None)
 
 
 def check(argv):
@@ -76,7 +76,7 @@ def test_dense_full_iteration_is_ok_with_its_auto_fixes():
     got = lines(out)
     assert got[0] == (
         "cuda graphs: impl=local scope=full_iteration warmup=3 "
-        f"(megatron-core {compat.mcore_version()}, Transformer Engine not installed here)"
+        f"(megatron-core {environment.mcore_version()}, Transformer Engine not installed here)"
     )
     assert RNG_FIX in got
     assert NAN_FIX in got
@@ -540,7 +540,7 @@ def test_te_version_checks_a_gpu_recipe_on_a_laptop(version, code):
 def test_installed_te_is_used_without_te_version(monkeypatch):
     from packaging.version import Version
 
-    monkeypatch.setattr(compat, "te_version", lambda: Version("2.11.0"))
+    monkeypatch.setattr(environment, "installed_te_version", lambda: Version("2.11.0"))
     code, out = check(WGRAD)
     assert code == 1
     assert "Transformer Engine >= 2.12.0 (installed: 2.11.0)" in out

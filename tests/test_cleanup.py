@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from cudagraph_plugin.cleanup import ReleaseStep, release_each, settle
+from cudagraph_plugin.runtime.release import ReleaseStep, release_each, settle
 
 
 def _raise(exc: BaseException):

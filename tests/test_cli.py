@@ -10,8 +10,9 @@ from types import SimpleNamespace as NS
 import pytest
 
 from cudagraph_plugin.cli import add_cuda_graph_arguments, apply_overrides, parse_scope_arg
-from cudagraph_plugin.settings import SCOPES, read_settings
-from cudagraph_plugin.validation import find_violations
+from cudagraph_plugin.config.rules import find_violations
+from cudagraph_plugin.config.settings import read_settings
+from cudagraph_plugin.config.vocabulary import SCOPES
 
 
 def parser():

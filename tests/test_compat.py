@@ -15,6 +15,7 @@ from packaging.version import Version
 
 from cpu_redirect import cpu_redirect
 from cudagraph_plugin import compat
+from cudagraph_plugin.config import environment
 from fakes import (
     FakeCUDAGraph,
     FakeTECudaGraphHelper,
@@ -89,7 +90,7 @@ def test_free_keeps_the_static_buffer_dict_object():
 
 @needs_mcore_on_cpu
 def test_full_iteration_graphs_over_dirty_state_warn_and_reset(caplog):
-    from cudagraph_plugin.mechanisms import FullIterationGraphs
+    from cudagraph_plugin.runtime.mechanisms import FullIterationGraphs
 
     _dirty()
     with cpu_redirect(), caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
@@ -104,7 +105,7 @@ def test_full_iteration_graphs_over_dirty_state_warn_and_reset(caplog):
 
 @needs_mcore_on_cpu
 def test_full_iteration_graphs_over_clean_state_are_silent_and_wrap_once(caplog):
-    from cudagraph_plugin.mechanisms import FullIterationGraphs
+    from cudagraph_plugin.runtime.mechanisms import FullIterationGraphs
 
     def func(**kwargs):
         return None
@@ -239,7 +240,7 @@ def test_generation_is_detected_by_feature_not_by_version(monkeypatch):
     class NewConfig:
         cuda_graph_modules: list = dataclasses.field(default_factory=list)
 
-    monkeypatch.setattr(compat, "_dist_version", lambda *names: Version("0.18.0rc1"))
+    monkeypatch.setattr(environment, "dist_version", lambda *names: Version("0.18.0rc1"))
     compat.new_generation.cache_clear()
     try:
         assert compat.new_generation() is False  # the installed config: 0.16's fields
@@ -251,12 +252,12 @@ def test_generation_is_detected_by_feature_not_by_version(monkeypatch):
 
 
 def test_versions_without_package_metadata(monkeypatch):
-    monkeypatch.setattr(compat, "_dist_version", lambda *names: None)
-    compat.mcore_version.cache_clear()
+    monkeypatch.setattr(environment, "dist_version", lambda *names: None)
+    environment.mcore_version.cache_clear()
     try:
         versions = compat.versions()
     finally:
-        compat.mcore_version.cache_clear()
+        environment.mcore_version.cache_clear()
     assert versions["megatron-core"] == "0.16.1"  # from megatron.core.package_info
     assert versions["torch"] == torch.__version__
     assert versions["transformer-engine"] is None

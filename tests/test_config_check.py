@@ -13,9 +13,10 @@ from types import SimpleNamespace as NS
 import pytest
 
 from cudagraph_plugin import compat
-from cudagraph_plugin.check import build_parser, run_check
-from cudagraph_plugin.plugin import CudaGraphPlugin
-from cudagraph_plugin.settings import read_settings
+from cudagraph_plugin.cli.check import build_parser, run_check
+from cudagraph_plugin.config import environment
+from cudagraph_plugin.config.settings import read_settings
+from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
 
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
@@ -25,7 +26,7 @@ def no_te_no_alloc_conf(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
-    monkeypatch.setattr(compat, "te_version", lambda: None)
+    monkeypatch.setattr(environment, "installed_te_version", lambda: None)
 
 
 def recipe(impl="transformer_engine", scope="attn,mlp", **model):
@@ -62,7 +63,7 @@ def test_importing_the_api_stays_light():
     code = (
         "import sys\n"
         "import cudagraph_plugin\n"
-        "light = 'cudagraph_plugin.config_check' not in sys.modules\n"
+        "light = 'cudagraph_plugin.config.check' not in sys.modules\n"
         "from cudagraph_plugin import check_config\n"
         "check_config({'cuda_graph_impl': 'local', 'cuda_graph_scope': 'full_iteration'})\n"
         "heavy = sorted(m for m in sys.modules\n"

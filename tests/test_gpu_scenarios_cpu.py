@@ -25,8 +25,8 @@ import test_gpu
 from test_gpu import SCENARIOS, Scenario
 
 import train_gpt
+from cudagraph_plugin.config.errors import CudaGraphConfigError
 from cudagraph_plugin.entry import RUN_PLUGIN_NAME
-from cudagraph_plugin.validation import CudaGraphConfigError
 from hookspecs import TrainingRun, get_plugin_manager
 from jobs import JobResult
 from train_jobs import PROBE_PATH, REPO, TrainJob, pinned_device
@@ -100,12 +100,12 @@ def configure(argv: list[str]) -> None:
 
 
 def test_every_scenario_passes_the_plugins_validation(monkeypatch) -> None:
-    from cudagraph_plugin import compat
+    from cudagraph_plugin.config import environment
 
     for scenario in SCENARIOS:
         with monkeypatch.context() as patch:
             if scenario.needs_optimizer_graph:  # its GPU run needs megatron-core 0.17+
-                patch.setattr(compat, "has_optimizer_graph", lambda: True)
+                patch.setattr(environment, "has_optimizer_graph", lambda: True)
             configure(scenario.argv())
     # ... which is a real check: the MoE scenario without TE's fused permutation fails it
     moe = test_gpu.BY_NAME["te_moe"].argv()

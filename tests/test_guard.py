@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cudagraph_plugin.guard import ShapeGuard, StaticShapeError, signature
+from cudagraph_plugin.runtime.guard import ShapeGuard, StaticShapeError, signature
 
 
 def batches(n: int, seq: int = 8, mbs: int = 2, dtype=torch.int64):

@@ -17,7 +17,7 @@ from cpu_only import needs_mcore_on_cpu
 import fake_optimizer_graph
 import train_gpt
 from cudagraph_plugin import compat
-from cudagraph_plugin.validation import CudaGraphConfigError
+from cudagraph_plugin.config.errors import CudaGraphConfigError
 from recording import RaiseAt, Recorder
 
 pytestmark = needs_mcore_on_cpu
@@ -78,7 +78,7 @@ def test_full_iteration_and_optimizer_graphs_capture_in_the_same_step(
         steps=steps,
     )  # fmt: skip
     capture = start + warmup
-    stages = [(c["stage"], c["step"]) for c in rec.graph_plugin.captures]
+    stages = [(c["stage"], c["step"]) for c in rec.graph_plugin.capture.records]
     assert stages == [("training", capture), ("optimizer", capture)]
     captures = [e for e in rec.events if e[0] == "before_capture"]
     assert captures == [
@@ -104,7 +104,7 @@ def test_the_hosts_optimizer_step_is_restored_at_shutdown(graphs, capturable):
 
 def test_optimizer_graph_alone(graphs, capturable):
     _, rec = run(*OPTIM, "--cuda-graph-warmup-steps", "2", steps=6)
-    assert [(c["stage"], c["step"]) for c in rec.graph_plugin.captures] == [("optimizer", 2)]
+    assert [(c["stage"], c["step"]) for c in rec.graph_plugin.capture.records] == [("optimizer", 2)]
     assert rec.report.graphs_captured and rec.report.graph_count == 1
     assert rec.report.capture_step == 2
 

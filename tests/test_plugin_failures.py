@@ -21,9 +21,9 @@ from cpu_only import needs_mcore_on_cpu
 import cpu_redirect as redirect
 import train_gpt
 from cudagraph_plugin import compat
-from cudagraph_plugin import plugin as plugin_module
-from cudagraph_plugin.report import StepTimer
-from cudagraph_plugin.validation import CudaGraphConfigError
+from cudagraph_plugin.config.errors import CudaGraphConfigError
+from cudagraph_plugin.runtime import fallback, release_plan
+from cudagraph_plugin.runtime.timing import StepTimer
 from hookspecs import TrainingRun, hookimpl
 from recording import RaiseAt, Recorder
 
@@ -100,8 +100,8 @@ def device_waits(monkeypatch):
         return original(self, sync=sync)
 
     monkeypatch.setattr(StepTimer, "durations_ms", durations)
-    monkeypatch.setattr(plugin_module, "_empty_cache", lambda: waits["flushes"].append(1))
-    monkeypatch.setattr(plugin_module, "_allocated_mib", lambda: 0.0)
+    monkeypatch.setattr(release_plan, "empty_cache", lambda: waits["flushes"].append(1))
+    monkeypatch.setattr(release_plan, "allocated_mib", lambda: 0.0)
     return waits
 
 
@@ -142,7 +142,7 @@ def test_a_clean_multi_rank_end_still_flushes_the_cache(fake_graphs, device_wait
 def test_fallback_is_decided_by_all_ranks(fake_graphs, monkeypatch, local, anywhere):
     asked = []
     monkeypatch.setattr(
-        plugin_module, "verdict", lambda eager, replay: (local, 1.0, 0.02, f"replay {local}")
+        fallback, "verdict", lambda eager, replay: (local, 1.0, 0.02, f"replay {local}")
     )
 
     def any_rank(flag):

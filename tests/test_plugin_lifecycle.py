@@ -21,8 +21,9 @@ from cpu_only import needs_mcore_on_cpu
 import train_gpt
 from cpu_redirect import cpu_redirect
 from cudagraph_plugin import compat
-from cudagraph_plugin import plugin as plugin_module
-from cudagraph_plugin.guard import StaticShapeError
+from cudagraph_plugin.runtime import fallback
+from cudagraph_plugin.runtime.guard import StaticShapeError
+from cudagraph_plugin.runtime.state import Phase
 from fakes import FakeTECudaGraphHelper, install_fake_cuda_graphs
 from hookspecs import ShutdownReason, hookimpl
 from recording import RaiseAt, Recorder
@@ -74,7 +75,7 @@ def test_full_iteration_captures_after_warmup_counted_from_the_start_step(
     report = rec.report
     assert report.graphs_captured and report.capture_step == capture_step
     # the capture is timed inside its step
-    capture_ms = rec.graph_plugin.timer.durations_ms()[capture_step]
+    capture_ms = rec.graph_plugin.measurement.timer.durations_ms()[capture_step]
     assert 0 < report.capture_seconds * 1000 <= capture_ms
     assert report.replay_steps == list(range(capture_step + 1, 10))
     assert report.eager_steps == list(range(start + 1, capture_step))
@@ -92,7 +93,7 @@ def test_full_iteration_validation_gets_its_own_graph(fake_graphs):
         "2",
         steps=9,
     )
-    stages = [c["stage"] for c in rec.graph_plugin.captures]
+    stages = [c["stage"] for c in rec.graph_plugin.capture.records]
     assert stages == ["training", "validation"]
     training, validation = fake_graphs.graphs
     # evaluations at steps 3, 6, 9 with 2 iterations each: call 1 captures (warm-up 1)
@@ -193,7 +194,7 @@ def test_graphs_are_freed_once_on_every_exit_path(fake_graphs, extra, plugins, r
         [helper] = fake_graphs.helpers
         assert not helper.graphs_created()
         assert all(layer.cuda_graphs == [] for layer in helper.flattened_callables)
-    assert recorder.graph_plugin.phase is plugin_module.Phase.SHUT_DOWN
+    assert recorder.graph_plugin.phase is Phase.SHUT_DOWN
 
 
 class KeepsWeakRefs:
@@ -217,10 +218,11 @@ def test_shutdown_releases_every_resource_the_run_held(fake_graphs, monkeypatch,
     argv = (*TE, *OVERLAP) if mode == "te" else FULL
     _, rec = run(*argv, "--cuda-graph-warmup-steps", "2", plugins=[refs], steps=5)
     plugin = rec.graph_plugin
-    assert plugin.phase is plugin_module.Phase.SHUT_DOWN
-    assert plugin.te is None and plugin.full is None
-    assert not plugin.guard.is_armed("training") and not plugin.manual_hooks_pending
-    assert plugin.model is None and plugin.model_config is None and not plugin._wrapped
+    assert plugin.phase is Phase.SHUT_DOWN
+    assert plugin.state.te is None and plugin.state.full is None
+    assert not plugin.guard.is_armed("training") and not plugin.te_capture.manual_hooks_pending
+    assert plugin.state.model is None and plugin.state.model_config is None
+    assert not plugin.interceptor.wrapped
     assert ("clear_cublas_workspaces", None) in fake_graphs.events
     assert not compat.full_iteration_state_dirty()
     assert not cuda_graphs.is_graph_capturing()
@@ -568,13 +570,13 @@ def test_shape_change_before_capture_is_fine(fake_graphs):
 
 def test_fallback_frees_the_graph_when_replay_loses(fake_graphs, monkeypatch, caplog):
     monkeypatch.setattr(
-        plugin_module, "verdict", lambda eager, replay: ("slower", 0.8, 0.02, "replay is SLOWER")
+        fallback, "verdict", lambda eager, replay: ("slower", 0.8, 0.02, "replay is SLOWER")
     )
     with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
         summary, rec = run(
             *FULL, "--cuda-graph-warmup-steps", "2", "--cuda-graph-fallback-on-slowdown", steps=12
         )
-    fallback_step = 2 + plugin_module.FALLBACK_REPLAY_STEPS
+    fallback_step = 2 + fallback.FALLBACK_REPLAY_STEPS
     assert rec.report.fallback_step == fallback_step
     [graph] = fake_graphs.graphs
     assert graph.resets == 1 and graph.replays == fallback_step - 2 + 1
@@ -587,7 +589,7 @@ def test_fallback_frees_the_graph_when_replay_loses(fake_graphs, monkeypatch, ca
 def test_fallback_keeps_graphs_that_win(fake_graphs, monkeypatch):
     # The verdict is given: the fake replay does the work in Python, its timing means nothing.
     monkeypatch.setattr(
-        plugin_module, "verdict", lambda eager, replay: ("faster", 1.5, 0.02, "replay is faster")
+        fallback, "verdict", lambda eager, replay: ("faster", 1.5, 0.02, "replay is faster")
     )
     _, rec = run(
         *FULL, "--cuda-graph-warmup-steps", "2", "--cuda-graph-fallback-on-slowdown", steps=10
@@ -623,9 +625,9 @@ def test_invalid_configuration_fails_before_anything_is_built(monkeypatch):
 def test_rng_tracker_that_is_not_graph_safe_is_refused(fake_graphs):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from cudagraph_plugin.plugin import CudaGraphPlugin
-    from cudagraph_plugin.settings import read_settings
-    from cudagraph_plugin.validation import CudaGraphConfigError
+    from cudagraph_plugin.config.errors import CudaGraphConfigError
+    from cudagraph_plugin.config.settings import read_settings
+    from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
 
     settings = read_settings({"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"})
     plugin = CudaGraphPlugin(settings, pluginmanager=None, cuda=True)
@@ -641,9 +643,9 @@ def test_rng_tracker_that_is_not_graph_safe_is_refused(fake_graphs):
 def test_model_config_built_without_the_plugin_kwargs_is_refused():
     from types import SimpleNamespace
 
-    from cudagraph_plugin.plugin import CudaGraphPlugin
-    from cudagraph_plugin.settings import read_settings
-    from cudagraph_plugin.validation import CudaGraphConfigError
+    from cudagraph_plugin.config.errors import CudaGraphConfigError
+    from cudagraph_plugin.config.settings import read_settings
+    from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
 
     settings = read_settings(
         {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration", "seq_length": 32}
@@ -693,9 +695,9 @@ def test_failed_te_capture_clears_megatron_cores_capture_flag(fake_graphs, monke
 def test_te_needs_the_micro_batch_calculator():
     from types import SimpleNamespace
 
-    from cudagraph_plugin.plugin import CudaGraphPlugin
-    from cudagraph_plugin.settings import read_settings
-    from cudagraph_plugin.validation import CudaGraphConfigError
+    from cudagraph_plugin.config.errors import CudaGraphConfigError
+    from cudagraph_plugin.config.settings import read_settings
+    from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
 
     settings = read_settings({"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": "attn"})
     plugin = CudaGraphPlugin(settings, pluginmanager=None, cuda=True)
@@ -737,7 +739,7 @@ def test_cleanup_runs_even_if_another_shutdown_wrapper_raises_before_its_yield(f
 def test_fallback_policy_reads_the_timings_once_to_decide(fake_graphs, monkeypatch):
     """Reading the step timings synchronises the device: once for the decision, once for
     the report, never on each replay step before the decision."""
-    from cudagraph_plugin.report import StepTimer
+    from cudagraph_plugin.runtime.timing import StepTimer
 
     reads = []
     original = StepTimer.durations_ms

@@ -9,9 +9,9 @@ from types import SimpleNamespace as NS
 import pytest
 
 from cudagraph_plugin import compat
-from cudagraph_plugin.preflight import preflight
-from cudagraph_plugin.settings import read_settings
-from cudagraph_plugin.validation import CudaGraphConfigError
+from cudagraph_plugin.config.errors import CudaGraphConfigError
+from cudagraph_plugin.config.fixes import preflight
+from cudagraph_plugin.config.settings import read_settings
 
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 

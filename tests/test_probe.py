@@ -74,8 +74,10 @@ def test_graph_plugin_facts_take_what_they_find(probe: ModuleType) -> None:
     full = SimpleNamespace(
         graphs_freed=2,
         allocated_after_free_mib=10.0,
-        memory_before=_Snapshot(12.0),
-        captures=[{"stage": "training", "step": 3, "seconds": 0.5}],
+        capture=SimpleNamespace(
+            memory_before=_Snapshot(12.0),
+            records=[{"stage": "training", "step": 3, "seconds": 0.5}],
+        ),
     )
     pm2.register(full, name=RUN_PLUGIN_NAME)
     assert probe.graph_plugin_facts(pm2) == {
@@ -83,6 +85,22 @@ def test_graph_plugin_facts_take_what_they_find(probe: ModuleType) -> None:
         "allocated_after_free_mib": 10.0,
         "memory_before": {"allocated_mib": 12.0},
         "captures": [{"stage": "training", "step": 3, "seconds": 0.5}],
+    }
+
+
+def test_graph_plugin_facts_read_the_real_plugin(probe: ModuleType) -> None:
+    """The attributes the probe reads exist on the plugin itself (a rename would make the
+    GPU suite's facts silently ``None``)."""
+    from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    plugin = CudaGraphPlugin.configure({"cuda_graph_impl": "none"}, pm)
+    pm.register(plugin, name=RUN_PLUGIN_NAME)
+    assert probe.graph_plugin_facts(pm) == {
+        "graphs_freed": 0,
+        "allocated_after_free_mib": None,
+        "memory_before": None,
+        "captures": [],
     }
 
 

@@ -1,5 +1,6 @@
-"""README's configuration section matches the code: the check recipes print what README
-shows, and the accepted-forms table names every field whose value is normalised."""
+"""The configuration reference (docs/configuration.md) matches the code: the check recipes
+print what it shows, and the accepted-forms table names every field whose value is
+normalised."""
 
 from __future__ import annotations
 
@@ -10,22 +11,22 @@ import shlex
 
 import pytest
 
-from cudagraph_plugin import compat
-from cudagraph_plugin.check import run_check
-from cudagraph_plugin.settings import _PARSERS, FIELD_PATHS
+from cudagraph_plugin.cli.check import run_check
+from cudagraph_plugin.config import environment
+from cudagraph_plugin.config.fields import FIELD_PATHS
+from cudagraph_plugin.config.values import _PARSERS
 
-README = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+README = (pathlib.Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
 
 
 def _section(title: str) -> str:
     start = README.index(title)
-    end = README.index("\n## ", start)
-    nxt = README.find("\n### ", start + len(title))
-    return README[start : min(end, nxt) if nxt != -1 else end]
+    end = README.find("\n## ", start + len(title))
+    return README[start : end if end != -1 else len(README)]
 
 
 def _recipes() -> list[tuple[list[str], list[str]]]:
-    block = _section("### Checking a configuration without a GPU").split("```text\n")[1]
+    block = _section("## Checking a configuration without a GPU").split("```text\n")[1]
     block = block.split("```")[0].replace("\\\n", " ")
     recipes = []
     for chunk in block.split("$ python -m cudagraph_plugin check")[1:]:
@@ -43,12 +44,12 @@ def test_readme_has_the_recipes():
 
 @pytest.mark.parametrize("argv, expected", RECIPES, ids=[" ".join(a[:4]) for a, _ in RECIPES])
 def test_readme_check_recipe_prints_what_readme_shows(monkeypatch, argv, expected):
-    monkeypatch.setattr(compat, "te_version", lambda: None)
+    monkeypatch.setattr(environment, "installed_te_version", lambda: None)
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "NCCL_GRAPH_REGISTER"):
         monkeypatch.delenv(name, raising=False)
     out = io.StringIO()
     code = run_check(argv, out=out)
-    version = f"megatron-core {compat.mcore_version()}"
+    version = f"megatron-core {environment.mcore_version()}"
     assert out.getvalue().splitlines() == [
         line.replace("megatron-core 0.16.1", version) for line in expected
     ]
@@ -56,7 +57,7 @@ def test_readme_check_recipe_prints_what_readme_shows(monkeypatch, argv, expecte
 
 
 def test_accepted_forms_table_names_every_normalised_field():
-    table = _section("### Accepted forms")
+    table = _section("## Accepted forms")
     named = set(re.findall(r"`([a-z0-9_\[\]]+)`", table))
     named |= {n.replace("[_and_grad]", "") for n in named} | {
         n.replace("[_and_grad]", "_and_grad") for n in named

@@ -23,17 +23,17 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from cudagraph_plugin.config_check import check_config
-from cudagraph_plugin.settings import read_settings
-from cudagraph_plugin.validation import (
+from cudagraph_plugin.config.check import check_config
+from cudagraph_plugin.config.errors import (
     BRIDGE,
     MCORE,
     MCORE_16,
     MCORE_19,
     MLM,
     CudaGraphConfigError,
-    find_violations,
 )
+from cudagraph_plugin.config.rules import find_violations
+from cudagraph_plugin.config.settings import read_settings
 
 MOE = dict(num_moe_experts=8)
 PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)

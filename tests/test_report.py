@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from cudagraph_plugin.report import MemorySnapshot, RunReport, StepTimer, verdict
+from cudagraph_plugin.runtime.report import RunReport, verdict
+from cudagraph_plugin.runtime.timing import MemorySnapshot, StepTimer
 from fakes import FakeDevice
 
 

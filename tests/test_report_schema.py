@@ -12,7 +12,7 @@ from cpu_only import needs_mcore_on_cpu
 from test_report import make_report
 
 import train_gpt
-from cudagraph_plugin.report import MemorySnapshot
+from cudagraph_plugin.runtime.timing import MemorySnapshot
 from hookspecs import REPORT_SCHEMA_VERSION
 from hookspecs.report_schema import (
     MEMORY_SNAPSHOT_FIELDS,

@@ -11,19 +11,19 @@ import pytest
 from packaging.version import Version
 
 from cudagraph_plugin import compat
-from cudagraph_plugin.settings import (
-    DEFAULT_WARMUP_STEPS,
+from cudagraph_plugin.compat import generation
+from cudagraph_plugin.config import environment, vocabulary
+from cudagraph_plugin.config.fields import (
     MISSING,
-    SCOPES,
-    Settings,
     assign,
     display_name,
     existing_paths,
     lookup,
-    parse_scope,
-    read_settings,
     resolve,
 )
+from cudagraph_plugin.config.settings import Settings, read_settings
+from cudagraph_plugin.config.values import parse_scope
+from cudagraph_plugin.config.vocabulary import DEFAULT_WARMUP_STEPS, SCOPES
 
 
 class FakeCudaGraphModule(enum.Enum):
@@ -454,7 +454,7 @@ def test_namespace_comma_separated_scope_string_with_spaces():
     ],
 )
 def test_canonical_impl_and_scope(impl, scope, expected):
-    assert compat.canonical_impl_and_scope(impl, scope) == expected
+    assert vocabulary.canonical_impl_and_scope(impl, scope) == expected
 
 
 @pytest.mark.parametrize(
@@ -474,19 +474,19 @@ def test_te_version_reads_distribution_metadata(monkeypatch, installed, expected
             return installed[name]
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(compat.importlib.metadata, "version", version)
-    te = compat.te_version()
+    monkeypatch.setattr(environment.importlib.metadata, "version", version)
+    te = environment.installed_te_version()
     assert te == (None if expected is None else Version(expected))
 
 
 @pytest.mark.parametrize("new", [False, True])
 def test_model_config_kwargs_impl_none(monkeypatch, new):
-    monkeypatch.setattr(compat, "new_generation", lambda: new)
+    monkeypatch.setattr(generation, "new_generation", lambda: new)
     assert compat.model_config_kwargs("none", ("attn",), 3) == {"cuda_graph_impl": "none"}
 
 
 def test_model_config_kwargs_old_generation(monkeypatch):
-    monkeypatch.setattr(compat, "new_generation", lambda: False)
+    monkeypatch.setattr(generation, "new_generation", lambda: False)
     assert compat.model_config_kwargs("local", ("full_iteration",), 2) == {
         "cuda_graph_impl": "local",
         "cuda_graph_scope": ["full_iteration"],
@@ -502,7 +502,7 @@ def test_model_config_kwargs_old_generation(monkeypatch):
 
 
 def test_model_config_kwargs_new_generation(monkeypatch):
-    monkeypatch.setattr(compat, "new_generation", lambda: True)
+    monkeypatch.setattr(generation, "new_generation", lambda: True)
     assert compat.model_config_kwargs("local", ("full_iteration",), 2) == {
         "cuda_graph_impl": "full_iteration",
         "cuda_graph_modules": [],
@@ -524,7 +524,7 @@ def test_model_config_kwargs_new_generation(monkeypatch):
 def test_model_config_kwargs_0_16_spelling_builds_a_real_transformer_config(
     monkeypatch, impl, scope
 ):
-    monkeypatch.setattr(compat, "new_generation", lambda: False)
+    monkeypatch.setattr(generation, "new_generation", lambda: False)
     kwargs = compat.model_config_kwargs(impl, scope, 2)
     cfg = transformer_config(**kwargs)
     s = read_settings(cfg)
@@ -538,7 +538,7 @@ def test_model_config_kwargs_0_16_spelling_builds_a_real_transformer_config(
     [("local", ("full_iteration",)), ("transformer_engine", ("attn", "mlp"))],
 )
 def test_model_config_kwargs_new_spelling_reads_back_to_the_same_settings(monkeypatch, impl, scope):
-    monkeypatch.setattr(compat, "new_generation", lambda: True)
+    monkeypatch.setattr(generation, "new_generation", lambda: True)
     cfg = NS(**compat.model_config_kwargs(impl, scope, 2))
     s = read_settings(cfg)
     assert (s.impl, s.scope, s.warmup_steps, s.model_te_rng_tracker) == (impl, scope, 2, True)

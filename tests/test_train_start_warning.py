@@ -10,7 +10,7 @@ from cpu_only import needs_mcore_on_cpu
 
 import train_gpt
 from cudagraph_plugin import compat
-from cudagraph_plugin.plugin import CudaGraphPlugin
+from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
 from hookspecs import hookimpl
 
 LOGGER = "cudagraph_plugin"

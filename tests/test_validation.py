@@ -12,15 +12,15 @@ from types import SimpleNamespace as NS
 import pytest
 from packaging.version import Version
 
-from cudagraph_plugin import compat, validation
-from cudagraph_plugin.settings import read_settings
-from cudagraph_plugin.validation import (
-    CudaGraphConfigError,
-    advice,
-    apply_autofixes,
-    find_violations,
-    validate,
-)
+from cudagraph_plugin.config import environment
+from cudagraph_plugin.config.advice import advice, warmup_warning
+from cudagraph_plugin.config.environment import Environment
+from cudagraph_plugin.config.errors import CudaGraphConfigError
+from cudagraph_plugin.config.fixes import apply_autofixes
+from cudagraph_plugin.config.rules import evaluate, find_violations, validate
+from cudagraph_plugin.config.rules.base import RULES
+from cudagraph_plugin.config.settings import read_settings
+from cudagraph_plugin.config.vocabulary import SCOPES
 
 DROPLESS = dict(num_moe_experts=8)
 DROP_PAD = dict(
@@ -98,7 +98,7 @@ RULE_CASES = {
     "_full_iteration_only_local": (full_iteration(), bridge(scope="full_iteration")),
     "_full_iteration_alone": (full_iteration(), bridge("local", "full_iteration,attn")),
     "_local_is_full_iteration": (full_iteration(), bridge("local", "attn")),
-    "_field_values": (bridge(cuda_graph_warmup_steps="0"), bridge(cuda_graph_warmup_steps=-1)),
+    "field_values": (bridge(cuda_graph_warmup_steps="0"), bridge(cuda_graph_warmup_steps=-1)),
     "_scope_names_deprecated": (bridge("none", "full"), bridge(scope="full,attn")),
     "_scope_fields_not_both": (
         bridge(scope=None, cuda_graph_modules=["attn"]),
@@ -160,13 +160,13 @@ RULE_CASES = {
 
 
 def test_rule_table_covers_every_rule():
-    assert set(RULE_CASES) == {rule.__name__ for rule in validation._RULES}
+    assert set(RULE_CASES) == {rule.__name__ for rule in RULES}
 
 
-@pytest.mark.parametrize("rule", validation._RULES, ids=lambda rule: rule.__name__)
+@pytest.mark.parametrize("rule", RULES, ids=lambda rule: rule.__name__)
 def test_each_rule_accepts_and_rejects(rule):
     good, bad = RULE_CASES[rule.__name__]
-    env = validation.Environment()
+    env = Environment()
     assert list(rule(read_settings(good), env)) == []
     assert find_violations(read_settings(good)) == []
     assert list(rule(read_settings(bad), env)) != []
@@ -240,7 +240,7 @@ def test_unknown_impl_named_as_flag_on_a_namespace():
 def test_unknown_scope_rejected(scope):
     config = bridge(scope=scope)
     names = [n.strip() for n in (scope.split(",") if isinstance(scope, str) else scope)]
-    unknown = [n for n in names if n not in validation.SCOPES]
+    unknown = [n for n in names if n not in SCOPES]
     rejected(
         config,
         fields=["model.cuda_graph_scope"],
@@ -932,7 +932,9 @@ def te(monkeypatch):
 
     def set_version(version):
         monkeypatch.setattr(
-            compat, "te_version", lambda: None if version is None else Version(version)
+            environment,
+            "installed_te_version",
+            lambda: None if version is None else Version(version),
         )
 
     return set_version
@@ -1720,7 +1722,7 @@ def test_deprecated_flag_with_a_command_line_impl_is_a_conflict():
 def test_delay_wgrad_with_attn_and_no_te_is_not_checked_here_and_says_so(te):
     te(None)
     s = read_settings(wgrad())
-    violations, notes = validation.evaluate(s)
+    violations, notes = evaluate(s)
     assert violations == []
     (note,) = notes
     assert "needs Transformer Engine >= 2.12.0: not checked here" in note
@@ -1730,7 +1732,7 @@ def test_delay_wgrad_with_attn_and_no_te_is_not_checked_here_and_says_so(te):
 def test_delay_wgrad_partial_graph_and_no_te_is_not_checked_here_and_says_so(te):
     # Before: this branch skipped the check silently while the attn branch failed.
     te(None)
-    violations, notes = validation.evaluate(read_settings(wgrad("mlp")))
+    violations, notes = evaluate(read_settings(wgrad("mlp")))
     assert violations == []
     (note,) = notes
     assert "needs Transformer Engine >= 2.10.0: not checked here" in note
@@ -1753,8 +1755,8 @@ def test_delay_wgrad_without_te_still_checks_the_other_requirements(te):
 )
 def test_delay_wgrad_checked_against_a_given_te_version(te, version, ok):
     te(None)  # nothing installed here: the given version decides
-    env = validation.Environment.of(version)
-    violations, notes = validation.evaluate(read_settings(wgrad()), env)
+    env = Environment.of(version)
+    violations, notes = evaluate(read_settings(wgrad()), env)
     assert notes == []
     if ok:
         assert violations == []
@@ -1765,7 +1767,7 @@ def test_delay_wgrad_checked_against_a_given_te_version(te, version, ok):
 
 def test_given_te_version_must_be_a_version():
     with pytest.raises(ValueError, match=r"'two' is not a version number: give one such as 2\.12"):
-        validation.Environment.of("two")
+        Environment.of("two")
 
 
 def test_delay_wgrad_with_overlapped_shared_experts_needs_no_new_te(te):
@@ -1790,7 +1792,7 @@ def test_delay_wgrad_with_overlapped_shared_experts_needs_no_new_te(te):
 )
 def test_warmup_warning_with_the_numbers(warmup, start, iters, says):
     s = read_settings(bridge(cuda_graph_warmup_steps=warmup))
-    warning = validation.warmup_warning(s, start, iters)
+    warning = warmup_warning(s, start, iters)
     assert warning.startswith(
         f"model.cuda_graph_warmup_steps={warmup} and this run trains {iters - start} step(s) "
         f"(steps {start}..{iters - 1}: start_step={start}, train_iters={iters})"
@@ -1801,12 +1803,12 @@ def test_warmup_warning_with_the_numbers(warmup, start, iters, says):
 @pytest.mark.parametrize("warmup, start, iters", [(3, 0, 10), (8, 0, 10), (0, 5, 7)])
 def test_no_warmup_warning_when_a_replay_step_follows_the_capture(warmup, start, iters):
     s = read_settings(bridge(cuda_graph_warmup_steps=warmup))
-    assert validation.warmup_warning(s, start, iters) is None
+    assert warmup_warning(s, start, iters) is None
 
 
 def test_no_warmup_warning_with_graphs_off():
     s = read_settings(bridge("none", [], cuda_graph_warmup_steps=1000))
-    assert validation.warmup_warning(s, 0, 10) is None
+    assert warmup_warning(s, 0, 10) is None
 
 
 # -- precision, warm-up, pipeline parallelism and the optimizer graph (issues 12, 15, 16) ------
@@ -1924,7 +1926,7 @@ def test_optimizer_graph_argparse_spelling(monkeypatch):
     ],
 )
 def test_optimizer_graph_constraints_where_megatron_core_has_it(monkeypatch, fields, phrase):
-    monkeypatch.setattr(validation.compat, "has_optimizer_graph", lambda: True)
+    monkeypatch.setattr(environment, "has_optimizer_graph", lambda: True)
     config = with_optimizer(full_iteration(), optimizer_cuda_graph=True, **fields)
     problems = find_violations(read_settings(config))
     assert [v for v in problems if phrase in v.text], problems
@@ -1932,7 +1934,7 @@ def test_optimizer_graph_constraints_where_megatron_core_has_it(monkeypatch, fie
 
 
 def test_optimizer_graph_needs_a_warmup_and_no_fp16(monkeypatch):
-    monkeypatch.setattr(validation.compat, "has_optimizer_graph", lambda: True)
+    monkeypatch.setattr(environment, "has_optimizer_graph", lambda: True)
     config = with_optimizer(
         bridge(scope="attn", cuda_graph_warmup_steps=0, fp16=True), optimizer_cuda_graph=True
     )
@@ -1942,8 +1944,8 @@ def test_optimizer_graph_needs_a_warmup_and_no_fp16(monkeypatch):
 
 
 def test_optimizer_graph_release_is_a_note_without_megatron_core(monkeypatch):
-    monkeypatch.setattr(validation.compat, "has_optimizer_graph", lambda: None)
-    violations, notes = validation.evaluate(
+    monkeypatch.setattr(environment, "has_optimizer_graph", lambda: None)
+    violations, notes = evaluate(
         read_settings(with_optimizer(full_iteration(), optimizer_cuda_graph=True))
     )
     assert violations == []

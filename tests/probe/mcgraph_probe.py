@@ -68,8 +68,8 @@ LOSS_REASONS = ("completed", "early_exit")
 def graph_plugin_facts(pluginmanager: Any) -> dict[str, Any] | None:
     """The CUDA graph plugin's cleanup facts, ``None`` where it is not registered.
 
-    The only place in the probe that reads the plugin's internals (``plugin.py`` is being
-    refactored): an attribute it cannot find is ``None``.
+    The only place in the probe that reads the plugin's internals (its capture records,
+    ``plugin.capture``, and release facts): an attribute it cannot find is ``None``.
     """
     try:
         from cudagraph_plugin.entry import RUN_PLUGIN_NAME
@@ -78,8 +78,9 @@ def graph_plugin_facts(pluginmanager: Any) -> dict[str, Any] | None:
     plugin = pluginmanager.get_plugin(RUN_PLUGIN_NAME)
     if plugin is None:
         return None
-    before = getattr(plugin, "memory_before", None)
-    captures = getattr(plugin, "captures", None)
+    capture = getattr(plugin, "capture", None)
+    before = getattr(capture, "memory_before", None)
+    captures = getattr(capture, "records", None)
     return {
         "graphs_freed": getattr(plugin, "graphs_freed", None),
         "allocated_after_free_mib": getattr(plugin, "allocated_after_free_mib", None),

@@ -42,7 +42,7 @@ MUTANTS = [
     Mutant(
         "manual-hooks-not-set",
         "after a TE capture the manual hooks are never set (pre-hooks in use)",
-        "cudagraph_plugin/plugin.py",
+        "cudagraph_plugin/runtime/te_capture.py",
         "        if toggle:\n            te.set_manual_hooks()\n",
         "        if toggle:\n            pass\n",
         (
@@ -53,8 +53,8 @@ MUTANTS = [
     Mutant(
         "pending-manual-hooks-not-set",
         "warm-up 0: the manual hooks are never set when the host enables the pre-hooks",
-        "cudagraph_plugin/plugin.py",
-        "        self.manual_hooks_pending = False\n        self.te.set_manual_hooks()\n",
+        "cudagraph_plugin/runtime/te_capture.py",
+        "        self.manual_hooks_pending = False\n        self.state.te.set_manual_hooks()\n",
         "        self.manual_hooks_pending = False\n",
         (
             LIFECYCLE + "test_te_warmup_zero_sets_manual_hooks_when_the_host_enables_the_pre_hooks",
@@ -65,11 +65,11 @@ MUTANTS = [
     Mutant(
         "pre-hooks-not-disabled",
         "the DDP forward pre-hooks stay on while the TE graphs are captured",
-        "cudagraph_plugin/plugin.py",
+        "cudagraph_plugin/runtime/te_capture.py",
         "        if toggle:\n            call_hook(\n"
-        '                self.pm, "mcgraph_disable_forward_pre_hook"',
+        '                state.pm, "mcgraph_disable_forward_pre_hook"',
         "        if False:\n            call_hook(\n"
-        '                self.pm, "mcgraph_disable_forward_pre_hook"',
+        '                state.pm, "mcgraph_disable_forward_pre_hook"',
         (LIFECYCLE + "test_te_pre_hooks_toggled_around_capture_then_manual_hooks",),
     ),
     Mutant(
@@ -97,7 +97,7 @@ MUTANTS = [
     Mutant(
         "static-buffers-not-released",
         "shutdown keeps megatron-core's full-iteration static input buffers",
-        "cudagraph_plugin/mechanisms.py",
+        "cudagraph_plugin/runtime/mechanisms.py",
         '            ReleaseStep("full-iteration static input buffers", '
         "compat.clear_static_buffers),\n",
         "",
@@ -106,7 +106,7 @@ MUTANTS = [
     Mutant(
         "te-graphs-not-released",
         "shutdown keeps the TE per-layer graphs",
-        "cudagraph_plugin/mechanisms.py",
+        "cudagraph_plugin/runtime/mechanisms.py",
         '            ReleaseStep("TE per-layer graphs", self._free, frees_graphs=True),\n',
         "",
         (
@@ -117,7 +117,7 @@ MUTANTS = [
     Mutant(
         "model-kept-after-shutdown",
         "shutdown keeps its references to the model, its config and the forward/backward",
-        "cudagraph_plugin/plugin.py",
+        "cudagraph_plugin/runtime/plugin.py",
         '            ReleaseStep("model and optimizer references", self._drop_references),\n',
         "",
         (LIFECYCLE + "test_shutdown_releases_every_resource_the_run_held",),
@@ -125,7 +125,7 @@ MUTANTS = [
     Mutant(
         "cublas-workspaces-kept",
         "shutdown keeps the cuBLAS workspaces the capture allocated",
-        "cudagraph_plugin/plugin.py",
+        "cudagraph_plugin/runtime/release_plan.py",
         '            steps.append(ReleaseStep("cuBLAS workspaces", '
         "compat.clear_cublas_workspaces))\n",
         "            pass\n",
@@ -147,12 +147,12 @@ MUTANTS = [
     Mutant(
         "guard-skipped-after-full-capture",
         "full-iteration replays skip the static-shape guard (only the capture call is seen)",
-        "cudagraph_plugin/plugin.py",
+        "cudagraph_plugin/runtime/interceptor.py",
+        '        kwargs["data_iterator"] = self.guard.check_call(\n'
+        "            stage, self.state.step, kwargs, record=capturing\n        )\n",
+        "        if capturing:\n"
         '            kwargs["data_iterator"] = self.guard.check_call(\n'
-        "                stage, self.step, kwargs, record=capturing\n            )\n",
-        "            if capturing:\n"
-        '                kwargs["data_iterator"] = self.guard.check_call(\n'
-        "                    stage, self.step, kwargs, record=capturing\n                )\n",
+        "                stage, self.state.step, kwargs, record=capturing\n            )\n",
         (
             LIFECYCLE + "test_shape_change_after_capture_raises_instead_of_replaying[full]",
             LIFECYCLE + "test_microbatch_count_change_after_capture_raises",
@@ -161,12 +161,12 @@ MUTANTS = [
     Mutant(
         "guard-skipped-after-te-capture",
         "TE replays skip the static-shape guard (only the reference call is recorded)",
-        "cudagraph_plugin/plugin.py",
-        '            kwargs["data_iterator"] = self.guard.check_call('
-        "stage, self.step, kwargs, record=record)\n",
+        "cudagraph_plugin/runtime/interceptor.py",
+        '            kwargs["data_iterator"] = self.guard.check_call(\n'
+        "                stage, state.step, kwargs, record=record\n            )\n",
         "            if record:\n"
         '                kwargs["data_iterator"] = self.guard.check_call(\n'
-        "                    stage, self.step, kwargs, record=record\n                )\n",
+        "                    stage, state.step, kwargs, record=record\n                )\n",
         (LIFECYCLE + "test_shape_change_after_capture_raises_instead_of_replaying[te]",),
     ),
 ]

@@ -35,7 +35,13 @@ LIFECYCLE = ("tests/test_plugin_lifecycle.py", "tests/test_plugin_failures.py")
 # module -> (the tests that run for each of its mutants, fastest and sharpest first; cap in
 # minutes). hookspecs/run.py is the host helper: its own tests exercise all of it, fast.
 MODULES: dict[str, tuple[tuple[str, ...], float]] = {
-    "cudagraph_plugin/plugin.py": (LIFECYCLE, 25),
+    "cudagraph_plugin/runtime/plugin.py": (LIFECYCLE, 8),
+    "cudagraph_plugin/runtime/state.py": (LIFECYCLE, 4),
+    "cudagraph_plugin/runtime/capture.py": (LIFECYCLE, 5),
+    "cudagraph_plugin/runtime/interceptor.py": (LIFECYCLE, 8),
+    "cudagraph_plugin/runtime/te_capture.py": (LIFECYCLE, 5),
+    "cudagraph_plugin/runtime/shutdown.py": (LIFECYCLE, 5),
+    "cudagraph_plugin/runtime/release_plan.py": (LIFECYCLE, 5),
     "hookspecs/run.py": (
         (
             "tests/test_hookspecs_run.py",
@@ -45,57 +51,18 @@ MODULES: dict[str, tuple[tuple[str, ...], float]] = {
         ),
         12,
     ),
-    "cudagraph_plugin/mechanisms.py": (("tests/test_compat.py", *LIFECYCLE), 8),
-    "cudagraph_plugin/cleanup.py": (("tests/test_cleanup.py", *LIFECYCLE), 6),
-    "cudagraph_plugin/compat.py": (("tests/test_compat.py", *LIFECYCLE), 12),
-    "cudagraph_plugin/guard.py": (("tests/test_guard.py", *LIFECYCLE), 8),
+    "cudagraph_plugin/runtime/mechanisms.py": (("tests/test_compat.py", *LIFECYCLE), 8),
+    "cudagraph_plugin/runtime/release.py": (("tests/test_cleanup.py", *LIFECYCLE), 6),
+    "cudagraph_plugin/compat/ddp.py": (("tests/test_compat.py", *LIFECYCLE), 4),
+    "cudagraph_plugin/compat/full_iteration.py": (("tests/test_compat.py", *LIFECYCLE), 5),
+    "cudagraph_plugin/compat/te.py": (("tests/test_compat.py", *LIFECYCLE), 4),
+    "cudagraph_plugin/runtime/guard.py": (("tests/test_guard.py", *LIFECYCLE), 8),
 }
 
-# Where a module also holds code that is not the lifecycle (the report, timing, settings
-# checks), only these functions are mutated; the others' mutants are skipped as "outside the
-# lifecycle focus".
-FOCUS: dict[str, tuple[str, ...]] = {
-    "cudagraph_plugin/plugin.py": (
-        "CudaGraphPlugin._advance",
-        "CudaGraphPlugin.mcgraph_model_built",
-        "CudaGraphPlugin.mcgraph_forward_backward_func",
-        "CudaGraphPlugin.mcgraph_post_warmup_step",
-        "CudaGraphPlugin.mcgraph_enable_forward_pre_hook",
-        "CudaGraphPlugin._set_pending_manual_hooks",
-        "CudaGraphPlugin._capture",
-        "CudaGraphPlugin._forward_backward",
-        "CudaGraphPlugin._check_te_call",
-        "CudaGraphPlugin.mcgraph_shutdown",
-        "CudaGraphPlugin._device_may_block",
-        "CudaGraphPlugin._release_steps",
-        "CudaGraphPlugin._forget_manual_hooks",
-        "CudaGraphPlugin._drop_references",
-        "CudaGraphPlugin._release_all",
-    ),
-    "cudagraph_plugin/compat.py": (
-        "DDPBuildContext.needs_stream",
-        "DDPBuildContext.enter",
-        "DDPBuildContext.missing",
-        "uses_forward_pre_hooks",
-        "forward_pre_hooks_enabled",
-        "make_full_iteration_wrapper",
-        "order_input_copy_after_replay",
-        "full_iteration_captured",
-        "full_iteration_calls",
-        "full_iteration_state_dirty",
-        "free_full_iteration_graph",
-        "reset_full_iteration_counters",
-        "clear_static_buffers",
-        "forget_shared_graph_pool",
-        "free_full_iteration_graphs",
-        "make_te_helper",
-        "_model_pg_collection",
-        "te_capture_done",
-        "te_graph_count",
-        "end_stuck_te_capture",
-        "free_te_graphs",
-    ),
-}
+# Where a module also holds code that is not the lifecycle, only these functions are
+# mutated; the others' mutants are skipped as "outside the lifecycle focus". Since the
+# package was split by concern (0.2), every module listed above is lifecycle code whole.
+FOCUS: dict[str, tuple[str, ...]] = {}
 
 
 def _focus_rows(path: Path, qualnames: tuple[str, ...]) -> list[tuple[int, int]]:
@@ -200,7 +167,7 @@ def run_module(
     name = module.replace("/", "_").removesuffix(".py")
     config, database = WORK / f"{name}.toml", WORK / f"{name}.sqlite"
     operators = [*EXCLUDED_OPERATORS]
-    if module != "cudagraph_plugin/guard.py":
+    if module != "cudagraph_plugin/runtime/guard.py":
         operators.append(ANNOTATION_ONLY_BITOR)
     excluded = ", ".join(f'"{e}"' for e in operators).replace("\\", "\\\\")
     config.write_text(

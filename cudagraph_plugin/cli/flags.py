@@ -1,16 +1,10 @@
-"""Command-line flags and the performance-harness overrides.
-
-* :func:`add_cuda_graph_arguments` adds ``--cuda-graph-impl``, ``--cuda-graph-scope``
-  (space-separated as Megatron-LM's flag, or comma-separated as Megatron-Bridge's harness,
-  each name checked), ``--cuda-graph-warmup-steps`` and the report options to any argparse
-  parser, also under the underscore spellings of Megatron-Bridge's performance harness
-  (``--cuda_graph_impl`` ...). ``lenient=True`` (the ``check`` command) keeps every value as
-  given, for validation to report all bad values at once instead of argparse stopping at
-  the first.
-* :func:`apply_overrides` is the harness's ``set_cuda_graph_overrides`` for any config
-  shape: it sets the given values and the harness's side effects (TE RNG tracker flags on
-  for graphs, scope cleared for ``none``, loss NaN check off for ``full_iteration``), each
-  logged.
+"""Command-line flags: :func:`add_cuda_graph_arguments` adds ``--cuda-graph-impl``,
+``--cuda-graph-scope`` (space-separated as Megatron-LM's flag, or comma-separated as
+Megatron-Bridge's harness, each name checked), ``--cuda-graph-warmup-steps`` and the report
+options to any argparse parser, also under the underscore spellings of Megatron-Bridge's
+performance harness (``--cuda_graph_impl`` ...). ``lenient=True`` (the ``check`` command)
+keeps every value as given, for the rules to report all bad values at once instead of
+argparse stopping at the first.
 """
 
 from __future__ import annotations
@@ -19,20 +13,8 @@ import argparse
 import logging
 from typing import Any
 
-from cudagraph_plugin.settings import (
-    DEPRECATED_SCOPES,
-    FIELD_PATHS,
-    IMPLS,
-    MISSING,
-    SCOPES,
-    assign,
-    display_name,
-    existing_paths,
-    parse_scope,
-    read_settings,
-    resolve,
-)
-from cudagraph_plugin.validation import plan_autofixes, write_autofixes
+from cudagraph_plugin.config.values import parse_scope
+from cudagraph_plugin.config.vocabulary import DEPRECATED_SCOPES, IMPLS, SCOPES
 
 logger = logging.getLogger("cudagraph_plugin")
 
@@ -193,55 +175,3 @@ def add_cuda_graph_arguments(parser: argparse.ArgumentParser, *, lenient: bool =
             logger.debug("parser already has %s; keeping its definition", dest)
             continue
         group.add_argument(*flags, dest=dest, **kwargs)
-
-
-def _target_path(config: Any, setting: str) -> str:
-    """Where to write ``setting``: its first existing path, else the first whose parent
-    exists (so a nested config gets ``model.x`` and a flat one ``x``)."""
-    existing = existing_paths(config, setting)
-    if existing:
-        for path in existing:
-            if resolve(config, path) is not None:
-                return path
-        return existing[0]
-    for path in FIELD_PATHS[setting]:
-        parent = path.rpartition(".")[0]
-        if not parent or resolve(config, parent) is not MISSING:
-            return path
-    raise ValueError(f"cannot place {setting} in a {type(config).__name__}")
-
-
-def apply_overrides(
-    config: Any,
-    *,
-    cuda_graph_impl: str | None = None,
-    cuda_graph_scope: str | list[str] | None = None,
-    cuda_graph_warmup_steps: int | None = None,
-) -> list[str]:
-    """Apply command-line CUDA-graph overrides to ``config`` like Megatron-Bridge's harness.
-
-    ``None`` leaves a value as the recipe has it. Returns the changes, each logged once.
-    Scopes are written as names, as a recipe holds them before megatron-core's
-    ``TransformerConfig.__post_init__`` turns them into enum members: apply overrides to the
-    recipe, before the model config is finalised (as the harness does).
-    """
-    changes: list[str] = []
-
-    def put(setting: str, value: Any, why: str) -> None:
-        path = _target_path(config, setting)
-        if resolve(config, path) != value:
-            assign(config, path, value)
-            changes.append(f"{why}: set {display_name(config, path)}={value!r}")
-
-    if cuda_graph_impl is not None:
-        put("impl", cuda_graph_impl, "--cuda-graph-impl")
-    if cuda_graph_scope is not None:
-        put("scope", list(parse_scope(cuda_graph_scope)), "--cuda-graph-scope")
-    if cuda_graph_warmup_steps is not None:
-        put("warmup_steps", cuda_graph_warmup_steps, "--cuda-graph-warmup-steps")
-
-    for change in changes:
-        logger.warning("override: %s", change)
-    settings = read_settings(config)
-    changes += write_autofixes(config, plan_autofixes(config, settings, harness=True))
-    return changes

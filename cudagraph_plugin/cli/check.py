@@ -1,0 +1,220 @@
+"""``python -m cudagraph_plugin check``: check a CUDA-graph configuration without a GPU.
+
+Takes the plugin's CUDA-graph flags plus every model flag the constraints depend on, in the
+forms Megatron-LM accepts (``--cuda-graph-scope attn mlp``, ``--moe-layer-freq
+"([0]*1+[1]*3)"``, ``--recompute-modules core_attn mlp``; each flag also with underscores,
+as Megatron-Bridge's harness spells them), and prints the verdict a run would give
+(:func:`cudagraph_plugin.config.check.check_config`): every problem with its fix, the
+auto-fixes the run would apply, the advice, and what cannot be checked on this machine.
+
+``--te-version X`` checks the Transformer Engine rules against version X (a GPU recipe on
+a laptop); without it they are checked against the installed Transformer Engine, or
+reported as "not checked here" when there is none.
+
+Exit codes: 0 the configuration can work; 1 it has problems (a bad flag value is one more
+problem, listed with the others); 2 the command line itself is broken (an unknown flag, a
+flag without its value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from cudagraph_plugin.cli.flags import RawScopeAction, add_cuda_graph_arguments
+from cudagraph_plugin.config import environment
+from cudagraph_plugin.config.check import check_config
+from cudagraph_plugin.config.environment import INSTALLED, parse_te_version
+from cudagraph_plugin.config.errors import CudaGraphConfigError, Violation
+
+USAGE = (
+    "usage: python -m cudagraph_plugin check [flags]   (check --help lists them; exit codes: "
+    "0 OK, 1 problems, 2 a broken command line)"
+)
+FP8_FORMATS = ("e4m3", "hybrid")
+LIST_FLAGS = ("--cuda-graph-scope", "--cuda-graph-modules", "--recompute-modules")
+
+
+class _CheckParser(argparse.ArgumentParser):
+    """Reports a broken command line in three lines, with a hint, instead of the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}{_hint(self, message)}\n{USAGE}\n")
+
+
+def _hint(parser: argparse.ArgumentParser, message: str) -> str:
+    if not message.startswith("unrecognized arguments: "):
+        return ""
+    known = [flag for flag in parser._option_string_actions if flag.startswith("--")]
+    hints = []
+    after_flag = False  # the values of an unknown flag are unrecognized too; no hint for them
+    for token in message.removeprefix("unrecognized arguments: ").split():
+        if token.startswith("-"):
+            close = difflib.get_close_matches(token.split("=")[0], known, n=1)
+            if close:
+                hints.append(f"{token}: did you mean {close[0]}?")
+        elif not after_flag:
+            hints.append(
+                f"{token}: a value without a flag; only {', '.join(LIST_FLAGS)} take several values"
+            )
+        after_flag = token.startswith("-")
+    return "".join(f"\n  hint: {hint}" for hint in hints)
+
+
+def _flags(dest: str) -> list[str]:
+    return ["--" + dest.replace("_", "-"), "--" + dest]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _CheckParser(
+        prog="python -m cudagraph_plugin check",
+        allow_abbrev=False,  # as Megatron-LM: a misspelled flag is an error, not a prefix
+        description="Check a CUDA-graph configuration against every known constraint, as a "
+        "run would. Exit codes: 0 OK, 1 problems (bad flag values included), 2 a broken "
+        "command line.",
+    )
+    add_cuda_graph_arguments(parser, lenient=True)
+    model = parser.add_argument_group(
+        "model (Megatron-LM flag names, forms and defaults; values are checked together)"
+    )
+
+    def value(dest: str, default: Any = None, **kwargs: Any) -> None:
+        model.add_argument(*_flags(dest), dest=dest, default=default, **kwargs)
+
+    def switch(flag: str, dest: str, *, on: bool = True, **kwargs: Any) -> None:
+        underscores = "--" + flag[2:].replace("-", "_")
+        action = "store_true" if on else "store_false"
+        model.add_argument(flag, underscores, dest=dest, action=action, **kwargs)
+
+    value(
+        "cuda_graph_modules",
+        nargs="+",
+        action=RawScopeAction,
+        metavar="MODULE",
+        help="megatron-core 0.18+'s name for --cuda-graph-scope",
+    )
+    value("seq_length")
+    value("micro_batch_size")
+    value("num_experts", help="MoE experts (num_moe_experts)")
+    value("moe_expert_capacity_factor")
+    switch("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity")
+    value("moe_token_dispatcher_type", "allgather", metavar="{allgather,alltoall,flex}")
+    switch("--moe-router-padding-for-fp8", "moe_router_padding_for_fp8")
+    switch("--moe-permute-fusion", "moe_permute_fusion")
+    value("moe_layer_freq", 1, help='N, or a pattern such as "([0]*1+[1]*3)*4"')
+    value("moe_shared_expert_intermediate_size")
+    switch("--moe-shared-expert-overlap", "moe_shared_expert_overlap")
+    value("moe_input_jitter_eps")
+    switch("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm")
+    value("recompute_granularity", metavar="{full,selective}")
+    value("recompute_method", metavar="{uniform,block}")
+    value("recompute_num_layers")
+    value("recompute_modules", nargs="+", metavar="MODULE")
+    value("attention_dropout", 0.1)
+    value("hidden_dropout", 0.1)
+    switch("--cpu-offloading", "cpu_offloading")
+    switch("--delay-wgrad-compute", "delay_wgrad_compute")
+    switch("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", on=False)
+    switch("--add-qkv-bias", "add_qkv_bias")
+    switch("--disable-bias-linear", "add_bias_linear", on=False)
+    switch("--variable-seq-lengths", "variable_seq_lengths")
+    switch("--te-rng-tracker", "te_rng_tracker")
+    # Megatron-LM's flag turns both checks off; the grad check is off here by default.
+    switch("--no-check-for-nan-in-loss", "check_for_nan_in_loss", on=False)
+    switch("--no-check-for-nan-in-loss-and-grad", "check_for_nan_in_loss", on=False)
+    switch("--check-for-nan-in-grad", "check_for_nan_in_grad")
+    value(
+        "fp8_format",
+        metavar="{e4m3,hybrid}",
+        help="informational: FP8 recipes often default to TE mlp graphs",
+    )
+    switch("--enable-cuda-graph", "enable_cuda_graph", help="deprecated Megatron-LM flag")
+    switch("--external-cuda-graph", "external_cuda_graph", help="deprecated Megatron-LM flag")
+    machine = parser.add_argument_group("the machine of the run")
+    machine.add_argument(
+        *_flags("te_version"),
+        dest="te_version",
+        default=None,
+        metavar="VERSION",
+        help="check the Transformer Engine rules against this version (default: the installed "
+        "one; without either they are reported as not checked here)",
+    )
+    return parser
+
+
+def _own_flags(args: argparse.Namespace) -> tuple[Any, list[Violation]]:
+    """The check command's own flags: the TE version to check against, and their problems."""
+    problems = []
+    te_version: Any = INSTALLED
+    if args.te_version is not None:
+        try:
+            text = args.te_version.strip()
+            te_version = None if text.lower() == "none" else parse_te_version(text)
+        except ValueError:
+            te_version = None
+            problems.append(
+                Violation(
+                    ("--te-version",),
+                    repr(args.te_version),
+                    "not a version number",
+                    "give a Transformer Engine version such as 2.12.0",
+                )
+            )
+    if args.fp8_format is not None and args.fp8_format not in FP8_FORMATS:
+        problems.append(
+            Violation(
+                ("--fp8-format",),
+                repr(args.fp8_format),
+                "not a known FP8 format",
+                f"use one of {', '.join(FP8_FORMATS)}",
+            )
+        )
+    return te_version, problems
+
+
+def run_check(argv: Sequence[str] | None = None, out: Any = None) -> int:
+    out = out or sys.stdout
+    args = build_parser().parse_args(argv)
+    te_version, own_problems = _own_flags(args)
+    given = args.te_version is not None and te_version is not None
+    installed = environment.installed_te_version()
+    result = check_config(
+        args,
+        te_version=te_version,
+        te_available=True if given or (te_version == INSTALLED and installed) else None,
+        environ=os.environ,
+        nccl_initialized=False,
+        harness=True,
+    )
+    settings, te = result.settings, result.environment.te_version
+    if te is None:
+        te_text = "not installed here" if installed is None else "not checked"
+    else:
+        te_text = f"{te} (--te-version)" if given else str(te)
+    print(
+        f"cuda graphs: impl={settings.impl} scope={','.join(settings.scope) or '-'} "
+        f"warmup={settings.warmup_steps} (megatron-core {environment.mcore_version()}, "
+        f"Transformer Engine {te_text})",
+        file=out,
+    )
+    for fix in result.autofixes:
+        print(f"  auto-fix: {fix.message}", file=out)
+    for note in result.advice:
+        print(f"  advice: {note}", file=out)
+    for note in result.notes:
+        print(f"  note: {note}", file=out)
+    problems = [*own_problems, *result.problems]
+    if problems:
+        print(str(CudaGraphConfigError(problems)), file=out)
+        print("FAILED", file=out)
+        return 1
+    print("OK", file=out)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_check(argv)

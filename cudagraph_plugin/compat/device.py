@@ -1,0 +1,92 @@
+"""The device, the process group and the RNG tracker, as megatron-core sees them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def clear_cublas_workspaces() -> None:
+    """Release cuBLAS workspaces. A capture on its own stream allocates a workspace for that
+    stream (tens of MiB, inside the graph's pool) that outlives the graph; torch's own
+    CUDA-graph trees and test utilities clear them the same way."""
+    import torch
+
+    torch._C._cuda_clearCublasWorkspaces()
+
+
+def nccl_initialized() -> bool:
+    """True once torch.distributed runs an NCCL process group (NCCL has read its env)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return "nccl" in str(dist.get_backend()).lower()
+
+
+def distributed_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if ``flag`` is true on any rank: one all-reduce over the default
+    group, so that a decision that changes what a rank executes is the same everywhere."""
+    import torch
+    import torch.distributed as dist
+
+    if distributed_world()[1] == 1:
+        return flag
+    on_gpu = "nccl" in str(dist.get_backend()).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def rng_tracker_state() -> tuple[bool, str]:
+    """(graph-safe, description) of megatron-core's active CUDA RNG tracker.
+
+    Graph-safe means MCore itself accepts it for graphs: TE's tracker, MCore's tracker
+    with ``use_cudagraphable_rng``, or the inference tracker (no forking).
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    # Reading the private module state avoids get_cuda_rng_tracker(), which would create a
+    # default (non-graph-safe) tracker as a side effect when none exists.
+    if not mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED:
+        return False, "no RNG tracker (model_parallel_cuda_manual_seed was not called)"
+    tracker = mrandom._CUDA_RNG_STATE_TRACKER
+    name = type(tracker).__name__
+    if getattr(tracker, "is_inference_rng_tracker", False):
+        return True, f"{name} (inference tracker)"
+    if _is_te_tracker(tracker):
+        return True, f"{name} (Transformer Engine)"
+    if getattr(tracker, "use_cudagraphable_rng", False):
+        return True, f"{name} (use_cudagraphable_rng=True)"
+    return False, f"{name} (use_cudagraphable_rng=False)"
+
+
+def _is_te_tracker(tracker: Any) -> bool:
+    try:
+        from megatron.core.extensions.transformer_engine import TECudaRNGStatesTracker
+    except ImportError:
+        return False
+    # Without Transformer Engine the name is bound to a placeholder, not a class.
+    return isinstance(TECudaRNGStatesTracker, type) and isinstance(tracker, TECudaRNGStatesTracker)
+
+
+def te_available() -> bool:
+    """Transformer Engine's graph support can be used by megatron-core."""
+    from megatron.core.transformer import cuda_graphs
+
+    return bool(cuda_graphs.HAVE_TE_GRAPHS)

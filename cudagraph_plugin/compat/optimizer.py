@@ -1,0 +1,82 @@
+"""megatron-core 0.17+'s optimizer graph (``OptimizerCudaGraphWrapper``) and what the
+optimizer step needs to be capturable."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+
+def make_optimizer_graph_wrapper(step: Any, warmup_steps: int, use_single_mempool: bool) -> Any:
+    """megatron-core's ``OptimizerCudaGraphWrapper`` around a bound ``optimizer.step``;
+    ``use_single_mempool`` where it takes it (0.18+)."""
+    from megatron.core.optimizer.optimizer_cuda_graph import OptimizerCudaGraphWrapper
+
+    if "use_single_mempool" in inspect.signature(OptimizerCudaGraphWrapper.__init__).parameters:
+        return OptimizerCudaGraphWrapper(
+            step, cuda_graph_warmup_steps=warmup_steps, use_single_mempool=use_single_mempool
+        )
+    return OptimizerCudaGraphWrapper(step, cuda_graph_warmup_steps=warmup_steps)
+
+
+def _optimizer_graph_class() -> Any:
+    from megatron.core.optimizer.optimizer_cuda_graph import OptimizerCudaGraphWrapper
+
+    return OptimizerCudaGraphWrapper
+
+
+def optimizer_graph_captured() -> bool:
+    return _optimizer_graph_class().cuda_graph is not None
+
+
+def optimizer_graph_calls() -> int:
+    return _optimizer_graph_class().curr_iteration
+
+
+def optimizer_graph_state_dirty() -> bool:
+    cls = _optimizer_graph_class()
+    return cls.cuda_graph is not None or cls.curr_iteration != 0 or cls.result is not None
+
+
+def free_optimizer_graph() -> int:
+    """Free the class-level optimizer graph (``reset()``) and forget it; 1 if one was held."""
+    cls = _optimizer_graph_class()
+    graph, cls.cuda_graph = cls.cuda_graph, None
+    if graph is None:
+        return 0
+    graph.reset()
+    return 1
+
+
+def reset_optimizer_graph_counters() -> None:
+    cls = _optimizer_graph_class()
+    cls.result = None
+    cls.curr_iteration = 0
+
+
+def grad_norm_on_device() -> bool | None:
+    """Whether megatron-core computes the gradient norm with fused multi-tensor kernels
+    (Transformer Engine's or Apex's), on the device. Without either it falls back to
+    ``megatron.core.utils.local_multi_tensor_l2_norm``, which reads the norm on the host
+    (``float(...)``): an optimizer step that does so cannot be captured (seen on an H200,
+    megatron-core 0.19.2 with Transformer Engine 2.11 and no Apex). None: not known."""
+    try:
+        from megatron.core.optimizer import clip_grads
+    except ImportError:
+        return None
+    implementation = getattr(clip_grads, "l2_norm_impl", None)
+    if implementation is None:
+        return None
+    return getattr(implementation, "__module__", None) != "megatron.core.utils"
+
+
+def optimizer_is_capturable(optimizer: Any) -> bool | None:
+    """``OptimizerConfig.optimizer_cuda_graph`` of the built optimizer (it makes megatron-core
+    build a capturable Adam); None when the optimizer has no megatron-core config."""
+    config = getattr(optimizer, "config", None)
+    if config is None:
+        chained = getattr(optimizer, "chained_optimizers", None) or []
+        config = getattr(chained[0], "config", None) if chained else None
+    if config is None:
+        return None
+    return bool(getattr(config, "optimizer_cuda_graph", False))

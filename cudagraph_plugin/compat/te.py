@@ -1,0 +1,85 @@
+"""megatron-core's per-layer Transformer Engine graphs (``TECudaGraphHelper``)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+
+def make_te_helper(
+    model: list[Any], model_config: Any, seq_length: int, micro_batch_size: int, optimizers: list
+) -> Any:
+    """megatron-core's ``TECudaGraphHelper``. Where it takes ``pg_collection`` (0.19) it gets
+    the model's own process groups, as Megatron-Bridge passes them; a model without them
+    leaves the helper's default (the global parallel state)."""
+    from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+    kwargs: dict[str, Any] = {}
+    if "pg_collection" in inspect.signature(TECudaGraphHelper.__init__).parameters:
+        pg_collection = _model_pg_collection(model)
+        if pg_collection is not None:
+            kwargs["pg_collection"] = pg_collection
+    return TECudaGraphHelper(
+        model=model,
+        config=model_config,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        optimizers=optimizers,
+        **kwargs,
+    )
+
+
+def _model_pg_collection(model: list[Any]) -> Any:
+    module = model[0] if model else None
+    # DDP and Float16Module wrap the model in ``.module``.
+    while module is not None and getattr(module, "pg_collection", None) is None:
+        module = getattr(module, "module", None)
+    return None if module is None else module.pg_collection
+
+
+def te_capture_done(helper: Any) -> bool:
+    """``create_cudagraphs()`` has run (0.19 separates this from "graphs exist")."""
+    if hasattr(helper, "capture_finished"):
+        return helper.capture_finished()
+    return helper.graphs_created()
+
+
+def te_graph_count(helper: Any) -> int:
+    return sum(len(layer.cuda_graphs) for layers in helper.callables_per_chunk for layer in layers)
+
+
+def te_layer_count(helper: Any) -> int:
+    return len(helper.flattened_callables)
+
+
+def num_microbatches_calculator_ready() -> bool:
+    """megatron-core's global micro-batch calculator is set up (``TECudaGraphHelper`` reads
+    it while capturing, as Megatron-LM's loop always has it)."""
+    from megatron.core import num_microbatches_calculator as calc
+
+    return calc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None
+
+
+def end_stuck_te_capture() -> bool:
+    """Clear megatron-core's "capturing" flag if a failed ``create_cudagraphs()`` left it
+    set (it is global: every later forward would take the capture path). Returns whether
+    it was stuck."""
+    import gc as _gc
+
+    from megatron.core.transformer import cuda_graphs
+
+    if not cuda_graphs.is_graph_capturing():
+        return False
+    cuda_graphs._set_capture_end()
+    # _start_capturing may have frozen the garbage collector (FREEZE_GC) before failing.
+    _gc.unfreeze()
+    return True
+
+
+def free_te_graphs(helper: Any) -> int:
+    """Delete the helper's graphs if it created any; returns how many were held."""
+    if not helper.graphs_created():
+        return 0
+    count = te_graph_count(helper)
+    helper.delete_cuda_graphs()
+    return count

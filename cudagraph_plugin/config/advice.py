@@ -1,0 +1,104 @@
+"""What to say about a configuration that can work: advice (logged, never raised) and the
+warm-up warning given at train start.
+
+Pure Python: no torch, no megatron import.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from cudagraph_plugin.config.environment import expandable_segments_source
+from cudagraph_plugin.config.settings import Settings
+from cudagraph_plugin.config.vocabulary import SCOPES
+
+
+def _scope_value(s: Settings) -> str:
+    return ",".join(s.scope) if s.scope else "(empty)"
+
+
+def _model_kind(s: Settings) -> str:
+    if not s.is_moe:
+        return "dense"
+    return "dropless MoE" if s.dropless_moe else "drop-and-pad MoE"
+
+
+RECOMMENDED_SCOPES = {
+    "dense": ("attn", "mlp"),
+    "dropless MoE": ("attn", "moe_router", "moe_preprocess"),
+    "drop-and-pad MoE": ("attn", "moe"),
+}
+
+
+def advice(settings: Settings, environ: Any = None) -> list[str]:
+    """Warnings worth logging for a configuration that is valid (never raised)."""
+    s = settings
+    env = os.environ if environ is None else environ
+    notes: list[str] = []
+    if not s.enabled:
+        return notes
+    kind = _model_kind(s)
+    recommended = RECOMMENDED_SCOPES[kind]
+    scope = set(s.scope)
+    if not scope <= set(SCOPES):
+        pass  # unknown or deprecated names: validation says what is wrong with the scope
+    elif s.full_iteration:
+        notes.append(
+            f"scope full_iteration is wider than recommended for a first {kind} run "
+            f"(start with TE {','.join(recommended)}): it can raise peak memory 1.5-2x; "
+            "check replay works and memory fits, and compare eager vs replay"
+        )
+    elif scope and scope < set(recommended):
+        missing = [name for name in recommended if name not in scope]
+        notes.append(
+            f"scope {_scope_value(s)} is narrower than recommended for a {kind} model "
+            f"({','.join(recommended)}); once replay works, memory fits and replay beats "
+            f"eager, consider adding {','.join(missing)}"
+        )
+    elif scope - set(recommended) - {"mamba"}:
+        extra = sorted(scope - set(recommended) - {"mamba"})
+        notes.append(
+            f"scope {_scope_value(s)} is wider than recommended for a {kind} model "
+            f"({','.join(recommended)}): {','.join(extra)} adds memory; widen only after "
+            "measuring eager vs replay"
+        )
+    source = expandable_segments_source(env)
+    if source:
+        notes.append(
+            f"{source} has expandable_segments:True: CUDA graphs then need "
+            "NCCL_GRAPH_REGISTER=0 (the preflight sets it when it can)"
+        )
+    if s.warmup_steps < 2:
+        notes.append(
+            f"{s.field('warmup_steps')}={s.warmup_steps}: the run report needs at least 2 "
+            "warm-up steps to measure eager step time (the first step is excluded)"
+        )
+    return notes
+
+
+def warmup_warning(settings: Settings, start_step: int, train_iters: int) -> str | None:
+    """What to say at train start when the warm-up leaves nothing to capture or replay."""
+    if not settings.enabled:
+        return None
+    steps = train_iters - start_step
+    warmup = settings.warmup_steps
+    capture = start_step + warmup
+    where = (
+        f"{settings.field('warmup_steps')}={warmup} and this run trains {steps} step(s) "
+        f"(steps {start_step}..{train_iters - 1}: start_step={start_step}, "
+        f"train_iters={train_iters})"
+    )
+    if warmup >= steps:
+        return (
+            f"{where}: the capture step {capture} (start_step + warm-up) is never reached, so "
+            f"no CUDA graph will be captured; use fewer than {steps} warm-up step(s) or train "
+            "longer"
+        )
+    if warmup == steps - 1:
+        return (
+            f"{where}: the graphs are captured at the last step ({capture}) and never "
+            f"replayed, so the run cannot show a speed-up; use at most {max(steps - 2, 0)} "
+            "warm-up step(s) or train longer"
+        )
+    return None

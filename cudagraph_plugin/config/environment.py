@@ -1,0 +1,242 @@
+"""Facts about the machine of the run that the rules need, read without importing torch
+or megatron-core: installed versions (package metadata), whether megatron-core has the
+optimizer graph (a file), the allocator and NCCL environment variables, and whether
+Transformer Engine can be used (asked of the caller, who may know).
+
+:func:`environment_problems` is the environment's part of the verdict (problems and
+notes); the environment's automatic fix (``NCCL_GRAPH_REGISTER=0``) is planned and written
+by :mod:`cudagraph_plugin.config.fixes`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.util
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from packaging.version import InvalidVersion, Version
+
+from cudagraph_plugin.config.errors import MCORE, Violation
+from cudagraph_plugin.config.settings import Settings
+
+# Transformer Engine releases that matter to the constraints.
+TE_DELAY_WGRAD_WITH_ATTN = Version("2.12.0")
+TE_DELAY_WGRAD_WITH_PARTIAL_GRAPHS = Version("2.10.0")
+
+OPTIMIZER_GRAPH_FIRST_RELEASE = Version("0.17.0")
+"""The first megatron-core release with ``OptimizerCudaGraphWrapper`` (checked on PyPI's
+0.16.1, 0.17.0, 0.18.x and 0.19.x wheels)."""
+
+INSTALLED = "installed"
+
+
+def dist_version(*names: str) -> Version | None:
+    for name in names:
+        try:
+            return Version(importlib.metadata.version(name))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@functools.cache
+def mcore_version() -> Version:
+    """The installed megatron-core version, for display: from the package metadata, else
+    (megatron on ``PYTHONPATH``) from the constants of ``megatron/core/package_info.py``,
+    read as text (importing megatron-core would import torch)."""
+    version = dist_version("megatron-core", "megatron_core")
+    if version is not None:
+        return version
+    info = _megatron_file("core", "package_info.py")
+    if info is None:
+        raise RuntimeError("megatron-core is not installed: pip install megatron-core")
+    values: dict[str, Any] = {}
+    for node in ast.parse(info.read_text()).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    values[target.id] = node.value.value
+    parts = (values.get("MAJOR"), values.get("MINOR"), values.get("PATCH"))
+    return Version(".".join(map(str, parts)) + str(values.get("PRE_RELEASE") or ""))
+
+
+def _megatron_file(*parts: str) -> Path | None:
+    """A file of the installed megatron package, found without importing it."""
+    try:
+        spec = importlib.util.find_spec("megatron")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        path = Path(location).joinpath(*parts)
+        if path.is_file():
+            return path
+    return None
+
+
+def installed_te_version() -> Version | None:
+    """The installed Transformer Engine version, or None (read from metadata, no import)."""
+    return dist_version("transformer-engine", "transformer_engine", "transformer-engine-torch")
+
+
+def has_optimizer_graph() -> bool | None:
+    """Whether the installed megatron-core has ``OptimizerCudaGraphWrapper`` (None: no
+    megatron-core found). Looks for the module file, without importing megatron-core."""
+    if _megatron_file("core", "__init__.py") is None:
+        return None
+    return _megatron_file("core", "optimizer", "optimizer_cuda_graph.py") is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """The facts about the machine of the run that rules need: the Transformer Engine
+    version to check against (None: not known here, so not checked) and where it came from
+    (``"installed"`` or ``"given"``)."""
+
+    te_version: Version | None = None
+    te_origin: str = INSTALLED
+
+    @classmethod
+    def of(cls, te_version: Any = INSTALLED, origin: str = "given") -> Environment:
+        """``te_version``: ``"installed"`` (read this machine's metadata), ``None`` (unknown)
+        or a version to check against, such as ``"2.12"`` (given by ``origin``)."""
+        if te_version == INSTALLED:
+            return cls(installed_te_version(), INSTALLED)
+        if te_version is None:
+            return cls(None, origin)
+        return cls(parse_te_version(te_version), origin)
+
+    def te_label(self) -> str:
+        return f"{self.te_origin}: {self.te_version}"
+
+
+def parse_te_version(value: Any) -> Version:
+    """A Transformer Engine version such as ``"2.12"``; ``ValueError`` with the fix if not."""
+    if isinstance(value, Version):
+        return value
+    try:
+        return Version(str(value).strip())
+    except InvalidVersion:
+        raise ValueError(f"{value!r} is not a version number: give one such as 2.12.0") from None
+
+
+# -- the allocator and NCCL ----------------------------------------------------------------
+
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch >= 2.9 reads both
+EXPANDABLE = "expandable_segments:True"
+NCCL_PHRASE = (
+    MCORE,
+    "Setting NCCL_GRAPH_REGISTER=0 to avoid illegal memory access when using CUDA Graph with "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+)
+TE_NOT_CHECKED = (
+    "a run needs Transformer Engine (pip install 'megatron-cudagraph-plugin[te]'); not checked here"
+)
+
+Fact = bool | Callable[[], bool]
+
+
+def expandable_segments_source(environ: Any) -> str | None:
+    """The allocator variable that turns expandable segments on, if any."""
+    for name in ALLOC_CONF_VARS:
+        if EXPANDABLE in environ.get(name, ""):
+            return name
+    return None
+
+
+def ask(fact: Fact) -> bool:
+    """A fact given as a bool or as a query asked only when it matters."""
+    return fact() if callable(fact) else fact
+
+
+def once(fact: Fact) -> Fact:
+    """``fact``, asked at most once however often it is needed."""
+    if not callable(fact):
+        return fact
+    answers: list[bool] = []
+
+    def answer() -> bool:
+        if not answers:
+            answers.append(fact())
+        return answers[0]
+
+    return answer
+
+
+def nccl_register_fixable(
+    settings: Settings, environ: Mapping[str, str], nccl_initialized: Fact
+) -> str | None:
+    """The allocator variable that needs ``NCCL_GRAPH_REGISTER=0`` when setting it now
+    still takes effect (NCCL has not read its environment yet), else None."""
+    if not settings.enabled:
+        return None
+    alloc_var = expandable_segments_source(environ)
+    if alloc_var and environ.get("NCCL_GRAPH_REGISTER") is None and not ask(nccl_initialized):
+        return alloc_var
+    return None
+
+
+def environment_problems(
+    settings: Settings,
+    environ: Mapping[str, str],
+    *,
+    nccl_initialized: Fact,
+    te_available: Fact | None,
+) -> tuple[list[Violation], list[str]]:
+    """The environment's problems and notes for ``settings``; changes nothing.
+
+    :param nccl_initialized: NCCL has already read its environment (or a query for it,
+        asked only when it matters).
+    :param te_available: Transformer Engine's graph support is usable (or a query, asked
+        only for TE graphs); None: not known here.
+    """
+    violations: list[Violation] = []
+    notes: list[str] = []
+    if not settings.enabled:
+        return violations, notes
+    alloc_var = expandable_segments_source(environ)
+    register = environ.get("NCCL_GRAPH_REGISTER")
+    if alloc_var and register is None and ask(nccl_initialized):
+        violations.append(
+            Violation(
+                ("NCCL_GRAPH_REGISTER",),
+                "unset",
+                f"{alloc_var} has {EXPANDABLE}, so CUDA graphs need NCCL_GRAPH_REGISTER=0, "
+                "but NCCL is already initialised and has read its environment",
+                "export NCCL_GRAPH_REGISTER=0 before the process starts (or before "
+                "init_process_group), or drop expandable_segments:True",
+                (NCCL_PHRASE,),
+            )
+        )
+    elif alloc_var and register is not None and register != "0":
+        violations.append(
+            Violation(
+                ("NCCL_GRAPH_REGISTER", alloc_var),
+                repr((register, environ[alloc_var])),
+                f"{alloc_var} has {EXPANDABLE}, so CUDA graphs need NCCL_GRAPH_REGISTER=0 "
+                "(NCCL's buffer registration otherwise makes illegal memory accesses)",
+                "export NCCL_GRAPH_REGISTER=0, or drop expandable_segments:True",
+                (NCCL_PHRASE,),
+            )
+        )
+    if settings.impl == "transformer_engine":
+        if te_available is None:
+            notes.append(TE_NOT_CHECKED)
+        elif not ask(te_available):
+            violations.append(
+                Violation(
+                    (settings.field("impl"),),
+                    repr(settings.impl),
+                    "Transformer Engine with its PyTorch part is not importable here",
+                    "pip install 'megatron-cudagraph-plugin[te]', or use cuda_graph_impl=local "
+                    "with scope full_iteration",
+                    ((MCORE, "CUDA Graphs are not supported without TE"),),
+                )
+            )
+    return violations, notes

@@ -1,0 +1,182 @@
+"""Where each setting lives in a host's configuration, and how to read and write it there.
+
+Owns the field table: for every setting, the attribute paths under which hosts keep it (a
+Megatron-Bridge-style nested config, a megatron-core ``TransformerConfig``, a
+Megatron-LM-style argparse namespace, a dict), the lookup, the in-place assignment (used
+only by :mod:`cudagraph_plugin.config.fixes` and the harness overrides) and the display
+name used in messages (``--cuda-graph-scope`` for a command line, ``model.cuda_graph_scope``
+for a nested config).
+
+Pure Python: no torch, no megatron import.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import Any
+
+from cudagraph_plugin.config.vocabulary import SCOPE_FIELD_NAMES
+
+MISSING = object()
+
+# setting name -> candidate attribute paths, first match wins. Bridge-style nested paths
+# come first; flat paths serve TransformerConfig and argparse namespaces alike.
+FIELD_PATHS: dict[str, tuple[str, ...]] = {
+    "impl": ("model.cuda_graph_impl", "cuda_graph_impl"),
+    "scope": tuple(f"{prefix}{name}" for prefix in ("model.", "") for name in SCOPE_FIELD_NAMES),
+    "warmup_steps": ("model.cuda_graph_warmup_steps", "cuda_graph_warmup_steps"),
+    "model_te_rng_tracker": ("model.use_te_rng_tracker", "use_te_rng_tracker"),
+    "rng_te_rng_tracker": ("rng.te_rng_tracker", "te_rng_tracker"),
+    "check_for_nan_in_loss": (
+        "rerun_state_machine.check_for_nan_in_loss",
+        "check_for_nan_in_loss",
+        "check_for_nan_in_loss_and_grad",
+    ),
+    "check_for_nan_in_grad": (
+        "ddp.check_for_nan_in_grad",
+        "check_for_nan_in_grad",
+        "check_for_nan_in_loss_and_grad",
+    ),
+    "enable_cuda_graph": ("model.enable_cuda_graph", "enable_cuda_graph"),
+    "external_cuda_graph": ("model.external_cuda_graph", "external_cuda_graph"),
+    "seq_length": ("model.seq_length", "dataset.sequence_length", "seq_length"),
+    "micro_batch_size": ("train.micro_batch_size", "micro_batch_size"),
+    "variable_seq_lengths": ("model.variable_seq_lengths", "variable_seq_lengths"),
+    "num_moe_experts": ("model.num_moe_experts", "num_moe_experts", "num_experts"),
+    "moe_expert_capacity_factor": (
+        "model.moe_expert_capacity_factor",
+        "moe_expert_capacity_factor",
+    ),
+    "moe_pad_expert_input_to_capacity": (
+        "model.moe_pad_expert_input_to_capacity",
+        "moe_pad_expert_input_to_capacity",
+    ),
+    "moe_token_dispatcher_type": ("model.moe_token_dispatcher_type", "moe_token_dispatcher_type"),
+    "moe_router_padding_for_fp8": (
+        "model.moe_router_padding_for_fp8",
+        "moe_router_padding_for_fp8",
+    ),
+    "moe_layer_freq": ("model.moe_layer_freq", "moe_layer_freq"),
+    "moe_permute_fusion": ("model.moe_permute_fusion", "moe_permute_fusion"),
+    "moe_shared_expert_intermediate_size": (
+        "model.moe_shared_expert_intermediate_size",
+        "moe_shared_expert_intermediate_size",
+    ),
+    "moe_shared_expert_overlap": (
+        "model.moe_shared_expert_overlap",
+        "moe_shared_expert_overlap",
+    ),
+    "moe_input_jitter_eps": ("model.moe_input_jitter_eps", "moe_input_jitter_eps"),
+    "recompute_granularity": ("model.recompute_granularity", "recompute_granularity"),
+    "recompute_modules": ("model.recompute_modules", "recompute_modules"),
+    "recompute_num_layers": ("model.recompute_num_layers", "recompute_num_layers"),
+    "recompute_method": ("model.recompute_method", "recompute_method"),
+    "attention_dropout": ("model.attention_dropout", "attention_dropout"),
+    "hidden_dropout": ("model.hidden_dropout", "hidden_dropout"),
+    "cpu_offloading": ("model.cpu_offloading", "cpu_offloading"),
+    "overlap_moe_expert_parallel_comm": (
+        "model.overlap_moe_expert_parallel_comm",
+        "overlap_moe_expert_parallel_comm",
+    ),
+    "delay_wgrad_compute": ("model.delay_wgrad_compute", "delay_wgrad_compute"),
+    "gradient_accumulation_fusion": (
+        "model.gradient_accumulation_fusion",
+        "gradient_accumulation_fusion",
+    ),
+    "add_qkv_bias": ("model.add_qkv_bias", "add_qkv_bias"),
+    "add_bias_linear": ("model.add_bias_linear", "add_bias_linear"),
+    "fp16": ("model.fp16", "optimizer.fp16", "fp16"),
+    "pipeline_model_parallel_size": (
+        "model.pipeline_model_parallel_size",
+        "pipeline_model_parallel_size",
+    ),
+    "virtual_pipeline_model_parallel_size": (
+        "model.virtual_pipeline_model_parallel_size",
+        "virtual_pipeline_model_parallel_size",
+    ),
+    "batch_p2p_comm": ("model.batch_p2p_comm", "batch_p2p_comm"),
+    "batch_p2p_sync": ("model.batch_p2p_sync", "batch_p2p_sync"),
+    "overlap_param_gather_with_optimizer_step": (
+        "optimizer.overlap_param_gather_with_optimizer_step",
+        "overlap_param_gather_with_optimizer_step",
+    ),
+    "optimizer_cuda_graph": ("optimizer.optimizer_cuda_graph", "optimizer_cuda_graph"),
+    "optimizer": ("optimizer.optimizer", "optimizer"),
+    "optimizer_cpu_offload": ("optimizer.optimizer_cpu_offload", "optimizer_cpu_offload"),
+    "report_json": ("cuda_graph_report_json",),
+    "fallback_on_slowdown": ("cuda_graph_fallback_on_slowdown",),
+}
+
+# Settings whose None value means "not set" (the lookup then tries the next path).
+_SKIP_NONE = {"impl", "scope", "warmup_steps"}
+
+
+def _get(obj: Any, name: str) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(name, MISSING)
+    return getattr(obj, name, MISSING)
+
+
+def resolve(config: Any, path: str) -> Any:
+    """The value at ``path`` in ``config``, or the ``MISSING`` sentinel."""
+    obj = config
+    for part in path.split("."):
+        obj = _get(obj, part)
+        if obj is MISSING:
+            return MISSING
+    return obj
+
+
+# Megatron-LM flags that store False into a positively named field.
+INVERTED_FLAGS = {
+    "add_bias_linear": "--disable-bias-linear",
+    "gradient_accumulation_fusion": "--no-gradient-accumulation-fusion",
+    "check_for_nan_in_loss": "--no-check-for-nan-in-loss",
+    "check_for_nan_in_loss_and_grad": "--no-check-for-nan-in-loss-and-grad",
+}
+
+
+def display_name(config: Any, path: str) -> str:
+    """How the user knows the field: its flag on a command line, else the path."""
+    if isinstance(config, argparse.Namespace) and "." not in path:
+        if path in INVERTED_FLAGS:
+            return f"{path} ({INVERTED_FLAGS[path]})"
+        return "--" + path.replace("_", "-")
+    return path
+
+
+def lookup(config: Any, setting: str) -> tuple[Any, str | None]:
+    """The value of ``setting`` in ``config`` and the path it came from (None if absent).
+
+    For settings where ``None`` means "not set" the lookup moves on to the next path, but a
+    field that exists and holds ``None`` is still reported as the source when no later
+    path has a value, so messages name the field the user wrote.
+    """
+    first_none: str | None = None
+    for path in FIELD_PATHS[setting]:
+        value = resolve(config, path)
+        if value is MISSING:
+            continue
+        if value is None and setting in _SKIP_NONE:
+            first_none = first_none or path
+            continue
+        return value, path
+    return None, first_none
+
+
+def existing_paths(config: Any, setting: str) -> list[str]:
+    """Every path of ``setting`` that exists in ``config`` (auto-fixes write all of them)."""
+    return [path for path in FIELD_PATHS[setting] if resolve(config, path) is not MISSING]
+
+
+def assign(config: Any, path: str, value: Any) -> None:
+    """Set ``path`` in ``config`` (attribute or mapping item, nested by dots)."""
+    *parents, leaf = path.split(".")
+    obj = config
+    for part in parents:
+        obj = _get(obj, part)
+    if isinstance(obj, dict):
+        obj[leaf] = value
+    else:
+        setattr(obj, leaf, value)

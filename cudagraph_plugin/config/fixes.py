@@ -1,0 +1,240 @@
+"""The one place that plans and writes automatic fixes.
+
+The documented auto-fixes (DESIGN.md, "configure"): with CUDA graphs on, every TE RNG
+tracker flag the config has is set to True; with ``impl="none"`` the scope is cleared; on a
+command line (Megatron-Bridge's performance harness) ``full_iteration`` also turns the NaN
+checks off; and in the environment, ``NCCL_GRAPH_REGISTER=0`` when expandable segments are
+on and NCCL has not read its environment yet.
+
+:func:`plan_fixes` says what would change without touching anything (``check_config``
+uses it); :func:`write_fixes` is the only code that writes a fix into a host config or
+the environment, logging each once. A run writes them only into a configuration without
+problems (:meth:`cudagraph_plugin.config.check.ConfigCheck.apply`).
+
+Pure Python: no torch, no megatron import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+from cudagraph_plugin.config.environment import (
+    EXPANDABLE,
+    Fact,
+    environment_problems,
+    nccl_register_fixable,
+    once,
+)
+from cudagraph_plugin.config.errors import CudaGraphConfigError, Violation
+from cudagraph_plugin.config.fields import assign, display_name, existing_paths, resolve
+from cudagraph_plugin.config.settings import Settings
+from cudagraph_plugin.config.values import to_bool
+
+logger = logging.getLogger("cudagraph_plugin")
+
+
+def _scope_value(s: Settings) -> str:
+    return ",".join(s.scope) if s.scope else "(empty)"
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoFix:
+    """One documented auto-fix: the setting, the config path (or, for ``environment``
+    fixes, the variable) it writes, the value and the line that says so."""
+
+    setting: str
+    path: str
+    value: Any
+    message: str
+    environment: bool = False
+
+
+def _readable_bool(value: Any) -> bool | None:
+    try:
+        return None if value is None else to_bool(value)
+    except ValueError:
+        return None
+
+
+def plan_autofixes(config: Any, settings: Settings, *, harness: bool = False) -> list[AutoFix]:
+    """The documented auto-fixes ``config`` needs, without touching it.
+
+    * CUDA graphs on: every TE RNG tracker flag the config has is set to True.
+    * ``impl="none"``: the scope is cleared.
+    * ``harness`` (a command line, as Megatron-Bridge's performance harness): local
+      ``full_iteration`` also turns the loss and gradient NaN checks off (Megatron-LM
+      asserts both off; its one flag holds both).
+
+    A field whose value cannot be read is left alone (validation reports it).
+    """
+    fixes: list[AutoFix] = []
+    if settings.enabled:
+        for setting in ("model_te_rng_tracker", "rng_te_rng_tracker"):
+            for path in existing_paths(config, setting):
+                value = resolve(config, path)
+                if value is None or _readable_bool(value) is False:
+                    fixes.append(
+                        AutoFix(
+                            setting,
+                            path,
+                            True,
+                            f"CUDA graphs are on: set {display_name(config, path)}=True "
+                            "(TE RNG tracker)",
+                        )
+                    )
+        if harness and settings.impl == "local" and settings.full_iteration:
+            written: set[str] = set()
+            for setting, what in (
+                ("check_for_nan_in_loss", "the loss"),
+                ("check_for_nan_in_grad", "the gradients"),
+            ):
+                for path in existing_paths(config, setting):
+                    if path in written or _readable_bool(resolve(config, path)) is not True:
+                        continue
+                    written.add(path)
+                    fixes.append(
+                        AutoFix(
+                            setting,
+                            path,
+                            False,
+                            f"full_iteration CUDA graph: set {display_name(config, path)}=False "
+                            f"({what} cannot be inspected inside the captured iteration)",
+                        )
+                    )
+    elif settings.scope:
+        for path in existing_paths(config, "scope"):
+            if resolve(config, path):
+                fixes.append(
+                    AutoFix(
+                        "scope",
+                        path,
+                        [],
+                        f"cuda_graph_impl is none: cleared {display_name(config, path)} "
+                        f"(was {_scope_value(settings)})",
+                    )
+                )
+    return fixes
+
+
+def settings_after(settings: Settings, fixes: list[AutoFix]) -> Settings:
+    """``settings`` as they read once ``fixes`` are applied to the config: every setting
+    read from a path a fix writes (Megatron-LM's ``check_for_nan_in_loss_and_grad`` holds
+    both NaN checks) takes the written value."""
+    written = {fix.path: fix.value for fix in fixes if not fix.environment}
+    changed = {
+        setting: (() if setting == "scope" else written[path])
+        for setting, path in settings.paths.items()
+        if path in written
+    }
+    return dataclasses.replace(settings, **changed) if changed else settings
+
+
+def plan_environment_fixes(
+    settings: Settings, environ: Mapping[str, str], *, nccl_initialized: Fact
+) -> list[AutoFix]:
+    """The environment's auto-fix: ``NCCL_GRAPH_REGISTER=0`` while it still takes effect."""
+    alloc_var = nccl_register_fixable(settings, environ, nccl_initialized)
+    if alloc_var is None:
+        return []
+    return [
+        AutoFix(
+            "NCCL_GRAPH_REGISTER",
+            "NCCL_GRAPH_REGISTER",
+            "0",
+            f"set NCCL_GRAPH_REGISTER=0: {alloc_var} has {EXPANDABLE} and "
+            "CUDA graphs are on (NCCL is not initialised yet, so it takes effect)",
+            environment=True,
+        )
+    ]
+
+
+def plan_fixes(
+    config: Any,
+    settings: Settings,
+    environ: Mapping[str, str],
+    *,
+    nccl_initialized: Fact,
+    harness: bool,
+) -> list[AutoFix]:
+    """Every auto-fix ``config`` and ``environ`` need, config fields first; writes nothing."""
+    return plan_autofixes(config, settings, harness=harness) + plan_environment_fixes(
+        settings, environ, nccl_initialized=nccl_initialized
+    )
+
+
+def write_fixes(
+    config: Any,
+    fixes: list[AutoFix],
+    environ: MutableMapping[str, str] | None = None,
+    *,
+    dry_run: bool = False,
+) -> list[str]:
+    """Write ``fixes`` into ``config`` (and ``environ``, ``os.environ`` by default), logging
+    each once; with ``dry_run`` only log what would be written. Returns the messages."""
+    env = os.environ if environ is None else environ
+    for fix in fixes:
+        if fix.environment:
+            if not dry_run:
+                env[fix.path] = fix.value
+            logger.warning("preflight: %s%s", "(dry run) would " if dry_run else "", fix.message)
+        else:
+            if not dry_run:
+                assign(config, fix.path, fix.value)
+            logger.warning("auto-fix: %s%s", "(dry run) would " if dry_run else "", fix.message)
+    return [fix.message for fix in fixes]
+
+
+def apply_autofixes(config: Any, settings: Settings) -> list[str]:
+    """Plan and write the config's documented auto-fixes unconditionally; return what
+    changed. For callers that mean it (the harness's overrides); a run writes its fixes
+    through :meth:`~cudagraph_plugin.config.check.ConfigCheck.apply`, only into a valid
+    configuration."""
+    return write_fixes(config, plan_autofixes(config, settings))
+
+
+def inspect_environment(
+    settings: Settings,
+    environ: Mapping[str, str],
+    *,
+    nccl_initialized: Fact,
+    te_available: Fact | None,
+) -> tuple[list[AutoFix], list[Violation], list[str]]:
+    """The environment's auto-fixes, problems and notes for ``settings``; changes nothing."""
+    nccl_initialized = once(nccl_initialized)
+    fixes = plan_environment_fixes(settings, environ, nccl_initialized=nccl_initialized)
+    violations, notes = environment_problems(
+        settings, environ, nccl_initialized=nccl_initialized, te_available=te_available
+    )
+    return fixes, violations, notes
+
+
+def preflight(
+    settings: Settings,
+    *,
+    environ: MutableMapping[str, str] | None = None,
+    nccl_initialized: Callable[[], bool],
+    te_available: Callable[[], bool],
+    dry_run: bool = False,
+) -> list[str]:
+    """Check (and where safe, fix) the environment for ``settings``.
+
+    :param environ: The environment to check and update (``os.environ`` by default).
+    :param nccl_initialized: Tells whether NCCL has already read its environment.
+    :param te_available: Tells whether Transformer Engine's graph support is usable.
+    :param dry_run: Report what would be set without changing ``environ``.
+    :returns: The changes made (or, with ``dry_run``, that would be made), each logged.
+    :raises CudaGraphConfigError: listing every environment problem with its fix.
+    """
+    if not settings.enabled:
+        return []
+    env = os.environ if environ is None else environ
+    fixes, violations, _ = inspect_environment(
+        settings, env, nccl_initialized=nccl_initialized, te_available=te_available
+    )
+    if violations:
+        raise CudaGraphConfigError(violations)
+    return write_fixes(None, fixes, env, dry_run=dry_run)

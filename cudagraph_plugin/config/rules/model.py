@@ -1,0 +1,212 @@
+"""Rules on the model: MoE scopes and dispatchers, expert-parallel overlap, recompute."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from cudagraph_plugin.config.environment import Environment
+from cudagraph_plugin.config.errors import MCORE, MCORE_16, MCORE_19, Violation
+from cudagraph_plugin.config.rules.base import rule, scope_value, violation
+from cudagraph_plugin.config.settings import Settings
+
+# -- MoE --------------------------------------------------------------------------------------
+
+
+@rule
+def _moe_scopes(s: Settings, env: Environment) -> Iterator[Violation]:
+    if not s.enabled:
+        return
+    scope = set(s.scope)
+    if {"moe", "moe_router"} <= scope:
+        yield violation(
+            s,
+            ("scope",),
+            scope_value(s),
+            "moe (the whole MoE layer) and moe_router (its dense part) are mutually exclusive",
+            "use moe for drop-and-pad MoE, or moe_router[,moe_preprocess] for dropless MoE",
+            (MCORE_16, "cuda_graph_scope must not contain both moe and moe_router"),
+            (MCORE_19, "cuda_graph_modules must not contain both moe and moe_router"),
+        )
+    if "moe_preprocess" in scope and "moe_router" not in scope:
+        yield violation(
+            s,
+            ("scope",),
+            scope_value(s),
+            "moe_preprocess is captured together with the router graph only",
+            "add moe_router to the scope",
+            (MCORE, "moe_preprocess cuda graph is only supported with moe_router cuda graph"),
+        )
+    moe_scopes = sorted(scope & {"moe", "moe_router"})
+    if moe_scopes and not s.is_moe:
+        yield violation(
+            s,
+            ("scope", "num_moe_experts"),
+            (scope_value(s), s.num_moe_experts),
+            f"{', '.join(moe_scopes)} needs an MoE model (num_moe_experts > 1)",
+            "drop the MoE scopes for a dense model (use attn,mlp)",
+            (MCORE, "moe cuda graph is only supported for MoE"),
+        )
+    if not s.is_moe:
+        return
+    freq = s.moe_layer_freq
+    all_moe = freq == 1 or (isinstance(freq, (list, tuple)) and 0 not in freq)
+    if "mlp" in scope and all_moe:
+        yield violation(
+            s,
+            ("scope", "moe_layer_freq"),
+            (scope_value(s), freq),
+            "scope mlp captures dense MLP layers, and every layer of this model is MoE",
+            "drop mlp from the scope (every layer is MoE); use moe_router,moe_preprocess",
+            (
+                MCORE,
+                "mlp cuda graph is only supported for dense layers, but not found in the model",
+            ),
+        )
+    if "moe" in scope and s.dropless_moe:
+        yield violation(
+            s,
+            ("scope", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity"),
+            (scope_value(s), s.moe_expert_capacity_factor, s.moe_pad_expert_input_to_capacity),
+            "scope moe needs drop-and-pad MoE; dropless MoE has dynamic expert shapes, only its "
+            "dense parts are graphable",
+            "use moe_router,moe_preprocess for dropless MoE, or set "
+            "moe_expert_capacity_factor and moe_pad_expert_input_to_capacity=True",
+            (MCORE, "moe cuda graph is only supported with drop-padding MoE"),
+        )
+    if (
+        "moe_preprocess" in scope
+        and s.dropless_moe
+        and s.moe_token_dispatcher_type == "alltoall"
+        and (s.moe_expert_capacity_factor is not None or s.moe_router_padding_for_fp8)
+    ):
+        yield violation(
+            s,
+            ("scope", "moe_token_dispatcher_type"),
+            (scope_value(s), "alltoall"),
+            "the alltoall dispatcher's preprocess step copies to the host and synchronises "
+            "with a capacity factor or FP8 router padding",
+            "drop moe_preprocess from the scope, or pad to capacity "
+            "(moe_pad_expert_input_to_capacity=True)",
+            (
+                MCORE,
+                "moe_preprocess cuda graph is not supported when there are DtoH copies "
+                "and synchronizations in the preprocess step",
+            ),
+        )
+
+
+@rule
+def _moe_preprocess_needs_fused_permute(s: Settings, env: Environment) -> Iterator[Violation]:
+    # Seen on an H200 (megatron-core 0.16.1, TE 2.11): the alltoall dispatcher's unfused
+    # permutation uses masked_select, whose device-to-host sync invalidates the capture.
+    # megatron-core has no check for it; the reference is the CUDA error users get.
+    if (
+        s.impl == "transformer_engine"
+        and "moe_preprocess" in s.scope
+        and s.dropless_moe
+        and s.moe_token_dispatcher_type == "alltoall"
+        and not s.moe_permute_fusion
+    ):
+        yield violation(
+            s,
+            ("scope", "moe_permute_fusion"),
+            (scope_value(s), False),
+            "moe_preprocess cuda graph with the dropless alltoall dispatcher needs the fused "
+            "permutation: the unfused one synchronizes with the host (masked_select) inside "
+            "the captured region",
+            "set moe_permute_fusion=True (needs Transformer Engine), or drop moe_preprocess "
+            "from the scope",
+            ("CUDA, at capture", "operation not permitted when stream is capturing"),
+        )
+
+
+@rule
+def _ep_overlap(s: Settings, env: Environment) -> Iterator[Violation]:
+    if s.enabled and s.overlap_moe_expert_parallel_comm:
+        bad = sorted(set(s.scope) & {"moe", "mlp", "full_iteration"})
+        if s.impl != "transformer_engine" or bad:
+            yield violation(
+                s,
+                ("overlap_moe_expert_parallel_comm", "impl", "scope"),
+                (True, s.impl, scope_value(s)),
+                "with expert-parallel communication overlap only TE graphs of attn, moe_router "
+                "and moe_preprocess are supported",
+                "use cuda_graph_impl=transformer_engine with attn/moe_router/moe_preprocess, "
+                "or turn overlap_moe_expert_parallel_comm off",
+                (
+                    MCORE,
+                    "CUDA graph scope on moe and mlp is not supported with "
+                    "overlap_moe_expert_parallel_comm",
+                ),
+            )
+
+
+# -- recompute --------------------------------------------------------------------------------
+
+
+@rule
+def _full_recompute(s: Settings, env: Environment) -> Iterator[Violation]:
+    if not s.enabled or s.full_iteration:
+        return
+    # recompute_num_layers only counts with granularity "full"; megatron-core ignores it
+    # otherwise (hosts often carry a default for it).
+    if s.recompute_granularity == "full":
+        yield violation(
+            s,
+            ("recompute_granularity", "recompute_num_layers", "scope"),
+            (s.recompute_granularity, s.recompute_num_layers, scope_value(s)),
+            "layer-level (full) recompute works only with the full-iteration graph, not with "
+            "per-layer graphs",
+            "use selective recompute (recompute_granularity=selective), turn CUDA graphs "
+            "off, or use cuda_graph_impl=local with scope full_iteration",
+            (MCORE, "full recompute is only supported with full iteration CUDA graph"),
+        )
+
+
+@rule
+def _selective_recompute(s: Settings, env: Environment) -> Iterator[Violation]:
+    if not s.enabled or s.recompute_granularity != "selective":
+        return
+    modules = s.effective_recompute_modules
+    scope = set(s.scope)
+    if s.impl == "transformer_engine" and "moe" in modules and "moe_router" in scope:
+        yield violation(
+            s,
+            ("recompute_modules", "scope"),
+            (list(modules), scope_value(s)),
+            "recomputing the MoE layer would re-run the graphed router with "
+            "--cuda-graph-impl transformer_engine",
+            "drop 'moe' from recompute_modules, or moe_router from the scope",
+            (MCORE, "moe recompute is not supported with moe_router CUDA graph"),
+        )
+    whole = s.full_iteration
+    if s.attention_dropout != 0.0 and "core_attn" in modules and (whole or "attn" in scope):
+        yield violation(
+            s,
+            ("attention_dropout", "recompute_modules", "scope"),
+            (s.attention_dropout, list(modules), scope_value(s)),
+            "recomputed attention inside a graph would replay its dropout mask",
+            "set attention_dropout=0.0, or drop core_attn from recompute_modules",
+            (MCORE, "attention dropout is not supported with graphed attention recomputation"),
+        )
+    if s.hidden_dropout != 0.0 and (
+        ("mlp" in modules and (whole or "mlp" in scope))
+        or ("moe" in modules and (whole or "moe" in scope))
+    ):
+        yield violation(
+            s,
+            ("hidden_dropout", "recompute_modules", "scope"),
+            (s.hidden_dropout, list(modules), scope_value(s)),
+            "recomputed MLP/MoE inside a graph would replay its dropout mask",
+            "set hidden_dropout=0.0, or drop mlp/moe from recompute_modules",
+            (MCORE, "hidden dropout is not supported with graphed MLP/MoE recomputation"),
+        )
+    if s.moe_input_jitter_eps is not None and "moe" in modules and (whole or "moe" in scope):
+        yield violation(
+            s,
+            ("moe_input_jitter_eps", "recompute_modules", "scope"),
+            (s.moe_input_jitter_eps, list(modules), scope_value(s)),
+            "recomputed MoE inside a graph would replay its input jitter",
+            "unset moe_input_jitter_eps, or drop moe from recompute_modules",
+            (MCORE, "moe_input_jitter_eps is not supported with graphed moe recomputation"),
+        )

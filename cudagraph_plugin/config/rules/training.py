@@ -1,0 +1,213 @@
+"""Rules on how the run trains: static shapes, NaN checks, offloading, warm-up, fp16,
+pipeline parallelism and the optimizer graph."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from cudagraph_plugin.config import environment
+from cudagraph_plugin.config.environment import Environment
+from cudagraph_plugin.config.errors import BRIDGE, MCORE, MLM, Note, Violation
+from cudagraph_plugin.config.rules.base import rule, violation
+from cudagraph_plugin.config.settings import Settings
+
+# -- static shapes, NaN checks, offloading ----------------------------------------------------
+
+
+@rule
+def _static_shapes(s: Settings, env: Environment) -> Iterator[Violation]:
+    if s.enabled and s.variable_seq_lengths:
+        yield violation(
+            s,
+            ("variable_seq_lengths",),
+            True,
+            "CUDA graphs need static tensor shapes; variable-length sequences do not work",
+            "fix seq_length and micro_batch_size; pad packed sequences to a fixed width and "
+            "set variable_seq_lengths=False",
+            (BRIDGE, "Offline packing with CUDA graphs requires dataset pad_to_max_length=True"),
+        )
+
+
+@rule
+def _nan_loss_check(s: Settings, env: Environment) -> Iterator[Violation]:
+    if s.impl == "local" and s.full_iteration and s.check_for_nan_in_loss:
+        yield violation(
+            s,
+            ("check_for_nan_in_loss",),
+            True,
+            "full_iteration CUDA graph requires check_for_nan_in_loss=False: the whole "
+            "forward and backward is captured, so the loss cannot be inspected in between",
+            f"turn {s.field('check_for_nan_in_loss')} off",
+            (BRIDGE, "check_for_nan_in_loss must be disabled when using full_iteration CUDA graph"),
+            (
+                MLM,
+                "--no-check-for-nan-in-loss-and-grad should be set with "
+                "--cuda-graph-impl=full_iteration for training",
+            ),
+        )
+
+
+@rule
+def _cpu_offloading(s: Settings, env: Environment) -> Iterator[Violation]:
+    if s.enabled and s.cpu_offloading:
+        yield violation(
+            s,
+            ("cpu_offloading",),
+            True,
+            "activations offloaded to the CPU cannot live in a captured graph",
+            "set cpu_offloading=False, or turn CUDA graphs off",
+            (MCORE, "CUDA graphs not supported with CPU offloading"),
+        )
+
+
+@rule
+def _nan_grad_check(s: Settings, env: Environment) -> Iterator[Violation]:
+    same_field = s.paths.get("check_for_nan_in_grad") == s.paths.get("check_for_nan_in_loss")
+    if s.impl == "local" and s.full_iteration and s.check_for_nan_in_grad and not same_field:
+        yield violation(
+            s,
+            ("check_for_nan_in_grad",),
+            True,
+            "full_iteration CUDA graph with the gradient NaN check on: DDP inspects the "
+            "reduced gradients on the host (a device synchronisation) inside the captured "
+            "iteration",
+            f"turn {s.field('check_for_nan_in_grad')} off",
+            (
+                MLM,
+                "--no-check-for-nan-in-loss-and-grad should be set with "
+                "--cuda-graph-impl=full_iteration for training",
+            ),
+        )
+
+
+@rule
+def _full_iteration_warmup(s: Settings, env: Environment) -> Iterator[Violation]:
+    if s.enabled and s.full_iteration and s.warmup_steps == 0:
+        yield violation(
+            s,
+            ("warmup_steps",),
+            0,
+            "full_iteration with no warm-up captures the very first step, while cuBLAS handles "
+            "and NCCL communicators are still created lazily on first use, which a capture "
+            "forbids (seen on an H200 with DP=2)",
+            f"set {s.field('warmup_steps')} to 1 or more (megatron-core's default: 3)",
+            ("CUDA", "CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`"),
+        )
+
+
+@rule
+def _fp16_full_iteration(s: Settings, env: Environment) -> Iterator[Violation]:
+    if s.enabled and s.full_iteration and s.fp16:
+        yield violation(
+            s,
+            ("fp16",),
+            True,
+            "fp16 training scales the loss dynamically: the scaler checks the gradients for "
+            "inf/NaN on the host and replaces its scale tensor when it changes the scale, so a "
+            "captured iteration would go on using the scale it was captured with",
+            "train in bf16 (bf16=True, fp16=False), or use TE scopes such as attn,mlp",
+        )
+
+
+# -- pipeline parallelism ---------------------------------------------------------------------
+
+
+@rule
+def _pipeline_full_iteration(s: Settings, env: Environment) -> Iterator[Violation]:
+    if not (s.enabled and s.full_iteration):
+        return
+    if s.pipeline_parallel and s.batch_p2p_comm and s.batch_p2p_sync:
+        yield violation(
+            s,
+            ("pipeline_model_parallel_size", "batch_p2p_comm", "batch_p2p_sync"),
+            (s.pipeline_model_parallel_size, True, True),
+            "full_iteration with pipeline parallelism: megatron-core synchronises the device "
+            "after every batched p2p exchange between stages, which a capture forbids (seen on "
+            'an H200: "operation not permitted when stream is capturing")',
+            f"set {s.field('batch_p2p_comm')}=False (Megatron-LM: --overlap-p2p-communication "
+            f"with virtual stages) or {s.field('batch_p2p_sync')}=False, or use TE scopes such "
+            "as attn,mlp",
+            (MCORE, "To protect against race condition when using batch_isend_irecv()"),
+        )
+    if s.overlap_param_gather_with_optimizer_step:
+        yield violation(
+            s,
+            ("overlap_param_gather_with_optimizer_step",),
+            True,
+            "full_iteration with the parameter all-gather overlapped with the optimizer step: "
+            "the gather is dispatched from the preceding optimizer step, outside the captured "
+            "iteration, so the graph would wait for work it never launched",
+            f"set {s.field('overlap_param_gather_with_optimizer_step')}=False, or use TE scopes",
+            (
+                BRIDGE,
+                "incompatible with full-iteration capture because the parameter gather is "
+                "dispatched from the preceding optimizer step",
+            ),
+        )
+
+
+# -- optimizer graph (megatron-core 0.17+) ------------------------------------------------------
+
+
+@rule
+def _optimizer_graph(s: Settings, env: Environment) -> Iterator[Violation | Note]:
+    if not s.optimizer_cuda_graph:
+        return
+    available = environment.has_optimizer_graph()
+    if available is False:
+        yield violation(
+            s,
+            ("optimizer_cuda_graph",),
+            True,
+            "the optimizer CUDA graph needs megatron-core's OptimizerCudaGraphWrapper, first "
+            f"released in megatron-core {environment.OPTIMIZER_GRAPH_FIRST_RELEASE} (installed: "
+            f"{_installed_mcore()})",
+            f"install megatron-core >= {environment.OPTIMIZER_GRAPH_FIRST_RELEASE} (Python 3.12), "
+            f"or turn {s.field('optimizer_cuda_graph')} off",
+        )
+    elif available is None:
+        yield Note(
+            "megatron-core is not installed here: the optimizer graph's release is not checked"
+        )
+    if s.optimizer != "adam":
+        yield violation(
+            s,
+            ("optimizer",),
+            s.optimizer,
+            "megatron-core makes only Adam capturable (OptimizerConfig.optimizer_cuda_graph "
+            "builds Adam with capturable=True)",
+            f"use optimizer=adam, or turn {s.field('optimizer_cuda_graph')} off",
+        )
+    if s.fp16:
+        yield violation(
+            s,
+            ("fp16", "optimizer_cuda_graph"),
+            (True, True),
+            "fp16's dynamic loss scaler checks the gradients for inf/NaN on the host inside "
+            "the optimizer step, which a capture forbids",
+            "train in bf16, or turn the optimizer graph off",
+        )
+    if s.optimizer_cpu_offload:
+        yield violation(
+            s,
+            ("optimizer_cpu_offload", "optimizer_cuda_graph"),
+            (True, True),
+            "an optimizer step offloaded to the CPU cannot be captured in a CUDA graph",
+            "turn optimizer_cpu_offload or the optimizer graph off",
+        )
+    if s.warmup_steps == 0:
+        yield violation(
+            s,
+            ("warmup_steps", "optimizer_cuda_graph"),
+            (0, True),
+            "with no warm-up the optimizer graph captures the first optimizer step, which "
+            "creates Adam's state",
+            f"set {s.field('warmup_steps')} to 1 or more",
+        )
+
+
+def _installed_mcore() -> str:
+    try:
+        return str(environment.mcore_version())
+    except RuntimeError:
+        return "none"

@@ -1,0 +1,218 @@
+"""The CUDA-graph settings of one configuration, read from whatever config the host has.
+
+:func:`read_settings` walks the field table (:mod:`~cudagraph_plugin.config.fields`),
+normalises each value (:mod:`~cudagraph_plugin.config.values`) and returns a frozen
+:class:`Settings`: the values in the plugin's vocabulary, where each came from, and the
+values that could not be read. It never raises and never writes.
+
+Pure Python: no torch, no megatron import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from cudagraph_plugin.config.fields import (
+    FIELD_PATHS,
+    MISSING,
+    display_name,
+    lookup,
+    resolve,
+)
+from cudagraph_plugin.config.values import FieldProblem, normalise, parse_scope
+from cudagraph_plugin.config.vocabulary import (
+    DEFAULT_WARMUP_STEPS,
+    SCOPE_FIELD_NAMES,
+    canonical_impl_and_scope,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The CUDA-graph settings and the model facts the constraints depend on.
+
+    ``impl`` and ``scope`` are normalised to the plugin's vocabulary (megatron-core 0.16's:
+    ``impl="local"`` + ``scope=("full_iteration",)`` for full-iteration graphs) whatever
+    spelling the host used; every other value to its type (see :func:`normalise`).
+    ``sources`` maps each setting found in the host config to the name the user knows it
+    by (``paths``: to its path); ``input_problems`` lists the values that could not be read
+    (their settings keep their defaults).
+    """
+
+    impl: Any = "none"
+    scope: tuple[str, ...] = ()
+    warmup_steps: int = DEFAULT_WARMUP_STEPS
+    model_te_rng_tracker: bool | None = None
+    rng_te_rng_tracker: bool | None = None
+    check_for_nan_in_loss: bool | None = None
+    check_for_nan_in_grad: bool | None = None
+    enable_cuda_graph: bool = False
+    external_cuda_graph: bool = False
+    seq_length: int | None = None
+    micro_batch_size: int | None = None
+    variable_seq_lengths: bool = False
+    num_moe_experts: int | None = None
+    moe_expert_capacity_factor: float | None = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_dispatcher_type: str = "allgather"
+    moe_router_padding_for_fp8: bool = False
+    moe_layer_freq: int | list[int] | tuple[int, ...] = 1
+    moe_permute_fusion: bool = False
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_overlap: bool = False
+    moe_input_jitter_eps: float | None = None
+    recompute_granularity: str | None = None
+    recompute_modules: tuple[str, ...] | None = None
+    recompute_num_layers: int | None = None
+    recompute_method: str | None = None
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    cpu_offloading: bool = False
+    overlap_moe_expert_parallel_comm: bool = False
+    delay_wgrad_compute: bool = False
+    gradient_accumulation_fusion: bool = False
+    add_qkv_bias: bool = False
+    add_bias_linear: bool = False
+    fp16: bool = False
+    pipeline_model_parallel_size: int | None = None
+    virtual_pipeline_model_parallel_size: int | None = None
+    batch_p2p_comm: bool = True  # megatron-core's defaults
+    batch_p2p_sync: bool = True
+    overlap_param_gather_with_optimizer_step: bool = False
+    optimizer_cuda_graph: bool = False
+    optimizer: str = "adam"
+    optimizer_cpu_offload: bool = False
+    report_json: str | None = None
+    fallback_on_slowdown: bool = False
+    # Where the values came from, and what could not be read.
+    from_command_line: bool = False
+    deprecated_full_scope: bool = False
+    scope_conflict: tuple[tuple[str, str], ...] = ()
+    input_problems: tuple[FieldProblem, ...] = ()
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
+    paths: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def enabled(self) -> bool:
+        """CUDA graphs are requested (``impl`` other than ``none``)."""
+        return self.impl != "none"
+
+    @property
+    def full_iteration(self) -> bool:
+        return "full_iteration" in self.scope
+
+    @property
+    def pipeline_parallel(self) -> bool:
+        return (self.pipeline_model_parallel_size or 1) > 1
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_moe_experts) and self.num_moe_experts > 1
+
+    @property
+    def dropless_moe(self) -> bool:
+        """MoE without drop-and-pad (MCore: no capacity factor or no padding to capacity)."""
+        return self.is_moe and (
+            self.moe_expert_capacity_factor is None or not self.moe_pad_expert_input_to_capacity
+        )
+
+    @property
+    def effective_recompute_modules(self) -> tuple[str, ...]:
+        """megatron-core's default for selective recompute is ``("core_attn",)``."""
+        if self.recompute_modules is None:
+            return ("core_attn",)
+        return tuple(self.recompute_modules)
+
+    @property
+    def legacy_flag(self) -> str | None:
+        """The deprecated flag that is on (``enable_cuda_graph`` / ``external_cuda_graph``)."""
+        if self.enable_cuda_graph:
+            return "enable_cuda_graph"
+        return "external_cuda_graph" if self.external_cuda_graph else None
+
+    @property
+    def impl_from_legacy_flag(self) -> bool:
+        """``impl`` is what megatron-core's ``__post_init__`` derives from the one deprecated
+        flag that is on (``enable_cuda_graph`` -> local, ``external_cuda_graph`` ->
+        transformer_engine), so the user need not have set it. On a command line the impl
+        flag is the user's own (Megatron-LM converts the deprecated flags itself)."""
+        derived = {"enable_cuda_graph": "local", "external_cuda_graph": "transformer_engine"}
+        return (
+            not self.from_command_line
+            and not (self.enable_cuda_graph and self.external_cuda_graph)
+            and self.legacy_flag is not None
+            and self.impl == derived[self.legacy_flag]
+        )
+
+    def field(self, setting: str) -> str:
+        """The name to show for ``setting``: where it was found, else its usual name."""
+        if setting in self.sources:
+            return self.sources[setting]
+        return _DEFAULT_NAMES.get(setting, setting)
+
+
+_DEFAULT_NAMES = {
+    "impl": "cuda_graph_impl",
+    "scope": "cuda_graph_scope",
+    "warmup_steps": "cuda_graph_warmup_steps",
+    "model_te_rng_tracker": "use_te_rng_tracker",
+    "rng_te_rng_tracker": "rng.te_rng_tracker",
+}
+
+
+def _scope_conflict(config: Any) -> tuple[tuple[str, str], ...]:
+    """Both generations' scope fields set at one level (0.19 refuses that)."""
+    for prefix in ("model.", ""):
+        present = []
+        for name in SCOPE_FIELD_NAMES:
+            path = prefix + name
+            value = resolve(config, path)
+            if value is not MISSING and parse_scope(value) not in ((), ("full",)):
+                present.append((display_name(config, path), repr(value)))
+        if len(present) > 1:
+            return tuple(present)
+    return ()
+
+
+def read_settings(config: Any) -> Settings:
+    """Read :class:`Settings` from a host config of any supported shape (duck-typed).
+
+    Never raises for a bad value: it is recorded in ``input_problems`` (validation lists
+    it) and its setting keeps its default.
+    """
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    paths: dict[str, str] = {}
+    problems: list[FieldProblem] = []
+    for setting in FIELD_PATHS:
+        value, path = lookup(config, setting)
+        if path is None:
+            continue
+        paths[setting] = path
+        sources[setting] = display_name(config, path)
+        if setting == "scope":
+            values[setting] = value
+            continue
+        try:
+            value = normalise(setting, value)
+        except ValueError as exc:
+            problems.append(exc.args[0])
+            continue
+        if value is not MISSING:
+            values[setting] = value
+    names = parse_scope(values.pop("scope", None))
+    impl, scope = canonical_impl_and_scope(values.pop("impl", "none"), names)
+    return Settings(
+        impl=impl,
+        scope=scope,
+        **values,
+        from_command_line=isinstance(config, argparse.Namespace),
+        deprecated_full_scope=names == ("full",),
+        scope_conflict=_scope_conflict(config),
+        input_problems=tuple(problems),
+        sources=sources,
+        paths=paths,
+    )

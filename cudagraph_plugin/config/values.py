@@ -1,0 +1,319 @@
+"""The accepted forms of every setting's value, and their normalisation.
+
+Launchers (YAML recipes, environment overrides, Megatron-LM command lines) pass numbers and
+booleans as strings, lists as comma-separated strings and MoE layer patterns as
+Megatron-LM pattern strings. Each value is normalised here (docs/configuration.md, "Accepted
+forms"), or, when it cannot be read, recorded as a :class:`FieldProblem` naming the field,
+the value and the fix, which the rules list with the other problems; a value is never
+misread and nothing raises a bare ``TypeError``.
+
+Pure Python: no torch, no megatron import.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from cudagraph_plugin.config.fields import MISSING
+
+
+def _split_names(text: str) -> list[str]:
+    """``"attn, mlp"`` -> ``["attn", "mlp"]``; a doubled or trailing comma leaves an empty
+    name (``""``) for validation to report; a blank string holds no names."""
+    if not text.strip():
+        return []
+    return [name.strip() for name in text.split(",")]
+
+
+def parse_scope(value: Any) -> tuple[str, ...]:
+    """Scope names from a list, a comma-separated string or enum members (either MCore
+    generation's ``CudaGraphScope``/``CudaGraphModule``). Unknown, deprecated, duplicated
+    and empty names (``"attn,,mlp"``) are kept as given for validation to report; spaces
+    around names are dropped."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return tuple(_split_names(value))
+    items: Iterable[Any] = (
+        value if isinstance(value, Iterable) and not isinstance(value, Mapping) else [value]
+    )
+    names: list[str] = []
+    for item in items:
+        if isinstance(item, str):
+            names += _split_names(item) or [""]
+        else:
+            names.append(str(getattr(item, "name", item)).strip())
+    return tuple(names)
+
+
+# -- value normalisation -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldProblem:
+    """A value that cannot be read: the setting, the value as given, what is wrong, the fix."""
+
+    setting: str
+    value: Any
+    problem: str
+    fix: str
+
+
+class _Unreadable(ValueError):
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.fix = fix
+
+
+_NONE_WORDS = ("", "none", "null")
+_TRUE_WORDS = ("true", "t", "yes", "y", "on", "1")
+_FALSE_WORDS = ("false", "f", "no", "n", "off", "0")
+_BOOL_FIX = "use true or false (1/0, yes/no and on/off are read too)"
+
+
+def _is_none_word(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() in _NONE_WORDS
+
+
+def to_bool(value: Any) -> bool:
+    """A boolean from ``True``/``False``, ``1``/``0`` or a word such as ``"false"``."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE_WORDS:
+            return True
+        if word in _FALSE_WORDS:
+            return False
+    raise _Unreadable("not a boolean", _BOOL_FIX)
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        return int(value)
+    raise _Unreadable("not an integer", "")
+
+
+def _to_int(minimum: int, example: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        try:
+            number = _integer(value)
+        except _Unreadable:
+            number = None
+        if number is None or number < minimum:
+            what = "a non-negative integer" if minimum == 0 else f"an integer >= {minimum}"
+            raise _Unreadable(f"must be {what}", f"give a whole number such as {example}")
+        return number
+
+    return parse
+
+
+def _to_float(value: Any) -> float:
+    number: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+    if number is None or not math.isfinite(number):
+        raise _Unreadable("not a number", "give a number such as 0.1")
+    return number
+
+
+def _to_choice(*choices: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if isinstance(value, str) and value.strip() in choices:
+            return value.strip()
+        raise _Unreadable("not a known value", f"use one of {', '.join(choices)}")
+
+    return parse
+
+
+def _to_name(value: Any) -> Any:
+    return value.strip() if isinstance(value, str) else value
+
+
+def _to_names(value: Any) -> tuple[str, ...]:
+    """Module names from a list or a comma- (or space-) separated string."""
+    if isinstance(value, str):
+        return tuple(name for name in re.split(r"[,\s]+", value) if name)
+    if isinstance(value, Iterable) and not isinstance(value, Mapping):
+        names: list[str] = []
+        for item in value:
+            if not isinstance(item, str):
+                raise _Unreadable("holds a value that is not a name", _NAMES_FIX)
+            names += [name for name in re.split(r"[,\s]+", item) if name]
+        return tuple(names)
+    raise _Unreadable("not a list of names", _NAMES_FIX)
+
+
+_NAMES_FIX = "give a list of names, e.g. [core_attn, mlp], or a comma-separated string"
+_PATTERN_LIMIT = 100_000  # layers: bounds what a pattern such as [0]*10**9 could allocate
+_LAYER_FREQ_FIX = (
+    "give an integer N >= 1 (one MoE layer every N layers), a list of 0/1 per layer "
+    "(1 = MoE), or a Megatron-LM pattern string such as ([0]*1+[1]*3)*4"
+)
+
+
+def parse_layer_pattern(text: str) -> list[int]:
+    """Megatron-LM's layer pattern string, e.g. ``"([0]*1+[1]*3)*2"`` -> ``[0,1,1,1,0,1,1,1]``.
+
+    The same grammar Megatron-LM evaluates (list literals of integers, ``+``, ``*`` and
+    parentheses; spaces tolerated), read without ``eval``.
+    """
+    if re.search(r"[^\d\s,\[\]()+*]", text):
+        raise ValueError(f"invalid pattern {text!r}")
+
+    def evaluate(node: ast.AST) -> Any:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            items = [evaluate(item) for item in node.elts]
+            if not all(type(item) is int for item in items):
+                raise ValueError("a pattern list holds integers only")
+            return items
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = evaluate(node.left), evaluate(node.right)
+            if isinstance(node.op, ast.Add) and type(left) is type(right):
+                return left + right
+            if isinstance(node.op, ast.Mult):
+                if isinstance(left, int) and isinstance(right, int):
+                    return left * right
+                lst, times = (left, right) if isinstance(left, list) else (right, left)
+                if isinstance(lst, list) and isinstance(times, int):
+                    if len(lst) * max(times, 0) > _PATTERN_LIMIT:
+                        raise ValueError("pattern too long")
+                    return lst * times
+        raise ValueError("not a list expression")
+
+    try:
+        result = evaluate(ast.parse(text.strip(), mode="eval").body)
+    except SyntaxError as exc:
+        raise ValueError(f"invalid pattern {text!r}") from exc
+    if not isinstance(result, list):
+        raise ValueError("a pattern must evaluate to a list")
+    return result
+
+
+def _to_layer_freq(value: Any) -> int | list[int] | tuple[int, ...]:
+    """megatron-core's ``moe_layer_freq``: an int N, a 0/1 list, or (Megatron-LM's
+    ``--moe-layer-freq``) a string holding either."""
+    if isinstance(value, str):
+        try:
+            value = int(value) if re.fullmatch(r"\s*\d+\s*", value) else parse_layer_pattern(value)
+        except ValueError as exc:
+            raise _Unreadable(
+                f"not an integer or a layer pattern ({exc})", _LAYER_FREQ_FIX
+            ) from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise _Unreadable("must be an integer >= 1", _LAYER_FREQ_FIX)
+        return value
+    if isinstance(value, (list, tuple)):
+        if value and all(type(item) is int and item in (0, 1) for item in value):
+            return value
+        raise _Unreadable("a layer pattern must be a non-empty list of 0 and 1", _LAYER_FREQ_FIX)
+    raise _Unreadable("not an integer or a layer pattern", _LAYER_FREQ_FIX)
+
+
+_WARMUP = _to_int(0, 3)
+
+
+def _to_optimizer_name(value: Any) -> str:
+    """Megatron-LM's ``--optimizer`` / Bridge's ``optimizer.optimizer``: a name."""
+    if not isinstance(value, str) or not value.strip():
+        raise _Unreadable("not an optimizer name", "give the optimizer's name, e.g. adam")
+    return value.strip().lower()
+
+
+# setting -> (parser, optional). ``optional``: None and the words none/null/"" mean "not set"
+# (the setting stays None); otherwise None means "use the default". Settings not listed are
+# taken as given (impl and scope have their own handling, report_json is a path).
+_PARSERS: dict[str, tuple[Callable[[Any], Any], bool]] = {
+    "impl": (_to_name, False),
+    "warmup_steps": (_WARMUP, False),
+    "model_te_rng_tracker": (to_bool, True),
+    "rng_te_rng_tracker": (to_bool, True),
+    "check_for_nan_in_loss": (to_bool, True),
+    "check_for_nan_in_grad": (to_bool, True),
+    "seq_length": (_to_int(1, 4096), True),
+    "micro_batch_size": (_to_int(1, 1), True),
+    "num_moe_experts": (_to_int(0, 8), True),
+    "moe_expert_capacity_factor": (_to_float, True),
+    "moe_token_dispatcher_type": (_to_choice("allgather", "alltoall", "flex"), False),
+    "moe_layer_freq": (_to_layer_freq, False),
+    "moe_shared_expert_intermediate_size": (_to_int(1, 2048), True),
+    "moe_input_jitter_eps": (_to_float, True),
+    "recompute_granularity": (_to_choice("full", "selective"), True),
+    "recompute_modules": (_to_names, True),
+    "recompute_num_layers": (_to_int(0, 1), True),
+    "recompute_method": (_to_choice("uniform", "block"), True),
+    "attention_dropout": (_to_float, False),
+    "hidden_dropout": (_to_float, False),
+    "pipeline_model_parallel_size": (_to_int(1, 2), True),
+    "virtual_pipeline_model_parallel_size": (_to_int(1, 2), True),
+    "optimizer": (_to_optimizer_name, False),
+}
+BOOL_SETTINGS = (
+    "enable_cuda_graph",
+    "external_cuda_graph",
+    "variable_seq_lengths",
+    "moe_pad_expert_input_to_capacity",
+    "moe_router_padding_for_fp8",
+    "moe_permute_fusion",
+    "moe_shared_expert_overlap",
+    "cpu_offloading",
+    "overlap_moe_expert_parallel_comm",
+    "delay_wgrad_compute",
+    "gradient_accumulation_fusion",
+    "add_qkv_bias",
+    "add_bias_linear",
+    "fallback_on_slowdown",
+    "fp16",
+    "batch_p2p_comm",
+    "batch_p2p_sync",
+    "overlap_param_gather_with_optimizer_step",
+    "optimizer_cuda_graph",
+    "optimizer_cpu_offload",
+)
+_PARSERS.update({name: (to_bool, False) for name in BOOL_SETTINGS})
+_PROBLEM_TEXT = {
+    "warmup_steps": "cuda_graph_warmup_steps must be a non-negative integer",
+}
+_FIX_TEXT = {
+    "warmup_steps": "set it to the number of eager steps before capture (megatron-core's "
+    "default: 3)",
+}
+
+
+def normalise(setting: str, value: Any) -> Any:
+    """The value of ``setting`` in the plugin's types, or :data:`MISSING` for "use the
+    default". Raises ``ValueError`` carrying a :class:`FieldProblem` when it cannot be read."""
+    parser, optional = _PARSERS.get(setting, (None, False))
+    if value is None or (optional and _is_none_word(value)):
+        return None if optional else MISSING
+    if parser is None:
+        return value
+    try:
+        return parser(value)
+    except _Unreadable as exc:
+        raise ValueError(
+            FieldProblem(
+                setting,
+                value,
+                _PROBLEM_TEXT.get(setting, exc.problem),
+                _FIX_TEXT.get(setting, exc.fix),
+            )
+        ) from None

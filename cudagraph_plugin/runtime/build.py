@@ -1,0 +1,182 @@
+"""What the plugin checks and sets up once the host has built its model: the RNG tracker,
+the model config against the configured settings, the DDP build stream, megatron-core's
+micro-batch calculator (TE graphs), the optimizer graph's prerequisites; then the TE helper
+and the optimizer graph.
+
+Every check raises :class:`~cudagraph_plugin.config.errors.CudaGraphConfigError` listing
+each problem with its fix, before anything is captured.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from cudagraph_plugin import compat
+from cudagraph_plugin.config.errors import CudaGraphConfigError, Violation
+from cudagraph_plugin.config.settings import Settings, read_settings
+from cudagraph_plugin.runtime.mechanisms import OptimizerGraphs, TEGraphs
+from cudagraph_plugin.runtime.state import RunState
+
+logger = logging.getLogger("cudagraph_plugin")
+
+_RNG_PROBLEM = (
+    "CUDA graphs need a graph-safe RNG tracker, but the active one is not (with "
+    "te_rng_tracker=True and no Transformer Engine, megatron-core silently falls back to its "
+    "own tracker, which is graph-safe only with use_cudagraphable_rng=True)"
+)
+_RNG_FIX = (
+    "seed with model_parallel_cuda_manual_seed(**run.rng_options(...)) so it gets "
+    "te_rng_tracker=True and use_cudagraphable_rng=True"
+)
+
+_CAPTURABLE_PROBLEM = (
+    "the optimizer graph needs the optimizer megatron-core builds for it (a capturable Adam), "
+    "but the optimizer was built with OptimizerConfig.optimizer_cuda_graph=False"
+)
+_CAPTURABLE_FIX = (
+    "build the optimizer with OptimizerConfig(..., optimizer_cuda_graph=True) (Megatron-LM: "
+    "--optimizer-cuda-graph; Megatron-Bridge: optimizer.optimizer_cuda_graph=True)"
+)
+
+_GRAD_NORM_PROBLEM = (
+    "megatron-core computes the gradient norm inside optimizer.step() with its local "
+    "fallback (neither Transformer Engine's nor Apex's multi-tensor kernels could be "
+    "imported), which reads the norm on the host: the optimizer step cannot be captured "
+    '(it fails with "operation not permitted when stream is capturing")'
+)
+_GRAD_NORM_FIX = (
+    "install Apex (amp_C) or a Transformer Engine whose transformer_engine.pytorch.optimizers "
+    'provides the multi-tensor kernels megatron-core imports (megatron-core warns "Falling '
+    'back to local implementations of multi_tensor_applier" when it has none), or turn the '
+    "optimizer graph off"
+)
+
+_CALC_FIX = (
+    "megatron-core's TECudaGraphHelper reads the global micro-batch calculator while it "
+    "captures, and the host has not set it up",
+    "call megatron.core.num_microbatches_calculator.init_num_microbatches_calculator(rank, "
+    "None, global_batch_size, micro_batch_size, data_parallel_size) before run.model_built() "
+    "(Megatron-LM's loop does this at start-up)",
+)
+
+_BUILD_PROBLEM = (
+    "the DDP wrapper of model chunk(s) {chunks} was built outside run.model_build_context(); "
+    "its gradient-accumulation nodes then belong to the default stream and the capture "
+    'fails with "operation would make the legacy stream depend on a capturing blocking '
+    'stream"'
+)
+_BUILD_FIX = (
+    "construct DistributedDataParallel inside `with run.model_build_context():` (it enters "
+    "the stream the capture needs, as Megatron-LM's loop does)"
+)
+
+
+def check_rng_tracker() -> None:
+    safe, tracker = compat.rng_tracker_state()
+    if not safe:
+        raise CudaGraphConfigError([Violation(("RNG tracker",), tracker, _RNG_PROBLEM, _RNG_FIX)])
+    logger.info("RNG tracker is CUDA-graph safe: %s", tracker)
+
+
+def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer: Any) -> None:
+    """Check what the host built for model graphs; create the TE helper for TE scopes."""
+    model = state.model
+    assert model is not None and state.seq_length is not None
+    assert state.micro_batch_size is not None
+    _check_built_config(
+        state.settings, state.model_config, state.seq_length, state.micro_batch_size
+    )
+    if state.te_mode and not compat.num_microbatches_calculator_ready():
+        raise CudaGraphConfigError(
+            [Violation(("num_microbatches_calculator",), "not initialised", *_CALC_FIX)]
+        )
+    missing = build.missing(model)
+    if missing:
+        chunks = ", ".join(map(str, missing))
+        raise CudaGraphConfigError(
+            [
+                Violation(
+                    ("run.model_build_context()",),
+                    "entered" if build.entered else "never entered",
+                    _BUILD_PROBLEM.format(chunks=chunks),
+                    _BUILD_FIX,
+                )
+            ]
+        )
+    if state.te_mode:
+        state.te = TEGraphs(
+            model, state.model_config, state.seq_length, state.micro_batch_size, [optimizer]
+        )
+        logger.info(
+            "TE CUDA graphs: %d graphable layer(s) for scope %s; capture at step start_step + %d",
+            state.te.layer_count(),
+            ",".join(state.settings.scope),
+            state.settings.warmup_steps,
+        )
+
+
+def build_optimizer_graph(
+    state: RunState, optimizer: Any, make_step: Callable[[OptimizerGraphs], Any]
+) -> None:
+    """Check the optimizer can be captured; install megatron-core's optimizer graph as
+    ``optimizer.step`` (``make_step`` gives the callable that brackets its capture)."""
+    violations = []
+    if compat.grad_norm_on_device() is False:
+        violations.append(
+            Violation(
+                ("megatron.core.optimizer.clip_grads.l2_norm_impl",),
+                "local_multi_tensor_l2_norm",
+                _GRAD_NORM_PROBLEM,
+                _GRAD_NORM_FIX,
+            )
+        )
+    if compat.optimizer_is_capturable(optimizer) is False:
+        violations.append(
+            Violation(
+                ("OptimizerConfig.optimizer_cuda_graph",),
+                "False",
+                _CAPTURABLE_PROBLEM,
+                _CAPTURABLE_FIX,
+            )
+        )
+    if violations:
+        raise CudaGraphConfigError(violations)
+    warmup = state.settings.warmup_steps
+    state.optim = OptimizerGraphs(optimizer, warmup, compat.single_mempool(state.model_config))
+    state.optim.install(make_step(state.optim))
+    logger.info(
+        "optimizer CUDA graph: optimizer.step is captured at its call number %d "
+        "(step start_step + %d)",
+        warmup,
+        warmup,
+    )
+
+
+def _check_built_config(settings: Settings, model_config: Any, seq_length: int, mbs: int) -> None:
+    built = read_settings(model_config)
+    violations = []
+    if (built.impl, built.scope) != (settings.impl, settings.scope):
+        violations.append(
+            Violation(
+                ("TransformerConfig.cuda_graph_impl", "TransformerConfig.cuda_graph_scope"),
+                repr((built.impl, ",".join(built.scope))),
+                f"the model was built for ({built.impl}, {','.join(built.scope)}) but the "
+                f"plugin configured ({settings.impl}, {','.join(settings.scope)})",
+                "build the TransformerConfig with run.model_config_kwargs(base=...)",
+            )
+        )
+    for name, have in (("seq_length", seq_length), ("micro_batch_size", mbs)):
+        want = getattr(settings, name)
+        if want is not None and want != have:
+            violations.append(
+                Violation(
+                    (settings.field(name), f"model_built({name}=...)"),
+                    repr((want, have)),
+                    f"the configuration says {name}={want} but the model was built for {have}",
+                    f"pass the configured {name} to run.model_built()",
+                )
+            )
+    if violations:
+        raise CudaGraphConfigError(violations)

@@ -1,0 +1,71 @@
+"""The opt-in fallback (``cuda_graph_fallback_on_slowdown``, full iteration only): after a
+few replayed steps, if replay is measurably slower than eager on any rank, free the
+full-iteration graph and carry on with the plain ``forward_backward_func`` on every rank.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+from cudagraph_plugin import compat
+from cudagraph_plugin.runtime.capture import Captures
+from cudagraph_plugin.runtime.guard import ShapeGuard
+from cudagraph_plugin.runtime.measurement import Measurement
+from cudagraph_plugin.runtime.release import release_each
+from cudagraph_plugin.runtime.report import verdict
+from cudagraph_plugin.runtime.state import Phase, RunState
+
+logger = logging.getLogger("cudagraph_plugin")
+
+FALLBACK_REPLAY_STEPS = 5
+"""Replay steps measured before the opt-in fallback policy decides."""
+
+
+class Fallback:
+    def __init__(
+        self, state: RunState, captures: Captures, measurement: Measurement, guard: ShapeGuard
+    ) -> None:
+        self.state = state
+        self.captures = captures
+        self.measurement = measurement
+        self.guard = guard
+        self.decided = False
+        self.graphs_freed = 0
+
+    def step_ended(self, step: int) -> None:
+        """Decide once, :data:`FALLBACK_REPLAY_STEPS` after the capture, if the policy is on."""
+        state = self.state
+        if not (
+            state.settings.fallback_on_slowdown
+            and state.full_iteration_mode
+            and state.phase is Phase.CAPTURED
+            and not self.decided
+        ):
+            return
+        # Counted from the step numbers: reading the timings synchronises the device, which
+        # must happen once, at the decision, not on every replay step before it.
+        capture_step = self.captures.training_capture_step()
+        if capture_step is None or step - capture_step < FALLBACK_REPLAY_STEPS:
+            return
+        self.decided = True
+        eager, replay, durations = self.measurement.samples()
+        result, _, _, text = verdict([durations[s] for s in eager], [durations[s] for s in replay])
+        # What a rank executes must not differ: every rank falls back if any rank measured
+        # a slowdown (a rank replaying while another runs eagerly deadlocks a collective).
+        if not compat.any_rank(result == "slower"):
+            logger.info("fallback policy: keeping the full-iteration graph (%s)", text)
+            return
+        logger.warning(
+            "fallback policy: %s; freeing the full-iteration graph at step %d and continuing "
+            "with the plain forward_backward_func",
+            text if result == "slower" else f"another rank measured a slowdown (here: {text})",
+            step,
+        )
+        assert state.full is not None
+        self.graphs_freed += release_each(state.full.graph_release_steps()).graphs_freed
+        gc.collect()
+        self.guard.disarm()
+        self.captures.graph_count = 0
+        self.measurement.fallback_step = step
+        state.advance((Phase.CAPTURED,), Phase.FALLEN_BACK)

@@ -1,0 +1,213 @@
+"""The static-shape guard: a captured graph must never replay on changed inputs.
+
+megatron-core's ``FullCudaGraphWrapper`` copies each new micro-batch into the static
+buffers of the capture (broadcasting or silently converting when it can) and replays; TE's
+per-layer graphs index their graphs by ``micro-batch % count``. Either way a change in
+tensor shapes, dtypes or the number of micro-batches after capture gives wrong results
+without an error. The guard records the inputs of the reference call (the capture call for
+full-iteration graphs, the first training call after a per-layer capture) and checks every
+later call before its micro-batches reach the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterator
+from typing import Any
+
+
+class StaticShapeError(RuntimeError):
+    """The inputs changed after CUDA graph capture; replaying would use stale buffers."""
+
+
+FIX = (
+    "keep seq_length, micro_batch_size, tensor dtypes, non-tensor batch values and the number "
+    "of micro-batches fixed for the whole run (pad variable-length data to a fixed width), or "
+    "run without CUDA graphs"
+)
+
+
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+_MAX_DEPTH = 6
+
+
+def signature(batch: Any, path: str = "batch", depth: int = 0) -> tuple[tuple[str, str], ...]:
+    """A hashable description of a micro-batch: every tensor's path, shape and dtype, and
+    every other leaf's path, type and value.
+
+    Values matter for everything that is not a tensor: a captured graph copies new tensor
+    contents into its static buffers, but Python scalars (e.g. the ``max_seqlen`` of
+    packed-sequence parameters) were baked into the kernels at capture time. Objects
+    (dataclasses, plain objects) are described field by field.
+    """
+    shape = getattr(batch, "shape", None)
+    dtype = getattr(batch, "dtype", None)
+    if shape is not None and dtype is not None:
+        return ((path, f"shape {tuple(shape)} dtype {dtype}"),)
+    if isinstance(batch, _SCALARS) or isinstance(batch, enum.Enum):
+        return ((path, f"{type(batch).__name__} {batch!r}"),)
+    if depth >= _MAX_DEPTH:
+        return ((path, f"{type(batch).__name__} {batch!r}"),)
+    if isinstance(batch, dict):
+        return tuple(
+            item
+            for key in sorted(batch, key=str)
+            for item in signature(batch[key], f"{path}[{key!r}]", depth + 1)
+        )
+    if isinstance(batch, (list, tuple)):
+        return tuple(
+            item for i, v in enumerate(batch) for item in signature(v, f"{path}[{i}]", depth + 1)
+        )
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    elif hasattr(batch, "__dict__") and not callable(batch):
+        fields = {k: v for k, v in vars(batch).items() if not k.startswith("_")}
+    else:
+        return ((path, f"{type(batch).__name__} {batch!r}"),)
+    described = (
+        item
+        for name in sorted(fields)
+        for item in signature(fields[name], f"{path}.{name}", depth + 1)
+    )
+    return ((path, type(batch).__name__), *described)
+
+
+_TENSOR = object()
+
+
+def fingerprint(batch: Any, depth: int = 0) -> Any:
+    """What :func:`signature` describes, as a cheap comparable value (no strings): the
+    guard compares every micro-batch of every replayed step with it, and builds the readable
+    :func:`signature` only to say what changed."""
+    shape = getattr(batch, "shape", None)
+    if shape is not None:
+        dtype = getattr(batch, "dtype", None)
+        if dtype is not None:
+            return (_TENSOR, tuple(shape), dtype)
+    if isinstance(batch, float):
+        return (float, repr(batch))  # NaN != NaN; its repr is stable
+    if isinstance(batch, _SCALARS) or isinstance(batch, enum.Enum):
+        return (type(batch), batch)
+    if depth >= _MAX_DEPTH:
+        return (type(batch), repr(batch))
+    if isinstance(batch, dict):
+        return (dict, tuple((key, fingerprint(batch[key], depth + 1)) for key in batch))
+    if isinstance(batch, (list, tuple)):
+        return (type(batch), tuple(fingerprint(v, depth + 1) for v in batch))
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        fields = tuple(f.name for f in dataclasses.fields(batch))
+        return (type(batch), tuple((n, fingerprint(getattr(batch, n), depth + 1)) for n in fields))
+    return (type(batch), signature(batch, depth=depth))
+
+
+def _difference(expected: tuple, actual: tuple) -> str:
+    exp, act = dict(expected), dict(actual)
+    for key in sorted(set(exp) | set(act)):
+        if exp.get(key) != act.get(key):
+            return f"{key}: {exp.get(key, 'absent')} at capture, now {act.get(key, 'absent')}"
+    return "the structure changed"
+
+
+@dataclasses.dataclass
+class _Reference:
+    step: int | None
+    call: dict[str, Any]
+    batches: dict[tuple[int, int], tuple] = dataclasses.field(default_factory=dict)
+
+
+class ShapeGuard:
+    """Per stage (``training``/``validation``): record a reference call, check later calls."""
+
+    CALL_KEYS = ("num_microbatches", "seq_length", "micro_batch_size")
+
+    def __init__(self) -> None:
+        self._reference: dict[str, _Reference] = {}
+        self._recording: dict[str, _Reference] = {}
+
+    def is_armed(self, stage: str) -> bool:
+        return stage in self._reference
+
+    def disarm(self) -> None:
+        self._reference.clear()
+        self._recording.clear()
+
+    def check_call(
+        self, stage: str, step: int | None, kwargs: dict[str, Any], *, record: bool
+    ) -> Any:
+        """Check (or, with ``record``, remember) one forward/backward call; returns the
+        data iterator to pass on, wrapped so each micro-batch is checked as it is drawn."""
+        call = {key: kwargs.get(key) for key in self.CALL_KEYS}
+        if record:
+            self._recording[stage] = _Reference(step, call)
+        elif stage in self._reference:
+            ref = self._reference[stage]
+            for key in self.CALL_KEYS:
+                if call[key] != ref.call[key]:
+                    raise StaticShapeError(
+                        f"{stage} forward_backward_func called with {key}={call[key]!r} after "
+                        f"CUDA graph capture (step {ref.step}) with {key}={ref.call[key]!r}; "
+                        f"replaying the graph would use stale buffers. Fix: {FIX}"
+                    )
+        data_iterator = kwargs.get("data_iterator")
+        if record or stage in self._reference:
+            return self._wrap(stage, data_iterator, record)
+        return data_iterator
+
+    def commit(self, stage: str) -> None:
+        """Make the recorded call the reference for ``stage``."""
+        self._reference[stage] = self._recording.pop(stage)
+
+    def _wrap(self, stage: str, data_iterator: Any, record: bool) -> Any:
+        if isinstance(data_iterator, list):
+            return [
+                self._wrap_one(stage, it, record, chunk) for chunk, it in enumerate(data_iterator)
+            ]
+        return self._wrap_one(stage, data_iterator, record, 0)
+
+    def _wrap_one(self, stage: str, iterator: Any, record: bool, chunk: int) -> Any:
+        if iterator is None:
+            return None
+        return _CheckedIterator(self, stage, iterator, record, chunk)
+
+    def _see(self, stage: str, index: int, chunk: int, batch: Any, record: bool) -> None:
+        if record:
+            self._recording[stage].batches[(chunk, index)] = (fingerprint(batch), signature(batch))
+            return
+        ref = self._reference[stage]
+        if (chunk, index) not in ref.batches:
+            raise StaticShapeError(
+                f"{stage} micro-batch {index} (model chunk {chunk}) drawn after CUDA graph "
+                f"capture (step {ref.step}), which saw {len(ref.batches)} micro-batch(es); "
+                f"replaying the graph would use stale buffers. Fix: {FIX}"
+            )
+        expected, described = ref.batches[(chunk, index)]
+        if fingerprint(batch) != expected:
+            raise StaticShapeError(
+                f"{stage} micro-batch {index} (model chunk {chunk}) changed after CUDA graph "
+                f"capture (step {ref.step}): {_difference(described, signature(batch))}; "
+                f"replaying the graph would use stale buffers. Fix: {FIX}"
+            )
+
+
+class _CheckedIterator:
+    """Checks (or records) each micro-batch as the schedule draws it."""
+
+    def __init__(
+        self, guard: ShapeGuard, stage: str, iterator: Any, record: bool, chunk: int
+    ) -> None:
+        self._guard = guard
+        self._stage = stage
+        self._iterator = iterator
+        self._record = record
+        self._chunk = chunk
+        self._index = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._iterator)
+        self._guard._see(self._stage, self._index, self._chunk, batch, self._record)
+        self._index += 1
+        return batch

@@ -1,0 +1,128 @@
+"""The callables the host gets in place of its own: the forward/backward function (and,
+with the optimizer graph, ``optimizer.step``).
+
+For each forward/backward call it decides what runs: after shutdown, the plain function;
+with full-iteration graphs, megatron-core's wrapper (capture on its capture call, replay
+after), every call checked by the static-shape guard; after a TE capture, the plain function
+with its micro-batches checked against the captured shapes; otherwise the plain function.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from cudagraph_plugin import compat
+from cudagraph_plugin.runtime.capture import Captures
+from cudagraph_plugin.runtime.guard import FIX, ShapeGuard, StaticShapeError
+from cudagraph_plugin.runtime.mechanisms import FullIterationGraphs, OptimizerGraphs
+from cudagraph_plugin.runtime.state import Phase, RunState
+from cudagraph_plugin.runtime.te_capture import TECapture
+
+logger = logging.getLogger("cudagraph_plugin")
+
+
+class ForwardBackwardInterceptor:
+    def __init__(
+        self, state: RunState, captures: Captures, guard: ShapeGuard, te_capture: TECapture
+    ) -> None:
+        self.state = state
+        self.captures = captures
+        self.guard = guard
+        self.te_capture = te_capture
+        self.wrapped: dict[int, tuple[Any, ForwardBackward]] = {}
+        self._eager_after_shutdown_logged = False
+
+    def wrap(self, func: Any) -> Any:
+        """The callable the host gets for ``func``. Idempotent: asking again for the same
+        function returns the same callable (a new wrapper would reset megatron-core's class
+        state and free live graphs)."""
+        known = self.wrapped.get(id(func))
+        if known is not None:
+            return known[1]
+        state = self.state
+        if state.full_iteration_mode and state.full is None:
+            state.full = FullIterationGraphs(
+                state.settings.warmup_steps, compat.single_mempool(state.model_config)
+            )
+        wrapped = ForwardBackward(self, func)
+        self.wrapped[id(func)] = (func, wrapped)
+        return wrapped
+
+    def forget(self) -> None:
+        self.wrapped.clear()
+
+    def call(self, eager: Any, kwargs: dict[str, Any]) -> Any:
+        state = self.state
+        if state.phase is Phase.SHUT_DOWN:
+            # Graphs are gone (e.g. Megatron-LM-style evaluation after training): eager.
+            if not self._eager_after_shutdown_logged:
+                self._eager_after_shutdown_logged = True
+                logger.info("forward_backward_func called after shutdown: running eagerly")
+            return eager(**kwargs)
+        stage = "validation" if kwargs.get("forward_only") else "training"
+        if state.full is not None and state.phase is not Phase.FALLEN_BACK:
+            return self._full_iteration(state.full, eager, stage, kwargs)
+        self.te_capture.check_host_enabled_pre_hooks()
+        if state.te_mode and stage == "training" and state.phase is Phase.CAPTURED:
+            record = not self.guard.is_armed(stage)
+            if record:
+                self._check_te_call(kwargs)
+            kwargs["data_iterator"] = self.guard.check_call(
+                stage, state.step, kwargs, record=record
+            )
+            result = eager(**kwargs)
+            if record:
+                self.guard.commit(stage)
+            return result
+        return eager(**kwargs)
+
+    def _full_iteration(
+        self, full: FullIterationGraphs, eager: Any, stage: str, kwargs: dict[str, Any]
+    ) -> Any:
+        wrapper = full.wrapper_for(eager)
+        capturing = full.due(stage)
+        kwargs["data_iterator"] = self.guard.check_call(
+            stage, self.state.step, kwargs, record=capturing
+        )
+        if not capturing:
+            return full.call(wrapper, kwargs)
+        result = self.captures.bracket(stage, lambda: full.call(wrapper, kwargs))
+        self.guard.commit(stage)
+        return result
+
+    def _check_te_call(self, kwargs: dict[str, Any]) -> None:
+        for name, captured in (
+            ("seq_length", self.state.seq_length),
+            ("micro_batch_size", self.state.micro_batch_size),
+        ):
+            if kwargs.get(name) != captured:
+                raise StaticShapeError(
+                    f"training forward_backward_func called with {name}={kwargs.get(name)!r} "
+                    f"but the TE CUDA graphs were captured for {name}={captured!r}. Fix: {FIX}"
+                )
+
+
+class ForwardBackward:
+    """The forward/backward callable the host gets: keyword-only, like megatron-core's."""
+
+    def __init__(self, interceptor: ForwardBackwardInterceptor, eager: Any) -> None:
+        self._interceptor = interceptor
+        self._eager = eager
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return self._interceptor.call(self._eager, kwargs)
+
+
+class OptimizerStep:
+    """What ``optimizer.step`` is while the optimizer graph is installed: megatron-core's
+    wrapper, with its capture call bracketed by the capture hooks, timing and memory."""
+
+    def __init__(self, captures: Captures, graphs: OptimizerGraphs) -> None:
+        self._captures = captures
+        self._graphs = graphs
+
+    def __call__(self) -> Any:
+        if self._graphs.due():
+            return self._captures.bracket("optimizer", self._graphs.call)
+        return self._graphs.call()

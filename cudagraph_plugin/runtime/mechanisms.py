@@ -1,0 +1,203 @@
+"""The capture mechanisms, behind one small interface.
+
+* :class:`FullIterationGraphs` — megatron-core's ``FullCudaGraphWrapper`` around the
+  whole forward/backward; it captures on its ``warmup_steps``-th call per stage
+  (training, validation) and keeps graphs, counters and static buffers on its classes.
+* :class:`TEGraphs` — megatron-core's ``TECudaGraphHelper``: per-layer Transformer Engine
+  graphs, captured when the plugin calls :meth:`TEGraphs.create`.
+* :class:`OptimizerGraphs` — megatron-core 0.17+'s ``OptimizerCudaGraphWrapper`` around the
+  host's ``optimizer.step``; it captures on its ``warmup_steps``-th call and keeps the graph
+  on its class. Installing it replaces ``optimizer.step`` on the host's optimizer (as
+  Megatron-LM and Megatron-Bridge do); releasing it puts the original back.
+
+Each answers :meth:`graph_count` and lists the resources it holds as
+:class:`~cudagraph_plugin.runtime.release.ReleaseStep` s, one per resource, so that shutdown can
+release each in its own guarded step. None fires hooks, times or measures anything:
+the plugin brackets their captures. All megatron-core access goes through ``compat``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from cudagraph_plugin import compat
+from cudagraph_plugin.runtime.release import ReleaseStep
+
+logger = logging.getLogger("cudagraph_plugin")
+
+
+class FullIterationGraphs:
+    """Full-iteration graphs: one ``FullCudaGraphWrapper`` per forward/backward function the
+    host hands over (they share megatron-core's class-level graphs and counters)."""
+
+    def __init__(self, warmup_steps: int, use_single_mempool: bool) -> None:
+        self.warmup_steps = warmup_steps
+        self.use_single_mempool = use_single_mempool
+        if compat.full_iteration_state_dirty():
+            logger.warning(
+                "megatron-core's FullCudaGraphWrapper holds state from an earlier run in this "
+                "process (a graph or a non-zero step counter); resetting it so this run "
+                "captures after its own %d warm-up step(s)",
+                warmup_steps,
+            )
+            compat.free_full_iteration_graphs()
+        self._wrappers: dict[int, tuple[Any, Any]] = {}
+
+    def wrapper_for(self, func: Any) -> Any:
+        """The megatron-core wrapper of ``func`` (the same one each time for one function)."""
+        key = id(func)
+        if key not in self._wrappers:
+            wrapper = compat.make_full_iteration_wrapper(
+                func, self.warmup_steps, self.use_single_mempool
+            )
+            self._wrappers[key] = (func, wrapper)  # func kept alive: its id stays unique
+        return self._wrappers[key][1]
+
+    def due(self, stage: str) -> bool:
+        """The next call of ``stage`` is the capture call."""
+        return (
+            not compat.full_iteration_captured(stage)
+            and compat.full_iteration_calls(stage) == self.warmup_steps
+        )
+
+    @staticmethod
+    def call(wrapper: Any, kwargs: dict[str, Any]) -> Any:
+        compat.order_input_copy_after_replay(wrapper)
+        return wrapper(**kwargs)
+
+    def graph_count(self) -> int:
+        return sum(compat.full_iteration_captured(stage) for stage in compat.STAGES)
+
+    @staticmethod
+    def graph_release_steps() -> list[ReleaseStep]:
+        """The graphs alone (the opt-in fallback frees them and carries on eagerly)."""
+        return [
+            ReleaseStep(
+                f"full-iteration {stage} graph",
+                functools.partial(compat.free_full_iteration_graph, stage),
+                frees_graphs=True,
+            )
+            for stage in compat.STAGES
+        ]
+
+    def release_steps(self) -> list[ReleaseStep]:
+        return [
+            *self.graph_release_steps(),
+            ReleaseStep(
+                "FullCudaGraphWrapper step counters and results",
+                compat.reset_full_iteration_counters,
+            ),
+            ReleaseStep("full-iteration static input buffers", compat.clear_static_buffers),
+            ReleaseStep("shared CUDA graph pool handle", compat.forget_shared_graph_pool),
+            ReleaseStep("FullCudaGraphWrapper objects", self._wrappers.clear),
+        ]
+
+
+class TEGraphs:
+    """Per-layer Transformer Engine graphs through megatron-core's ``TECudaGraphHelper``."""
+
+    def __init__(
+        self,
+        model: list[Any],
+        model_config: Any,
+        seq_length: int,
+        micro_batch_size: int,
+        optimizers: list[Any],
+    ) -> None:
+        self.helper: Any = compat.make_te_helper(
+            model, model_config, seq_length, micro_batch_size, optimizers
+        )
+
+    def layer_count(self) -> int:
+        return compat.te_layer_count(self.helper)
+
+    def capture_done(self) -> bool:
+        return compat.te_capture_done(self.helper)
+
+    def create(self) -> None:
+        self.helper.create_cudagraphs()
+
+    def set_manual_hooks(self) -> None:
+        self.helper.cuda_graph_set_manual_hooks()
+
+    def graph_count(self) -> int:
+        return 0 if self.helper is None else compat.te_graph_count(self.helper)
+
+    def release_steps(self) -> list[ReleaseStep]:
+        return [
+            ReleaseStep("megatron-core's TE capture flag", self._end_stuck_capture),
+            ReleaseStep("TE per-layer graphs", self._free, frees_graphs=True),
+            ReleaseStep("TECudaGraphHelper", self._drop),
+        ]
+
+    @staticmethod
+    def _end_stuck_capture() -> None:
+        if compat.end_stuck_te_capture():
+            logger.warning("the TE capture failed midway; cleared megatron-core's capture flag")
+
+    def _free(self) -> int:
+        return 0 if self.helper is None else compat.free_te_graphs(self.helper)
+
+    def _drop(self) -> None:
+        self.helper = None
+
+
+class OptimizerGraphs:
+    """The optimizer step in a CUDA graph (megatron-core's ``OptimizerCudaGraphWrapper``)."""
+
+    def __init__(self, optimizer: Any, warmup_steps: int, use_single_mempool: bool) -> None:
+        if compat.optimizer_graph_state_dirty():
+            logger.warning(
+                "megatron-core's OptimizerCudaGraphWrapper holds state from an earlier run in "
+                "this process; resetting it so this run captures after its own %d warm-up "
+                "step(s)",
+                warmup_steps,
+            )
+            compat.free_optimizer_graph()
+            compat.reset_optimizer_graph_counters()
+        self.optimizer: Any = optimizer
+        self._own_step = vars(optimizer).get("step")  # an instance attribute the host set
+        self.wrapper: Any = compat.make_optimizer_graph_wrapper(
+            optimizer.step, warmup_steps, use_single_mempool
+        )
+        self.warmup_steps = warmup_steps
+
+    def install(self, step: Callable[[], Any]) -> None:
+        """Make ``optimizer.step`` call ``step`` (which calls :meth:`call`)."""
+        self.optimizer.step = step
+
+    def due(self) -> bool:
+        """The next ``optimizer.step()`` is the capture call."""
+        return (
+            not compat.optimizer_graph_captured()
+            and compat.optimizer_graph_calls() == self.warmup_steps
+        )
+
+    def call(self) -> Any:
+        return self.wrapper()
+
+    def graph_count(self) -> int:
+        return int(compat.optimizer_graph_captured())
+
+    def release_steps(self) -> list[ReleaseStep]:
+        return [
+            ReleaseStep("optimizer graph", compat.free_optimizer_graph, frees_graphs=True),
+            ReleaseStep(
+                "OptimizerCudaGraphWrapper step counter and result",
+                compat.reset_optimizer_graph_counters,
+            ),
+            ReleaseStep("the host's optimizer.step", self._restore_step),
+        ]
+
+    def _restore_step(self) -> None:
+        if self.optimizer is None:
+            return
+        if self._own_step is not None:
+            self.optimizer.step = self._own_step
+        else:
+            vars(self.optimizer).pop("step", None)  # the class's method again
+        self.optimizer = None
+        self.wrapper = None

@@ -1,0 +1,226 @@
+"""The CUDA graph plugin: the hook implementations of one run, as a small state machine.
+
+One :class:`CudaGraphPlugin` is created and registered per run by ``entry`` (from the
+``mcgraph_configure`` hook), so nothing leaks from one run into the next. It is the phase
+machine (:class:`~cudagraph_plugin.runtime.state.RunState`) and each hook implementation
+is a few lines that hand the work to a small object:
+
+* ``build``        — checks and set-up once the model exists (TE helper, optimizer graph);
+* ``interceptor``  — the forward/backward (and ``optimizer.step``) the host calls;
+* ``te_capture``   — the TE capture at the post-warmup step, with the DDP pre-hooks;
+* ``capture``      — the capture bracket (hooks, timing, memory) and its records;
+* ``guard``        — the static-shape guard;
+* ``measurement``  — step timing, eager vs replay;
+* ``fallback``     — the opt-in fallback when replay is slower;
+* ``report``       — the run report; ``release`` — freeing everything exactly once.
+
+Where the capture step is decided: TE scopes in :meth:`CudaGraphPlugin.mcgraph_post_warmup_step`
+(``TrainingRun`` fires it when ``step - start_step == warmup_steps``); full iteration inside
+megatron-core's ``FullCudaGraphWrapper`` on its ``warmup_steps``-th call per stage, seen
+coming by :meth:`ForwardBackwardInterceptor.call`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from cudagraph_plugin import compat
+from cudagraph_plugin.config.advice import warmup_warning
+from cudagraph_plugin.config.check import check_config
+from cudagraph_plugin.config.settings import Settings
+from cudagraph_plugin.runtime import build
+from cudagraph_plugin.runtime.capture import Captures
+from cudagraph_plugin.runtime.fallback import Fallback
+from cudagraph_plugin.runtime.guard import ShapeGuard
+from cudagraph_plugin.runtime.interceptor import ForwardBackwardInterceptor, OptimizerStep
+from cudagraph_plugin.runtime.measurement import Measurement
+from cudagraph_plugin.runtime.release import ReleaseStep
+from cudagraph_plugin.runtime.release_plan import ReleasePlan
+from cudagraph_plugin.runtime.report import Reporter, RunReport
+from cudagraph_plugin.runtime.shutdown import Shutdown
+from cudagraph_plugin.runtime.state import Phase, RunState
+from cudagraph_plugin.runtime.te_capture import TECapture
+from hookspecs import hookimpl
+
+logger = logging.getLogger("cudagraph_plugin")
+
+
+class CudaGraphPlugin:
+    """Hook implementations for one run; create it with :meth:`configure`."""
+
+    def __init__(self, settings: Settings, pluginmanager: Any, *, cuda: bool) -> None:
+        self.settings = settings
+        self.state = RunState(settings, pluginmanager, cuda)
+        state = self.state
+        self.build = compat.DDPBuildContext(settings.full_iteration) if state.active else None
+        self.capture = Captures(state)
+        self.guard = ShapeGuard()
+        self.te_capture = TECapture(state, self.capture)
+        self.interceptor = ForwardBackwardInterceptor(
+            state, self.capture, self.guard, self.te_capture
+        )
+        self.measurement = Measurement(state, self.capture)
+        self.fallback = Fallback(state, self.capture, self.measurement, self.guard)
+        self.reporter = Reporter(state, self.measurement, self.capture)
+        self.release = ReleasePlan(state, self.capture)
+        self.shutdown = Shutdown(state, self.reporter, self._release_all)
+
+    @classmethod
+    def configure(cls, config: Any, pluginmanager: Any) -> CudaGraphPlugin:
+        """Check the host's configuration (``check_config``: the same verdict as
+        ``python -m cudagraph_plugin check``) and apply its auto-fixes only if it has no
+        problems; otherwise raise, leaving ``config`` and the environment untouched."""
+        cuda = compat.cuda_available()
+        result = check_config(
+            config,
+            te_available=compat.te_available if cuda else None,
+            nccl_initialized=compat.nccl_initialized,
+        )
+        result.apply(config)
+        settings = result.settings
+        for note in result.advice:
+            logger.warning("advice: %s", note)
+        for note in result.notes:
+            logger.info("note: %s", note)
+        if settings.enabled and not cuda:
+            logger.warning(
+                "CUDA graphs need a CUDA device and none is available: this run is eager and "
+                "captures nothing (cuda_graph_impl=%s, scope=%s was validated)",
+                settings.impl,
+                ",".join(settings.scope),
+            )
+        return cls(settings, pluginmanager, cuda=cuda)
+
+    # -- what tests, the probe and the GPU suite read --------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        return self.state.phase
+
+    @property
+    def report(self) -> RunReport | None:
+        return self.reporter.report
+
+    @property
+    def graphs_freed(self) -> int:
+        return self.release.graphs_freed + self.fallback.graphs_freed
+
+    @property
+    def allocated_after_free_mib(self) -> float | None:
+        return self.release.allocated_after_free_mib
+
+    # -- configuration and build ----------------------------------------------------------
+
+    @hookimpl
+    def mcgraph_model_config_kwargs(self, config: Any) -> dict[str, Any]:
+        impl = self.settings.impl if self.state.active else "none"
+        return compat.model_config_kwargs(impl, self.settings.scope, self.settings.warmup_steps)
+
+    @hookimpl
+    def mcgraph_rng_options(self, config: Any) -> dict[str, Any] | None:
+        if not self.state.active:
+            return None
+        return {"te_rng_tracker": True, "use_cudagraphable_rng": True, "force_reset_rng": True}
+
+    @hookimpl
+    def mcgraph_rng_initialized(self, config: Any) -> None:
+        if self.state.active:
+            build.check_rng_tracker()
+
+    @hookimpl
+    def mcgraph_model_build_context(self, config: Any) -> Any:
+        return None if self.build is None else self.build.enter()
+
+    @hookimpl
+    def mcgraph_model_built(
+        self,
+        model: list[Any],
+        optimizer: Any,
+        model_config: Any,
+        seq_length: int,
+        micro_batch_size: int,
+    ) -> None:
+        state = self.state
+        state.advance((Phase.CONFIGURED,), Phase.BUILT)
+        state.model, state.model_config = model, model_config
+        state.seq_length, state.micro_batch_size = seq_length, micro_batch_size
+        if state.active:
+            assert self.build is not None
+            build.build_model_graphs(state, self.build, optimizer)
+        if state.optimizer_graph:
+            build.build_optimizer_graph(
+                state, optimizer, lambda graphs: OptimizerStep(self.capture, graphs)
+            )
+
+    @hookimpl(wrapper=True)
+    def mcgraph_forward_backward_func(self, forward_backward_func: Any) -> Any:
+        func = yield
+        return self.interceptor.wrap(func) if self.state.active else func
+
+    # -- training -------------------------------------------------------------------------
+
+    # Answered in every run mode (graphs off, no CUDA device too), so plugins see the
+    # post-warmup step wherever they run; tryfirst, so the step TE graphs are captured at
+    # is the configured one whatever else answers.
+    @hookimpl(tryfirst=True)
+    def mcgraph_warmup_steps(self, config: Any) -> int:
+        return self.settings.warmup_steps
+
+    @hookimpl
+    def mcgraph_train_start(self, start_step: int, train_iters: int) -> None:
+        self.state.start_step = start_step
+        warning = warmup_warning(self.settings, start_step, train_iters)
+        if warning:
+            logger.warning("%s", warning)
+
+    @hookimpl
+    def mcgraph_train_step_start(self, step: int) -> None:
+        self.state.step = step
+        self.measurement.timer.start(step)
+
+    @hookimpl
+    def mcgraph_post_warmup_step(self, step: int, start_step: int) -> None:
+        if self.state.te_mode:  # full-iteration graphs are captured inside forward_backward
+            self.te_capture.capture(step)
+
+    @hookimpl(wrapper=True)
+    def mcgraph_enable_forward_pre_hook(self, model: list[Any]) -> Any:
+        result = yield
+        self.te_capture.pre_hooks_enabled("forward pre-hooks enabled")
+        return result
+
+    @hookimpl
+    def mcgraph_train_step_end(self, step: int, metrics: dict[str, Any]) -> None:
+        self.measurement.timer.stop(step)
+        self.fallback.step_ended(step)
+
+    # -- shutdown -------------------------------------------------------------------------
+
+    # A plain wrapper, the documented middle layer (hookspecs.spec.mcgraph_shutdown): other
+    # plugins' tryfirst wrappers are always outside it, their trylast wrappers and plain
+    # implementations always inside, whatever the registration order.
+    @hookimpl(wrapper=True)
+    def mcgraph_shutdown(self, reason: Any, exception: BaseException | None) -> Any:
+        return (yield from self.shutdown.wrap(reason, exception))
+
+    # The safety net of the wrapper above: a wrapper between the two that raises before its
+    # yield (which the hook contract forbids) makes pluggy skip the plain one; the report
+    # and the cleanup then happen here, outside every plain and trylast wrapper.
+    @hookimpl(wrapper=True, tryfirst=True, specname="mcgraph_shutdown")
+    def shutdown_guard(self, reason: Any, exception: BaseException | None) -> Any:
+        return (yield from self.shutdown.guard(reason, exception))
+
+    def _release_all(self, reason: str, *, quiet: bool, exception: BaseException | None) -> None:
+        extra = [
+            ReleaseStep("static-shape guard", self.guard.disarm),
+            ReleaseStep("pending manual hooks", self.te_capture.forget_manual_hooks),
+            ReleaseStep("model and optimizer references", self._drop_references),
+        ]
+        self.release.release_all(reason, extra, quiet=quiet, exception=exception)
+
+    def _drop_references(self) -> None:
+        # The run is over: nothing here may keep the model or optimizer alive.
+        self.state.model = None
+        self.state.model_config = None
+        self.interceptor.forget()

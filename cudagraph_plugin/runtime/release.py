@@ -1,0 +1,72 @@
+"""Releasing resources one guarded step at a time.
+
+Shutdown releases many independent things (each graph, megatron-core's class state,
+static buffers, the graph pool handle, cuBLAS workspaces, capture flags, references). One
+that raises — or a second Ctrl-C arriving in the middle — must not skip the others, and
+must never hide the exception that ended the run. :func:`release_each` runs every
+:class:`ReleaseStep`, logs each failure and returns them; :func:`settle` attaches them as
+notes to the run's own exception, or raises the first when the run had none.
+(The run's own plan is :mod:`~cudagraph_plugin.runtime.release_plan`.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+logger = logging.getLogger("cudagraph_plugin")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseStep:
+    """One resource and how to release it. With ``frees_graphs``, ``release`` returns how
+    many CUDA graphs it freed."""
+
+    resource: str
+    release: Callable[[], Any]
+    frees_graphs: bool = False
+
+
+@dataclasses.dataclass
+class ReleaseResult:
+    graphs_freed: int = 0
+    failures: list[tuple[str, BaseException]] = dataclasses.field(default_factory=list)
+
+
+def release_each(steps: Iterable[ReleaseStep]) -> ReleaseResult:
+    """Run every step; a step that raises (anything, KeyboardInterrupt included) is logged
+    and recorded, and the next step runs."""
+    result = ReleaseResult()
+    for step in steps:
+        try:
+            freed = step.release()
+        except BaseException as exc:
+            logger.error("cleanup: releasing %s failed: %r", step.resource, exc, exc_info=exc)
+            result.failures.append((step.resource, exc))
+            continue
+        if step.frees_graphs:
+            result.graphs_freed += freed
+    return result
+
+
+def settle(failures: list[tuple[str, BaseException]], run_exception: BaseException | None) -> None:
+    """Report cleanup failures without hiding the run's own exception.
+
+    With a run exception, each failure becomes a note on it. Without one, the first
+    failure is raised (a KeyboardInterrupt first, so a Ctrl-C during cleanup still stops
+    the program) with notes naming the others.
+    """
+    if not failures:
+        return
+    if run_exception is not None:
+        for resource, exc in failures:
+            run_exception.add_note(f"cleanup: releasing {resource} failed: {exc!r}")
+        return
+    ordered = sorted(failures, key=lambda item: not isinstance(item[1], KeyboardInterrupt))
+    (resource, first), rest = ordered[0], ordered[1:]
+    first.add_note(f"raised while releasing {resource} at shutdown")
+    for other_resource, exc in rest:
+        first.add_note(f"cleanup: releasing {other_resource} also failed: {exc!r}")
+    raise first

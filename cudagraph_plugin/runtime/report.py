@@ -1,0 +1,308 @@
+"""What CUDA graphs bought this run: the eager-vs-replay verdict and the run report.
+
+Owns the verdict (a speed-up counts only beyond the noise), the :class:`RunReport` that is
+printed as a table at shutdown, written as JSON on request and passed to the
+``mcgraph_report`` hook, and :class:`Reporter`, which builds it from the run's measurement
+and captures and sends it out. Step times come from :mod:`~cudagraph_plugin.runtime.measurement`
+(eager: warm-up steps without the first; replay: steps after the capture step); both are
+medians.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import statistics
+from pathlib import Path
+from typing import Any
+
+from cudagraph_plugin import compat
+from cudagraph_plugin.runtime.capture import Captures
+from cudagraph_plugin.runtime.measurement import Measurement
+from cudagraph_plugin.runtime.state import RunState
+from cudagraph_plugin.runtime.timing import MemorySnapshot, median_or_none
+from hookspecs import call_hook
+from hookspecs.report_schema import REPORT_SCHEMA_VERSION
+
+logger = logging.getLogger("cudagraph_plugin")
+NOISE_FLOOR = 0.02  # below a 2% difference nobody should call a winner
+
+
+def _median_and_spread(samples: list[float]) -> tuple[float | None, float]:
+    """Median and relative median absolute deviation (0 for fewer than 2 samples)."""
+    if not samples:
+        return None, 0.0
+    median = statistics.median(samples)
+    if len(samples) < 2 or median <= 0:
+        return median, 0.0
+    mad = statistics.median(abs(x - median) for x in samples)
+    return median, mad / median
+
+
+def verdict(eager: list[float], replay: list[float]) -> tuple[str, float | None, float, str]:
+    """(verdict, speed-up, noise, one-line explanation) for eager vs replay step times.
+
+    The verdict is ``faster`` only when the speed-up exceeds the noise (the larger of 2% and
+    the two samples' relative spreads added), ``slower`` when replay loses by more than the
+    noise, else ``no_gain``; ``unknown`` without samples on both sides.
+    """
+    eager_ms, eager_spread = _median_and_spread(eager)
+    replay_ms, replay_spread = _median_and_spread(replay)
+    if eager_ms is None or replay_ms is None or replay_ms <= 0:
+        missing = "eager" if eager_ms is None else "replay"
+        hint = (
+            " (needs cuda_graph_warmup_steps >= 2: the first step is excluded)"
+            if missing == "eager"
+            else " (no step ran after the capture step)"
+        )
+        return "unknown", None, 0.0, f"no {missing} step time measured{hint}"
+    speedup = eager_ms / replay_ms
+    noise = max(NOISE_FLOOR, eager_spread + replay_spread)
+    if speedup > 1.0 + noise:
+        return "faster", speedup, noise, f"replay is {speedup:.2f}x faster than eager"
+    if speedup < 1.0 - noise:
+        return (
+            "slower",
+            speedup,
+            noise,
+            (
+                f"replay is SLOWER than eager: {replay_ms:.2f} ms vs {eager_ms:.2f} ms per step "
+                f"(speed-up {speedup:.2f}x, noise ±{noise:.0%}); CUDA graphs cost you time here"
+            ),
+        )
+    return (
+        "no_gain",
+        speedup,
+        noise,
+        (
+            f"replay is NOT faster than eager beyond noise: {replay_ms:.2f} ms vs "
+            f"{eager_ms:.2f} ms per step (speed-up {speedup:.2f}x, noise ±{noise:.0%})"
+        ),
+    )
+
+
+@dataclasses.dataclass
+class RunReport:
+    """The run report; ``to_dict()`` is JSON-ready, ``format_table()`` is for humans.
+
+    Plugins see it through the ``mcgraph_report`` hook and may rely only on ``to_dict()``
+    (the public schema of :mod:`hookspecs.report_schema`, documented in docs/hooks.md) and
+    ``format_table()``; the attributes here are internals.
+    """
+
+    impl: str
+    scope: list[str]
+    graphs_captured: bool
+    no_graph_reason: str | None
+    warmup_steps: int
+    start_step: int | None
+    capture_step: int | None
+    capture_seconds: float | None
+    graph_count: int
+    steps_timed: int
+    eager_steps: list[int]
+    eager_step_ms: float | None
+    replay_steps: list[int]
+    replay_step_ms: float | None
+    speedup: float | None
+    verdict: str
+    verdict_text: str
+    noise: float
+    memory_before_capture: MemorySnapshot | None
+    memory_after_capture: MemorySnapshot | None
+    peak_allocated_at_end_mib: float | None
+    fallback_step: int | None
+    graphs_held: int
+    shutdown_reason: str
+    device: str
+    versions: dict[str, str | None]
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def memory_overhead_mib(self) -> float | None:
+        before, after = self.memory_before_capture, self.memory_after_capture
+        if before is None or after is None:
+            return None
+        return after.allocated_mib - before.allocated_mib
+
+    @property
+    def peak_overhead_mib(self) -> float | None:
+        before = self.memory_before_capture
+        if before is None or self.peak_allocated_at_end_mib is None:
+            return None
+        return self.peak_allocated_at_end_mib - before.peak_allocated_mib
+
+    def to_dict(self) -> dict[str, Any]:
+        """The public form: the keys of :data:`hookspecs.report_schema.REPORT_FIELDS`."""
+        data = {"schema_version": REPORT_SCHEMA_VERSION, **dataclasses.asdict(self)}
+        data["memory_overhead_mib"] = self.memory_overhead_mib
+        data["peak_overhead_mib"] = self.peak_overhead_mib
+        data["memory_overhead_pct"] = _pct(
+            self.memory_overhead_mib, self.memory_before_capture, "allocated_mib"
+        )
+        data["peak_overhead_pct"] = _pct(
+            self.peak_overhead_mib, self.memory_before_capture, "peak_allocated_mib"
+        )
+        return data
+
+    def write_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        return path
+
+    def format_table(self) -> str:
+        d = self.to_dict()
+        scope = ",".join(self.scope) or "-"
+        where = self.device if self.world_size == 1 else f"{self.device}, rank {self.rank}"
+        rows = [("CUDA graphs", f"impl={self.impl} scope={scope} on {where}")]
+        if not self.graphs_captured:
+            rows.append(("captured", f"NO GRAPH CAPTURED: {self.no_graph_reason}"))
+        else:
+            rows.append(
+                (
+                    "captured",
+                    f"{self.graph_count} graph(s) at step {self.capture_step} "
+                    f"in {self.capture_seconds:.3f} s",
+                )
+            )
+        rows.append(("eager step", _ms(self.eager_step_ms, self.eager_steps)))
+        if self.graphs_captured:
+            rows.append(("replay step", _ms(self.replay_step_ms, self.replay_steps)))
+            rows.append(("verdict", self.verdict_text))
+        if self.fallback_step is not None:
+            rows.append(("fallback", f"graph freed at step {self.fallback_step}; eager since"))
+        if self.memory_before_capture is not None:
+            rows.append(
+                (
+                    "memory",
+                    (
+                        f"allocated {self.memory_before_capture.allocated_mib:.0f} -> "
+                        f"{self.memory_after_capture.allocated_mib:.0f} MiB "
+                        f"(+{d['memory_overhead_mib']:.0f} MiB, "
+                        f"{_fmt_pct(d['memory_overhead_pct'])}); "
+                        f"peak {self.memory_before_capture.peak_allocated_mib:.0f} -> "
+                        f"{self.peak_allocated_at_end_mib:.0f} MiB "
+                        f"(+{d['peak_overhead_mib']:.0f} MiB, "
+                        f"{_fmt_pct(d['peak_overhead_pct'])})"
+                    ),
+                )
+            )
+        if self.graphs_captured:
+            rows.append(("held now", f"{self.graphs_held} graph(s), freed right after this"))
+        rows.append(("run", f"{self.steps_timed} step(s) timed, ended: {self.shutdown_reason}"))
+        rows.append(("versions", ", ".join(f"{k} {v or '-'}" for k, v in self.versions.items())))
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _ms(value: float | None, steps: list[int]) -> str:
+    if value is None:
+        return "n/a"
+    span = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
+    return f"{value:.3f} ms (median of {len(steps)}, {span})"
+
+
+def _pct(delta: float | None, base: MemorySnapshot | None, field: str) -> float | None:
+    if delta is None or base is None or getattr(base, field) <= 0:
+        return None
+    return 100.0 * delta / getattr(base, field)
+
+
+def _fmt_pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.1f}%"
+
+
+@dataclasses.dataclass
+class Reporter:
+    """Builds the run's report at shutdown and sends it out: one table per job (rank 0), a
+    JSON file per rank on request, and the ``mcgraph_report`` hook on every rank."""
+
+    state: RunState
+    measurement: Measurement
+    captures: Captures
+    report: RunReport | None = None
+
+    def emit(self, reason: str, *, sync: bool) -> None:
+        peak_at_end = MemorySnapshot.take().peak_allocated_mib if self.captures.records else None
+        self.report = self.build(reason, peak_at_end, sync=sync)
+        rank, world_size = self.report.rank, self.report.world_size
+        # One table per job, not one per rank; every rank still gets the hook and its JSON.
+        logger.log(
+            logging.INFO if rank == 0 else logging.DEBUG,
+            "CUDA graph report%s:\n%s",
+            f" (rank 0 of {world_size})" if world_size > 1 else "",
+            self.report.format_table(),
+        )
+        if self.report.verdict in ("slower", "no_gain") and rank == 0:
+            logger.warning("CUDA graphs did not pay off: %s", self.report.verdict_text)
+        settings = self.state.settings
+        if settings.report_json:
+            path = self.report.write_json(rank_path(settings.report_json, rank))
+            logger.info("CUDA graph report written to %s", path)
+        call_hook(self.state.pm, "mcgraph_report", report=self.report)
+
+    def build(self, reason: str, peak_at_end: float | None, *, sync: bool) -> RunReport:
+        state, captures = self.state, self.captures
+        rank, world_size = compat.distributed_world()
+        eager, replay, durations = self.measurement.samples(sync=sync)
+        if captures.records:
+            result, speedup, noise, text = verdict(
+                [durations[s] for s in eager], [durations[s] for s in replay]
+            )
+            no_graph_reason = None
+        else:
+            result, speedup, noise = "unknown", None, 0.0
+            no_graph_reason = state.no_graph_reason() or (
+                f"the run ended (after step {state.step}) before the capture step "
+                f"(start_step + {state.settings.warmup_steps})"
+            )
+            text = f"no graph captured: {no_graph_reason}"
+        return RunReport(
+            impl=state.settings.impl,
+            scope=list(state.settings.scope),
+            graphs_captured=bool(captures.records),
+            no_graph_reason=no_graph_reason,
+            warmup_steps=state.settings.warmup_steps,
+            start_step=state.start_step,
+            capture_step=captures.training_capture_step(),
+            capture_seconds=captures.seconds(),
+            graph_count=captures.graphs_held_max,
+            steps_timed=len(durations),
+            eager_steps=eager,
+            eager_step_ms=median_or_none([durations[s] for s in eager]),
+            replay_steps=replay,
+            replay_step_ms=median_or_none([durations[s] for s in replay]),
+            speedup=speedup,
+            verdict=result,
+            verdict_text=text,
+            noise=noise,
+            memory_before_capture=captures.memory_before,
+            memory_after_capture=captures.memory_after,
+            peak_allocated_at_end_mib=peak_at_end,
+            fallback_step=self.measurement.fallback_step,
+            graphs_held=captures.graph_count,
+            shutdown_reason=reason,
+            device=_device_name(state.cuda),
+            versions=compat.versions(),
+            rank=rank,
+            world_size=world_size,
+        )
+
+
+def rank_path(path: str, rank: int) -> str:
+    """Rank 0 writes ``path``; rank N writes ``<stem>.rankN<suffix>`` beside it."""
+    if rank == 0:
+        return path
+    target = Path(path)
+    return str(target.with_name(f"{target.stem}.rank{rank}{target.suffix}"))
+
+
+def _device_name(cuda: bool) -> str:
+    if not cuda:
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name()

@@ -1,0 +1,82 @@
+"""The shutdown sequence: the report goes out, the inner shutdown implementations run, and
+the graphs are freed, whatever happened before.
+
+:meth:`Shutdown.wrap` is the body of the plugin's plain ``mcgraph_shutdown`` wrapper (the
+documented middle layer); :meth:`Shutdown.guard` is the body of its ``tryfirst`` safety net,
+which does the same if a wrapper in between raised before its ``yield`` and pluggy skipped
+the plain one. When a multi-rank run ends by an exception or a signal a peer may be gone:
+shutdown then never waits on the device (no synchronisation, no cache flush), so the
+failing rank reaches the host's teardown and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator
+from typing import Any
+
+from cudagraph_plugin import compat
+from cudagraph_plugin.runtime.report import Reporter
+from cudagraph_plugin.runtime.state import RunState
+from hookspecs import ShutdownReason
+
+logger = logging.getLogger("cudagraph_plugin")
+
+ReleaseAll = Callable[..., None]
+
+
+class Shutdown:
+    def __init__(self, state: RunState, reporter: Reporter, release_all: ReleaseAll) -> None:
+        self.state = state
+        self.reporter = reporter
+        self.release_all = release_all
+        self.entered = False
+
+    def wrap(self, reason: Any, exception: BaseException | None) -> Generator[None, Any, Any]:
+        # The report goes out before the inner shutdown implementations run (they may close
+        # the sinks it is written to); graphs are freed after them, whatever happened before.
+        self.entered = True
+        quiet = device_may_block(reason)
+        report_error: Exception | None = None
+        try:
+            self.reporter.emit(str(reason), sync=not quiet)
+        except Exception as exc:
+            report_error = exc
+        try:
+            result = yield
+        except BaseException:
+            if report_error is not None:
+                logger.error("the run report also failed", exc_info=report_error)
+            raise
+        finally:
+            self.release_all(str(reason), quiet=quiet, exception=exception)
+        if report_error is not None:
+            raise report_error
+        return result
+
+    def guard(self, reason: Any, exception: BaseException | None) -> Generator[None, Any, Any]:
+        try:
+            return (yield)
+        except BaseException as error:
+            if not self.entered:
+                self._skipped(str(reason), exception or error)
+            raise
+
+    def _skipped(self, reason: str, exception: BaseException) -> None:
+        logger.error(
+            "a mcgraph_shutdown wrapper raised before its yield and skipped the CUDA graph "
+            "plugin's shutdown (%r): reporting and freeing the graphs from its guard",
+            exception,
+        )
+        quiet = device_may_block(reason)
+        try:
+            self.reporter.emit(reason, sync=not quiet)
+        except Exception as report_error:
+            logger.error("the run report failed", exc_info=report_error)
+        self.release_all(reason, quiet=quiet, exception=exception)
+
+
+def device_may_block(reason: Any) -> bool:
+    """After an abnormal end of a multi-rank run a peer may never join the collectives
+    queued on this device: waiting on it (a synchronisation, a cache flush) can hang."""
+    return ShutdownReason(reason).abnormal and compat.distributed_world()[1] > 1

@@ -1,0 +1,92 @@
+"""The state of one run that the runtime's small objects share: its phase, the step, what
+the host built, and the capture mechanisms in use.
+
+Phases (the plugin is the machine; :meth:`RunState.advance` refuses hooks out of order)::
+
+    CONFIGURED --model_built--> BUILT --capture--> CAPTURED --fallback--> FALLEN_BACK
+         \\___________________________\\__________________\\______________________\\
+                                                                       shutdown--> SHUT_DOWN
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TYPE_CHECKING, Any
+
+from cudagraph_plugin.config.settings import Settings
+
+if TYPE_CHECKING:
+    from cudagraph_plugin.runtime.mechanisms import (
+        FullIterationGraphs,
+        OptimizerGraphs,
+        TEGraphs,
+    )
+
+
+class Phase(enum.Enum):
+    CONFIGURED = "configured"
+    BUILT = "built"
+    CAPTURED = "captured"
+    FALLEN_BACK = "fallen_back"
+    SHUT_DOWN = "shut_down"
+
+
+@dataclasses.dataclass(eq=False)
+class RunState:
+    """What one run knows. ``active``: model graphs (full iteration or TE layers) are on and
+    a CUDA device exists; ``optimizer_graph``: the optimizer step is captured too."""
+
+    settings: Settings
+    pm: Any
+    cuda: bool
+    phase: Phase = Phase.CONFIGURED
+    step: int | None = None
+    start_step: int | None = None
+    model: list[Any] | None = None
+    model_config: Any = None
+    seq_length: int | None = None
+    micro_batch_size: int | None = None
+    te: TEGraphs | None = None
+    full: FullIterationGraphs | None = None
+    optim: OptimizerGraphs | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.settings.enabled and self.cuda
+
+    @property
+    def optimizer_graph(self) -> bool:
+        return self.settings.optimizer_cuda_graph and self.cuda
+
+    @property
+    def te_mode(self) -> bool:
+        return self.active and self.settings.impl == "transformer_engine"
+
+    @property
+    def full_iteration_mode(self) -> bool:
+        return self.active and self.settings.full_iteration
+
+    def advance(self, expected: tuple[Phase, ...], new: Phase) -> None:
+        if self.phase not in expected:
+            raise RuntimeError(
+                f"cudagraph plugin: cannot go from {self.phase.value} to {new.value} "
+                f"(expected {', '.join(p.value for p in expected)}); the host fired the "
+                "hooks out of order"
+            )
+        self.phase = new
+
+    def mechanisms(self) -> list[Any]:
+        """The mechanisms in use, in release order (optimizer, TE, full iteration)."""
+        return [m for m in (self.optim, self.te, self.full) if m is not None]
+
+    def graphs_held(self) -> int:
+        return sum(m.graph_count() for m in self.mechanisms())
+
+    def no_graph_reason(self) -> str | None:
+        """Why this run cannot capture at all, or None when it can."""
+        if not (self.settings.enabled or self.settings.optimizer_cuda_graph):
+            return "CUDA graphs are off (cuda_graph_impl=none)"
+        if not self.cuda:
+            return "no CUDA device (CUDA graphs need one; the run was eager)"
+        return None
