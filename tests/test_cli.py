@@ -139,9 +139,17 @@ def test_deprecated_scope_exits_2_saying_deprecated(capsys, text):
     assert "name the scopes, e.g. attn mlp" in err
 
 
-def test_duplicated_scope_exits_2(capsys):
-    err = parse_error(capsys, ["--cuda-graph-scope", "attn,mlp,attn"])
-    assert "listed twice" in err and "'attn'" in err
+def test_duplicated_scope_is_kept_for_the_settings_to_use_once():
+    # megatron-core accepts a scope listed twice: not a usage error (issue 22).
+    assert parse_scope_arg("attn,mlp,attn") == ["attn", "mlp", "attn"]
+    parser = argparse.ArgumentParser()
+    add_cuda_graph_arguments(parser)
+    args = parser.parse_args(
+        ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn", "mlp", "attn"]
+    )
+    settings = read_settings(args)
+    assert settings.scope == ("attn", "mlp")
+    assert settings.duplicated_scopes == ("attn",)
 
 
 @pytest.mark.parametrize("text", ["", " ", ",", " , "])

@@ -638,6 +638,8 @@ def test_rng_tracker_that_is_not_graph_safe_is_refused(fake_graphs):
     with pytest.raises(CudaGraphConfigError, match="graph-safe RNG tracker") as info:
         plugin.mcgraph_rng_initialized(config=None)
     assert "use_cudagraphable_rng=True" in str(info.value)
+    # megatron-core's own phrase, as the configure-time refusal quotes it (issue 22)
+    assert 'megatron-core: "RNG tracker does not support cudagraphs"' in str(info.value)
 
 
 def test_model_config_built_without_the_plugin_kwargs_is_refused():

@@ -93,7 +93,6 @@ def rejected(config, *, fields, value, phrase, fix):
 RULE_CASES = {
     "_impl_known": (bridge("local", "full_iteration"), bridge("cuda", "attn")),
     "_scope_names_known": (bridge(scope="attn,mlp"), bridge(scope="attn,bogus")),
-    "_scope_not_duplicated": (bridge(scope="attn"), bridge(scope="attn,attn")),
     "_scope_not_empty": (bridge("none", []), bridge(scope=[])),
     "_full_iteration_only_local": (full_iteration(), bridge(scope="full_iteration")),
     "_full_iteration_alone": (full_iteration(), bridge("local", "full_iteration,attn")),
@@ -262,13 +261,19 @@ def test_unknown_scope_named_as_flag_on_a_namespace():
     assert "model." not in str(err)
 
 
-def test_duplicated_scope_rejected():
-    rejected(
-        bridge(scope="attn, mlp, attn"),
-        fields=["model.cuda_graph_scope"],
-        value="'attn,mlp,attn'",
-        phrase="scope(s) listed more than once: attn",
-        fix="list each scope once",
+def test_duplicated_scope_is_used_once_with_a_warning():
+    # megatron-core accepts "attn,attn": warn and de-duplicate rather than refuse (issue 22).
+    settings = read_settings(bridge(scope="attn, mlp, attn, mlp"))
+    assert settings.scope == ("attn", "mlp")
+    assert settings.duplicated_scopes == ("attn", "mlp")
+    assert find_violations(settings) == []
+    [note] = [n for n in advice(settings, environ={}) if "more than once" in n]
+    assert note == (
+        "model.cuda_graph_scope lists attn, mlp more than once (megatron-core accepts that); "
+        "using each once: attn,mlp"
+    )
+    assert not any(
+        "more than once" in n for n in advice(read_settings(bridge(scope="attn,mlp")), environ={})
     )
 
 

@@ -34,7 +34,8 @@ def join_scope_tokens(tokens: list[str]) -> str:
 
 
 def parse_scope_arg(text: str) -> list[str]:
-    """Check a ``--cuda-graph-scope`` value: ``"attn, mlp"`` -> ``["attn", "mlp"]``."""
+    """Check a ``--cuda-graph-scope`` value: ``"attn, mlp"`` -> ``["attn", "mlp"]``. A name
+    given twice is kept (megatron-core accepts it; the settings use it once and say so)."""
     names = list(parse_scope(text))
     if not names:
         raise argparse.ArgumentTypeError(
@@ -57,9 +58,6 @@ def parse_scope_arg(text: str) -> list[str]:
             f"unknown scope(s) {', '.join(map(repr, unknown))} in {text!r}; valid: "
             f"{', '.join(SCOPES)}"
         )
-    duplicated = sorted({name for name in names if names.count(name) > 1})
-    if duplicated:
-        raise argparse.ArgumentTypeError(f"scope(s) listed twice in {text!r}: {duplicated}")
     return names
 
 

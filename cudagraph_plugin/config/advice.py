@@ -38,6 +38,11 @@ def advice(settings: Settings, environ: Any = None) -> list[str]:
     notes: list[str] = []
     if not s.enabled:
         return notes
+    if s.duplicated_scopes:
+        notes.append(
+            f"{s.field('scope')} lists {', '.join(s.duplicated_scopes)} more than once "
+            f"(megatron-core accepts that); using each once: {_scope_value(s)}"
+        )
     kind = _model_kind(s)
     recommended = RECOMMENDED_SCOPES[kind]
     scope = set(s.scope)

@@ -91,6 +91,7 @@ class Settings:
     from_command_line: bool = False
     deprecated_full_scope: bool = False
     scope_conflict: tuple[tuple[str, str], ...] = ()
+    duplicated_scopes: tuple[str, ...] = ()
     input_problems: tuple[FieldProblem, ...] = ()
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
     paths: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
@@ -205,12 +206,16 @@ def read_settings(config: Any) -> Settings:
             values[setting] = value
     names = parse_scope(values.pop("scope", None))
     impl, scope = canonical_impl_and_scope(values.pop("impl", "none"), names)
+    # megatron-core accepts a scope listed twice; the plugin uses each once and says so.
+    duplicated = tuple(dict.fromkeys(n for n in scope if n and scope.count(n) > 1))
+    scope = tuple(dict.fromkeys(scope))
     return Settings(
         impl=impl,
         scope=scope,
         **values,
         from_command_line=isinstance(config, argparse.Namespace),
         deprecated_full_scope=names == ("full",),
+        duplicated_scopes=duplicated,
         scope_conflict=_scope_conflict(config),
         input_problems=tuple(problems),
         sources=sources,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cudagraph_plugin import compat
-from cudagraph_plugin.config.errors import CudaGraphConfigError, Violation
+from cudagraph_plugin.config.errors import MCORE, CudaGraphConfigError, Violation
 from cudagraph_plugin.config.settings import Settings, read_settings
 from cudagraph_plugin.runtime.mechanisms import OptimizerGraphs, TEGraphs
 from cudagraph_plugin.runtime.state import RunState
@@ -76,7 +76,17 @@ _BUILD_FIX = (
 def check_rng_tracker() -> None:
     safe, tracker = compat.rng_tracker_state()
     if not safe:
-        raise CudaGraphConfigError([Violation(("RNG tracker",), tracker, _RNG_PROBLEM, _RNG_FIX)])
+        raise CudaGraphConfigError(
+            [
+                Violation(
+                    ("RNG tracker",),
+                    tracker,
+                    _RNG_PROBLEM,
+                    _RNG_FIX,
+                    ((MCORE, "RNG tracker does not support cudagraphs"),),
+                )
+            ]
+        )
     logger.info("RNG tracker is CUDA-graph safe: %s", tracker)
 
 

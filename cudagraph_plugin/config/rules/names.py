@@ -104,19 +104,6 @@ def _scope_fields_not_both(s: Settings, env: Environment) -> Iterator[Violation]
 
 
 @rule
-def _scope_not_duplicated(s: Settings, env: Environment) -> Iterator[Violation]:
-    duplicated = sorted({name for name in s.scope if name and s.scope.count(name) > 1})
-    if duplicated:
-        yield violation(
-            s,
-            ("scope",),
-            scope_value(s),
-            f"scope(s) listed more than once: {', '.join(duplicated)}",
-            "list each scope once",
-        )
-
-
-@rule
 def _scope_not_empty(s: Settings, env: Environment) -> Iterator[Violation]:
     if s.enabled and s.impl in IMPLS and not s.scope and not s.impl_from_legacy_flag:
         example = "full_iteration" if s.impl == "local" else "attn or attn,mlp"
