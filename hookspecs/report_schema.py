@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
-REPORT_SCHEMA_VERSION = 1
+REPORT_SCHEMA_VERSION = 2
 """The version of :data:`REPORT_FIELDS`, the value of the report's ``schema_version``."""
 
 
@@ -59,13 +59,18 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         'the configured scopes, e.g. `["full_iteration"]` or `["attn", "mlp"]`; `[]` with '
         "impl `none`",
     ),
-    ReportField("graphs_captured", "bool", "", "whether any CUDA graph was captured"),
+    ReportField(
+        "graphs_captured",
+        "bool",
+        "",
+        "whether any CUDA graph was captured (a capture that produced no graph does not count)",
+    ),
     ReportField(
         "no_graph_reason",
         "str | None",
         "",
-        "why no graph was captured (graphs off, no CUDA device, or the run ended before the "
-        "capture step)",
+        "why no graph was captured (graphs off, no CUDA device, the run ended before the "
+        "capture step, or the capture produced no graph)",
         "a graph was captured",
     ),
     ReportField(
@@ -212,6 +217,15 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "int",
         "graphs",
         "CUDA graphs held when the report was made (they are freed right after it)",
+    ),
+    ReportField(
+        "replays",
+        "dict[str, int]",
+        "replays",
+        "replays of each captured graph after its capture, by stage (`training` — the "
+        "full-iteration graph or the TE layers' graphs, counted per forward/backward call —, "
+        "`validation`, `optimizer`); a stage appears once captured, so a graph captured but "
+        "never replayed shows 0; `{}` without a capture",
     ),
     ReportField(
         "shutdown_reason",

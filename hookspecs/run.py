@@ -162,6 +162,7 @@ class TrainingRun:
         self._handle_signals = handle_signals
         self._previous_handlers: dict[int, Any] = {}
         self._pending_signal: int | None = None
+        self._pending_sigint = False
         self._entered = False
         self._shutting_down = False
         self._train_started = False
@@ -199,7 +200,14 @@ class TrainingRun:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        return self._finish(exc)
+        try:
+            return self._finish(exc)
+        except SignalReceived as late:
+            if self.shutdown_reason is not None:
+                raise
+            # The signal arrived in the instant before shutdown could defer it: the run ends
+            # by it, and the shutdown hook still fires (once).
+            return self._finish(late) and exc is None
 
     @property
     def last_step(self) -> int | None:
@@ -358,24 +366,55 @@ class TrainingRun:
         """Fire the shutdown hook once; return True to swallow ``exc`` (see signals)."""
         if self.shutdown_reason is not None:
             return False
-        reason = _classify(exc, completed=self._next_step >= self.train_iters)
-        self.shutdown_reason = reason
+        # First of all: from here on a handled signal, and Ctrl-C, wait until shutdown ends.
         self._shutting_down = True
+        restore_sigint = self._defer_sigint()
         try:
-            self._call("mcgraph_shutdown", reason=reason, exception=exc)
-        except BaseException as shutdown_exc:
-            if exc is None:
-                raise
-            logger.error(
-                "mcgraph_shutdown raised while the run was ending with %r; "
-                "the original exception is re-raised",
-                exc,
-                exc_info=shutdown_exc,
-            )
-            exc.add_note(f"during mcgraph_shutdown, another exception occurred: {shutdown_exc!r}")
+            reason = _classify(exc, completed=self._next_step >= self.train_iters)
+            self.shutdown_reason = reason
+            try:
+                self._call("mcgraph_shutdown", reason=reason, exception=exc)
+            except BaseException as shutdown_exc:
+                if exc is None:
+                    raise
+                logger.error(
+                    "mcgraph_shutdown raised while the run was ending with %r; "
+                    "the original exception is re-raised",
+                    exc,
+                    exc_info=shutdown_exc,
+                )
+                exc.add_note(
+                    f"during mcgraph_shutdown, another exception occurred: {shutdown_exc!r}"
+                )
         finally:
+            restore_sigint()
             self._restore_signal_handlers()
+        if self._pending_sigint and not isinstance(exc, KeyboardInterrupt):
+            logger.warning("the Ctrl-C received during shutdown is acted on now")
+            raise KeyboardInterrupt
         return self._apply_previous_signal_behaviour(exc)
+
+    def _defer_sigint(self) -> Any:
+        """Hold a Ctrl-C (SIGINT) that arrives while the shutdown hook runs, so that every
+        implementation finishes and the graphs are freed; a second Ctrl-C interrupts at
+        once. Returns what restores the host's handler."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = signal.getsignal(signal.SIGINT)
+        if previous is not signal.default_int_handler:
+            return lambda: None  # the host's own policy (ignored, or its own handler)
+
+        def on_sigint(signum: int, frame: Any) -> None:
+            if self._pending_sigint:
+                raise KeyboardInterrupt
+            self._pending_sigint = True
+            logger.warning(
+                "Ctrl-C received during shutdown: acted on once shutdown ends (press it "
+                "again to interrupt the shutdown)"
+            )
+
+        signal.signal(signal.SIGINT, on_sigint)
+        return lambda: signal.signal(signal.SIGINT, previous)
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -493,3 +494,87 @@ def test_abnormal_endings_are_exception_interrupt_and_signal():
         ShutdownReason.SIGNAL,
     }
     assert ShutdownReason("signal").abnormal and not ShutdownReason("early_exit").abnormal
+
+
+# -- signals that arrive while shutdown starts or runs (issue 22) -------------------------------
+
+
+@pytest.fixture
+def python_sigterm_handler():
+    """A host's own SIGTERM handler (it returns: the program continues after shutdown)."""
+    calls: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    yield calls
+    signal.signal(signal.SIGTERM, before)
+
+
+def test_a_sigterm_at_the_start_of_shutdown_waits_for_it_instead_of_skipping_it(
+    pm, rec, monkeypatch, python_sigterm_handler
+):
+    from hookspecs import run as run_module
+
+    classify = run_module._classify
+
+    def signalled_first(exc, completed):
+        # the very first thing shutdown does; a signal here used to skip the hook for good
+        os.kill(os.getpid(), signal.SIGTERM)
+        return classify(exc, completed)
+
+    monkeypatch.setattr(run_module, "_classify", signalled_first)
+    with TrainingRun(pm, None, train_iters=1) as run:
+        loop(run, 1)
+    assert [reason for reason, _ in rec.calls] == [ShutdownReason.COMPLETED]
+    assert python_sigterm_handler == [signal.SIGTERM]  # acted on once shutdown ended
+
+
+@pytest.fixture
+def default_sigint():
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+class CtrlC:
+    """A shutdown implementation during which Ctrl-C is pressed ``times`` times."""
+
+    def __init__(self, times: int, log: list[str]) -> None:
+        self.times = times
+        self.log = log
+
+    @hookimpl
+    def mcgraph_shutdown(self, reason, exception):
+        for _ in range(self.times):
+            os.kill(os.getpid(), signal.SIGINT)
+        self.log.append("ctrl-c plugin finished")
+
+
+class After:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    @hookimpl
+    def mcgraph_shutdown(self, reason, exception):
+        self.log.append(f"next plugin ran ({reason})")
+
+
+def test_ctrl_c_during_shutdown_waits_until_every_implementation_ran(pm, default_sigint):
+    log: list[str] = []
+    pm.register(After(log))
+    pm.register(CtrlC(1, log))  # registered last: called first
+    with pytest.raises(KeyboardInterrupt):
+        with TrainingRun(pm, None, train_iters=1) as run:
+            loop(run, 1)
+    assert log == ["ctrl-c plugin finished", "next plugin ran (completed)"]
+    assert run.shutdown_reason is ShutdownReason.COMPLETED
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_ctrl_c_during_shutdown_interrupts_it(pm, default_sigint):
+    log: list[str] = []
+    pm.register(After(log))
+    pm.register(CtrlC(2, log))
+    with pytest.raises(KeyboardInterrupt):
+        with TrainingRun(pm, None, train_iters=1) as run:
+            loop(run, 1)
+    assert log == []  # the user insisted: the shutdown was cut short
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -162,6 +162,7 @@ def make_report(**overrides) -> RunReport:
         peak_allocated_at_end_mib=1600.0,
         fallback_step=None,
         graphs_held=1,
+        replays={"training": 16},
         shutdown_reason="completed",
         device="NVIDIA H200",
         versions={"torch": "2.11", "megatron-core": "0.16.1", "transformer-engine": None},
@@ -211,6 +212,7 @@ def test_table_when_nothing_was_captured():
         memory_after_capture=None,
         peak_allocated_at_end_mib=None,
         graphs_held=0,
+        replays={},
         device="cpu",
     ).format_table()
     assert "NO GRAPH CAPTURED: no CUDA device" in table

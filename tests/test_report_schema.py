@@ -62,9 +62,14 @@ VERSION_1 = [
 ]
 
 
-def test_schema_version_1_is_pinned():
-    assert REPORT_SCHEMA_VERSION == 1
-    assert [(f.name, f.type, f.unit) for f in REPORT_FIELDS] == VERSION_1
+# Version 2 (unreleased): ``replays`` per captured stage after ``graphs_held`` (issue 22).
+_AT = [name for name, _, _ in VERSION_1].index("graphs_held") + 1
+VERSION_2 = [*VERSION_1[:_AT], ("replays", "dict[str, int]", "replays"), *VERSION_1[_AT:]]
+
+
+def test_schema_version_2_is_pinned():
+    assert REPORT_SCHEMA_VERSION == 2
+    assert [(f.name, f.type, f.unit) for f in REPORT_FIELDS] == VERSION_2
     assert MEMORY_SNAPSHOT_FIELDS == ("allocated_mib", "reserved_mib", "peak_allocated_mib")
     assert VERSIONS_KEYS == ("torch", "megatron-core", "transformer-engine")
 
@@ -97,6 +102,7 @@ UNCAPTURED = dict(
     memory_after_capture=None,
     peak_allocated_at_end_mib=None,
     graphs_held=0,
+    replays={},
     device="cpu",
 )
 
@@ -122,7 +128,7 @@ def test_the_json_file_follows_the_schema(tmp_path: Path):
         (lambda d: d.update(capture_step="3"), "capture_step='3' is not int | None"),
         (lambda d: d.update(graphs_captured=1), "graphs_captured=1 is not bool"),
         (lambda d: d.update(eager_steps=[1, None]), "eager_steps=[1, None] is not list[int]"),
-        (lambda d: d.update(schema_version=2), "schema_version 2, this schema is 1"),
+        (lambda d: d.update(schema_version=3), "schema_version 3, this schema is 2"),
         (lambda d: d["versions"].pop("torch"), "versions has keys"),
         (lambda d: d["memory_before_capture"].pop("reserved_mib"), "memory_before_capture has"),
     ],
@@ -139,7 +145,7 @@ def test_hooks_md_documents_every_field_with_the_schema_version():
     assert f"**Schema version {REPORT_SCHEMA_VERSION}**" in section
     rows = re.findall(r"^\| `(\w+)` \| `([^`]+)` \| ([^|]*) \|", section, flags=re.MULTILINE)
     documented = [(name, kind.replace("\\|", "|"), unit.strip()) for name, kind, unit in rows]
-    assert documented == VERSION_1
+    assert documented == VERSION_2
     # No pointer at the plugin's internals: the schema is the public interface.
     assert "cudagraph_plugin.report" not in text and "RunReport" not in text
 

@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE",
         help="megatron-core 0.18+'s name for --cuda-graph-scope",
     )
+    value(
+        "transformer_impl",
+        "transformer_engine",
+        metavar="{local,transformer_engine}",
+        help="the layer implementation (Megatron-LM's default: transformer_engine)",
+    )
     value("seq_length")
     value("micro_batch_size")
     value("num_experts", help="MoE experts (num_moe_experts)")

@@ -159,6 +159,22 @@ def add_cuda_graph_arguments(parser: argparse.ArgumentParser, *, lenient: bool =
             ),
         ),
         (
+            "cuda_graph_accept_eager",
+            dict(
+                action="store_true",
+                help="run eagerly, with one warning, when the loop ends up capturing nothing "
+                "(no graphable layer, a forward/backward not taken from the run, ...); by "
+                "default that is an error",
+            ),
+        ),
+        (
+            "cuda_graph_log_all_ranks",
+            dict(
+                action="store_true",
+                help="every rank logs the job-wide lines too (by default rank 0 alone does)",
+            ),
+        ),
+        (
             "optimizer_cuda_graph",
             dict(
                 action="store_true",

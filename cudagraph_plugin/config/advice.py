@@ -48,6 +48,8 @@ def advice(settings: Settings, environ: Any = None) -> list[str]:
     scope = set(s.scope)
     if not scope <= set(SCOPES):
         pass  # unknown or deprecated names: validation says what is wrong with the scope
+    elif s.full_iteration and s.transformer_impl == "local":
+        pass  # per-layer TE graphs need Transformer Engine layers: full_iteration is the option
     elif s.full_iteration:
         notes.append(
             f"scope full_iteration is wider than recommended for a first {kind} run "

@@ -106,6 +106,9 @@ FIELD_PATHS: dict[str, tuple[str, ...]] = {
     "optimizer_cpu_offload": ("optimizer.optimizer_cpu_offload", "optimizer_cpu_offload"),
     "report_json": ("cuda_graph_report_json",),
     "fallback_on_slowdown": ("cuda_graph_fallback_on_slowdown",),
+    "accept_eager": ("cuda_graph_accept_eager",),
+    "log_all_ranks": ("cuda_graph_log_all_ranks",),
+    "transformer_impl": ("model.transformer_impl", "transformer_impl"),
 }
 
 # Settings whose None value means "not set" (the lookup then tries the next path).

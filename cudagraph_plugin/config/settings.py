@@ -87,6 +87,9 @@ class Settings:
     optimizer_cpu_offload: bool = False
     report_json: str | None = None
     fallback_on_slowdown: bool = False
+    accept_eager: bool = False
+    log_all_ranks: bool = False
+    transformer_impl: str | None = None
     # Where the values came from, and what could not be read.
     from_command_line: bool = False
     deprecated_full_scope: bool = False

@@ -265,6 +265,7 @@ _PARSERS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "pipeline_model_parallel_size": (_to_int(1, 2), True),
     "virtual_pipeline_model_parallel_size": (_to_int(1, 2), True),
     "optimizer": (_to_optimizer_name, False),
+    "transformer_impl": (_to_choice("local", "transformer_engine", "inference_optimized"), True),
 }
 BOOL_SETTINGS = (
     "enable_cuda_graph",
@@ -281,6 +282,8 @@ BOOL_SETTINGS = (
     "add_qkv_bias",
     "add_bias_linear",
     "fallback_on_slowdown",
+    "accept_eager",
+    "log_all_ranks",
     "fp16",
     "batch_p2p_comm",
     "batch_p2p_sync",

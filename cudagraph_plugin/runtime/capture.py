@@ -32,6 +32,8 @@ class Captures:
     graphs_held_max: int = 0
     memory_before: MemorySnapshot | None = None
     memory_after: MemorySnapshot | None = None
+    # replays after the capture, per captured stage (training, validation, optimizer)
+    replays: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def bracket(self, stage: str, capture: Callable[[], Any]) -> Any:
         """Run ``capture`` bracketed by the capture hooks, timing and memory snapshots."""
@@ -55,6 +57,7 @@ class Captures:
         if not self.records or self.records[0]["step"] == step:
             self.memory_after = MemorySnapshot.take()
         self.records.append({"stage": stage, "step": step, "seconds": seconds})
+        self.replays.setdefault(stage, 0)
         self.graph_count = state.graphs_held()
         self.graphs_held_max = max(self.graphs_held_max, self.graph_count)
         if state.phase is Phase.BUILT:
@@ -76,6 +79,11 @@ class Captures:
             graph_count=self.graph_count,
         )
         return result
+
+    def replayed(self, stage: str) -> None:
+        """One replay of ``stage``'s graph(s), if they were captured."""
+        if stage in self.replays:
+            self.replays[stage] += 1
 
     def training_capture_step(self) -> int | None:
         """The step whose capture splits eager from replay steps: the training graph's

@@ -18,18 +18,25 @@ from cudagraph_plugin.runtime.guard import FIX, ShapeGuard, StaticShapeError
 from cudagraph_plugin.runtime.mechanisms import FullIterationGraphs, OptimizerGraphs
 from cudagraph_plugin.runtime.state import Phase, RunState
 from cudagraph_plugin.runtime.te_capture import TECapture
+from cudagraph_plugin.runtime.wiring import Wiring
 
 logger = logging.getLogger("cudagraph_plugin")
 
 
 class ForwardBackwardInterceptor:
     def __init__(
-        self, state: RunState, captures: Captures, guard: ShapeGuard, te_capture: TECapture
+        self,
+        state: RunState,
+        captures: Captures,
+        guard: ShapeGuard,
+        te_capture: TECapture,
+        wiring: Wiring,
     ) -> None:
         self.state = state
         self.captures = captures
         self.guard = guard
         self.te_capture = te_capture
+        self.wiring = wiring
         self.wrapped: dict[int, tuple[Any, ForwardBackward]] = {}
         self._eager_after_shutdown_logged = False
 
@@ -74,6 +81,7 @@ class ForwardBackwardInterceptor:
             result = eager(**kwargs)
             if record:
                 self.guard.commit(stage)
+            self.captures.replayed(stage)
             return result
         return eager(**kwargs)
 
@@ -86,7 +94,9 @@ class ForwardBackwardInterceptor:
             stage, self.state.step, kwargs, record=capturing
         )
         if not capturing:
+            self.captures.replayed(stage)
             return full.call(wrapper, kwargs)
+        self.wiring.full_iteration_capture(stage)
         result = self.captures.bracket(stage, lambda: full.call(wrapper, kwargs))
         self.guard.commit(stage)
         return result
@@ -125,4 +135,5 @@ class OptimizerStep:
     def __call__(self) -> Any:
         if self._graphs.due():
             return self._captures.bracket("optimizer", self._graphs.call)
+        self._captures.replayed("optimizer")
         return self._graphs.call()

@@ -41,6 +41,7 @@ from cudagraph_plugin.runtime.report import Reporter, RunReport
 from cudagraph_plugin.runtime.shutdown import Shutdown
 from cudagraph_plugin.runtime.state import Phase, RunState
 from cudagraph_plugin.runtime.te_capture import TECapture
+from cudagraph_plugin.runtime.wiring import Wiring
 from hookspecs import hookimpl
 
 logger = logging.getLogger("cudagraph_plugin")
@@ -57,8 +58,9 @@ class CudaGraphPlugin:
         self.capture = Captures(state)
         self.guard = ShapeGuard()
         self.te_capture = TECapture(state, self.capture)
+        self.wiring = Wiring(state, self.capture)
         self.interceptor = ForwardBackwardInterceptor(
-            state, self.capture, self.guard, self.te_capture
+            state, self.capture, self.guard, self.te_capture, self.wiring
         )
         self.measurement = Measurement(state, self.capture)
         self.fallback = Fallback(state, self.capture, self.measurement, self.guard)
@@ -148,6 +150,8 @@ class CudaGraphPlugin:
         if state.active:
             assert self.build is not None
             build.build_model_graphs(state, self.build, optimizer)
+            if state.te is not None:
+                self.wiring.te_layers_found(state.te.layer_count())
         if state.optimizer_graph:
             build.build_optimizer_graph(
                 state, optimizer, lambda graphs: OptimizerStep(self.capture, graphs)
@@ -170,6 +174,7 @@ class CudaGraphPlugin:
     @hookimpl
     def mcgraph_train_start(self, start_step: int, train_iters: int) -> None:
         self.state.start_step = start_step
+        self.wiring.training_starts()
         warning = warmup_warning(self.settings, start_step, train_iters)
         if warning:
             logger.warning("%s", warning)
@@ -193,6 +198,7 @@ class CudaGraphPlugin:
     @hookimpl
     def mcgraph_train_step_end(self, step: int, metrics: dict[str, Any]) -> None:
         self.measurement.timer.stop(step)
+        self.wiring.capture_step_ended(step)
         self.fallback.step_ended(step)
 
     # -- shutdown -------------------------------------------------------------------------

@@ -114,6 +114,7 @@ class RunReport:
     peak_allocated_at_end_mib: float | None
     fallback_step: int | None
     graphs_held: int
+    replays: dict[str, int]
     shutdown_reason: str
     device: str
     versions: dict[str, str | None]
@@ -191,6 +192,9 @@ class RunReport:
                 )
             )
         if self.graphs_captured:
+            rows.append(
+                ("replays", ", ".join(f"{k} {v}" for k, v in sorted(self.replays.items())))
+            )
             rows.append(("held now", f"{self.graphs_held} graph(s), freed right after this"))
         rows.append(("run", f"{self.steps_timed} step(s) timed, ended: {self.shutdown_reason}"))
         rows.append(("versions", ", ".join(f"{k} {v or '-'}" for k, v in self.versions.items())))
@@ -248,22 +252,31 @@ class Reporter:
         state, captures = self.state, self.captures
         rank, world_size = compat.distributed_world()
         eager, replay, durations = self.measurement.samples(sync=sync)
-        if captures.records:
+        # A capture that produced no graph (a scope matching no layer) buys nothing: no
+        # speed-up is claimed for it.
+        captured = bool(captures.records) and captures.graphs_held_max > 0
+        if captured:
             result, speedup, noise, text = verdict(
                 [durations[s] for s in eager], [durations[s] for s in replay]
             )
             no_graph_reason = None
         else:
             result, speedup, noise = "unknown", None, 0.0
-            no_graph_reason = state.no_graph_reason() or (
-                f"the run ended (after step {state.step}) before the capture step "
-                f"(start_step + {state.settings.warmup_steps})"
-            )
+            if captures.records:
+                no_graph_reason = (
+                    f"the capture at step {captures.records[0]['step']} produced no graph "
+                    "(nothing in the model matched the scope)"
+                )
+            else:
+                no_graph_reason = state.no_graph_reason() or (
+                    f"the run ended (after step {state.step}) before the capture step "
+                    f"(start_step + {state.settings.warmup_steps})"
+                )
             text = f"no graph captured: {no_graph_reason}"
         return RunReport(
             impl=state.settings.impl,
             scope=list(state.settings.scope),
-            graphs_captured=bool(captures.records),
+            graphs_captured=captured,
             no_graph_reason=no_graph_reason,
             warmup_steps=state.settings.warmup_steps,
             start_step=state.start_step,
@@ -284,6 +297,7 @@ class Reporter:
             peak_allocated_at_end_mib=peak_at_end,
             fallback_step=self.measurement.fallback_step,
             graphs_held=captures.graph_count,
+            replays=dict(captures.replays),
             shutdown_reason=reason,
             device=_device_name(state.cuda),
             versions=compat.versions(),

@@ -35,13 +35,17 @@ class Shutdown:
     def wrap(self, reason: Any, exception: BaseException | None) -> Generator[None, Any, Any]:
         # The report goes out before the inner shutdown implementations run (they may close
         # the sinks it is written to); graphs are freed after them, whatever happened before.
+        # Anything the report raises, a KeyboardInterrupt or SystemExit included (a second
+        # Ctrl-C during its device sync, a plugin's mcgraph_report, the JSON write), waits
+        # until the inner implementations ran and the graphs are freed, then goes on.
         self.entered = True
         quiet = device_may_block(reason)
-        report_error: Exception | None = None
+        report_error: BaseException | None = None
         try:
             self.reporter.emit(str(reason), sync=not quiet)
-        except Exception as exc:
+        except BaseException as exc:
             report_error = exc
+            logger.error("the run report failed: %r", exc, exc_info=exc)
         try:
             result = yield
         except BaseException:
@@ -71,9 +75,10 @@ class Shutdown:
         quiet = device_may_block(reason)
         try:
             self.reporter.emit(reason, sync=not quiet)
-        except Exception as report_error:
+        except BaseException as report_error:
             logger.error("the run report failed", exc_info=report_error)
-        self.release_all(reason, quiet=quiet, exception=exception)
+        finally:
+            self.release_all(reason, quiet=quiet, exception=exception)
 
 
 def device_may_block(reason: Any) -> bool:

@@ -1,0 +1,125 @@
+"""What the host's loop must do for the graphs it asked for, checked as the run goes.
+
+A run that asked for CUDA graphs must never end up eager without a word: several
+Megatron-Core-based trainers accept the CUDA-graph flags and then capture nothing, because
+nothing drives the capture. So, on a CUDA device with graphs on:
+
+* training starts only after ``run.model_built()`` (the build checks and the TE helper);
+* a full-iteration capture needs the DDP forward pre-hooks on where the model uses them
+  (else the captured iteration has no parameter all-gather and every replay trains on
+  stale shards);
+* by the end of the capture step every requested graph exists: the TE helper found
+  graphable layers, the forward/backward came from ``run.forward_backward_func()`` and ran,
+  ``optimizer.step`` went through the optimizer graph.
+
+A missing piece is a :class:`CudaGraphWiringError` naming it and its fix, unless the
+configuration accepts eager explicitly (``cuda_graph_accept_eager``): then one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from cudagraph_plugin import compat
+from cudagraph_plugin.runtime.capture import Captures
+from cudagraph_plugin.runtime.state import Phase, RunState
+
+logger = logging.getLogger("cudagraph_plugin")
+
+ACCEPT_EAGER = (
+    "or set cuda_graph_accept_eager (--cuda-graph-accept-eager) to run eagerly on purpose"
+)
+
+
+class CudaGraphWiringError(RuntimeError):
+    """The host's loop does not drive the CUDA graphs it asked for; names what is missing
+    and the fix."""
+
+
+class Wiring:
+    def __init__(self, state: RunState, captures: Captures) -> None:
+        self.state = state
+        self.captures = captures
+        self.warned = False
+
+    @property
+    def expects_graphs(self) -> bool:
+        return self.state.active or self.state.optimizer_graph
+
+    def training_starts(self) -> None:
+        if self.expects_graphs and self.state.phase is Phase.CONFIGURED:
+            raise CudaGraphWiringError(
+                "training started before run.model_built(): the CUDA graph plugin has not "
+                "checked the model or set up its graphs. Fix: call run.model_built(model=..., "
+                "optimizer=..., model_config=..., seq_length=..., micro_batch_size=...) after "
+                "building DDP and the optimizer, before the first run.train_step()"
+            )
+
+    def full_iteration_capture(self, stage: str) -> None:
+        """Before a full-iteration capture of ``stage``."""
+        model = self.state.model
+        if (
+            stage == "training"
+            and model is not None
+            and compat.uses_forward_pre_hooks(model)
+            and not compat.forward_pre_hooks_enabled(model)
+        ):
+            raise CudaGraphWiringError(
+                f"the full-iteration capture at step {self.state.step} would run with the DDP "
+                "forward pre-hooks disabled: the captured iteration would not all-gather the "
+                "parameters, and every replay would train on stale shards. Fix: enable them "
+                "(run.enable_forward_pre_hook(model)) before the capture step, e.g. after the "
+                "first step as Megatron-LM does, or raise cuda_graph_warmup_steps past the "
+                "step at which the host enables them"
+            )
+
+    def te_layers_found(self, layer_count: int) -> None:
+        if layer_count == 0:
+            scope = ",".join(self.state.settings.scope)
+            self._nothing(
+                f"no layer of the model is graphable for scope {scope} (megatron-core: "
+                '"No graphable layers found"): the TE helper would capture nothing',
+                "choose scopes the model has (attn,mlp for a dense GPT; mamba only for Mamba "
+                "layers; moe_router,moe_preprocess for MoE), build the layers from Transformer "
+                "Engine modules (--transformer-impl transformer_engine)",
+            )
+
+    def capture_step_ended(self, step: int) -> None:
+        """At the end of the step that had to capture: every requested graph exists."""
+        state = self.state
+        if state.start_step is None or step - state.start_step != state.settings.warmup_steps:
+            return
+        stages = {record["stage"] for record in self.captures.records}
+        if state.full_iteration_mode and "training" not in stages:
+            self._nothing(
+                f"the capture step {step} ended without a full-iteration capture: the training "
+                "forward_backward_func did not come from run.forward_backward_func(), or was "
+                "not called during the step",
+                "call the function run.forward_backward_func(get_forward_backward_func()) "
+                "returns, once per training step",
+            )
+        if state.te_mode and state.te is not None and state.te.graph_count() == 0:
+            self._nothing(
+                f"the TE capture at step {step} produced no graph",
+                "check that the scope matches layers the model has",
+            )
+        if state.optimizer_graph and "optimizer" not in stages:
+            self._nothing(
+                f"the capture step {step} ended without capturing the optimizer step: "
+                "optimizer.step() was not called, or was called through a reference taken "
+                "before run.model_built() installed the optimizer graph",
+                "call optimizer.step() on the optimizer passed to run.model_built(), after it",
+            )
+
+    def _nothing(self, problem: str, fix: str) -> None:
+        if not self.state.settings.accept_eager:
+            raise CudaGraphWiringError(
+                f"CUDA graphs were asked for but {problem}. Fix: {fix}; {ACCEPT_EAGER}"
+            )
+        if not self.warned:
+            self.warned = True
+            logger.warning(
+                "CUDA graphs were asked for but %s; running eagerly as "
+                "cuda_graph_accept_eager allows",
+                problem,
+            )

@@ -1,0 +1,272 @@
+"""Issue 22's guarantees, each through the example loop on the CPU with fake graphs:
+
+* the release of every graph runs exactly once whatever ``BaseException`` arrives while the
+  report is produced (a plugin's ``mcgraph_report``, the report's device sync, the JSON
+  write);
+* a full-iteration capture never runs with the DDP forward pre-hooks off (it would capture
+  an iteration without the parameter all-gather);
+* training never starts without ``run.model_built()``;
+* a run that asked for graphs never ends up eager without a word: no graphable layer for
+  the scope, a forward/backward not taken from the run, an optimizer step that bypassed the
+  optimizer graph stop the run, unless eager is accepted explicitly (then one warning and a
+  report without a speed-up verdict);
+* the report counts the replays of each captured graph.
+
+The signal and Ctrl-C holes of ``TrainingRun`` are in ``tests/test_hookspecs_shutdown.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+from cpu_only import needs_mcore_on_cpu
+
+import fake_optimizer_graph
+import train_gpt
+from cudagraph_plugin import compat
+from cudagraph_plugin.runtime.report import RunReport
+from cudagraph_plugin.runtime.timing import StepTimer
+from cudagraph_plugin.runtime.wiring import CudaGraphWiringError
+from hookspecs import TrainingRun, get_plugin_manager, hookimpl
+from recording import Recorder
+
+pytestmark = needs_mcore_on_cpu
+
+FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
+TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp"]
+OVERLAP = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"]
+EAGER_OK = ["--cuda-graph-accept-eager"]
+
+
+def run(*argv: str, plugins=(), steps: int = 6):
+    recorder = Recorder()
+    summary = train_gpt.run(
+        ["--train-iters", str(steps), "--log-interval", "0", *argv],
+        plugins=[recorder, *plugins],
+    )
+    return summary, recorder
+
+
+def graph_plugin(recorder: Recorder):
+    from cudagraph_plugin.entry import RUN_PLUGIN_NAME
+
+    return recorder.pm.get_plugin(RUN_PLUGIN_NAME)
+
+
+class ShutdownSeen:
+    """A plain shutdown implementation: inside the CUDA graph plugin's wrapper."""
+
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    @hookimpl
+    def mcgraph_shutdown(self, reason, exception):
+        self.reasons.append(str(reason))
+
+
+# -- the release runs whatever interrupts the report ---------------------------------------------
+
+
+class RaisingReportSink:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    @hookimpl
+    def mcgraph_report(self, report):
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), SystemExit(3)], ids=["ctrl-c", "exit"])
+def test_a_plugins_report_hook_raising_base_exception_does_not_skip_the_release(fake_graphs, exc):
+    seen = ShutdownSeen()
+    with pytest.raises(type(exc)):
+        run(*FULL, "--cuda-graph-warmup-steps", "1", plugins=[RaisingReportSink(exc), seen])
+    [graph] = fake_graphs.graphs
+    assert graph.resets == 1  # freed, exactly once
+    assert seen.reasons == ["completed"]  # the inner shutdown implementations ran too
+
+
+def test_a_ctrl_c_during_the_reports_device_sync_does_not_skip_the_release(
+    fake_graphs, monkeypatch
+):
+    def interrupted(self, sync=True):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(StepTimer, "durations_ms", interrupted)
+    seen = ShutdownSeen()
+    with pytest.raises(KeyboardInterrupt):
+        run(*FULL, "--cuda-graph-warmup-steps", "1", plugins=[seen])
+    [graph] = fake_graphs.graphs
+    assert graph.resets == 1
+    assert seen.reasons == ["completed"]
+
+
+def test_a_system_exit_from_the_json_write_does_not_skip_the_release(
+    fake_graphs, monkeypatch, tmp_path
+):
+    def exits(self, path):
+        raise SystemExit(4)
+
+    monkeypatch.setattr(RunReport, "write_json", exits)
+    with pytest.raises(SystemExit):
+        run(
+            *FULL, "--cuda-graph-warmup-steps", "1",
+            "--cuda-graph-report-json", str(tmp_path / "r.json"),
+        )  # fmt: skip
+    [graph] = fake_graphs.graphs
+    assert graph.resets == 1
+
+
+# -- a full-iteration capture needs the pre-hooks on ----------------------------------------------
+
+
+class KeepsPreHooksOff:
+    """A host that 'enables' the pre-hooks without doing it (as one re-enabling them only
+    after the capture step would)."""
+
+    @hookimpl(tryfirst=True)
+    def mcgraph_enable_forward_pre_hook(self, model):
+        return True
+
+
+def test_full_iteration_capture_with_the_pre_hooks_off_is_refused(fake_graphs):
+    with pytest.raises(CudaGraphWiringError, match="forward pre-hooks disabled") as info:
+        run(*FULL, *OVERLAP, "--cuda-graph-warmup-steps", "1", plugins=[KeepsPreHooksOff()])
+    assert "stale shards" in str(info.value)
+    assert fake_graphs.graphs == []  # refused before megatron-core captured anything
+
+
+def test_full_iteration_capture_with_the_pre_hooks_on_goes_ahead(fake_graphs):
+    _, rec = run(*FULL, *OVERLAP, "--cuda-graph-warmup-steps", "1")
+    assert rec.report.graphs_captured
+
+
+# -- training needs run.model_built() -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [FULL, TE], ids=["full", "te"])
+def test_training_without_model_built_is_refused_with_the_fix(fake_graphs, argv):
+    pm = get_plugin_manager()
+    parser = argparse.ArgumentParser()
+    pm.hook.mcgraph_add_arguments(parser=parser)
+    args = parser.parse_args([*argv, "--cuda-graph-warmup-steps", "1"])
+    with pytest.raises(CudaGraphWiringError, match=r"before run\.model_built\(\)") as info:
+        with TrainingRun(pm, config=args, train_iters=3) as run_:
+            with run_.train_step(0):
+                pass
+    assert "call run.model_built(model=" in str(info.value)
+
+
+# -- asked for graphs, got none -----------------------------------------------------------------
+
+
+MAMBA = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "mamba"]
+
+
+def test_a_scope_that_matches_no_layer_stops_the_run_before_training(fake_graphs):
+    seen = ShutdownSeen()
+    with pytest.raises(CudaGraphWiringError, match="No graphable layers found") as info:
+        run(*MAMBA, plugins=[seen])
+    assert "scope mamba" in str(info.value) and "--cuda-graph-accept-eager" in str(info.value)
+    assert seen.reasons == ["exception"]
+
+
+def test_accepting_eager_runs_warns_once_and_claims_no_speedup(fake_graphs, caplog):
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        summary, rec = run(*MAMBA, *EAGER_OK, "--cuda-graph-warmup-steps", "1")
+    assert summary["shutdown_reason"] == "completed"
+    warnings = [r for r in caplog.records if "running eagerly as" in r.getMessage()]
+    assert len(warnings) == 1
+    report = rec.report.to_dict()
+    assert report["graphs_captured"] is False
+    assert report["verdict"] == "unknown" and report["speedup"] is None
+    assert "faster" not in report["verdict_text"]
+    assert "no graph" in report["no_graph_reason"]
+
+
+class PlainForwardBackward:
+    """A host that hands its loop the plain forward/backward, not the run's."""
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def mcgraph_forward_backward_func(self, forward_backward_func):
+        yield
+        return forward_backward_func
+
+
+def test_a_forward_backward_not_taken_from_the_run_stops_at_the_capture_step(fake_graphs):
+    rec = Recorder()
+    with pytest.raises(CudaGraphWiringError, match="ended without a full-iteration capture"):
+        train_gpt.run(
+            ["--train-iters", "6", "--log-interval", "0", *FULL, "--cuda-graph-warmup-steps", "2"],
+            plugins=[rec, PlainForwardBackward()],
+        )
+    assert [e for e in rec.events if e[0] == "step"][-1] == ("step", 2)  # the capture step
+
+
+def test_accepting_eager_lets_a_plain_forward_backward_run_to_the_end(fake_graphs):
+    summary, rec = run(*FULL, *EAGER_OK, plugins=[PlainForwardBackward()])
+    assert summary["shutdown_reason"] == "completed"
+    assert rec.report.graphs_captured is False and rec.report.verdict == "unknown"
+
+
+@pytest.fixture
+def optimizer_graphs(fake_graphs, monkeypatch):
+    fake_graphs.wrapper = fake_optimizer_graph.install(monkeypatch)
+    monkeypatch.setattr(compat, "grad_norm_on_device", lambda: True)
+    original = train_gpt._build_optimizer
+
+    def capturable(args, model):  # 0.16.1's OptimizerConfig lacks the field (see there)
+        flag, args.optimizer_cuda_graph = args.optimizer_cuda_graph, False
+        try:
+            optimizer = original(args, model)
+        finally:
+            args.optimizer_cuda_graph = flag
+        optimizer.config.optimizer_cuda_graph = flag
+        return optimizer
+
+    monkeypatch.setattr(train_gpt, "_build_optimizer", capturable)
+    yield fake_graphs
+    assert not compat.optimizer_graph_state_dirty()
+
+
+class BypassesTheOptimizerGraph:
+    """A host whose optimizer.step() is not the one the plugin installed."""
+
+    @hookimpl(trylast=True)
+    def mcgraph_model_built(self, model, optimizer):
+        vars(optimizer).pop("step", None)
+
+
+def test_an_optimizer_step_that_bypasses_the_graph_stops_at_the_capture_step(optimizer_graphs):
+    with pytest.raises(CudaGraphWiringError, match="without capturing the optimizer step"):
+        run(*FULL, "--optimizer-cuda-graph", "--cuda-graph-warmup-steps", "1",
+            plugins=[BypassesTheOptimizerGraph()])  # fmt: skip
+
+
+# -- replays per graph ---------------------------------------------------------------------------
+
+
+def test_the_report_counts_replays_per_captured_graph(fake_graphs):
+    _, rec = run(*FULL, "--cuda-graph-warmup-steps", "2", "--eval-interval", "3", steps=8)
+    report = rec.report.to_dict()
+    # training: captured by step 2's call, replayed by steps 3..7
+    assert report["replays"]["training"] == 5
+    # evaluation after steps 2 and 5, two forward-only calls each: captured by the third
+    # call (the wrapper's warm-up counts per stage), replayed by the fourth
+    assert report["replays"]["validation"] == 1
+    assert set(report["replays"]) == {"training", "validation"}
+    assert "training 5" in rec.report.format_table()
+
+
+def test_te_replays_count_each_training_call_after_the_capture(fake_graphs):
+    _, rec = run(*TE, "--cuda-graph-warmup-steps", "1", steps=4)
+    # captured at the start of step 1; steps 1, 2 and 3 run through the graphs
+    assert rec.report.replays == {"training": 3}
+
+
+def test_a_graph_captured_at_the_last_step_shows_zero_replays(fake_graphs):
+    _, rec = run(*FULL, "--cuda-graph-warmup-steps", "3", steps=4)
+    assert rec.report.graphs_captured
+    assert rec.report.replays == {"training": 0}
