@@ -192,9 +192,7 @@ class RunReport:
                 )
             )
         if self.graphs_captured:
-            rows.append(
-                ("replays", ", ".join(f"{k} {v}" for k, v in sorted(self.replays.items())))
-            )
+            rows.append(("replays", ", ".join(f"{k} {v}" for k, v in sorted(self.replays.items()))))
             rows.append(("held now", f"{self.graphs_held} graph(s), freed right after this"))
         rows.append(("run", f"{self.steps_timed} step(s) timed, ended: {self.shutdown_reason}"))
         rows.append(("versions", ", ".join(f"{k} {v or '-'}" for k, v in self.versions.items())))
