@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import sys
 
 import torch
 
-from hookspecs import TrainingRun, get_plugin_manager
+from hookspecs import ConfigurationError, TrainingRun, get_plugin_manager, print_refusal
 
 SEQ, MBS, VOCAB = 32, 2, 128  # static shapes: CUDA graphs replay fixed-size buffers
 
@@ -102,7 +103,7 @@ def train(run: TrainingRun, args: argparse.Namespace, cuda: bool) -> None:
         model[0].train()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
     pm = get_plugin_manager()  # a fresh manager with every installed plugin, once per run
@@ -123,12 +124,16 @@ def main(argv: list[str] | None = None) -> None:
 
         device = cpu_redirect()
     run = TrainingRun(pm, config=args, train_iters=args.train_iters)
-    with device:
-        try:
-            with run:
-                train(run, args, cuda)  # shutdown fires on every exit and frees the graphs
-        finally:
-            end_distributed(run)  # after shutdown: graphs hold NCCL buffers
+    try:
+        with device:
+            try:
+                with run:
+                    train(run, args, cuda)  # shutdown fires on every exit, frees the graphs
+            finally:
+                end_distributed(run)  # after shutdown: graphs hold NCCL buffers
+    except ConfigurationError as refused:  # every problem with its fix, no traceback
+        return print_refusal(refused)
+    return 0
 
 
 def end_distributed(run: TrainingRun) -> None:
@@ -146,4 +151,4 @@ def end_distributed(run: TrainingRun) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

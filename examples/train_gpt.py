@@ -38,7 +38,13 @@ from typing import Any
 import torch
 
 from cpu_redirect import cpu_redirect, cpu_run_blocker, mcore_without_te_fixes
-from hookspecs import ShutdownReason, TrainingRun, get_plugin_manager
+from hookspecs import (
+    ConfigurationError,
+    ShutdownReason,
+    TrainingRun,
+    get_plugin_manager,
+    print_refusal,
+)
 
 # megatron-core is imported inside the functions that use it, so importing this module (for
 # its parser, or to call run()) stays cheap and free of megatron's import-time warnings.
@@ -711,7 +717,10 @@ def main() -> int:
     # At INFO these log their whole config and every parameter name.
     for noisy in ("megatron.core.distributed", "megatron.core.optimizer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    summary = run()
+    try:
+        summary = run()
+    except ConfigurationError as refused:  # every problem with its fix, no traceback
+        return print_refusal(refused)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     if summary["losses"]:

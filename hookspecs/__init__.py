@@ -6,7 +6,8 @@ entry-point discovery and blocking (``manager``), the host's default implementat
 the hooks in order and guarantees the shutdown hook on every exit path (``run``).
 
 Leaf modules come first and nothing imports this package's ``__init__`` from inside it:
-``markers`` (the name and pluggy markers) and ``reasons`` (why a run ended) import nothing
+``markers`` (the name and pluggy markers), ``reasons`` (why a run ended) and ``errors``
+(:class:`ConfigurationError`) import nothing
 of the contract; ``spec`` and ``host_defaults`` import ``markers``; ``manager`` imports
 them; ``run`` imports ``manager`` and ``reasons``.
 
@@ -20,6 +21,7 @@ One name, ``mcgraph``, is the marker name, the hook prefix and the entry-point g
 
 from __future__ import annotations
 
+from hookspecs.errors import ConfigurationError, print_refusal
 from hookspecs.manager import (
     BLOCK_ENV_VAR,
     McgraphPluginManager,
@@ -39,6 +41,7 @@ __all__ = [
     "BLOCK_ENV_VAR",
     "PROJECT_NAME",
     "REPORT_SCHEMA_VERSION",
+    "ConfigurationError",
     "McgraphPluginManager",
     "Report",
     "ShutdownReason",
@@ -50,4 +53,5 @@ __all__ = [
     "hookspec",
     "merge_kwargs",
     "plugin_name",
+    "print_refusal",
 ]

@@ -172,7 +172,9 @@ def get_plugin_manager(load_entrypoints: bool = True) -> McgraphPluginManager:
             if plugin is not None and name != HOST_DEFAULTS_NAME
             for dist in [pm.distribution(name)]
         ]
-        logger.info("%s plugins: %s", PROJECT_NAME, ", ".join(loaded) or "none installed")
+        # The same on every rank of a job: said once, by the launcher's rank 0.
+        level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.DEBUG
+        logger.log(level, "%s plugins: %s", PROJECT_NAME, ", ".join(loaded) or "none installed")
     pm.check_pending()
     return pm
 

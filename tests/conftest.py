@@ -12,6 +12,7 @@ This module owns two things every test relies on:
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import signal
 import sys
@@ -100,6 +101,8 @@ def _process_state() -> dict[str, Any]:
         # A fake TE left behind (tests/fakes.py) would fool later tests; the real one,
         # imported by a run on a GPU machine, is supposed to stay.
         "fake transformer_engine module": _fake_te(sys.modules.get("transformer_engine")),
+        "SIGINT handler": signal.getsignal(signal.SIGINT),
+        "cudagraph_plugin logger filters": tuple(logging.getLogger("cudagraph_plugin").filters),
     }
     if "torch" in sys.modules:
         import torch

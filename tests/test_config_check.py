@@ -16,6 +16,7 @@ from cudagraph_plugin import compat
 from cudagraph_plugin.cli.check import build_parser, run_check
 from cudagraph_plugin.config import environment
 from cudagraph_plugin.config.settings import read_settings
+from cudagraph_plugin.runtime import ranklog
 from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
 
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -242,6 +243,7 @@ def test_check_and_run_give_the_same_verdict(monkeypatch, config):
         assert not result.ok
         assert str(exc) == str(CudaGraphConfigError(list(result.problems)))
     else:
+        ranklog.remove(plugin.log_filter)  # a plugin outside a run is never shut down
         assert result.ok, result.problems
         assert plugin.settings == result.settings
         assert read_settings(config) == result.settings

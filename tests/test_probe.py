@@ -91,10 +91,12 @@ def test_graph_plugin_facts_take_what_they_find(probe: ModuleType) -> None:
 def test_graph_plugin_facts_read_the_real_plugin(probe: ModuleType) -> None:
     """The attributes the probe reads exist on the plugin itself (a rename would make the
     GPU suite's facts silently ``None``)."""
+    from cudagraph_plugin.runtime import ranklog
     from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
 
     pm = get_plugin_manager(load_entrypoints=False)
     plugin = CudaGraphPlugin.configure({"cuda_graph_impl": "none"}, pm)
+    ranklog.remove(plugin.log_filter)  # a plugin outside a run is never shut down
     pm.register(plugin, name=RUN_PLUGIN_NAME)
     assert probe.graph_plugin_facts(pm) == {
         "graphs_freed": 0,

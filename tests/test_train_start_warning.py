@@ -10,7 +10,9 @@ from cpu_only import needs_mcore_on_cpu
 
 import train_gpt
 from cudagraph_plugin import compat
+from cudagraph_plugin.runtime import ranklog
 from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
+from cudagraph_plugin.runtime.state import Phase
 from hookspecs import hookimpl
 
 LOGGER = "cudagraph_plugin"
@@ -35,8 +37,14 @@ def test_train_start_warns_with_the_numbers(monkeypatch, caplog, cuda):
         use_te_rng_tracker=True,
     )
     plugin = CudaGraphPlugin.configure(config, None)
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        plugin.mcgraph_train_start(start_step=0, train_iters=10)
+    # as if the host had called run.model_built(): training before it is refused on a GPU
+    plugin.state.advance((Phase.CONFIGURED,), Phase.BUILT)
+    try:
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            plugin.mcgraph_train_start(start_step=0, train_iters=10)
+    finally:
+        # a plugin outside a run is never shut down: take its rank filter off the logger
+        ranklog.remove(plugin.log_filter)
     (warning,) = _warnings(caplog)
     assert warning == (
         "cuda_graph_warmup_steps=1000 and this run trains 10 step(s) (steps 0..9: "

@@ -18,6 +18,7 @@ from cudagraph_plugin.config.fields import (
     resolve,
 )
 from cudagraph_plugin.config.fixes import plan_autofixes, write_fixes
+from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.config.settings import read_settings
 from cudagraph_plugin.config.values import parse_scope
 
@@ -70,7 +71,7 @@ def apply_overrides(
         put("warmup_steps", cuda_graph_warmup_steps, "--cuda-graph-warmup-steps")
 
     for change in changes:
-        logger.warning("override: %s", change)
+        logger.warning("override: %s", change, extra=JOB_WIDE)
     settings = read_settings(config)
     changes += write_fixes(config, plan_autofixes(config, settings, harness=True))
     return changes

@@ -5,12 +5,14 @@ quotes the phrase megatron-core (0.16.1 and 0.19.2), Megatron-LM or Megatron-Bri
 the same constraint, so a pasted error finds its explanation. :class:`Note` is what a rule
 could not check here (said, never raised).
 
-Pure Python.
+Pure Python (the contract's error type is the only import).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+from hookspecs.errors import ConfigurationError
 
 # Where the reference phrases come from.
 MCORE = "megatron-core"  # the same text in 0.16.1 and 0.19.2
@@ -43,8 +45,10 @@ class Violation:
         return f"{', '.join(self.fields)} = {self.value}: {self.text}\n     fix: {self.fix}"
 
 
-class CudaGraphConfigError(ValueError):
-    """The CUDA-graph configuration cannot work; ``violations`` lists every problem."""
+class CudaGraphConfigError(ConfigurationError):
+    """The CUDA-graph configuration cannot work; ``violations`` lists every problem. A
+    ``ValueError`` (through the contract's :class:`~hookspecs.ConfigurationError`, which
+    hosts catch to print it without a traceback)."""
 
     def __init__(self, violations: list[Violation]) -> None:
         self.violations = list(violations)

@@ -31,6 +31,7 @@ from cudagraph_plugin.config.environment import (
 )
 from cudagraph_plugin.config.errors import CudaGraphConfigError, Violation
 from cudagraph_plugin.config.fields import assign, display_name, existing_paths, resolve
+from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.config.settings import Settings
 from cudagraph_plugin.config.values import to_bool
 
@@ -180,11 +181,18 @@ def write_fixes(
         if fix.environment:
             if not dry_run:
                 env[fix.path] = fix.value
-            logger.warning("preflight: %s%s", "(dry run) would " if dry_run else "", fix.message)
+            logger.warning(
+                "preflight: %s%s",
+                "(dry run) would " if dry_run else "",
+                fix.message,
+                extra=JOB_WIDE,
+            )
         else:
             if not dry_run:
                 assign(config, fix.path, fix.value)
-            logger.warning("auto-fix: %s%s", "(dry run) would " if dry_run else "", fix.message)
+            logger.warning(
+                "auto-fix: %s%s", "(dry run) would " if dry_run else "", fix.message, extra=JOB_WIDE
+            )
     return [fix.message for fix in fixes]
 
 

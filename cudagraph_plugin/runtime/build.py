@@ -15,6 +15,7 @@ from typing import Any
 
 from cudagraph_plugin import compat
 from cudagraph_plugin.config.errors import MCORE, CudaGraphConfigError, Violation
+from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.config.settings import Settings, read_settings
 from cudagraph_plugin.runtime.mechanisms import OptimizerGraphs, TEGraphs
 from cudagraph_plugin.runtime.state import RunState
@@ -87,7 +88,7 @@ def check_rng_tracker() -> None:
                 )
             ]
         )
-    logger.info("RNG tracker is CUDA-graph safe: %s", tracker)
+    logger.info("RNG tracker is CUDA-graph safe: %s", tracker, extra=JOB_WIDE)
 
 
 def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer: Any) -> None:
@@ -161,6 +162,7 @@ def build_optimizer_graph(
         "(step start_step + %d)",
         warmup,
         warmup,
+        extra=JOB_WIDE,
     )
 
 

@@ -9,6 +9,7 @@ import gc
 import logging
 
 from cudagraph_plugin import compat
+from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.guard import ShapeGuard
 from cudagraph_plugin.runtime.measurement import Measurement
@@ -54,13 +55,16 @@ class Fallback:
         # What a rank executes must not differ: every rank falls back if any rank measured
         # a slowdown (a rank replaying while another runs eagerly deadlocks a collective).
         if not compat.any_rank(result == "slower"):
-            logger.info("fallback policy: keeping the full-iteration graph (%s)", text)
+            logger.info(
+                "fallback policy: keeping the full-iteration graph (%s)", text, extra=JOB_WIDE
+            )
             return
         logger.warning(
             "fallback policy: %s; freeing the full-iteration graph at step %d and continuing "
             "with the plain forward_backward_func",
             text if result == "slower" else f"another rank measured a slowdown (here: {text})",
             step,
+            extra=JOB_WIDE,
         )
         assert state.full is not None
         self.graphs_freed += release_each(state.full.graph_release_steps()).graphs_freed

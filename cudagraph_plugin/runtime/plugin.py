@@ -28,8 +28,9 @@ from typing import Any
 from cudagraph_plugin import compat
 from cudagraph_plugin.config.advice import warmup_warning
 from cudagraph_plugin.config.check import check_config
+from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.config.settings import Settings
-from cudagraph_plugin.runtime import build
+from cudagraph_plugin.runtime import build, ranklog
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.fallback import Fallback
 from cudagraph_plugin.runtime.guard import ShapeGuard
@@ -67,6 +68,7 @@ class CudaGraphPlugin:
         self.reporter = Reporter(state, self.measurement, self.capture)
         self.release = ReleasePlan(state, self.capture)
         self.shutdown = Shutdown(state, self.reporter, self._release_all)
+        self.log_filter: ranklog.RankFilter | None = None
 
     @classmethod
     def configure(cls, config: Any, pluginmanager: Any) -> CudaGraphPlugin:
@@ -79,20 +81,28 @@ class CudaGraphPlugin:
             te_available=compat.te_available if cuda else None,
             nccl_initialized=compat.nccl_initialized,
         )
-        result.apply(config)
         settings = result.settings
+        log_filter = ranklog.install(every_rank=settings.log_all_ranks)
+        try:
+            result.apply(config)
+        except BaseException:
+            ranklog.remove(log_filter)
+            raise
         for note in result.advice:
-            logger.warning("advice: %s", note)
+            logger.warning("advice: %s", note, extra=JOB_WIDE)
         for note in result.notes:
-            logger.info("note: %s", note)
+            logger.info("note: %s", note, extra=JOB_WIDE)
         if settings.enabled and not cuda:
             logger.warning(
                 "CUDA graphs need a CUDA device and none is available: this run is eager and "
                 "captures nothing (cuda_graph_impl=%s, scope=%s was validated)",
                 settings.impl,
                 ",".join(settings.scope),
+                extra=JOB_WIDE,
             )
-        return cls(settings, pluginmanager, cuda=cuda)
+        plugin = cls(settings, pluginmanager, cuda=cuda)
+        plugin.log_filter = log_filter
+        return plugin
 
     # -- what tests, the probe and the GPU suite read --------------------------------------
 
@@ -177,7 +187,7 @@ class CudaGraphPlugin:
         self.wiring.training_starts()
         warning = warmup_warning(self.settings, start_step, train_iters)
         if warning:
-            logger.warning("%s", warning)
+            logger.warning("%s", warning, extra=JOB_WIDE)
 
     @hookimpl
     def mcgraph_train_step_start(self, step: int) -> None:
@@ -223,7 +233,12 @@ class CudaGraphPlugin:
             ReleaseStep("pending manual hooks", self.te_capture.forget_manual_hooks),
             ReleaseStep("model and optimizer references", self._drop_references),
         ]
-        self.release.release_all(reason, extra, quiet=quiet, exception=exception)
+        try:
+            self.release.release_all(reason, extra, quiet=quiet, exception=exception)
+        finally:
+            if self.log_filter is not None:
+                ranklog.remove(self.log_filter)
+                self.log_filter = None
 
     def _drop_references(self) -> None:
         # The run is over: nothing here may keep the model or optimizer alive.

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cudagraph_plugin import compat
+from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.measurement import Measurement
 from cudagraph_plugin.runtime.state import RunState
@@ -237,9 +238,12 @@ class Reporter:
             "CUDA graph report%s:\n%s",
             f" (rank 0 of {world_size})" if world_size > 1 else "",
             self.report.format_table(),
+            extra=JOB_WIDE,
         )
         if self.report.verdict in ("slower", "no_gain") and rank == 0:
-            logger.warning("CUDA graphs did not pay off: %s", self.report.verdict_text)
+            logger.warning(
+                "CUDA graphs did not pay off: %s", self.report.verdict_text, extra=JOB_WIDE
+            )
         settings = self.state.settings
         if settings.report_json:
             path = self.report.write_json(rank_path(settings.report_json, rank))

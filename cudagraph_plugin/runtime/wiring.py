@@ -23,6 +23,7 @@ import logging
 from cudagraph_plugin import compat
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.state import Phase, RunState
+from hookspecs import ConfigurationError
 
 logger = logging.getLogger("cudagraph_plugin")
 
@@ -31,9 +32,10 @@ ACCEPT_EAGER = (
 )
 
 
-class CudaGraphWiringError(RuntimeError):
+class CudaGraphWiringError(ConfigurationError, RuntimeError):
     """The host's loop does not drive the CUDA graphs it asked for; names what is missing
-    and the fix."""
+    and the fix. A :class:`~hookspecs.ConfigurationError` (the run cannot work as set up),
+    and a ``RuntimeError``."""
 
 
 class Wiring:

@@ -1,0 +1,53 @@
+"""Talk once per job: the plugin's log lines in a multi-rank run.
+
+:class:`RankFilter`, installed on the plugin's logger for the length of one run, lets rank
+0 alone log the job-wide lines (``extra=JOB_WIDE``, see :mod:`cudagraph_plugin.config.logs`)
+and prefixes every other line with its rank. The rank comes from ``torch.distributed`` once
+it is initialised, before that from the launcher's ``RANK``/``WORLD_SIZE`` (torchrun sets
+them), so configuration lines are sorted too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from cudagraph_plugin.config.logs import LOGGER_NAME
+
+
+def rank_and_world() -> tuple[int, int]:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 0, 1
+
+
+class RankFilter(logging.Filter):
+    def __init__(self, every_rank: bool) -> None:
+        super().__init__()
+        self.every_rank = every_rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rank, world = rank_and_world()
+        if world <= 1:
+            return True
+        if getattr(record, "mcgraph_job_wide", False):
+            return self.every_rank or rank == 0
+        if not getattr(record, "mcgraph_rank_tagged", False):
+            record.msg = f"[rank {rank}] {record.msg}"
+            record.mcgraph_rank_tagged = True
+        return True
+
+
+def install(every_rank: bool) -> RankFilter:
+    log_filter = RankFilter(every_rank)
+    logging.getLogger(LOGGER_NAME).addFilter(log_filter)
+    return log_filter
+
+
+def remove(log_filter: RankFilter) -> None:
+    logging.getLogger(LOGGER_NAME).removeFilter(log_filter)

@@ -1,0 +1,120 @@
+"""Talk once per job (issue 22): job-wide lines from rank 0 alone, rank-specific lines with
+their rank, every rank on request; a refused configuration printed once, without a
+traceback, exit status 2. The filter itself in-process; the example host as users run it,
+one and two ranks (torchrun over gloo) on the CPU."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+from cudagraph_plugin.config.logs import JOB_WIDE, LOGGER_NAME
+from cudagraph_plugin.runtime import ranklog
+from jobs import run_job, torchrun_command
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
+FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
+
+
+@pytest.fixture
+def records():
+    """The plugin logger's records that passed its filters."""
+    logger = logging.getLogger(LOGGER_NAME)
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    handler = Keep(level=logging.DEBUG)
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)  # through setLevel: it clears the logger's level cache
+    yield seen
+    logger.setLevel(level)
+    logger.removeHandler(handler)
+
+
+def _log_both(every_rank: bool) -> None:
+    log_filter = ranklog.install(every_rank=every_rank)
+    try:
+        logger = logging.getLogger(LOGGER_NAME)
+        logger.warning("advice: the same everywhere", extra=JOB_WIDE)
+        logger.info("captured %d graph(s)", 1)
+    finally:
+        ranklog.remove(log_filter)
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_rank_0_alone_says_job_wide_lines_and_every_rank_tags_its_own(records, monkeypatch, rank):
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _log_both(every_rank=False)
+    said = [record.getMessage() for record in records]
+    expected = [f"[rank {rank}] captured 1 graph(s)"]
+    assert said == (["advice: the same everywhere", *expected] if rank == "0" else expected)
+
+
+def test_every_rank_says_job_wide_lines_on_request(records, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _log_both(every_rank=True)
+    assert [r.getMessage() for r in records] == [
+        "advice: the same everywhere",
+        "[rank 1] captured 1 graph(s)",
+    ]
+
+
+def test_one_process_is_left_as_it_was(records, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    _log_both(every_rank=False)
+    assert [r.getMessage() for r in records] == [
+        "advice: the same everywhere",
+        "captured 1 graph(s)",
+    ]
+
+
+@pytest.fixture
+def job_env(subprocess_env):
+    return {**subprocess_env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.mark.slow
+def test_a_two_rank_run_says_each_job_wide_line_once(tmp_path, job_env):
+    # 3 steps with the default warm-up of 3: the warm-up warning is a job-wide line too
+    command = torchrun_command(2, EXAMPLE, *FULL, "--train-iters", "3", "--log-interval", "0")
+    job = run_job(command, log_dir=tmp_path, timeout_s=180, env=job_env, name="talk-once")
+    output = job.output()
+    assert job.rc == 0 and not job.leftovers, job.tail()
+    for line in (
+        "mcgraph plugins: cudagraph",
+        "CUDA graphs need a CUDA device and none is available",
+        "the capture step 3 (start_step + warm-up) is never reached",
+        "CUDA graph report (rank 0 of 2)",
+    ):
+        assert output.count(line) == 1, (line, job.tail())
+    for rank in (0, 1):
+        assert output.count(f"[rank {rank}] shutdown (completed)") == 1, job.tail()
+    assert "advice:" not in output  # the demo's own default does not warn against itself
+
+
+@pytest.mark.slow
+def test_a_refused_configuration_is_said_once_without_a_traceback(tmp_path, job_env):
+    bad = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "attn", "--train-iters", "3"]
+    one = run_job(
+        [sys.executable, str(EXAMPLE), *bad], log_dir=tmp_path / "one", timeout_s=120, env=job_env
+    )
+    assert one.rc == 2, one.tail()
+    assert "Traceback" not in one.output()
+    assert one.output().count("1 problem(s) with the CUDA graph configuration") == 1
+    assert "fix: use cuda_graph_impl=transformer_engine for per-layer scopes" in one.output()
+    two = run_job(
+        torchrun_command(2, EXAMPLE, *bad), log_dir=tmp_path / "two", timeout_s=180, env=job_env
+    )
+    assert two.rc != 0 and not two.leftovers, two.tail()
+    assert two.output().count("1 problem(s) with the CUDA graph configuration") == 1, two.tail()
+    assert "exitcode  : 2" in two.output()  # torchrun's summary of the failed workers
