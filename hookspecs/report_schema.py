@@ -228,6 +228,14 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "never replayed shows 0; `{}` without a capture",
     ),
     ReportField(
+        "notes",
+        "list[str]",
+        "",
+        "what the plugin supplied or changed in megatron-core for this run, one sentence each "
+        "(e.g. device-side gradient-norm kernels in place of megatron-core's host-reading "
+        "fallback, the optimizer graph's hyperparameters kept in sync); `[]` when nothing",
+    ),
+    ReportField(
         "shutdown_reason",
         "str",
         "",

@@ -13,7 +13,8 @@ be captured at all (torch's CPU Adam reads its step counter on the host, megatro
 0.16's gradient clipping calls ``.item()``; the recording fake rightly refuses both), so
 these tests check the plugin's handling of the optimizer graph (capture step, hooks,
 report, cleanup, the host's ``optimizer.step`` restored), not the capturability of the step,
-which the plugin checks itself (``compat.grad_norm_on_device``).
+which the plugin checks itself (``compat.grad_norm``: device-side kernels where megatron-core
+would read the norm on the host, a refusal where a host read would remain).
 
 :func:`install` makes it importable under the real module name and tells ``compat`` that
 the installed megatron-core has it.

@@ -447,8 +447,9 @@ assert len(BY_NAME) == len(SCENARIOS), "scenario names must be unique"
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 HAS_OPTIMIZER_GRAPH = bool(compat.has_optimizer_graph())
 # megatron-core's optimizer step is capturable only with a gradient norm computed on the
-# device (the plugin refuses the optimizer graph otherwise: tests/test_optimizer_graph.py).
-GRAD_NORM_ON_DEVICE = HAS_OPTIMIZER_GRAPH and compat.grad_norm_on_device() is not False
+# device: the plugin supplies device-side kernels wherever megatron-core has a tensor-scale
+# global (0.17+), and refuses the optimizer graph otherwise (tests/test_optimizer_graph.py).
+GRAD_NORM_ON_DEVICE = HAS_OPTIMIZER_GRAPH
 CUDA = torch.cuda.is_available()
 DEVICE_COUNT = torch.cuda.device_count() if CUDA else 0
 

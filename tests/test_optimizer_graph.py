@@ -18,22 +18,28 @@ import fake_optimizer_graph
 import train_gpt
 from cudagraph_plugin import compat
 from cudagraph_plugin.config.errors import CudaGraphConfigError
+from hookspecs import hookimpl
 from recording import RaiseAt, Recorder
 
 pytestmark = needs_mcore_on_cpu
-
-REAL_GRAD_NORM_ON_DEVICE = compat.grad_norm_on_device
 
 FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
 OPTIM = ["--optimizer-cuda-graph"]
 
 
+def _clip_grads():
+    from megatron.core.optimizer import clip_grads
+
+    return clip_grads
+
+
 @pytest.fixture
 def graphs(fake_graphs, monkeypatch):
     fake_graphs.wrapper = fake_optimizer_graph.install(monkeypatch)
-    # Where megatron-core has fused multi-tensor kernels (TE or Apex), as a GPU machine
-    # should: here on the CPU it has only its host-reading fallback (tested below).
-    monkeypatch.setattr(compat, "grad_norm_on_device", lambda: True)
+    # megatron-core 0.17+'s clip_grads has a tensor-scale global, None without TE 2.14's or
+    # Apex's kernels (the H200's 0.19.2 + TE 2.11): the plugin supplies device-side kernels.
+    # 0.16.1's (tested below) has none, and then reads the norm on the host whatever runs.
+    monkeypatch.setattr(_clip_grads(), "multi_tensor_scale_tensor_impl", None, raising=False)
     yield fake_graphs
     assert not compat.optimizer_graph_state_dirty(), "a run left optimizer graph state"
 
@@ -153,15 +159,73 @@ def test_megatron_core_016_refuses_the_request_naming_the_release():
         run(*FULL, *OPTIM, steps=2)
 
 
-def test_a_gradient_norm_read_on_the_host_is_refused_with_the_fix(graphs, capturable, monkeypatch):
-    """megatron-core without TE's or Apex's kernels (this CPU machine, and the H200 with
-    megatron-core 0.19.2 + TE 2.11) computes the norm with a host read: the capture would
-    fail with "operation not permitted when stream is capturing"."""
-    monkeypatch.setattr(compat, "grad_norm_on_device", REAL_GRAD_NORM_ON_DEVICE)
-    assert compat.grad_norm_on_device() is False  # megatron-core's local fallback here
+def test_a_gradient_norm_read_on_the_host_is_refused_with_the_fix(
+    fake_graphs, monkeypatch, capturable
+):
+    """megatron-core 0.16's layout (no tensor-scale global): get_grad_norm_fp32 reads the
+    norm with .item() whatever kernels run, so the capture would fail with "operation not
+    permitted when stream is capturing"; megatron-core's own kernels are put back."""
+    fake_graphs.wrapper = fake_optimizer_graph.install(monkeypatch)
+    clip_grads = _clip_grads()
+    before = dict(vars(clip_grads))
+    assert not hasattr(clip_grads, "multi_tensor_scale_tensor_impl")
     with pytest.raises(CudaGraphConfigError) as info:
         run(*FULL, *OPTIM, steps=4)
     message = str(info.value)
-    assert "local_multi_tensor_l2_norm" in message
-    assert "Falling back to local implementations of multi_tensor_applier" in message
-    assert graphs.graphs == fake_optimizer_graph.StepGraph.made == []  # refused before capture
+    assert "megatron.core.optimizer.clip_grads" in message
+    assert "get_grad_norm_fp32 calls .item()" in message
+    assert "multi_tensor_scale_tensor_impl (0.17+" in message
+    assert fake_graphs.graphs == fake_optimizer_graph.StepGraph.made == []  # before capture
+    assert dict(vars(clip_grads)) == before
+
+
+def test_device_side_gradient_norm_kernels_are_supplied_and_put_back(graphs, capturable):
+    """Where megatron-core's clip-grad path would read the host (its local fallback), the
+    plugin puts torch-foreach kernels in its place for the run, says so in the report, and
+    puts megatron-core's own back at shutdown."""
+    from megatron.core import utils
+
+    from cudagraph_plugin.compat import grad_norm
+
+    clip_grads = _clip_grads()
+    seen = {}
+
+    class Look:
+        @hookimpl
+        def mcgraph_after_capture(self, step):
+            seen["l2"] = clip_grads.l2_norm_impl
+
+    _, rec = run(*FULL, *OPTIM, "--cuda-graph-warmup-steps", "1", plugins=[Look()], steps=4)
+    assert seen["l2"] is grad_norm.multi_tensor_l2norm
+    assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
+    assert clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale
+    assert clip_grads.multi_tensor_scale_tensor_impl is None
+    [note] = [n for n in rec.report.notes if n.startswith("gradient norm:")]
+    assert "torch foreach kernels in place of" in note and "stays on the device" in note
+
+
+@pytest.mark.parametrize(
+    "field,value,phrase",
+    [
+        ("log_num_zeros_in_grad", True, "count_zeros_fp32 calls .item()"),
+        ("loss_scale", 1024.0, "found_inf.item()"),
+    ],
+)
+def test_the_built_optimizers_own_config_is_checked(
+    graphs, capturable, monkeypatch, field, value, phrase
+):
+    """The host's flags may not say it, the OptimizerConfig it built from does: what runs
+    inside optimizer.step() is refused from there, naming the OptimizerConfig field."""
+    built = train_gpt._build_optimizer
+
+    def with_field(args, model):
+        optimizer = built(args, model)
+        setattr(optimizer.config, field, value)
+        return optimizer
+
+    monkeypatch.setattr(train_gpt, "_build_optimizer", with_field)
+    with pytest.raises(CudaGraphConfigError) as info:
+        run(*FULL, *OPTIM, steps=3)
+    [violation] = [v for v in info.value.violations if phrase in v.text]
+    assert violation.fields[0] == f"OptimizerConfig.{field}"
+    assert fake_optimizer_graph.StepGraph.made == []

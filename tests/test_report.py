@@ -163,6 +163,7 @@ def make_report(**overrides) -> RunReport:
         fallback_step=None,
         graphs_held=1,
         replays={"training": 16},
+        notes=[],
         shutdown_reason="completed",
         device="NVIDIA H200",
         versions={"torch": "2.11", "megatron-core": "0.16.1", "transformer-engine": None},
@@ -213,6 +214,7 @@ def test_table_when_nothing_was_captured():
         peak_allocated_at_end_mib=None,
         graphs_held=0,
         replays={},
+        notes=[],
         device="cpu",
     ).format_table()
     assert "NO GRAPH CAPTURED: no CUDA device" in table

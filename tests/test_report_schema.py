@@ -62,9 +62,15 @@ VERSION_1 = [
 ]
 
 
-# Version 2 (unreleased): ``replays`` per captured stage after ``graphs_held`` (issue 22).
+# Version 2 (unreleased): ``replays`` per captured stage (issue 22) and ``notes`` (issue 21)
+# after ``graphs_held``.
 _AT = [name for name, _, _ in VERSION_1].index("graphs_held") + 1
-VERSION_2 = [*VERSION_1[:_AT], ("replays", "dict[str, int]", "replays"), *VERSION_1[_AT:]]
+VERSION_2 = [
+    *VERSION_1[:_AT],
+    ("replays", "dict[str, int]", "replays"),
+    ("notes", "list[str]", ""),
+    *VERSION_1[_AT:],
+]
 
 
 def test_schema_version_2_is_pinned():
@@ -103,6 +109,7 @@ UNCAPTURED = dict(
     peak_allocated_at_end_mib=None,
     graphs_held=0,
     replays={},
+    notes=[],
     device="cpu",
 )
 

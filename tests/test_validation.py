@@ -1955,3 +1955,81 @@ def test_optimizer_graph_release_is_a_note_without_megatron_core(monkeypatch):
     )
     assert violations == []
     assert any("not checked" in note for note in notes)
+
+
+# What still reads the host (or is frozen) inside a captured optimizer step (issue 21): each
+# refused with its field and the fix, in a Bridge-style optimizer section and on a command line.
+OPTIMIZER_STEP_REFUSALS = [
+    (dict(log_num_zeros_in_grad=True), "optimizer.log_num_zeros_in_grad", "count_zeros_fp32"),
+    (dict(loss_scale=4096.0), "optimizer.loss_scale", "found_inf.item()"),
+    (dict(grad_norm_skip_threshold="1e5"), "optimizer.grad_norm_skip_threshold", "on the host"),
+    (
+        dict(use_precision_aware_optimizer=True),  # store_param_remainders: True by default
+        "store_param_remainders",
+        "Capturable mode doesn't support storing param remainders",
+    ),
+    (
+        dict(
+            use_precision_aware_optimizer=True,
+            store_param_remainders=False,
+            main_params_dtype="torch.bfloat16",
+        ),
+        "optimizer.main_params_dtype",
+        "Capturable mode only supports fp32 master weights",
+    ),
+    (
+        dict(use_precision_aware_optimizer=True, store_param_remainders=False, exp_avg_dtype="fp8"),
+        "optimizer.exp_avg_dtype",
+        "Capturable mode only supports fp32 exp_avg",
+    ),
+    (
+        dict(
+            use_precision_aware_optimizer=True,
+            store_param_remainders=False,
+            exp_avg_sq_dtype="fp16",
+        ),
+        "optimizer.exp_avg_sq_dtype",
+        "Capturable mode only supports fp32 exp_avg_sq",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "fields,field,phrase", OPTIMIZER_STEP_REFUSALS, ids=[f for _, f, _ in OPTIMIZER_STEP_REFUSALS]
+)
+def test_what_reads_the_host_in_the_optimizer_step_is_refused(monkeypatch, fields, field, phrase):
+    monkeypatch.setattr(environment, "has_optimizer_graph", lambda: True)
+    config = with_optimizer(full_iteration(), optimizer_cuda_graph=True, **fields)
+    problems = [v for v in find_violations(read_settings(config)) if phrase in v.text]
+    assert len(problems) == 1, find_violations(read_settings(config))
+    assert problems[0].fields[0] == field
+    assert "turn the optimizer graph off" in problems[0].fix
+    # the same values without the optimizer graph are nobody's business here
+    accepted(with_optimizer(full_iteration(), optimizer_cuda_graph=False, **fields))
+
+
+@pytest.mark.parametrize(
+    "argv,field,phrase",
+    [
+        (["--timing-log-level", "1"], "--timing-log-level", "timers synchronise"),
+        (["--weight-decay-incr-style", "linear"], "--weight-decay-incr-style", "frozen"),
+        (["--fp8-param-gather"], "--fp8-param-gather", "FP8 model weights with capturable=True"),
+        (["--num-experts", "8"], "--num-experts", "combines on the host"),
+    ],
+)
+def test_megatron_lm_flags_that_break_the_optimizer_graph(monkeypatch, argv, field, phrase):
+    monkeypatch.setattr(environment, "has_optimizer_graph", lambda: True)
+    base = dict(
+        cuda_graph_impl="local", cuda_graph_scope=["full_iteration"], optimizer="adam",
+        optimizer_cuda_graph=True, check_for_nan_in_loss_and_grad=False, te_rng_tracker=True,
+        timing_log_level=0, weight_decay_incr_style="constant", fp8_param_gather=False,
+        num_experts=None, use_distributed_optimizer=False,
+    )  # fmt: skip
+    flag, *value = argv
+    name = flag.removeprefix("--").replace("-", "_")
+    given = {"fp8_param_gather": True} if name == "fp8_param_gather" else {name: value[0]}
+    problems = find_violations(read_settings(argparse.Namespace(**{**base, **given})))
+    matching = [v for v in problems if phrase in v.text]
+    assert len(matching) == 1, problems
+    assert field in matching[0].fields[0]
+    assert find_violations(read_settings(argparse.Namespace(**base))) == []

@@ -70,13 +70,20 @@ def grad_norm_on_device() -> bool | None:
     return getattr(implementation, "__module__", None) != "megatron.core.utils"
 
 
-def optimizer_is_capturable(optimizer: Any) -> bool | None:
-    """``OptimizerConfig.optimizer_cuda_graph`` of the built optimizer (it makes megatron-core
-    build a capturable Adam); None when the optimizer has no megatron-core config."""
+def optimizer_config(optimizer: Any) -> Any:
+    """The ``OptimizerConfig`` megatron-core built ``optimizer`` from (a chained optimizer's
+    first), or None for an optimizer without one."""
     config = getattr(optimizer, "config", None)
     if config is None:
         chained = getattr(optimizer, "chained_optimizers", None) or []
         config = getattr(chained[0], "config", None) if chained else None
+    return config
+
+
+def optimizer_is_capturable(optimizer: Any) -> bool | None:
+    """``OptimizerConfig.optimizer_cuda_graph`` of the built optimizer (it makes megatron-core
+    build a capturable Adam); None when the optimizer has no megatron-core config."""
+    config = optimizer_config(optimizer)
     if config is None:
         return None
     return bool(getattr(config, "optimizer_cuda_graph", False))

@@ -132,6 +132,38 @@ def _to_float(value: Any) -> float:
     return number
 
 
+def _to_limit(value: Any) -> float:
+    """A number where infinity means "no limit" (``inf``, ``"inf"``)."""
+    if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "infinity"):
+        return math.inf
+    if isinstance(value, float) and value == math.inf:
+        return value
+    try:
+        return _to_float(value)
+    except _Unreadable:
+        raise _Unreadable(
+            "not a number", "give a number such as 1e5, or inf for no limit"
+        ) from None
+
+
+_DTYPE_NAMES = {
+    "fp32": ("float32", "fp32", "float"),
+    "bf16": ("bfloat16", "bf16"),
+    "fp16": ("float16", "fp16", "half"),
+    "fp8": ("float8", "fp8", "uint8"),
+}
+
+
+def _to_dtype_name(value: Any) -> str:
+    """A dtype as ``fp32``/``bf16``/``fp16``/``fp8``: from a torch dtype (``torch.float32``)
+    or its name in any of the spellings Megatron-LM and megatron-core use."""
+    text = str(value).strip().lower().removeprefix("torch.")
+    for name, spellings in _DTYPE_NAMES.items():
+        if any(text.startswith(spelling) for spelling in spellings):
+            return name
+    raise _Unreadable("not a known dtype", "use fp32, bf16, fp16 or fp8 (or a torch dtype)")
+
+
 def _to_choice(*choices: str) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         if isinstance(value, str) and value.strip() in choices:
@@ -266,6 +298,13 @@ _PARSERS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "virtual_pipeline_model_parallel_size": (_to_int(1, 2), True),
     "optimizer": (_to_optimizer_name, False),
     "transformer_impl": (_to_choice("local", "transformer_engine", "inference_optimized"), True),
+    "loss_scale": (_to_float, True),
+    "grad_norm_skip_threshold": (_to_limit, True),
+    "main_params_dtype": (_to_dtype_name, True),
+    "exp_avg_dtype": (_to_dtype_name, True),
+    "exp_avg_sq_dtype": (_to_dtype_name, True),
+    "timing_log_level": (_to_int(0, 0), True),
+    "weight_decay_incr_style": (_to_choice("constant", "linear", "cosine"), True),
 }
 BOOL_SETTINGS = (
     "enable_cuda_graph",
@@ -284,6 +323,11 @@ BOOL_SETTINGS = (
     "fallback_on_slowdown",
     "accept_eager",
     "log_all_ranks",
+    "log_num_zeros_in_grad",
+    "use_precision_aware_optimizer",
+    "store_param_remainders",
+    "fp8_param",
+    "use_distributed_optimizer",
     "fp16",
     "batch_p2p_comm",
     "batch_p2p_sync",

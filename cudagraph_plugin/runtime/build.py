@@ -9,13 +9,16 @@ each problem with its fix, before anything is captured.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from cudagraph_plugin import compat
+from cudagraph_plugin.compat import grad_norm
 from cudagraph_plugin.config.errors import MCORE, CudaGraphConfigError, Violation
 from cudagraph_plugin.config.logs import JOB_WIDE
+from cudagraph_plugin.config.rules.optimizer import optimizer_step_problems
 from cudagraph_plugin.config.settings import Settings, read_settings
 from cudagraph_plugin.runtime.mechanisms import OptimizerGraphs, TEGraphs
 from cudagraph_plugin.runtime.state import RunState
@@ -42,16 +45,13 @@ _CAPTURABLE_FIX = (
 )
 
 _GRAD_NORM_PROBLEM = (
-    "megatron-core computes the gradient norm inside optimizer.step() with its local "
-    "fallback (neither Transformer Engine's nor Apex's multi-tensor kernels could be "
-    "imported), which reads the norm on the host: the optimizer step cannot be captured "
-    '(it fails with "operation not permitted when stream is capturing")'
+    "megatron-core's clip-grad path reads the gradient norm on the host inside "
+    "optimizer.step() (get_grad_norm_fp32 calls .item()), even with the plugin's device-side "
+    "kernels in place: the optimizer step cannot be captured"
 )
 _GRAD_NORM_FIX = (
-    "install Apex (amp_C) or a Transformer Engine whose transformer_engine.pytorch.optimizers "
-    'provides the multi-tensor kernels megatron-core imports (megatron-core warns "Falling '
-    'back to local implementations of multi_tensor_applier" when it has none), or turn the '
-    "optimizer graph off"
+    "use a megatron-core whose clip_grads has multi_tensor_scale_tensor_impl (0.17+: the "
+    "plugin then supplies the kernels itself), or turn the optimizer graph off"
 )
 
 _CALC_FIX = (
@@ -131,14 +131,17 @@ def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer
 def build_optimizer_graph(
     state: RunState, optimizer: Any, make_step: Callable[[OptimizerGraphs], Any]
 ) -> None:
-    """Check the optimizer can be captured; install megatron-core's optimizer graph as
-    ``optimizer.step`` (``make_step`` gives the callable that brackets its capture)."""
-    violations = []
-    if compat.grad_norm_on_device() is False:
+    """Check the optimizer can be captured; where megatron-core's clip-grad path would read
+    the gradient norm on the host, put device-side kernels in its place; install
+    megatron-core's optimizer graph as ``optimizer.step`` (``make_step`` gives the callable
+    that brackets its capture)."""
+    violations = list(optimizer_graph_problems(state.settings, optimizer))
+    kernels = grad_norm.install()
+    if kernels.reads_host_after is True:
         violations.append(
             Violation(
-                ("megatron.core.optimizer.clip_grads.l2_norm_impl",),
-                "local_multi_tensor_l2_norm",
+                ("megatron.core.optimizer.clip_grads",),
+                kernels.reason,
                 _GRAD_NORM_PROBLEM,
                 _GRAD_NORM_FIX,
             )
@@ -153,9 +156,12 @@ def build_optimizer_graph(
             )
         )
     if violations:
+        kernels.restore()
         raise CudaGraphConfigError(violations)
     warmup = state.settings.warmup_steps
-    state.optim = OptimizerGraphs(optimizer, warmup, compat.single_mempool(state.model_config))
+    state.optim = OptimizerGraphs(
+        optimizer, warmup, compat.single_mempool(state.model_config), kernels
+    )
     state.optim.install(make_step(state.optim))
     logger.info(
         "optimizer CUDA graph: optimizer.step is captured at its call number %d "
@@ -164,6 +170,42 @@ def build_optimizer_graph(
         warmup,
         extra=JOB_WIDE,
     )
+
+
+# The OptimizerConfig fields that decide what runs inside optimizer.step().
+OPTIMIZER_FIELDS = (
+    "optimizer",
+    "fp16",
+    "loss_scale",
+    "optimizer_cpu_offload",
+    "log_num_zeros_in_grad",
+    "grad_norm_skip_threshold",
+    "use_precision_aware_optimizer",
+    "store_param_remainders",
+    "main_params_dtype",
+    "exp_avg_dtype",
+    "exp_avg_sq_dtype",
+)
+
+
+def optimizer_graph_problems(settings: Settings, optimizer: Any) -> list[Violation]:
+    """The optimizer-graph rules applied to the optimizer the host built: its
+    ``OptimizerConfig`` decides what runs inside ``optimizer.step()``, whatever the host's
+    own configuration said."""
+    config = compat.optimizer_config(optimizer)
+    if config is None:
+        return []
+    built = read_settings(config)
+    found = [name for name in OPTIMIZER_FIELDS if name in built.paths]
+    merged = dataclasses.replace(
+        settings,
+        **{name: getattr(built, name) for name in found},
+        sources={
+            **settings.sources,
+            **{name: f"OptimizerConfig.{built.paths[name]}" for name in found},
+        },
+    )
+    return list(optimizer_step_problems(merged))
 
 
 def _check_built_config(settings: Settings, model_config: Any, seq_length: int, mbs: int) -> None:

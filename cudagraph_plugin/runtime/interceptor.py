@@ -133,7 +133,10 @@ class OptimizerStep:
         self._graphs = graphs
 
     def __call__(self) -> Any:
-        if self._graphs.due():
-            return self._captures.bracket("optimizer", self._graphs.call)
+        graphs = self._graphs
+        if graphs.due():
+            graphs.watch_hyperparameters()
+            return self._captures.bracket("optimizer", graphs.call)
+        graphs.before_replay()
         self._captures.replayed("optimizer")
-        return self._graphs.call()
+        return graphs.call()

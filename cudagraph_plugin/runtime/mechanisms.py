@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cudagraph_plugin import compat
+from cudagraph_plugin.runtime.optimizer_sync import HyperparameterSync, promote_lr_to_tensor
 from cudagraph_plugin.runtime.release import ReleaseStep
 
 logger = logging.getLogger("cudagraph_plugin")
@@ -148,7 +149,9 @@ class TEGraphs:
 class OptimizerGraphs:
     """The optimizer step in a CUDA graph (megatron-core's ``OptimizerCudaGraphWrapper``)."""
 
-    def __init__(self, optimizer: Any, warmup_steps: int, use_single_mempool: bool) -> None:
+    def __init__(
+        self, optimizer: Any, warmup_steps: int, use_single_mempool: bool, kernels: Any = None
+    ) -> None:
         if compat.optimizer_graph_state_dirty():
             logger.warning(
                 "megatron-core's OptimizerCudaGraphWrapper holds state from an earlier run in "
@@ -164,6 +167,21 @@ class OptimizerGraphs:
             optimizer.step, warmup_steps, use_single_mempool
         )
         self.warmup_steps = warmup_steps
+        # The device-side gradient-norm kernels the plugin put into megatron-core, if any
+        # (compat.grad_norm.GradNormInstall), and the hyperparameter sync of the capture.
+        self.kernels: Any = kernels
+        self.sync: HyperparameterSync | None = None
+
+    def watch_hyperparameters(self) -> None:
+        """Right before the capture: the learning rate in device tensors, each watched."""
+        promote_lr_to_tensor(self.optimizer)
+        self.sync = HyperparameterSync.watch(self.optimizer)
+
+    def before_replay(self) -> None:
+        """A value the host wrote into the param groups since the last step reaches the
+        captured step (or is refused with the fix) before it replays."""
+        if self.sync is not None:
+            self.sync.before_replay()
 
     def install(self, step: Callable[[], Any]) -> None:
         """Make ``optimizer.step`` call ``step`` (which calls :meth:`call`)."""
@@ -189,8 +207,20 @@ class OptimizerGraphs:
                 "OptimizerCudaGraphWrapper step counter and result",
                 compat.reset_optimizer_graph_counters,
             ),
+            ReleaseStep("optimizer hyperparameter sync", self._release_sync),
             ReleaseStep("the host's optimizer.step", self._restore_step),
+            ReleaseStep("megatron-core's gradient-norm kernels", self._restore_kernels),
         ]
+
+    def _release_sync(self) -> None:
+        if self.sync is not None:
+            self.sync.release()
+            self.sync = None
+
+    def _restore_kernels(self) -> None:
+        if self.kernels is not None:
+            self.kernels.restore()
+            self.kernels = None
 
     def _restore_step(self) -> None:
         if self.optimizer is None:

@@ -116,6 +116,7 @@ class RunReport:
     fallback_step: int | None
     graphs_held: int
     replays: dict[str, int]
+    notes: list[str]
     shutdown_reason: str
     device: str
     versions: dict[str, str | None]
@@ -195,6 +196,7 @@ class RunReport:
         if self.graphs_captured:
             rows.append(("replays", ", ".join(f"{k} {v}" for k, v in sorted(self.replays.items()))))
             rows.append(("held now", f"{self.graphs_held} graph(s), freed right after this"))
+        rows += [("note", note) for note in self.notes]
         rows.append(("run", f"{self.steps_timed} step(s) timed, ended: {self.shutdown_reason}"))
         rows.append(("versions", ", ".join(f"{k} {v or '-'}" for k, v in self.versions.items())))
         width = max(len(k) for k, _ in rows)
@@ -300,12 +302,23 @@ class Reporter:
             fallback_step=self.measurement.fallback_step,
             graphs_held=captures.graph_count,
             replays=dict(captures.replays),
+            notes=self.notes(),
             shutdown_reason=reason,
             device=_device_name(state.cuda),
             versions=compat.versions(),
             rank=rank,
             world_size=world_size,
         )
+
+    def notes(self) -> list[str]:
+        """What the plugin supplied or changed in megatron-core for this run."""
+        optim = self.state.optim
+        notes = []
+        if optim is not None and optim.kernels is not None and optim.kernels.replaced:
+            notes.append(optim.kernels.description)
+        if optim is not None and optim.sync is not None:
+            notes.append(optim.sync.description)
+        return notes
 
 
 def rank_path(path: str, rank: int) -> str:

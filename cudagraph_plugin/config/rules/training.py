@@ -1,13 +1,12 @@
 """Rules on how the run trains: static shapes, NaN checks, offloading, warm-up, fp16,
-pipeline parallelism and the optimizer graph."""
+pipeline parallelism (the optimizer graph's are in ``optimizer``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from cudagraph_plugin.config import environment
 from cudagraph_plugin.config.environment import Environment
-from cudagraph_plugin.config.errors import BRIDGE, MCORE, MLM, Note, Violation
+from cudagraph_plugin.config.errors import BRIDGE, MCORE, MLM, Violation
 from cudagraph_plugin.config.rules.base import rule, violation
 from cudagraph_plugin.config.settings import Settings
 
@@ -144,70 +143,3 @@ def _pipeline_full_iteration(s: Settings, env: Environment) -> Iterator[Violatio
                 "dispatched from the preceding optimizer step",
             ),
         )
-
-
-# -- optimizer graph (megatron-core 0.17+) ------------------------------------------------------
-
-
-@rule
-def _optimizer_graph(s: Settings, env: Environment) -> Iterator[Violation | Note]:
-    if not s.optimizer_cuda_graph:
-        return
-    available = environment.has_optimizer_graph()
-    if available is False:
-        yield violation(
-            s,
-            ("optimizer_cuda_graph",),
-            True,
-            "the optimizer CUDA graph needs megatron-core's OptimizerCudaGraphWrapper, first "
-            f"released in megatron-core {environment.OPTIMIZER_GRAPH_FIRST_RELEASE} (installed: "
-            f"{_installed_mcore()})",
-            f"install megatron-core >= {environment.OPTIMIZER_GRAPH_FIRST_RELEASE} (Python 3.12), "
-            f"or turn {s.field('optimizer_cuda_graph')} off",
-        )
-    elif available is None:
-        yield Note(
-            "megatron-core is not installed here: the optimizer graph's release is not checked"
-        )
-    if s.optimizer != "adam":
-        yield violation(
-            s,
-            ("optimizer",),
-            s.optimizer,
-            "megatron-core makes only Adam capturable (OptimizerConfig.optimizer_cuda_graph "
-            "builds Adam with capturable=True)",
-            f"use optimizer=adam, or turn {s.field('optimizer_cuda_graph')} off",
-        )
-    if s.fp16:
-        yield violation(
-            s,
-            ("fp16", "optimizer_cuda_graph"),
-            (True, True),
-            "fp16's dynamic loss scaler checks the gradients for inf/NaN on the host inside "
-            "the optimizer step, which a capture forbids",
-            "train in bf16, or turn the optimizer graph off",
-        )
-    if s.optimizer_cpu_offload:
-        yield violation(
-            s,
-            ("optimizer_cpu_offload", "optimizer_cuda_graph"),
-            (True, True),
-            "an optimizer step offloaded to the CPU cannot be captured in a CUDA graph",
-            "turn optimizer_cpu_offload or the optimizer graph off",
-        )
-    if s.warmup_steps == 0:
-        yield violation(
-            s,
-            ("warmup_steps", "optimizer_cuda_graph"),
-            (0, True),
-            "with no warm-up the optimizer graph captures the first optimizer step, which "
-            "creates Adam's state",
-            f"set {s.field('warmup_steps')} to 1 or more",
-        )
-
-
-def _installed_mcore() -> str:
-    try:
-        return str(environment.mcore_version())
-    except RuntimeError:
-        return "none"

@@ -1,0 +1,298 @@
+"""What the host writes into the optimizer's param groups reaches the captured optimizer step.
+
+A captured optimizer step reads its hyperparameters as they were at capture:
+
+* a **device tensor** (the learning rate of Transformer Engine's and Apex's ``FusedAdam`` with
+  ``capturable=True``, and of ``torch.optim.Adam``/``AdamW`` given a tensor ``lr``; TE's
+  ``group["step"]``) is read *by address* at every replay. Filling it in place (megatron-core
+  0.19's ``OptimizerParamScheduler``) reaches the graph. Replacing it in the param group (a
+  Python float, as megatron-core 0.16's scheduler and most custom loops write, or a new tensor
+  such as ``0.1 * group["lr"]``) does not: the graph keeps the old address, and once nothing
+  references the old tensor the caching allocator hands its memory to other tensors, so
+  replays read whatever lands there (a loss of 4.5 became 512, then NaN, on an H200);
+* a **Python number** (``weight_decay``, ``betas``, ``eps`` everywhere; ``lr`` of a torch
+  Adam built with a float) is baked into the captured kernels: later writes never reach them.
+
+:class:`HyperparameterSync` holds the captured tensors (so their memory is never reused while
+the graph lives), and before every replay copies a value the host wrote in their place into
+them (``fill_``/``copy_``, on the device, ordered before the replay on the current stream),
+puts the captured tensor back into the param group and says so once per key in the log; a
+changed Python number, or a value it cannot copy, raises :class:`HyperparameterChangedError`
+naming the group, key, both values and the fix, before the replay.
+:func:`promote_lr_to_tensor` gives a capturable torch Adam a tensor learning rate before the
+capture, so a scheduled learning rate keeps working.
+
+torch is imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import numbers
+from typing import Any
+
+logger = logging.getLogger("cudagraph_plugin")
+
+# Read by every Adam's step; anything else a param group holds as a tensor is watched too.
+WATCHED_KEYS = ("lr", "weight_decay", "betas", "eps")
+
+_MISSING = object()
+
+FIX_LR = (
+    "give the optimizer a tensor learning rate before the capture "
+    "(cudagraph_plugin.runtime.optimizer_sync.promote_lr_to_tensor(optimizer) does it for "
+    "torch.optim.Adam/AdamW with capturable=True; Transformer Engine's and Apex's FusedAdam "
+    "with capturable=True hold one already), or turn the optimizer graph off"
+)
+FIX_BAKED = (
+    "keep {key} constant for the whole run (megatron-core: weight_decay_incr_style='constant', "
+    "i.e. start_weight_decay == end_weight_decay; Megatron-LM: --weight-decay-incr-style "
+    "constant), or turn the optimizer graph off"
+)
+FIX_GROUPS = (
+    "build all param groups before the capture and keep them (no add_param_group, no "
+    "removed groups) while the optimizer graph lives, or turn the optimizer graph off"
+)
+
+
+class HyperparameterChangedError(RuntimeError):
+    """A param-group value changed after the optimizer step was captured, in a way the
+    captured step cannot follow. ``problems`` lists each one."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        lines = [
+            f"{len(self.problems)} param-group value(s) changed after the optimizer step was "
+            "captured in a CUDA graph; the next replay would not use them:"
+        ]
+        lines += [f"  {i}. {p}" for i, p in enumerate(self.problems, 1)]
+        super().__init__("\n".join(lines))
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _same(captured: Any, current: Any) -> bool:
+    """Whether ``current`` is what the captured step reads: the same tensor object, or an
+    equal Python value (compared without reading any tensor)."""
+    if captured is current:
+        return True
+    if _is_tensor(captured) or _is_tensor(current):
+        return False
+    if isinstance(captured, (tuple, list)) and isinstance(current, (tuple, list)):
+        return len(captured) == len(current) and all(
+            _same(a, b) for a, b in zip(captured, current, strict=True)
+        )
+    if _is_number(captured) and _is_number(current):
+        # an int 0 at capture and a float 0.0 written later bake the same kernel argument
+        return captured == current or (math.isnan(captured) and math.isnan(current))
+    return type(captured) is type(current) and captured == current
+
+
+def _show(value: Any) -> str:
+    if value is _MISSING:
+        return "no value (the key was removed)"
+    if _is_tensor(value):
+        return f"a tensor of shape {tuple(value.shape)} on {value.device}"
+    return f"{type(value).__name__} {value!r}"
+
+
+@dataclasses.dataclass
+class _Group:
+    group: dict[str, Any]
+    tensors: dict[str, Any]  # key -> the captured device tensor
+    baked: dict[str, Any]  # key -> the captured Python value
+
+
+class HyperparameterSync:
+    """The param-group values a captured optimizer step reads, and their upkeep.
+
+    Call :meth:`watch` right before the capture call, :meth:`before_replay` before every
+    later ``optimizer.step()`` (each one replays), :meth:`release` when the graph is freed.
+    ``copies`` counts the host writes copied into captured tensors.
+    """
+
+    def __init__(self, optimizer: Any, groups: list[_Group | None]) -> None:
+        self.optimizer = optimizer
+        self._groups: list[_Group | None] = groups
+        self._logged: set[str] = set()
+        self.copies = 0
+        self._released = False
+
+    @classmethod
+    def watch(cls, optimizer: Any) -> HyperparameterSync:
+        """Record what the step about to be captured reads from ``optimizer.param_groups``
+        (megatron-core's optimizers and ``ChainedOptimizer`` expose their inner groups there).
+        Groups without parameters are not read by any Adam's step and are not watched."""
+        groups: list[_Group | None] = []
+        for group in optimizer.param_groups:
+            if not group.get("params"):
+                groups.append(None)
+                continue
+            tensors: dict[str, Any] = {}
+            baked: dict[str, Any] = {}
+            for key, value in group.items():
+                if key == "params":
+                    continue
+                if _is_tensor(value):
+                    tensors[key] = value
+                elif key in WATCHED_KEYS:
+                    baked[key] = value
+            groups.append(_Group(group, tensors, baked))
+        return cls(optimizer, groups)
+
+    @property
+    def description(self) -> str:
+        """One line for the run report."""
+        watched = [g for g in self._groups if g is not None]
+        in_tensors = sorted({k for g in watched for k in g.tensors})
+        baked = sorted({k for g in watched for k in g.baked})
+        return (
+            f"optimizer graph hyperparameters: {len(watched)} param group(s); read from device "
+            f"tensors: {', '.join(in_tensors) or 'none'}; baked at capture: "
+            f"{', '.join(baked) or 'none'}; host writes copied before replays: {self.copies}"
+        )
+
+    def before_replay(self) -> None:
+        """Bring host writes into the captured tensors, or raise before the replay.
+
+        Nothing is changed when anything is wrong: every problem is reported at once.
+        """
+        if self._released:
+            raise RuntimeError(
+                "HyperparameterSync.before_replay() after release(): the optimizer graph it "
+                "watched was freed; watch() the optimizer again before a new capture"
+            )
+        current = list(self.optimizer.param_groups)
+        if len(current) != len(self._groups):
+            raise HyperparameterChangedError(
+                [
+                    f"optimizer.param_groups has {len(current)} group(s), "
+                    f"{len(self._groups)} at capture; fix: {FIX_GROUPS}"
+                ]
+            )
+        problems: list[str] = []
+        copies: list[tuple[int, str, Any, Any]] = []
+        for index, (watched, group) in enumerate(zip(self._groups, current, strict=True)):
+            if watched is None:
+                continue
+            for key, captured in watched.tensors.items():
+                value = group.get(key, _MISSING)
+                if value is captured:
+                    continue
+                problem = self._copy_problem(captured, value)
+                if problem:
+                    problems.append(
+                        f"param_groups[{index}][{key!r}] is now {_show(value)}; the captured "
+                        f"step reads {_show(captured)}: {problem}"
+                    )
+                else:
+                    copies.append((index, key, captured, value))
+            for key, captured in watched.baked.items():
+                value = group.get(key, _MISSING)
+                if not _same(captured, value):
+                    fix = FIX_LR if key == "lr" else FIX_BAKED.format(key=key)
+                    problems.append(
+                        f"param_groups[{index}][{key!r}] is now {_show(value)}, "
+                        f"{_show(captured)} at capture: a Python value is baked into the "
+                        f"captured kernels; fix: {fix}"
+                    )
+        if problems:
+            raise HyperparameterChangedError(problems)
+        for index, key, captured, value in copies:
+            if _is_tensor(value):
+                captured.copy_(value.reshape(captured.shape))
+            else:
+                captured.fill_(value)
+            current[index][key] = captured
+            self.copies += 1
+            if key not in self._logged:
+                self._logged.add(key)
+                logger.info(
+                    "optimizer graph: the host replaced param_groups[%d][%r] (now %s) after the "
+                    "capture; its value is copied into the captured device tensor before each "
+                    "replay and that tensor is put back in the group (logged once per key; "
+                    "filling the tensor in place, as megatron-core 0.19's scheduler does, "
+                    "needs no copy)",
+                    index,
+                    key,
+                    _show(value),
+                )
+
+    @staticmethod
+    def _copy_problem(captured: Any, value: Any) -> str | None:
+        if _is_number(value):
+            return None
+        if _is_tensor(value):
+            if value.numel() != captured.numel():
+                return (
+                    f"it has {value.numel()} element(s), the captured tensor "
+                    f"{captured.numel()}; fix: write a number or a one-element tensor, or "
+                    "fill the tensor in place (group[key].fill_(value))"
+                )
+            return None
+        return (
+            "only a number or a tensor of the same size can be copied into the captured "
+            "tensor; fix: write a number, or fill the tensor in place (group[key].fill_(value))"
+        )
+
+    def release(self) -> None:
+        """Drop the captured tensors (the graph that read them is gone)."""
+        self._groups = []
+        self.optimizer = None
+        self._released = True
+
+
+def _torch_optimizers(optimizer: Any) -> list[Any]:
+    """The torch optimizers inside megatron-core's wrappers (``ChainedOptimizer`` →
+    ``chained_optimizers``; ``MegatronOptimizer`` → ``.optimizer``), or ``optimizer`` itself."""
+    import torch
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [inner for part in chained for inner in _torch_optimizers(part)]
+    inner = vars(optimizer).get("optimizer") if hasattr(optimizer, "__dict__") else None
+    if inner is None:
+        return []
+    return _torch_optimizers(inner)
+
+
+def promote_lr_to_tensor(optimizer: Any) -> int:
+    """Give every param group of a capturable ``torch.optim.Adam``/``AdamW`` (inside
+    megatron-core's wrappers too) whose learning rate is a Python number a float32 tensor
+    with that value on its parameters' device; torch reads a tensor ``lr`` on the device
+    when ``capturable=True``. Call it before the capture. Returns how many groups changed.
+    Other optimizers are left alone (Transformer Engine's and Apex's capturable FusedAdam
+    hold a tensor already; others may not accept one)."""
+    import torch
+
+    changed = 0
+    for inner in _torch_optimizers(optimizer):
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            params = group.get("params") or []
+            if not group.get("capturable") or not params or not _is_number(group.get("lr")):
+                continue
+            group["lr"] = torch.tensor(
+                float(group["lr"]), dtype=torch.float32, device=params[0].device
+            )
+            changed += 1
+    if changed:
+        logger.info(
+            "optimizer graph: %d param group(s) of a capturable torch Adam now hold their "
+            "learning rate in a device tensor, so the captured step follows the schedule",
+            changed,
+        )
+    return changed
