@@ -134,10 +134,27 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
         "--eval-interval", type=int, default=None, help="evaluate after every N training steps"
     )
     train.add_argument("--eval-iters", type=int, default=2)
-    train.add_argument("--lr", type=float, default=3e-3)
+    train.add_argument("--lr", type=float, default=3e-3, help="the peak learning rate")
+    train.add_argument(
+        "--lr-decay-style",
+        choices=["constant", "linear", "cosine"],
+        default="cosine",
+        help="megatron-core's OptimizerParamScheduler: decay from --lr to --min-lr",
+    )
+    train.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up steps")
+    train.add_argument(
+        "--lr-decay-iters", type=int, default=None, help="decay steps (default: --train-iters)"
+    )
+    train.add_argument("--min-lr", type=float, default=0.0)
     train.add_argument("--clip-grad", type=float, default=1.0, help="gradient clipping norm")
     train.add_argument("--seed", type=int, default=1234)
-    train.add_argument("--log-interval", type=int, default=1)
+    train.add_argument(
+        "--log-interval",
+        type=int,
+        default=10,
+        help="log every N steps (0: never); step times and losses are read from the device "
+        "only then, as Megatron-LM's timers do, so steps in between never wait for it",
+    )
 
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -336,9 +353,42 @@ def _end_distributed(reason: ShutdownReason | None) -> None:
         dist.destroy_process_group()
 
 
-def _synchronize(use_cuda: bool) -> None:
-    if use_cuda:
-        torch.cuda.synchronize()
+class _StepClock:
+    """Step times without a device synchronisation per step, as Megatron-LM's timers take
+    them: a pair of CUDA events around each step, read when the log interval comes (one
+    wait for the newest); on the CPU the wall clock."""
+
+    def __init__(self, use_cuda: bool) -> None:
+        self.use_cuda = use_cuda
+        self._pending: list[tuple[Any, Any]] = []
+        self._spare: list[Any] = []
+        self._start: Any = None
+
+    def _mark(self) -> Any:
+        if not self.use_cuda:
+            return time.perf_counter()
+        event = self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self._start = self._mark()
+
+    def stop(self) -> None:
+        self._pending.append((self._start, self._mark()))
+
+    def read(self) -> list[float]:
+        """Milliseconds of the steps stopped since the last read (waits for the last one)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        if not self.use_cuda:
+            return [(end - start) * 1000.0 for start, end in pending]
+        pending[-1][1].synchronize()
+        times = [start.elapsed_time(end) for start, end in pending]
+        for start, end in pending:
+            self._spare += (start, end)
+        return times
 
 
 # -------------------------------------------------------------------------------------------
@@ -455,6 +505,7 @@ def _build_optimizer(args: argparse.Namespace, model: list[Any]) -> Any:
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=args.lr,
+        min_lr=min(args.min_lr, args.lr),  # the scheduler reads both from the param groups
         weight_decay=0.01,
         clip_grad=args.clip_grad,
         bf16=args.bf16,
@@ -463,6 +514,30 @@ def _build_optimizer(args: argparse.Namespace, model: list[Any]) -> Any:
         **fields,
     )
     return get_megatron_optimizer(optimizer_config, model)
+
+
+def _lr_scheduler(args: argparse.Namespace, optimizer: Any) -> Any:
+    """megatron-core's learning-rate schedule, stepped once per training step as Megatron-LM
+    steps it (after ``optimizer.step()``); a resumed run starts at its ``--start-step``."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_iters = args.lr_decay_iters or args.train_iters
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=min(args.min_lr, args.lr),
+        lr_warmup_steps=min(args.lr_warmup_iters, max(decay_iters - 1, 0)),
+        lr_decay_steps=max(decay_iters, 1),
+        lr_decay_style=args.lr_decay_style,
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=max(args.train_iters, 1),
+        wd_incr_style="constant",
+    )
+    if args.start_step:
+        scheduler.step(increment=args.start_step)
+    return scheduler
 
 
 def _wire_grad_sync(
@@ -491,6 +566,7 @@ class _Record:
     """What the loop has done so far; read even when the run ended early."""
 
     losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    steps: int = 0
     step_ms: list[float] = dataclasses.field(default_factory=list)
     eval_losses: list[float] = dataclasses.field(default_factory=list)
 
@@ -498,7 +574,7 @@ class _Record:
         losses = [float(value) for value in self.losses]
         return {
             # Steps run; ``losses`` is empty on pipeline stages other than the last.
-            "steps": len(self.step_ms),
+            "steps": self.steps,
             "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None,
             "losses": losses,
@@ -566,6 +642,8 @@ def _train(
         micro_batch_size=args.micro_batch_size,
     )
     fwd_bwd = training.forward_backward_func(get_forward_backward_func())
+    scheduler = _lr_scheduler(args, optimizer)
+    clock = _StepClock(use_cuda)
 
     batch_shape = {
         "micro_batch_size": args.micro_batch_size,
@@ -605,23 +683,25 @@ def _train(
     for step in range(args.start_step, args.train_iters):
         with training.train_step(step) as metrics:
             start = time.perf_counter()
+            clock.start()
             for chunk in model:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
             loss_dicts = fwd_bwd(data_iterator=train_iter, forward_only=False, **step_args)
             update_successful, grad_norm, _ = optimizer.step()
-            _synchronize(use_cuda)
-            elapsed_ms = (time.perf_counter() - start) * 1000.0
+            scheduler.step(increment=1)
+            clock.stop()
             loss = _mean_loss(loss_dicts)
             metrics.update(
                 loss=loss,
                 grad_norm=grad_norm,
                 update_successful=update_successful,
-                step_time_ms=elapsed_ms,
+                # the host's time for the step: the device may still be working on it
+                step_time_ms=(time.perf_counter() - start) * 1000.0,
             )
         if loss is not None:
             record.losses.append(loss)
-        record.step_ms.append(elapsed_ms)
+        record.steps += 1
         if toggle_pre_hooks and step == args.start_step:
             training.enable_forward_pre_hook(model)
             config.param_sync_func = param_sync_func
@@ -629,14 +709,19 @@ def _train(
         # Intervals count finished steps (Megatron-LM's iterations); log lines name the step
         # as the hooks and the run report do, from 0.
         iteration = step + 1
-        if log_here and args.log_interval and iteration % args.log_interval == 0:
-            logger.info(
-                "step %d | loss %.4f | grad norm %.3f | %.2f ms",
-                step,
-                float("nan") if loss is None else loss.item(),
-                grad_norm if grad_norm is not None else float("nan"),
-                elapsed_ms,
-            )
+        if args.log_interval and iteration % args.log_interval == 0:
+            times = clock.read()
+            record.step_ms += times
+            if log_here:
+                logger.info(
+                    "step %d | loss %.4f | grad norm %.3f | lr %.3g | %.2f ms/step (last %d)",
+                    step,
+                    float("nan") if loss is None else loss.item(),
+                    float(grad_norm) if grad_norm is not None else float("nan"),
+                    scheduler.get_lr(optimizer.param_groups[0]),
+                    statistics.median(times),
+                    len(times),
+                )
         if args.eval_interval and iteration % args.eval_interval == 0:
             eval_loss = _evaluate(training, args, fwd_bwd, model, eval_iter, step_args)
             if eval_loss is not None:
@@ -647,6 +732,7 @@ def _train(
             if log_here:
                 logger.info("exit interval (%d steps) reached after step %d", iteration, step)
             break
+    record.step_ms += clock.read()
 
 
 def _evaluate(
