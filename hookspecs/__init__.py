@@ -29,7 +29,7 @@ from hookspecs.manager import (
     plugin_name,
 )
 from hookspecs.markers import PROJECT_NAME, hookimpl, hookspec
-from hookspecs.reasons import ShutdownReason, SignalReceived
+from hookspecs.reasons import PeerFailed, ShutdownReason, SignalReceived
 from hookspecs.report_schema import REPORT_SCHEMA_VERSION, Report
 from hookspecs.run import TrainingRun, call_hook, merge_kwargs
 
@@ -43,6 +43,7 @@ __all__ = [
     "REPORT_SCHEMA_VERSION",
     "ConfigurationError",
     "McgraphPluginManager",
+    "PeerFailed",
     "Report",
     "ShutdownReason",
     "SignalReceived",

@@ -2,7 +2,8 @@
 
 :class:`ShutdownReason` is the ``reason`` of ``mcgraph_shutdown``; :class:`SignalReceived` is
 what a handled signal becomes in the main thread, so the stack unwinds through the host's
-``finally`` blocks and the shutdown hook.
+``finally`` blocks and the shutdown hook; :class:`PeerFailed` is what another rank's failure
+becomes there.
 """
 
 from __future__ import annotations
@@ -19,13 +20,25 @@ class ShutdownReason(enum.StrEnum):
     EXCEPTION = "exception"
     INTERRUPTED = "interrupted"
     SIGNAL = "signal"
+    PEER_FAILED = "peer_failed"
+    """Another rank of the job failed first; this rank was told and ended its run."""
 
     @property
     def abnormal(self) -> bool:
-        """The run ended by an exception, Ctrl-C or a signal: in a multi-rank job a peer may
-        be gone, so nothing may wait on it (no device synchronisation, no graceful
-        process-group teardown)."""
-        return self in (ShutdownReason.EXCEPTION, ShutdownReason.INTERRUPTED, ShutdownReason.SIGNAL)
+        """The run ended by an exception, Ctrl-C, a signal or a peer's failure: in a
+        multi-rank job a peer may be gone, so nothing may wait on it (no device
+        synchronisation, no graceful process-group teardown)."""
+        return self in _ABNORMAL
+
+
+_ABNORMAL = frozenset(
+    (
+        ShutdownReason.EXCEPTION,
+        ShutdownReason.INTERRUPTED,
+        ShutdownReason.SIGNAL,
+        ShutdownReason.PEER_FAILED,
+    )
+)
 
 
 class SignalReceived(BaseException):
@@ -37,3 +50,19 @@ class SignalReceived(BaseException):
     def __init__(self, signum: int) -> None:
         self.signum = signum
         super().__init__(f"received {signal.Signals(signum).name}")
+
+
+class PeerFailed(BaseException):
+    """Raised in a rank's main thread when another rank of the job failed first (a plugin
+    that watches the job raises it, e.g. the CUDA graph plugin's); the run then ends with
+    ``ShutdownReason.PEER_FAILED``.
+
+    A ``BaseException``, like :class:`SignalReceived`, so that a host's ``except Exception``
+    does not swallow it. ``rank`` is the rank that failed (-1: not known), ``reason`` what
+    it said.
+    """
+
+    def __init__(self, rank: int, reason: str, message: str | None = None) -> None:
+        self.rank = rank
+        self.reason = reason
+        super().__init__(message or f"rank {rank} failed: {reason}")

@@ -239,7 +239,8 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "shutdown_reason",
         "str",
         "",
-        "how the run ended: `completed`, `early_exit`, `exception`, `interrupted` or `signal`",
+        "how the run ended: `completed`, `early_exit`, `exception`, `interrupted`, `signal` "
+        "or `peer_failed` (another rank failed first)",
     ),
     ReportField("device", "str", "", "`cpu`, or the CUDA device's name"),
     ReportField(

@@ -3,11 +3,12 @@
 :class:`TrainingRun` is a context manager around one training run. Entering it fires
 ``mcgraph_configure``; leaving it, by any path, fires ``mcgraph_shutdown`` exactly once with
 the reason: normal end (``completed``), ``break``/``sys.exit(0)`` before the last step
-(``early_exit``), an exception (``exception``), ``KeyboardInterrupt`` (``interrupted``) or
-SIGTERM (``signal``). SIGTERM is turned into a :class:`SignalReceived` exception so the
-stack unwinds through the host's ``finally`` blocks and the shutdown hook; afterwards the
-previous handler's behaviour applies (the default one terminates the process by the same
-signal). A failing shutdown hook never hides the exception that ended the run.
+(``early_exit``), an exception (``exception``), ``KeyboardInterrupt`` (``interrupted``),
+SIGTERM (``signal``) or another rank's failure (``peer_failed``: a :class:`PeerFailed` raised
+in this rank by a plugin watching the job). SIGTERM is turned into a :class:`SignalReceived`
+exception so the stack unwinds through the host's ``finally`` blocks and the shutdown hook;
+afterwards the previous handler's behaviour applies (the default one terminates the process
+by the same signal). A failing shutdown hook never hides the exception that ended the run.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import pluggy
 
 from hookspecs.manager import describe_plugin
-from hookspecs.reasons import ShutdownReason, SignalReceived
+from hookspecs.reasons import PeerFailed, ShutdownReason, SignalReceived
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ def _classify(exc: BaseException | None, completed: bool) -> ShutdownReason:
         return ShutdownReason.COMPLETED if completed else ShutdownReason.EARLY_EXIT
     if isinstance(exc, SignalReceived):
         return ShutdownReason.SIGNAL
+    if isinstance(exc, PeerFailed):
+        return ShutdownReason.PEER_FAILED
     if isinstance(exc, KeyboardInterrupt):
         return ShutdownReason.INTERRUPTED
     if isinstance(exc, SystemExit) and exc.code in (0, None):

@@ -407,7 +407,8 @@ def mcgraph_shutdown(reason: ShutdownReason, exception: BaseException | None) ->
     wrappers with the same mark, the one registered later is outer.
 
     :param reason: Why the run ended: ``completed``, ``early_exit``, ``exception``,
-        ``interrupted`` (KeyboardInterrupt) or ``signal`` (SIGTERM).
+        ``interrupted`` (KeyboardInterrupt), ``signal`` (SIGTERM) or ``peer_failed``
+        (another rank of the job failed first: :class:`hookspecs.PeerFailed`).
     :param exception: The exception that ended the run, or ``None``.
 
     Result: notification.

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from hookspecs import (
+    PeerFailed,
     ShutdownReason,
     SignalReceived,
     TrainingRun,
@@ -487,15 +488,6 @@ def test_an_ignored_signal_stays_ignored_and_the_others_are_handled(pm, rec):
         signal.signal(signal.SIGUSR1, previous)
 
 
-def test_abnormal_endings_are_exception_interrupt_and_signal():
-    assert {r for r in ShutdownReason if r.abnormal} == {
-        ShutdownReason.EXCEPTION,
-        ShutdownReason.INTERRUPTED,
-        ShutdownReason.SIGNAL,
-    }
-    assert ShutdownReason("signal").abnormal and not ShutdownReason("early_exit").abnormal
-
-
 # -- signals that arrive while shutdown starts or runs (issue 22) -------------------------------
 
 
@@ -578,3 +570,41 @@ def test_a_second_ctrl_c_during_shutdown_interrupts_it(pm, default_sigint):
             loop(run, 1)
     assert log == []  # the user insisted: the shutdown was cut short
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_abnormal_endings_are_exception_interrupt_signal_and_peer_failure():
+    assert {r for r in ShutdownReason if r.abnormal} == {
+        ShutdownReason.EXCEPTION,
+        ShutdownReason.INTERRUPTED,
+        ShutdownReason.SIGNAL,
+        ShutdownReason.PEER_FAILED,
+    }
+    assert ShutdownReason("signal").abnormal and not ShutdownReason("early_exit").abnormal
+    assert ShutdownReason("peer_failed").abnormal
+
+
+def test_a_peer_failed_exception_ends_the_run_with_peer_failed(pm, rec):
+    error = PeerFailed(1, "exception: RuntimeError: boom")
+    assert str(error) == "rank 1 failed: exception: RuntimeError: boom"
+    assert not isinstance(error, Exception)  # a host's `except Exception` lets it through
+
+    def body(step):
+        if step == 1:
+            raise error
+
+    with pytest.raises(PeerFailed):
+        with TrainingRun(pm, None, train_iters=3) as run:
+            loop(run, 3, body)
+    assert rec.calls == [(ShutdownReason.PEER_FAILED, error)]
+    assert run.shutdown_reason is ShutdownReason.PEER_FAILED
+
+
+@pytest.mark.parametrize("declared", ["completed", "signal", None])
+def test_no_other_declaration_changes_the_reason(pm, rec, declared):
+    class Declares(Exception):
+        shutdown_reason = declared
+
+    with pytest.raises(Declares):
+        with TrainingRun(pm, None, train_iters=3):
+            raise Declares()
+    assert [reason for reason, _ in rec.calls] == [ShutdownReason.EXCEPTION]

@@ -90,3 +90,26 @@ def te_available() -> bool:
     from megatron.core.transformer import cuda_graphs
 
     return bool(cuda_graphs.HAVE_TE_GRAPHS)
+
+
+def abort_process_groups() -> None:
+    """Abort every process group of this process (the default one included).
+
+    torch's ``_abort_process_group()`` aborts each backend (NCCL communicators inside one
+    ``ncclGroupStart/End``, so aborts of several communicators cannot deadlock each other)
+    and forgets the groups: ``torch.distributed.is_initialized()`` is False afterwards, so
+    a host's teardown skips ``destroy_process_group()``. Gloo's abort does nothing: a gloo
+    collective still waits for its peers (their exit ends it).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()
+
+
+def default_store() -> Any:
+    """The store of the default process group: under torchrun a client of its agent's
+    TCPStore (a new one for every restart of the workers), behind prefix stores."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()

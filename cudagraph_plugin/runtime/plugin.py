@@ -30,12 +30,13 @@ from cudagraph_plugin.config.advice import warmup_warning
 from cudagraph_plugin.config.check import check_config
 from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.config.settings import Settings
-from cudagraph_plugin.runtime import build, ranklog
+from cudagraph_plugin.runtime import build, peers, ranklog
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.fallback import Fallback
 from cudagraph_plugin.runtime.guard import ShapeGuard
 from cudagraph_plugin.runtime.interceptor import ForwardBackwardInterceptor, OptimizerStep
 from cudagraph_plugin.runtime.measurement import Measurement
+from cudagraph_plugin.runtime.peers import PeerWatch
 from cudagraph_plugin.runtime.release import ReleaseStep
 from cudagraph_plugin.runtime.release_plan import ReleasePlan
 from cudagraph_plugin.runtime.report import Reporter, RunReport
@@ -69,6 +70,8 @@ class CudaGraphPlugin:
         self.release = ReleasePlan(state, self.capture)
         self.shutdown = Shutdown(state, self.reporter, self._release_all)
         self.log_filter: ranklog.RankFilter | None = None
+        self.peers: PeerWatch | None = None
+        self._peers_watched = False
 
     @classmethod
     def configure(cls, config: Any, pluginmanager: Any) -> CudaGraphPlugin:
@@ -137,6 +140,7 @@ class CudaGraphPlugin:
 
     @hookimpl
     def mcgraph_rng_initialized(self, config: Any) -> None:
+        self._watch_peers()
         if self.state.active:
             build.check_rng_tracker()
 
@@ -155,6 +159,7 @@ class CudaGraphPlugin:
     ) -> None:
         state = self.state
         state.advance((Phase.CONFIGURED,), Phase.BUILT)
+        self._watch_peers()
         state.model, state.model_config = model, model_config
         state.seq_length, state.micro_batch_size = seq_length, micro_batch_size
         if state.active:
@@ -184,6 +189,7 @@ class CudaGraphPlugin:
     @hookimpl
     def mcgraph_train_start(self, start_step: int, train_iters: int) -> None:
         self.state.start_step = start_step
+        self._watch_peers()
         self.wiring.training_starts()
         warning = warmup_warning(self.settings, start_step, train_iters)
         if warning:
@@ -223,9 +229,25 @@ class CudaGraphPlugin:
     # The safety net of the wrapper above: a wrapper between the two that raises before its
     # yield (which the hook contract forbids) makes pluggy skip the plain one; the report
     # and the cleanup then happen here, outside every plain and trylast wrapper.
+    # Outermost, too, for the job: a failing rank marks its failure first of all (every
+    # other rank then ends within seconds), and waits for them last.
     @hookimpl(wrapper=True, tryfirst=True, specname="mcgraph_shutdown")
     def shutdown_guard(self, reason: Any, exception: BaseException | None) -> Any:
-        return (yield from self.shutdown.guard(reason, exception))
+        if self.peers is not None:
+            self.peers.end(reason, exception)
+        try:
+            return (yield from self.shutdown.guard(reason, exception))
+        finally:
+            if self.peers is not None:
+                self.peers.wait_for_peers()
+
+    def _watch_peers(self) -> None:
+        """Once the process group exists: watch the job for a peer's failure."""
+        if self._peers_watched or not compat.distributed_world()[1] > 1:
+            return
+        self._peers_watched = True
+        self.state.ranks = compat.distributed_world()
+        self.peers = peers.watch_job()
 
     def _release_all(self, reason: str, *, quiet: bool, exception: BaseException | None) -> None:
         extra = [

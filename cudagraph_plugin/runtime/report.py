@@ -254,7 +254,7 @@ class Reporter:
 
     def build(self, reason: str, peak_at_end: float | None, *, sync: bool) -> RunReport:
         state, captures = self.state, self.captures
-        rank, world_size = compat.distributed_world()
+        rank, world_size = state.rank_and_world()
         eager, replay, durations = self.measurement.samples(sync=sync)
         # A capture that produced no graph (a scope matching no layer) buys nothing: no
         # speed-up is claimed for it.

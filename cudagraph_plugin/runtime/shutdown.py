@@ -15,7 +15,6 @@ import logging
 from collections.abc import Callable, Generator
 from typing import Any
 
-from cudagraph_plugin import compat
 from cudagraph_plugin.runtime.report import Reporter
 from cudagraph_plugin.runtime.state import RunState
 from hookspecs import ShutdownReason
@@ -39,7 +38,7 @@ class Shutdown:
         # Ctrl-C during its device sync, a plugin's mcgraph_report, the JSON write), waits
         # until the inner implementations ran and the graphs are freed, then goes on.
         self.entered = True
-        quiet = device_may_block(reason)
+        quiet = device_may_block(reason, self.state)
         report_error: BaseException | None = None
         try:
             self.reporter.emit(str(reason), sync=not quiet)
@@ -72,7 +71,7 @@ class Shutdown:
             "plugin's shutdown (%r): reporting and freeing the graphs from its guard",
             exception,
         )
-        quiet = device_may_block(reason)
+        quiet = device_may_block(reason, self.state)
         try:
             self.reporter.emit(reason, sync=not quiet)
         except BaseException as report_error:
@@ -81,7 +80,12 @@ class Shutdown:
             self.release_all(reason, quiet=quiet, exception=exception)
 
 
-def device_may_block(reason: Any) -> bool:
+def device_may_block(reason: Any, state: RunState) -> bool:
     """After an abnormal end of a multi-rank run a peer may never join the collectives
-    queued on this device: waiting on it (a synchronisation, a cache flush) can hang."""
-    return ShutdownReason(reason).abnormal and compat.distributed_world()[1] > 1
+    queued on this device: waiting on it (a synchronisation, a cache flush) can hang. A
+    peer's failure always is such an end (its process groups are aborted by then, so the
+    world size is the one cached while they lived)."""
+    reason = ShutdownReason(reason)
+    if reason is ShutdownReason.PEER_FAILED:
+        return True
+    return reason.abnormal and state.rank_and_world()[1] > 1

@@ -50,6 +50,8 @@ class RunState:
     te: TEGraphs | None = None
     full: FullIterationGraphs | None = None
     optim: OptimizerGraphs | None = None
+    # (rank, world size) as seen while the process group lived: an aborted group forgets them
+    ranks: tuple[int, int] | None = None
 
     @property
     def active(self) -> bool:
@@ -75,6 +77,15 @@ class RunState:
                 "hooks out of order"
             )
         self.phase = new
+
+    def rank_and_world(self) -> tuple[int, int]:
+        """This rank and the job's size: as cached while the process group lived, else the
+        default process group's now ((0, 1) without one)."""
+        if self.ranks is not None:
+            return self.ranks
+        from cudagraph_plugin import compat
+
+        return compat.distributed_world()
 
     def mechanisms(self) -> list[Any]:
         """The mechanisms in use, in release order (optimizer, TE, full iteration)."""

@@ -1,0 +1,131 @@
+"""A rank's failure as the job's store records it, and store calls that cannot hang.
+
+:class:`PeerFailure` is the record a failing rank writes (``rank``, ``reason``, host, pid);
+:class:`BoundedCall` runs one store call in a daemon thread that its caller waits for at
+most a bounded time: a TCPStore whose server no longer answers (stopped, unreachable)
+blocks its caller indefinitely, whatever the store's timeout says (measured with torch
+2.13). The watch itself is :mod:`cudagraph_plugin.runtime.peers`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from hookspecs import ShutdownReason
+
+logger = logging.getLogger("cudagraph_plugin")
+
+KEY_PREFIX = "mcgraph/peer_failure"
+"""Store keys live under ``<prefix>/<generation>/``: one generation per watch started in
+this process, so a second run in the same job never sees the first run's mark (ranks start
+their runs in the same order)."""
+
+MIN_POLL_S = 0.5
+"""Poll interval of a small job: a peer's failure is seen within about this long."""
+
+POLL_S_PER_RANK = 0.0005
+"""The interval grows with the job so that the store serves at most ~2000 polls a second
+(10,000 ranks: every 5 s)."""
+
+STORE_WAIT_S = 2.0
+"""How long the main thread waits for a store call made for it (the mark at shutdown, the
+watcher's last poll when it stops)."""
+
+PEER_WAIT_S = 5.0
+"""How long the rank that failed waits, at most, for every rank to begin its shutdown
+(raised to four poll intervals in large jobs)."""
+
+ABORT_WAIT_S = 10.0
+"""How long :meth:`PeerWatch.stop` waits for an abort the watcher has begun: shutdown must
+not free graphs while the communicators are being aborted under it."""
+
+MAX_REASON_CHARS = 500
+
+
+def default_interrupt_signal() -> int:
+    """The signal sent to the main thread on a peer's failure: a real-time signal, which no
+    launcher or library in this stack sends (launchers, schedulers and hosts use SIGTERM,
+    SIGINT, SIGUSR1 and SIGUSR2)."""
+    return int(signal.SIGRTMIN) + 2
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerFailure:
+    """One rank's failure as recorded in the store."""
+
+    rank: int
+    reason: str
+    host: str = ""
+    pid: int = 0
+
+    def encode(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> PeerFailure:
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+        try:
+            data = json.loads(text)
+            return cls(int(data["rank"]), str(data["reason"]), str(data["host"]), int(data["pid"]))
+        except (ValueError, KeyError, TypeError):
+            # Not ours to parse (another writer of the key): still a failure, of unknown rank.
+            return cls(-1, f"unreadable failure mark {text[:100]!r}")
+
+    def describe(self) -> str:
+        where = f" ({self.host}, pid {self.pid})" if self.host else ""
+        who = f"rank {self.rank}" if self.rank >= 0 else "a rank"
+        return f"{who}{where} failed: {self.reason}"
+
+
+def describe_end(reason: ShutdownReason | str, exception: BaseException | None) -> str:
+    """The reason text a failing rank writes into its mark."""
+    text = str(ShutdownReason(reason))
+    if exception is not None:
+        detail = str(exception)
+        text += f": {type(exception).__name__}" + (f": {detail}" if detail else "")
+    return text[:MAX_REASON_CHARS]
+
+
+def own_connection(store: Any) -> Any:
+    """A connection of this thread's own: a TCPStore client serialises its calls, and the
+    main thread may be inside one (a barrier) for a long time."""
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError, NotImplementedError) as exc:
+        logger.debug("peer watch: store %r cannot be cloned (%s); sharing it", store, exc)
+        return store
+
+
+class BoundedCall:
+    """One store call in a daemon thread, waited for at most a bounded time: a TCPStore
+    whose server no longer answers (stopped, unreachable) blocks its caller indefinitely,
+    whatever the store's timeout says (measured with torch 2.13)."""
+
+    def __init__(self, what: str, func: Callable[[], Any]) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._func = func
+        self._done = threading.Event()
+        threading.Thread(target=self._run, name=f"mcgraph-{what}", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self._func()
+        except BaseException as exc:  # reported to the waiting thread
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._done.wait(timeout)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__

@@ -1,0 +1,506 @@
+"""Every rank ends within seconds when one rank of a multi-rank job fails.
+
+This module owns the watch: what each rank does about a peer's failure mark (the mark and
+the bounded store calls are :mod:`~cudagraph_plugin.runtime.peer_mark`):
+
+* **Mark.** A rank whose run ends abnormally (exception, Ctrl-C, signal, failed capture)
+  writes ``rank`` and ``reason`` into the store of the default process group (torchrun's
+  TCPStore) as the first thing of its shutdown: :meth:`PeerWatch.end`. The first rank to
+  fail claims one key (``compare_set``), so two ranks failing at once agree on which was
+  first; each also leaves its own record.
+* **Watch.** A daemon thread on every rank polls that key over its own connection to the
+  store (:meth:`PeerWatch.start`). A store that is gone (connection refused or reset) stops
+  the watch quietly; a store that no longer answers can stall only that thread: the main
+  thread never waits on a store call longer than a bounded time.
+* **Abort and interrupt.** On a peer's mark the watcher logs once which rank failed and
+  why, sends a signal to the main thread whose handler raises :class:`PeerFailed` (a
+  ``BaseException``, so a host's ``except Exception`` does not swallow it), then aborts
+  this rank's process groups. The abort is what ends a main thread blocked in C: a CUDA
+  synchronisation or ``.item()`` behind an NCCL collective that can never complete returns
+  once the communicator is aborted, and the handler runs as soon as Python code runs again.
+  ``TrainingRun`` then shuts down with ``ShutdownReason.PEER_FAILED``.
+* **Wait for the peers.** The rank that failed keeps its process until every rank has
+  begun its shutdown (:meth:`PeerWatch.wait_for_peers`, bounded): its exit would make
+  torchrun send SIGTERM to the others, which, arriving first, would end them with
+  ``signal`` instead of ``peer_failed``. Every rank counts itself as ended in
+  :meth:`PeerWatch.end`, whatever its reason.
+
+A rank never reacts to its own mark, never interrupts its own shutdown (the handler does
+nothing once :meth:`PeerWatch.stop` began or while ``TrainingRun`` is shutting down), and a
+normal end marks nothing: no false alarm when ranks finish at different times.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cudagraph_plugin import compat
+from cudagraph_plugin.runtime.peer_mark import (
+    ABORT_WAIT_S,
+    KEY_PREFIX,
+    MAX_REASON_CHARS,
+    MIN_POLL_S,
+    PEER_WAIT_S,
+    POLL_S_PER_RANK,
+    STORE_WAIT_S,
+    BoundedCall,
+    PeerFailure,
+    default_interrupt_signal,
+    describe_end,
+    first_line,
+    own_connection,
+)
+from hookspecs import PeerFailed as _ContractPeerFailed
+from hookspecs import ShutdownReason
+from hookspecs.run import TrainingRun
+
+logger = logging.getLogger("cudagraph_plugin")
+
+_generation = 0
+_active: PeerWatch | None = None
+_registry_lock = threading.Lock()
+
+
+class PeerFailed(_ContractPeerFailed):
+    """Raised in the main thread when another rank of the job failed first: the contract's
+    :class:`hookspecs.PeerFailed` (``TrainingRun`` ends the run with
+    ``ShutdownReason.PEER_FAILED``), with the failure record."""
+
+    def __init__(self, failure: PeerFailure) -> None:
+        self.failure = failure
+        super().__init__(
+            failure.rank,
+            failure.reason,
+            f"{failure.describe()}; this rank aborted its process groups and ended its run",
+        )
+
+
+class PeerWatch:
+    """The failure mark and the watcher of one run on one rank; create it with :meth:`start`.
+
+    :ivar peer_failure: The peer failure this rank's watcher acted on, if any.
+    :ivar first_failure: The job's first failure as the mark at this rank's end found it
+        (this rank's own, or an earlier one of a peer), if this rank marked one.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        *,
+        poll_s: float | None = None,
+        abort: Callable[[], None] = compat.abort_process_groups,
+        interrupt_signal: int | None = None,
+        generation: int = 0,
+    ) -> None:
+        if world_size < 2 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"PeerWatch: need 0 <= rank < world_size and world_size >= 2, got rank={rank} "
+                f"and world_size={world_size}; a single-rank run has no peer to watch"
+            )
+        if poll_s is not None and not poll_s > 0:
+            raise ValueError(f"PeerWatch: poll_s={poll_s!r} must be a positive number of seconds")
+        self.rank = rank
+        self.world_size = world_size
+        if poll_s is None:
+            poll_s = max(MIN_POLL_S, POLL_S_PER_RANK * world_size)
+        self.poll_s = poll_s
+        self.peer_failure: PeerFailure | None = None
+        self.first_failure: PeerFailure | None = None
+        self._store = store
+        self._connection: Any = None
+        self._abort = abort
+        self._signum = interrupt_signal
+        self.generation = generation
+        self._prefix = f"{KEY_PREFIX}/{generation}"
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing = False  # read by the signal handler, which must not take the lock
+        self._stopping = False
+        self._acting = False
+        self._raised = False
+        self._ended = False
+        self._store_lost = False  # the store failed or did not answer: not asked again
+        self._previous_handler: Any = None
+        self._handler_installed = False
+        self._main_ident = threading.main_thread().ident
+        self._thread = threading.Thread(target=self._watch, name="mcgraph-peer-watch", daemon=True)
+
+    @property
+    def first_key(self) -> str:
+        return f"{self._prefix}/first"
+
+    def rank_key(self, rank: int) -> str:
+        return f"{self._prefix}/rank/{rank}"
+
+    @property
+    def ended_key(self) -> str:
+        return f"{self._prefix}/ended"
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        store: Any = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        poll_s: float | None = None,
+        abort: Callable[[], None] = compat.abort_process_groups,
+        interrupt_signal: int | None = None,
+        interrupt: bool = True,
+    ) -> PeerWatch | None:
+        """Start watching for a peer's failure; ``None`` in a single-rank run.
+
+        Call it from the thread that runs the training loop once the default process group
+        exists, and end the watch with :meth:`end` (or :meth:`stop`) first thing at
+        shutdown. Never blocks: the watcher connects to the store in its own thread.
+
+        :param store: The job's store; the default process group's by default.
+        :param rank: This rank; ``torch.distributed.get_rank()`` by default.
+        :param world_size: Ranks in the job; ``torch.distributed.get_world_size()`` by default.
+        :param poll_s: Seconds between polls (default: 0.5 s, more for jobs over 1000 ranks).
+        :param abort: What ends this rank's waits on the failed peer (default: abort every
+            process group).
+        :param interrupt_signal: The signal whose handler raises :class:`PeerFailed` in the
+            main thread (default: :func:`default_interrupt_signal`).
+        :param interrupt: With False (or off the main thread, or when the signal already has
+            a handler) the watcher only aborts: the blocked call then fails with the
+            backend's error and the run ends with ``exception``.
+        :raises RuntimeError: if another watch is running in this process.
+        """
+        global _generation, _active
+        if rank is None or world_size is None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                return None
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+        if world_size < 2:
+            return None
+        with _registry_lock:
+            if _active is not None:
+                raise RuntimeError(
+                    f"PeerWatch.start: a watch is already running in this process (rank "
+                    f"{_active.rank}); end it with end() or stop() before starting another"
+                )
+            _generation += 1
+            watch = cls(
+                compat.default_store() if store is None else store,
+                rank,
+                world_size,
+                poll_s=poll_s,
+                abort=abort,
+                interrupt_signal=default_interrupt_signal()
+                if interrupt_signal is None
+                else interrupt_signal,
+                generation=_generation,
+            )
+            _active = watch
+        if interrupt:
+            watch._install_handler()
+        watch._thread.start()
+        logger.debug(
+            "peer watch: rank %d of %d polls %s every %.2f s",
+            rank,
+            world_size,
+            watch.first_key,
+            watch.poll_s,
+        )
+        return watch
+
+    def end(self, reason: ShutdownReason | str, exception: BaseException | None = None) -> None:
+        """The first thing of this rank's shutdown: stop watching; if the run ended
+        abnormally by its own failure, mark it so that every other rank ends too (a run
+        ended by ``peer_failed`` marks nothing: the peer's mark is there); count this rank
+        as ended (what :meth:`wait_for_peers` waits for)."""
+        reason = ShutdownReason(reason)
+        if reason.abnormal and reason is not ShutdownReason.PEER_FAILED:
+            self.mark_failed(describe_end(reason, exception))
+            return
+        self.stop()
+        if self.peer_failure is not None and reason is not ShutdownReason.PEER_FAILED:
+            logger.warning(
+                "rank %d: the run ended by %s after %s",
+                self.rank,
+                reason,
+                self.peer_failure.describe(),
+            )
+        if not self._ended and not self._store_lost:
+            self._ended = True
+            # A normal end must not complain when the store is gone (rank 0, which hosted
+            # it, may have finished first): only a rank that failed waits for this count.
+            self._store_call("end", lambda store: store.add(self.ended_key, 1), quiet=True)
+
+    def mark_failed(self, reason: str) -> PeerFailure | None:
+        """Record this rank's failure in the store and count the rank as ended (stopping
+        the watch first, so that this rank never reacts to its own mark).
+
+        :returns: The job's first failure: this rank's own, or a peer's that came earlier
+            (logged); ``None`` if the store did not answer within ``STORE_WAIT_S``.
+        """
+        self.stop()
+        if self._ended:
+            return self.first_failure
+        self._ended = True
+        mine = PeerFailure(self.rank, reason[:MAX_REASON_CHARS], socket.gethostname(), os.getpid())
+
+        def record(store: Any) -> PeerFailure:
+            store.set(self.rank_key(self.rank), mine.encode())
+            first = PeerFailure.decode(store.compare_set(self.first_key, "", mine.encode()))
+            store.add(self.ended_key, 1)
+            return first
+
+        first = self._store_call("mark", record)
+        if first is None:
+            return None
+        self.first_failure = first
+        if (first.rank, first.pid) == (mine.rank, mine.pid):
+            logger.error(
+                "rank %d failed (%s): every other rank is told to end its run",
+                self.rank,
+                mine.reason,
+            )
+        else:
+            logger.warning(
+                "rank %d failed (%s); %s first", self.rank, mine.reason, first.describe()
+            )
+        return first
+
+    def wait_for_peers(self, timeout_s: float | None = None) -> bool:
+        """On the rank that failed, the last thing of its shutdown: wait until every rank
+        has begun its shutdown (counted by :meth:`end`), at most ``timeout_s`` (default
+        ``PEER_WAIT_S``, or four poll intervals if longer). Returns at once (True) on a rank
+        that did not mark a failure.
+
+        :returns: True once every rank ended, False at the timeout or if the store does not
+            answer.
+        """
+        if self.first_failure is None:
+            return True
+        limit = timeout_s if timeout_s is not None else max(PEER_WAIT_S, 4 * self.poll_s)
+        deadline = time.monotonic() + limit
+        while True:
+            ended = self._store_call(
+                "wait for the other ranks",
+                lambda store: store.add(self.ended_key, 0),
+                timeout_s=min(STORE_WAIT_S, max(deadline - time.monotonic(), 0.1)),
+                quiet=True,
+            )
+            if ended is None:
+                return False
+            if ended >= self.world_size:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                logger.warning(
+                    "rank %d: %d of %d ranks began their shutdown within %.1f s; exiting "
+                    "without the others",
+                    self.rank,
+                    ended,
+                    self.world_size,
+                    limit,
+                )
+                return False
+            time.sleep(min(0.1, left))
+
+    def _store_call(
+        self,
+        what: str,
+        func: Callable[[Any], Any],
+        timeout_s: float = STORE_WAIT_S,
+        *,
+        quiet: bool = False,
+    ) -> Any:
+        """``func(store)`` on the watcher's connection (the shared store before it has one),
+        waited for at most ``timeout_s``; ``None`` (logged) if the store does not answer."""
+        store = self._connection if self._connection is not None else self._store
+        call = BoundedCall(f"peer-{what}", lambda: func(store))
+        answered = call.wait(timeout_s)
+        if answered and call.error is None:
+            return call.result
+        self._store_lost = True
+        problem = (
+            f"did not answer within {timeout_s:.1f} s"
+            if not answered
+            else f"failed ({first_line(call.error)})"  # type: ignore[arg-type]
+        )
+        if quiet:
+            logger.info("rank %d: the job's store %s (%s)", self.rank, problem, what)
+        else:
+            logger.warning(
+                "rank %d: the job's store %s (%s); the other ranks are not told (the launcher "
+                "ends them)",
+                self.rank,
+                problem,
+                what,
+            )
+        return None
+
+    def stop(self) -> None:
+        """Stop watching (idempotent). Waits for an abort the watcher has begun (at most
+        ``ABORT_WAIT_S``), else for its current poll (at most ``STORE_WAIT_S``); then puts
+        the interrupt signal's previous handler back."""
+        global _active
+        self._closing = True
+        with self._lock:
+            first_stop = not self._stopping
+            self._stopping = True
+            acting = self._acting
+        self._wake.set()
+        if first_stop and self._thread.ident is not None:
+            self._thread.join(ABORT_WAIT_S if acting else STORE_WAIT_S)
+            if self._thread.is_alive():
+                self._store_lost = self._store_lost or not acting
+                logger.warning(
+                    "rank %d: the peer watch did not end within %.0f s (%s); left behind",
+                    self.rank,
+                    ABORT_WAIT_S if acting else STORE_WAIT_S,
+                    "the abort of the process groups is still running"
+                    if acting
+                    else "its store call does not return",
+                )
+        self._restore_handler()
+        with _registry_lock:
+            if _active is self:
+                _active = None
+
+    # -- the watcher thread -------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        try:
+            self._connection = own_connection(self._store)
+        except Exception as exc:
+            self._give_up(exc)
+            return
+        while not self._wake.wait(self.poll_s):
+            try:
+                if not self._connection.check([self.first_key]):
+                    continue
+                failure = PeerFailure.decode(self._connection.get(self.first_key))
+            except Exception as exc:
+                self._give_up(exc)
+                return
+            if failure.rank == self.rank:
+                return  # this rank's own mark: it is shutting down already
+            self._act(failure)
+            return
+
+    def _give_up(self, exc: BaseException) -> None:
+        self._store_lost = True
+        if self._stopping:
+            return
+        # The store goes away at the end of a normal job (rank 0 hosting it finished first):
+        # not an alarm, and never an error raised into the training loop.
+        logger.info(
+            "rank %d: the job's store does not answer (%s); no longer watching for a "
+            "peer's failure",
+            self.rank,
+            first_line(exc),
+        )
+
+    def _act(self, failure: PeerFailure) -> None:
+        with self._lock:
+            if self._stopping:
+                return
+            self._acting = True
+            self.peer_failure = failure
+            logger.error(
+                "rank %d: %s; aborting this rank's process groups and ending its run",
+                self.rank,
+                failure.describe(),
+            )
+            if self._handler_installed and self._main_ident is not None:
+                # Sent before the abort: the handler is pending when the blocked call returns.
+                try:
+                    signal.pthread_kill(self._main_ident, self._signum)
+                except OSError as exc:  # the main thread is gone (the interpreter is exiting)
+                    logger.info("rank %d: cannot interrupt the main thread (%s)", self.rank, exc)
+        try:
+            self._abort()
+        except Exception:
+            logger.exception("rank %d: aborting the process groups failed", self.rank)
+
+    # -- the interrupt ------------------------------------------------------------------------
+
+    def _install_handler(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            logger.info(
+                "peer watch started outside the main thread: a peer's failure aborts the "
+                "process groups but cannot interrupt the training loop"
+            )
+            return
+        assert self._signum is not None
+        previous = signal.getsignal(self._signum)
+        if isinstance(getattr(previous, "__self__", None), PeerWatch):
+            # left by a watch stopped from another thread (it could not put SIG_DFL back)
+            previous = signal.SIG_DFL
+        if previous not in (signal.SIG_DFL, None):
+            logger.warning(
+                "peer watch: signal %d already has a handler (%r); a peer's failure aborts "
+                "the process groups but does not interrupt the training loop (pass another "
+                "interrupt_signal to PeerWatch.start)",
+                self._signum,
+                previous,
+            )
+            return
+        self._previous_handler = previous
+        signal.signal(self._signum, self._on_signal)
+        self._handler_installed = True
+
+    def _restore_handler(self) -> None:
+        if not self._handler_installed:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            return  # stopped from another thread: the handler stays, and does nothing now
+        self._handler_installed = False
+        assert self._signum is not None
+        signal.signal(self._signum, self._previous_handler or signal.SIG_DFL)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        failure = self.peer_failure
+        if failure is None or self._raised:
+            return
+        if self._closing or _run_is_shutting_down(frame):
+            logger.info(
+                "rank %d: %s while this rank was shutting down: its shutdown goes on",
+                self.rank,
+                failure.describe(),
+            )
+            return
+        self._raised = True
+        raise PeerFailed(failure)
+
+
+_SHUTDOWN_CODE = (TrainingRun._finish.__code__, TrainingRun.__exit__.__code__)
+
+
+def _run_is_shutting_down(frame: Any) -> bool:
+    """Whether the interrupted main thread is inside ``TrainingRun``'s shutdown: raising
+    there would skip the shutdown hook (and the freeing of the graphs)."""
+    while frame is not None:
+        if frame.f_code in _SHUTDOWN_CODE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def watch_job() -> PeerWatch | None:
+    """The run's watch of its peers, once the default process group exists: ``None`` in a
+    single-rank run, without a process group, or (logged) when another watch already runs
+    in this process."""
+    try:
+        return PeerWatch.start()
+    except RuntimeError as exc:
+        logger.warning("%s: this run does not watch its peers", exc)
+        return None

@@ -1,0 +1,598 @@
+"""When one rank fails, every other rank leaves its wait, shuts down with ``peer_failed``
+naming that rank, and exits non-zero (``cudagraph_plugin.runtime.peers``).
+
+Two halves:
+
+* the watcher's logic in this process, over real stores (``HashStore``, and a ``TCPStore``
+  served by a child process that is killed or stopped to make the store gone or deaf);
+* real multi-rank jobs over gloo on the CPU (``tests/peer_host.py`` under torchrun, through
+  ``tests/jobs.py``, which ends the whole job at its timeout). A rank that must be released
+  blocks in a wait that neither a signal nor its peer's exit ends, only its abort
+  (``peer_host.DeviceStandIn``), as a CUDA synchronisation behind an NCCL collective that
+  can never complete: that rank can only end in time if the watch works.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+import hookspecs
+from cudagraph_plugin.runtime import peers as peer_failure
+from cudagraph_plugin.runtime.peers import (
+    PeerFailed,
+    PeerFailure,
+    PeerWatch,
+    default_interrupt_signal,
+    describe_end,
+)
+from hookspecs import ShutdownReason, TrainingRun, get_plugin_manager, hookimpl
+from jobs import JobResult, run_job, torchrun_command
+
+HOST = Path(__file__).resolve().parent / "peer_host.py"
+POLL_S = 0.05
+# A bound for "returns at all" checks only (a hang would otherwise wait for pytest-timeout).
+HANG_S = 60.0
+
+
+# -------------------------------------------------------------------------------------------
+# The watcher's logic, in this process.
+# -------------------------------------------------------------------------------------------
+
+
+class StandIn:
+    """A C++ wait with the GIL released, deaf to signals, ended only by ``release``."""
+
+    def __init__(self) -> None:
+        self.store = dist.HashStore()
+
+    def wait(self, seconds: float) -> None:
+        self.store.wait(["released"], datetime.timedelta(seconds=seconds))
+
+    def release(self) -> None:
+        self.store.set("released", "1")
+
+
+class Aborts:
+    """The abort a watch calls, recorded; optionally releasing a stand-in wait."""
+
+    def __init__(self, stand_in: StandIn | None = None) -> None:
+        self.calls = 0
+        self.done = threading.Event()
+        self.stand_in = stand_in
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.stand_in is not None:
+            self.stand_in.release()
+        self.done.set()
+
+
+@pytest.fixture
+def store() -> Any:
+    return dist.HashStore()
+
+
+@pytest.fixture
+def watches() -> Iterator[list[PeerWatch]]:
+    """Watches a test starts; each is stopped afterwards (the signal handler put back)."""
+    started: list[PeerWatch] = []
+    yield started
+    for watch in started:
+        watch.stop()
+    assert signal.getsignal(default_interrupt_signal()) is signal.SIG_DFL
+
+
+def start(watches: list[PeerWatch], store: Any, rank: int = 0, **kwargs: Any) -> PeerWatch:
+    kwargs.setdefault("world_size", 2)
+    kwargs.setdefault("poll_s", POLL_S)
+    watch = PeerWatch.start(store=store, rank=rank, **kwargs)
+    assert watch is not None
+    watches.append(watch)
+    return watch
+
+
+def peer(watch: PeerWatch, rank: int, store: Any = None) -> PeerWatch:
+    """Another rank of ``watch``'s run (same store and generation), not watching."""
+    return PeerWatch(
+        store if store is not None else watch._store,
+        rank,
+        watch.world_size,
+        generation=watch.generation,
+    )
+
+
+def later(seconds: float, func: Callable[[], Any]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: (time.sleep(seconds), func()), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_peer_mark_aborts_and_then_interrupts_the_blocked_main_thread(store, watches):
+    stand_in = StandIn()
+    aborts = Aborts(stand_in)
+    watch = start(watches, store, abort=aborts)
+    later(0.3, lambda: peer(watch, 1).mark_failed("exception: RuntimeError: boom"))
+    with pytest.raises(PeerFailed) as info:
+        stand_in.wait(HANG_S)  # only the abort releases it; the handler raises right after
+    assert (info.value.rank, info.value.reason) == (1, "exception: RuntimeError: boom")
+    assert "rank 1" in str(info.value) and "boom" in str(info.value)
+    assert isinstance(info.value, hookspecs.PeerFailed)  # TrainingRun: PEER_FAILED
+    assert aborts.calls == 1
+    assert watch.peer_failure == info.value.failure
+    watch.end(ShutdownReason.PEER_FAILED, info.value)
+    assert watch.first_failure is None  # a rank told by a peer marks nothing itself
+    assert not store.check([watch.rank_key(0)])
+
+
+def test_the_interrupt_alone_does_not_end_a_wait_in_c_the_abort_does(store, watches):
+    """Why the abort matters: a signal's handler runs only once the blocked call returns
+    (here by its own short timeout, as an NCCL wait never would)."""
+    watch = start(watches, store, abort=Aborts())
+    peer(watch, 1).mark_failed("exception: RuntimeError: boom")
+    seen: list[BaseException] = []
+    with pytest.raises(PeerFailed) as info:
+        try:
+            StandIn().wait(1.5)
+        except RuntimeError as timed_out:  # the store's wait timeout (DistStoreError)
+            seen.append(timed_out)
+            for _ in range(10**8):  # Python runs again: the pending handler raises here
+                pass
+            pytest.fail("the interrupt never came")
+    assert len(seen) == 1 and info.value.__context__ is seen[0]
+
+
+def test_the_interrupt_wakes_a_wait_that_python_runs(store, watches):
+    """A real signal to the main thread: a wait in Python (an Event, a sleep) ends at once
+    instead of running to its timeout before the handler gets its turn."""
+    watch = start(watches, store, abort=Aborts())
+    peer(watch, 1).mark_failed("exception: RuntimeError: boom")
+    wait_s = 20.0
+    began = time.monotonic()
+    with pytest.raises(PeerFailed):
+        threading.Event().wait(wait_s)
+    # an ordering, not a speed limit: the interrupt came before the wait's own timeout
+    assert time.monotonic() - began < wait_s
+
+
+def test_a_rank_never_reacts_to_its_own_mark(store, watches):
+    aborts = Aborts()
+    watch = start(watches, store, rank=1, abort=aborts)
+    # this rank's mark, written by another object (as a restarted process would)
+    peer(watch, 1).mark_failed("exception: RuntimeError: mine")
+    watch._thread.join(HANG_S)  # the watcher ends when it sees its own rank's mark
+    assert not watch._thread.is_alive()
+    assert aborts.calls == 0 and watch.peer_failure is None
+
+
+def test_the_failing_rank_stops_watching_before_it_marks(store, watches):
+    aborts = Aborts()
+    watch = start(watches, store, rank=1, abort=aborts)
+    watch.end(ShutdownReason.EXCEPTION, RuntimeError("mine"))
+    time.sleep(10 * POLL_S)
+    assert aborts.calls == 0 and watch.peer_failure is None
+    assert watch.first_failure is not None and watch.first_failure.rank == 1
+    assert store.check([watch.rank_key(1), watch.first_key])
+
+
+def test_after_stop_a_mark_is_ignored(store, watches):
+    aborts = Aborts()
+    watch = start(watches, store, abort=aborts)
+    watch.stop()
+    assert signal.getsignal(default_interrupt_signal()) is signal.SIG_DFL
+    peer(watch, 1).mark_failed("exception: RuntimeError: late")
+    time.sleep(10 * POLL_S)
+    assert aborts.calls == 0 and watch.peer_failure is None
+
+
+def test_two_ranks_failing_at_once_agree_on_the_first(store):
+    first, second = PeerWatch(store, 0, 3, generation=7), PeerWatch(store, 2, 3, generation=7)
+    mine = first.mark_failed("exception: A")
+    theirs = second.mark_failed("signal: B")
+    assert mine == theirs == first.first_failure == second.first_failure
+    assert (mine.rank, mine.reason) == (0, "exception: A")
+    assert PeerFailure.decode(store.get(second.rank_key(2))).reason == "signal: B"
+
+
+def test_a_mark_of_an_earlier_run_is_not_seen_by_the_next(store, watches):
+    first = start(watches, store, abort=Aborts())
+    peer(first, 1).mark_failed("exception: old run")
+    with pytest.raises(PeerFailed):
+        threading.Event().wait(HANG_S)  # interrupted by the first run's mark
+    first.end(ShutdownReason.PEER_FAILED)
+    aborts = Aborts()
+    second = start(watches, store, abort=aborts)
+    assert second.generation != first.generation
+    time.sleep(10 * POLL_S)
+    assert aborts.calls == 0 and second.peer_failure is None
+
+
+def test_a_shutdown_in_progress_is_never_interrupted(store, watches):
+    """A peer's mark seen while TrainingRun is shutting down (before the plugin's shutdown
+    ended the watch): the handler must not raise into the shutdown."""
+    aborts = Aborts()
+    events: list[str] = []
+
+    class Wiring:
+        watch: PeerWatch | None = None
+
+        @hookimpl
+        def mcgraph_train_start(self, start_step, train_iters):
+            self.watch = start(watches, store, abort=aborts)
+
+        @hookimpl(wrapper=True, tryfirst=True)
+        def mcgraph_shutdown(self, reason, exception):
+            assert self.watch is not None
+            peer(self.watch, 1).mark_failed("exception: RuntimeError: peer")
+            assert aborts.done.wait(HANG_S)
+            time.sleep(0.05)  # bytecode runs: the pending handler gets its chance here
+            events.append("watch acted during shutdown")
+            self.watch.end(reason, exception)
+            result = yield
+            events.append("shutdown done")
+            return result
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(Wiring())
+    error = RuntimeError("own failure")
+    with pytest.raises(RuntimeError) as info:
+        with TrainingRun(pm, None, train_iters=3) as run:
+            with run.train_step(0):
+                raise error
+    assert info.value is error
+    assert run.shutdown_reason is ShutdownReason.EXCEPTION
+    assert events == ["watch acted during shutdown", "shutdown done"]
+
+
+def test_peer_failed_ends_a_training_run_with_peer_failed(store, watches):
+    stand_in = StandIn()
+    seen: list[Any] = []
+
+    class Wiring:
+        watch: PeerWatch | None = None
+
+        @hookimpl
+        def mcgraph_train_start(self, start_step, train_iters):
+            self.watch = start(watches, store, abort=Aborts(stand_in))
+
+        @hookimpl
+        def mcgraph_shutdown(self, reason, exception):
+            seen.append((reason, exception))
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    wiring = Wiring()
+    pm.register(wiring)
+    with pytest.raises(PeerFailed):
+        with TrainingRun(pm, None, train_iters=3) as run:
+            for step in range(3):
+                with run.train_step(step):
+                    if step == 1:
+                        assert wiring.watch is not None
+                        later(0.2, lambda: peer(wiring.watch, 1).mark_failed("signal: TERM"))
+                        try:
+                            stand_in.wait(HANG_S)
+                        except Exception:  # a host's handler does not swallow it
+                            pytest.fail("PeerFailed was caught by `except Exception`")
+    assert run.shutdown_reason is ShutdownReason.PEER_FAILED
+    [(reason, exception)] = seen
+    assert reason is ShutdownReason.PEER_FAILED and exception.rank == 1
+
+
+def test_wait_for_peers_returns_once_every_rank_ended(store):
+    failed, healthy, done = (PeerWatch(store, r, 3, generation=3) for r in (1, 0, 2))
+    failed.mark_failed("exception: x")
+    healthy.end(ShutdownReason.PEER_FAILED)
+    waiting = concurrent.futures.ThreadPoolExecutor(1).submit(failed.wait_for_peers, HANG_S)
+    time.sleep(0.3)
+    assert not waiting.done()  # rank 2 has not begun its shutdown
+    done.end(ShutdownReason.COMPLETED)
+    assert waiting.result(HANG_S) is True
+    assert PeerWatch(store, 0, 3, generation=3).wait_for_peers() is True  # marked nothing
+
+
+def test_wait_for_peers_gives_up_at_its_timeout(store):
+    failed = PeerWatch(store, 1, 2, generation=4)
+    failed.mark_failed("exception: x")
+    assert failed.wait_for_peers(timeout_s=0.3) is False
+
+
+# -- the store gone or deaf ---------------------------------------------------------------------
+
+SERVER = """
+import datetime, sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60),
+                      wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def tcp_store() -> Iterator[tuple[subprocess.Popen[str], Any]]:
+    """A TCPStore served by a child process (to kill or stop), and a client of it."""
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        client = dist.TCPStore(
+            "127.0.0.1", port, None, False, datetime.timedelta(seconds=10), wait_for_workers=False
+        )
+        yield server, client
+    finally:
+        server.kill()
+        server.wait()
+        assert server.stdout is not None
+        server.stdout.close()
+
+
+def test_a_store_that_is_gone_stops_the_watch_quietly(tcp_store, watches, caplog):
+    server, client = tcp_store
+    aborts = Aborts()
+    watch = start(watches, client, abort=aborts)
+    time.sleep(5 * POLL_S)
+    server.kill()
+    server.wait()
+    caplog.set_level(logging.INFO, logger="cudagraph_plugin")
+    watch._thread.join(HANG_S)
+    assert not watch._thread.is_alive()
+    assert "no longer watching for a peer's failure" in caplog.text
+    watch.end(ShutdownReason.COMPLETED)  # a normal end: nothing raised, nothing marked
+    assert aborts.calls == 0 and watch.peer_failure is None and watch.first_failure is None
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_store_that_does_not_answer_never_holds_the_main_thread(tcp_store, watches):
+    """A stopped store server leaves a client's call blocked whatever its timeout: the
+    watcher's poll hangs in its thread, and the main thread's calls are bounded."""
+    server, client = tcp_store
+    watch = start(watches, client, abort=Aborts())
+    time.sleep(5 * POLL_S)
+    server.send_signal(signal.SIGSTOP)
+    time.sleep(5 * POLL_S)  # the watcher is inside a call that will not return
+    ended = threading.Thread(target=watch.end, args=(ShutdownReason.COMPLETED,), daemon=True)
+    ended.start()
+    ended.join(HANG_S)
+    assert not ended.is_alive()
+    marked: list[Any] = []
+    other = peer(watch, 1)
+    failing = threading.Thread(target=lambda: marked.append(other.mark_failed("x")), daemon=True)
+    failing.start()
+    failing.join(HANG_S)
+    assert marked == [None]  # not recorded, and said so; the run goes on
+    assert other.wait_for_peers() is True  # nothing was marked: nothing to wait for
+
+
+# -- small contracts -----------------------------------------------------------------------------
+
+
+def test_start_needs_a_multi_rank_run(store, watches):
+    assert PeerWatch.start(store=store, rank=0, world_size=1) is None
+    with pytest.raises(ValueError, match="rank=2 and world_size=2"):
+        PeerWatch.start(store=store, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="poll_s=0"):
+        PeerWatch.start(store=store, rank=0, world_size=2, poll_s=0)
+    start(watches, store)
+    with pytest.raises(RuntimeError, match="already running"):
+        PeerWatch.start(store=store, rank=0, world_size=2)
+
+
+def test_start_without_a_process_group_watches_nothing():
+    assert not dist.is_initialized()
+    assert PeerWatch.start() is None
+
+
+def test_an_interrupt_signal_in_use_leaves_the_abort(store, watches, caplog):
+    signum = default_interrupt_signal()
+    host_handler_calls: list[int] = []
+    previous = signal.signal(signum, lambda s, f: host_handler_calls.append(s))
+    try:
+        aborts = Aborts()
+        watch = start(watches, store, abort=aborts)
+        assert "already has a handler" in caplog.text
+        peer(watch, 1).mark_failed("exception: x")
+        assert aborts.done.wait(HANG_S)
+        time.sleep(0.05)
+        assert host_handler_calls == []  # the host's handler is neither replaced nor called
+        watch.stop()
+    finally:
+        signal.signal(signum, previous)
+
+
+def test_the_mark_says_how_the_run_ended():
+    assert describe_end(ShutdownReason.EXCEPTION, RuntimeError("boom")) == (
+        "exception: RuntimeError: boom"
+    )
+    assert describe_end("interrupted", KeyboardInterrupt()) == "interrupted: KeyboardInterrupt"
+    assert len(describe_end("exception", ValueError("x" * 10_000))) == peer_failure.MAX_REASON_CHARS
+    failure = PeerFailure(3, "signal: received SIGTERM", "node7", 42)
+    assert PeerFailure.decode(failure.encode()) == failure
+    assert failure.describe() == "rank 3 (node7, pid 42) failed: signal: received SIGTERM"
+    assert PeerFailure.decode(b"garbage").rank == -1
+
+
+# -------------------------------------------------------------------------------------------
+# Real jobs: gloo ranks on the CPU.
+# -------------------------------------------------------------------------------------------
+
+JOB_TIMEOUT_S = 150
+CPU = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+# name: (ranks, launcher, host arguments)
+JOBS: dict[str, tuple[int, str, list[str]]] = {
+    "raise": (2, "torchrun", ["--fail", "1:2:raise", "--block", "0:2"]),
+    "raise3": (3, "torchrun", ["--fail", "1:2:raise", "--block", "0:2"]),
+    "sigterm": (2, "torchrun", ["--fail", "1:2:sigterm", "--block", "0:2"]),
+    "both": (2, "torchrun", ["--fail", "0:2:raise", "--fail", "1:2:raise", "--slow-shutdown", "2"]),
+    "completed": (2, "torchrun", ["--linger", "1:2"]),
+    "store_gone": (2, "launch", ["--linger", "1:4"]),
+    "store_host_raises": (2, "launch", ["--fail", "0:2:raise", "--block", "1:2"]),
+}
+
+
+class Job:
+    def __init__(self, name: str, result: JobResult, out: Path) -> None:
+        self.name = name
+        self.result = result
+        self.records = {
+            int(path.stem[4:]): json.loads(path.read_text()) for path in out.glob("rank*.json")
+        }
+
+    def record(self, rank: int) -> dict[str, Any]:
+        assert rank in self.records, f"rank {rank} wrote no record\n{self.context()}"
+        return self.records[rank]
+
+    def context(self) -> str:
+        reasons = {rank: rec.get("reason") for rank, rec in sorted(self.records.items())}
+        return f"{self.result.describe()}\nreasons: {reasons}\n{self.result.tail()}"
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
+    def one(name: str) -> Job:
+        nproc, launcher, args = JOBS[name]
+        out = tmp_path_factory.mktemp(name)
+        host_args = ["--out", str(out), *args]
+        if launcher == "torchrun":
+            command = torchrun_command(nproc, HOST, *host_args)
+        else:
+            command = [sys.executable, str(HOST), "--launch", str(nproc), *host_args]
+        result = run_job(
+            command,
+            log_dir=out,
+            timeout_s=JOB_TIMEOUT_S,
+            name=name,
+            env={**os.environ, **CPU},
+            dump_signal=signal.SIGUSR1,
+        )
+        return Job(name, result, out)
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        return dict(zip(JOBS, pool.map(one, JOBS), strict=True))
+
+
+def ended_in_time(job: Job) -> None:
+    assert not job.result.timed_out, f"HANG\n{job.context()}"
+    assert job.result.leftovers == [] and job.result.survivors == [], job.context()
+
+
+def told_by(job: Job, rank: int, peer_rank: int, reason: str, stand_in: bool = True) -> None:
+    """``rank`` ended its run because ``peer_rank`` failed with ``reason``; with
+    ``stand_in`` it was blocked in the stand-in device wait, which only its abort ended."""
+    record = job.record(rank)
+    assert record["reason"] == "peer_failed", job.context()
+    assert record["exception_type"] == "PeerFailed"
+    assert f"rank {peer_rank} " in record["exception"] and reason in record["exception"]
+    assert record["peer_failure"] == {"rank": peer_rank, "reason": record["peer_failure"]["reason"]}
+    assert reason in record["peer_failure"]["reason"]
+    assert record["process_group_after_abort"] is False  # torch's abort ran: the groups are gone
+    assert record["first_failure"] is None  # a rank told by a peer marks nothing
+    if stand_in:  # the wait never returned by itself: the abort released it
+        assert "t_block" in record and "t_unblocked" not in record
+
+
+@pytest.mark.slow
+def test_rank_1_raising_ends_the_blocked_rank_0_with_peer_failed(jobs):
+    job = jobs["raise"]
+    ended_in_time(job)
+    assert job.result.rc != 0
+    told_by(job, 0, 1, "RuntimeError: injected failure at step 2 on rank 1")
+    failing = job.record(1)
+    assert failing["reason"] == "exception"
+    assert failing["first_failure"]["rank"] == 1
+    assert failing["peers_ended"] is True  # it waited until rank 0 began its shutdown
+    assert job.record(0)["t_shutdown"] > failing["t_fault"]
+
+
+@pytest.mark.slow
+def test_every_other_rank_of_three_is_told(jobs):
+    """Rank 0 waits in the stand-in; rank 2 in the next step's gloo all-reduce, which its
+    abort cannot end (gloo's abort does nothing) while the failed rank 1 is alive: rank 1
+    waits for it only so long, then exits, and the collective's error lets rank 2's pending
+    interrupt through (still ``peer_failed``: a SIGTERM from torchrun arriving with it only
+    becomes the exception's context)."""
+    job = jobs["raise3"]
+    ended_in_time(job)
+    assert job.result.rc != 0
+    told_by(job, 0, 1, "injected failure at step 2 on rank 1")
+    told_by(job, 2, 1, "injected failure at step 2 on rank 1", stand_in=False)
+    assert job.record(2)["last_step"] == 2  # it was in step 3's all-reduce
+    # released by rank 1's exit: gloo's error, or torchrun's SIGTERM that came with it
+    context = job.record(2)["exception_context"]
+    assert "Connection closed by peer" in context or "received SIGTERM" in context, context
+    assert job.record(1)["peers_ended"] is False  # rank 2 could not begin its shutdown
+
+
+@pytest.mark.slow
+def test_sigterm_to_rank_1_ends_the_blocked_rank_0_with_peer_failed(jobs):
+    job = jobs["sigterm"]
+    ended_in_time(job)
+    assert job.result.rc != 0
+    told_by(job, 0, 1, "signal")
+    assert "SIGTERM" in job.record(0)["exception"]
+    assert job.record(1)["reason"] == "signal"
+
+
+@pytest.mark.slow
+def test_two_ranks_failing_at_once_each_finish_their_own_shutdown(jobs):
+    job = jobs["both"]
+    ended_in_time(job)
+    assert job.result.rc != 0
+    first = job.record(0)["first_failure"]
+    assert first is not None and first["rank"] in (0, 1)
+    for rank in (0, 1):
+        record = job.record(rank)
+        assert record["reason"] == "exception", job.context()
+        assert record["peer_failure"] is None  # neither was interrupted by the other's mark
+        assert record["inner_shutdown_done"] is True  # a slow shutdown ran to its end
+        assert record["first_failure"] == first  # and they agree on which failed first
+
+
+@pytest.mark.slow
+def test_ranks_completing_at_different_times_raise_no_alarm(jobs):
+    job = jobs["completed"]
+    ended_in_time(job)
+    assert job.result.rc == 0, job.context()
+    for rank in (0, 1):
+        record = job.record(rank)
+        assert record["reason"] == "completed"
+        assert record["peer_failure"] is None and record["first_failure"] is None
+    assert "failed" not in job.result.output().lower(), job.context()
+
+
+@pytest.mark.slow
+def test_the_store_gone_with_rank_0_leaves_rank_1_to_complete(jobs):
+    job = jobs["store_gone"]
+    ended_in_time(job)
+    assert job.result.rc == 0, job.context()
+    assert [job.record(r)["reason"] for r in (0, 1)] == ["completed", "completed"]
+    assert job.record(1)["t_end"] > job.record(0)["t_end"]  # rank 0 (and its store) went first
+    output = job.result.output()
+    assert "[rank 1] INFO cudagraph_plugin: rank 1: the job's store does not answer" in output
+    assert "Traceback" not in output, job.context()
+
+
+@pytest.mark.slow
+def test_the_rank_hosting_the_store_keeps_it_until_the_others_were_told(jobs):
+    """Without torchrun, rank 0's process serves the job's store: it fails, and waits for
+    the peers before its exit takes the store (and the mark) away."""
+    job = jobs["store_host_raises"]
+    ended_in_time(job)
+    assert job.result.rc != 0
+    told_by(job, 1, 0, "injected failure at step 2 on rank 0")
+    assert job.record(0)["reason"] == "exception"
+    assert job.record(0)["peers_ended"] is True
