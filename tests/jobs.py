@@ -65,6 +65,8 @@ class JobResult:
     tag: str
     leftovers: list[int]
     survivors: list[int]
+    ended_at: float = 0.0
+    """Wall-clock time (seconds since the epoch) when the job's first process ended."""
 
     @property
     def signal(self) -> int | None:
@@ -248,6 +250,7 @@ def run_job(
         )
         try:
             rc = proc.wait(timeout=timeout_s)
+            ended_at = time.time()
             wall_s = time.monotonic() - start
         except subprocess.TimeoutExpired:
             wall_s = time.monotonic() - start
@@ -257,6 +260,7 @@ def run_job(
                 time.sleep(dump_grace_s)
             survivors = kill_job(tag, proc.pid)
             rc = proc.wait()
+            ended_at = time.time()
         except BaseException:
             # Interrupted while waiting: end the job, then let the interrupt through.
             kill_job(tag, proc.pid)
@@ -277,6 +281,7 @@ def run_job(
         tag=tag,
         leftovers=sorted(leftovers),
         survivors=survivors,
+        ended_at=ended_at,
     )
 
 

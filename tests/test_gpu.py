@@ -70,7 +70,14 @@ import torch
 
 from cudagraph_plugin import compat
 from cudagraph_plugin.entry import RUN_PLUGIN_NAME
-from train_jobs import TrainJob, append_result, launch, pinned_device, result_line
+from train_jobs import (
+    TrainJob,
+    append_result,
+    end_after_fault_s,
+    launch,
+    pinned_device,
+    result_line,
+)
 
 # A small bf16 GPT: big enough to launch real kernels, quick to build.
 MODEL = (
@@ -115,6 +122,9 @@ PARITY_TOLERANCE = {"rtol": 1e-2, "atol": 1e-2}
 FP8_PARITY_TOLERANCE = {"rtol": 5e-2, "atol": 5e-2}
 # A failure job must have ended by then: the correctness bound of "no hang" (issue 12).
 NO_HANG_S = 60.0
+# ... and every rank within this of the first fault (issue 22: the other ranks' watch of the
+# job ends them, instead of torchrun's grace period).
+PEER_END_S = 15.0
 GOOD_TIMEOUT_S = float(os.environ.get("MCGRAPH_GPU_JOB_TIMEOUT", "180"))
 # Longer than NO_HANG_S, so that a slow exit is reported with its time rather than as a hang.
 FAILURE_TIMEOUT_S = 90.0
@@ -426,6 +436,29 @@ SCENARIOS: tuple[Scenario, ...] = (
         loss_ranks=(1,),
     ),
     Scenario(
+        # The capture fails on rank 1 only: rank 0 has captured and is replaying.
+        "dp2_capture_failure_rank1_full_iteration",
+        (),
+        FULL,
+        nproc=2,
+        end="exception",
+        fault=_fault("FAIL_CAPTURE", "1"),
+        failing_ranks=(1,),
+        parity=False,
+    ),
+    Scenario(
+        "dp2_raise_rank1_te_attn_mlp_distopt",
+        (*TE_SPEC, *OVERLAP),
+        te("attn,mlp"),
+        nproc=2,
+        te=True,
+        toggles=HOST_TOGGLES,
+        end="exception",
+        fault=_fault("RAISE", "6:1"),
+        failing_ranks=(1,),
+        parity=False,
+    ),
+    Scenario(
         "dp2_sigterm_rank1_full_iteration",
         (),
         FULL,
@@ -691,10 +724,16 @@ def check_failure(scenario: Scenario, job: TrainJob) -> None:
     if scenario.nproc == 1 and scenario.end == "signal":
         assert result.signal == signal.SIGTERM, job.context()
     assert result.wall_s < NO_HANG_S, f"took {result.wall_s:.1f} s to end\n{job.context()}"
+    after_fault = end_after_fault_s(job)
+    assert after_fault is not None and after_fault < PEER_END_S, (after_fault, job.context())
+    every_rank_fails = set(scenario.failing_ranks) == set(range(scenario.nproc))
     for rank in scenario.failing_ranks:
         record = job.record(rank)
         context = f"rank {rank}\n{job.context()}"
-        assert record["shutdown_reason"] == scenario.end, context
+        if every_rank_fails:  # the slower rank may hear of the first one's failure first
+            assert record["shutdown_reason"] in (scenario.end, "peer_failed"), context
+        else:
+            assert record["shutdown_reason"] == scenario.end, context
         assert record["losses"] is None  # never read from the device on an error path
         assert any(event[0] == "fault" for event in record["events"]), context
         report, facts = record["report"], record["graph_plugin"]
@@ -706,6 +745,25 @@ def check_failure(scenario: Scenario, job: TrainJob) -> None:
             assert not report["graphs_captured"], report
             assert facts["graphs_freed"] >= report["graph_count"] == 0, (facts, report)
         check_memory_back(job, rank, scenario.slack_mib)
+    if every_rank_fails:
+        reasons = [job.record(rank)["shutdown_reason"] for rank in scenario.failing_ranks]
+        assert scenario.end in reasons, job.context()
+    for rank in sorted(set(range(scenario.nproc)) - set(scenario.failing_ranks)):
+        check_peer_ended(scenario, job, rank)
+
+
+def check_peer_ended(scenario: Scenario, job: TrainJob, rank: int) -> None:
+    """A rank the fault did not hit: its watch of the job ended its run (``peer_failed``,
+    naming the failing rank), its shutdown ran and freed whatever it had captured."""
+    record = job.record(rank)
+    context = f"rank {rank}\n{job.context()}"
+    assert record["shutdown_reason"] == "peer_failed", context
+    failing = ", ".join(str(r) for r in scenario.failing_ranks)
+    assert f"rank {failing}" in (record["exception"] or ""), context
+    report, facts = record["report"], record["graph_plugin"]
+    assert report is not None and facts is not None, context
+    assert facts["graphs_freed"] == report["graph_count"], (facts, report)
+    check_memory_back(job, rank, scenario.slack_mib)
 
 
 @pytest.mark.parametrize("scenario", _params(good=True))

@@ -69,7 +69,7 @@ def test_the_scenario_agrees_with_its_flags(scenario: Scenario) -> None:
     if scenario.failure:
         assert scenario.failing_ranks and max(scenario.failing_ranks) < scenario.nproc
         assert not scenario.parity
-        assert scenario.end in ("exception", "signal")
+        assert scenario.end in ("exception", "signal")  # peers: peer_failed (issue 22)
         probe = _probe()
         env = dict(scenario.fault)
         for rank in range(scenario.nproc):
@@ -276,10 +276,14 @@ def test_the_good_run_checks_pass_a_good_record_and_catch_every_defect(name: str
             test_gpu.check_job_ended_cleanly(job_of(s, {0: good}, **result))
 
 
+FAULT_AT = 1_700_000_000.0  # the probe's wall-clock fault time in these records
+
+
 def failure_record(s: Scenario) -> dict[str, Any]:
     captured = s.fault_step is not None
     return {
         "shutdown_reason": s.end,
+        "fault_at": FAULT_AT,
         "losses": None,
         "events": [["step", 6], ["fault", "raise", 6], ["report"], ["shutdown", s.end]],
         "report": {
@@ -293,17 +297,48 @@ def failure_record(s: Scenario) -> dict[str, Any]:
     }
 
 
+def peer_record(s: Scenario) -> dict[str, Any]:
+    """What a rank the fault did not hit writes: its watch ended it (issue 22)."""
+    failing = ", ".join(str(r) for r in s.failing_ranks)
+    return {
+        "shutdown_reason": "peer_failed",
+        "fault_at": None,
+        "exception": f"PeerFailed('rank {failing} (h, pid 7) failed: exception: ...')",
+        "losses": None,
+        "events": [["step", 6], ["report"], ["shutdown", "peer_failed"]],
+        "report": {"graphs_captured": True, "graph_count": 2},
+        "graph_plugin": {"graphs_freed": 2, "allocated_after_free_mib": 64.0},
+        "memory": {"before_capture_mib": 128.0, "at_record_mib": 64.0},
+    }
+
+
 @pytest.mark.parametrize("s", FAILURES, ids=lambda s: s.name)
 def test_the_failure_checks_pass_an_ended_job_and_catch_a_hang_or_a_leak(s: Scenario) -> None:
     rc = -15 if s.nproc == 1 and s.end == "signal" else 1
     records = {rank: failure_record(s) for rank in s.failing_ranks}
-    test_gpu.check_failure(s, job_of(s, records, rc=rc, wall_s=12.0))
+    peers = sorted(set(range(s.nproc)) - set(s.failing_ranks))
+    records.update({rank: peer_record(s) for rank in peers})
+    ended = FAULT_AT + 3.0  # the job ended 3 s after the fault
+    test_gpu.check_failure(s, job_of(s, records, rc=rc, wall_s=12.0, ended_at=ended))
     bad_jobs = [
-        job_of(s, records, rc=0),
-        job_of(s, records, rc=rc, wall_s=61.0),
-        job_of(s, records, rc=-9, timed_out=True, wall_s=90.0),
-        job_of(s, {}, rc=rc),
+        job_of(s, records, rc=0, ended_at=ended),
+        job_of(s, records, rc=rc, wall_s=61.0, ended_at=ended),
+        job_of(s, records, rc=-9, timed_out=True, wall_s=90.0, ended_at=ended),
+        job_of(s, {}, rc=rc, ended_at=ended),
+        job_of(s, records, rc=rc, wall_s=40.0, ended_at=FAULT_AT + 20.0),  # not within 15 s
     ]
+    for peer in peers:
+        for path, value in (
+            ("shutdown_reason", "signal"),  # ended by torchrun, not by its watch
+            ("exception", "PeerFailed('rank 9 failed')"),
+            ("graph_plugin.graphs_freed", 0),
+            ("graph_plugin.allocated_after_free_mib", 300.0),
+        ):
+            changed = {**records, peer: _set(records[peer], path, value)}
+            bad_jobs.append(job_of(s, changed, rc=rc, ended_at=ended))
+        bad_jobs.append(
+            job_of(s, {r: v for r, v in records.items() if r != peer}, rc=rc, ended_at=ended)
+        )
     rank = s.failing_ranks[-1]
     for path, value in (
         ("shutdown_reason", "completed"),
@@ -311,9 +346,11 @@ def test_the_failure_checks_pass_an_ended_job_and_catch_a_hang_or_a_leak(s: Scen
         ("graph_plugin.graphs_freed", 1 if s.fault_step is not None else -1),
         ("losses", [1.0]),
     ):
-        bad_jobs.append(job_of(s, {**records, rank: _set(records[rank], path, value)}, rc=rc))
+        bad_jobs.append(
+            job_of(s, {**records, rank: _set(records[rank], path, value)}, rc=rc, ended_at=ended)
+        )
     if rc == -15:
-        bad_jobs.append(job_of(s, records, rc=1))
+        bad_jobs.append(job_of(s, records, rc=1, ended_at=ended))
     for job in bad_jobs:
         assert fails(lambda job=job: test_gpu.check_failure(s, job)), job
 

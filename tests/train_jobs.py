@@ -132,7 +132,17 @@ def _rank_summary(record: dict[str, Any]) -> dict[str, Any]:
         "graph_count": report.get("graph_count"),
         "graphs_freed": facts.get("graphs_freed"),
         "allocated_after_free_mib": facts.get("allocated_after_free_mib"),
+        "exception": record.get("exception"),
     }
+
+
+def end_after_fault_s(job: TrainJob) -> float | None:
+    """Seconds from the first injected fault (any rank) until the job's first process ended;
+    None without a fault."""
+    faults = [rec["fault_at"] for rec in job.records.values() if rec.get("fault_at")]
+    if not faults or not job.result.ended_at:
+        return None
+    return job.result.ended_at - min(faults)
 
 
 def report_fields(report: dict[str, Any] | None) -> dict[str, Any]:
@@ -174,11 +184,16 @@ def result_line(job: TrainJob, scenario: str, role: str, test: str | None = None
         "nproc": job.nproc,
         "rc": job.result.rc,
         "wall_s": round(job.result.wall_s, 3),
+        "end_after_fault_s": _rounded(end_after_fault_s(job)),
         "timed_out": job.result.timed_out,
         "leftovers": job.result.leftovers,
         **report_fields(main.get("report")),
         "ranks": {str(rank): _rank_summary(rec) for rank, rec in sorted(records.items())},
     }
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def append_result(line: dict[str, Any], path: str | os.PathLike[str] | None = None) -> None:

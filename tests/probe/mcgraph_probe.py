@@ -23,12 +23,18 @@ Environment contract (``R`` is the ``RANK`` variable, 0 without torchrun):
     peer); ``eval_losses``; ``memory`` (the probe's own allocator readings, MiB: just before
     the capture and when the record is written, after the graphs were freed);
     ``graph_plugin`` (the CUDA graph plugin's cleanup facts, see :func:`graph_plugin_facts`);
-    ``at_exit`` (``process_group_initialized``).
+    ``at_exit`` (``process_group_initialized``); ``fault_at``, ``shutdown_at`` and
+    ``recorded_at`` (wall-clock seconds since the epoch: the injected fault, the start of
+    the shutdown hook, the record written; ``None`` when it did not happen).
 ``MCGRAPH_PROBE_RAISE=<step>:<rank>``
     Raise ``RuntimeError`` at the end of training step ``<step>`` on rank ``<rank>``
     (``all`` for every rank).
 ``MCGRAPH_PROBE_SIGTERM=<step>:<rank>``
     Send SIGTERM to this process at the end of that step, on that rank.
+``MCGRAPH_PROBE_SCALE_LR=<step>:<factor>``
+    At the start of training step ``<step>`` (every rank), write each param group's
+    learning rate back multiplied by ``<factor>`` as a Python float, as many custom loops
+    do (``for g in optimizer.param_groups: g["lr"] = new_lr``).
 ``MCGRAPH_PROBE_FAIL_CAPTURE=<rank>|all``
     A capture that fails on that rank: by default ``mcgraph_before_capture`` raises;
     with ``MCGRAPH_PROBE_FAIL_CAPTURE_AT=inside`` a forward pre-hook on every module raises
@@ -48,6 +54,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +65,8 @@ RAISE_VAR = "MCGRAPH_PROBE_RAISE"
 SIGTERM_VAR = "MCGRAPH_PROBE_SIGTERM"
 FAIL_CAPTURE_VAR = "MCGRAPH_PROBE_FAIL_CAPTURE"
 FAIL_CAPTURE_AT_VAR = "MCGRAPH_PROBE_FAIL_CAPTURE_AT"
-PROBE_VARS = (DIR_VAR, RAISE_VAR, SIGTERM_VAR, FAIL_CAPTURE_VAR)
+SCALE_LR_VAR = "MCGRAPH_PROBE_SCALE_LR"
+PROBE_VARS = (DIR_VAR, RAISE_VAR, SIGTERM_VAR, FAIL_CAPTURE_VAR, SCALE_LR_VAR)
 RUN_NAME = "mcgraph-probe-run"
 MIB = 1024 * 1024
 # Losses are read from the device only for these reasons (see the module docstring).
@@ -106,6 +114,19 @@ def _step_rank(environ: Any, var: str) -> tuple[int, str] | None:
     return parse_step_rank(value, var) if value else None
 
 
+def _step_factor(value: str | None) -> tuple[int, float] | None:
+    """``"<step>:<factor>"`` -> ``(step, factor)``."""
+    if not value:
+        return None
+    step, _, factor = value.partition(":")
+    try:
+        return int(step), float(factor)
+    except ValueError:
+        raise ValueError(
+            f"{SCALE_LR_VAR}={value!r}: expected <step>:<factor>, e.g. 10:0.1"
+        ) from None
+
+
 def _is_rank(rank: str) -> bool:
     return rank == "all" or rank.isdigit()
 
@@ -140,6 +161,8 @@ class Probe:
         self.path = Path(probe_dir) / f"rank{self.rank}.json" if probe_dir else None
         self.raise_at = _step_rank(environ, RAISE_VAR)
         self.sigterm_at = _step_rank(environ, SIGTERM_VAR)
+        self.scale_lr = _step_factor(environ.get(SCALE_LR_VAR))
+        self.optimizer: Any = None
         fail_capture = environ.get(FAIL_CAPTURE_VAR) or None
         if fail_capture is not None and not _is_rank(fail_capture):
             raise ValueError(f"{FAIL_CAPTURE_VAR}={fail_capture!r}: expected a rank or all")
@@ -162,6 +185,9 @@ class Probe:
             "exception": None,
             "report": None,
             "events": self.events,
+            "fault_at": None,
+            "shutdown_at": None,
+            "recorded_at": None,
         }
 
     # -- hooks ---------------------------------------------------------------------------
@@ -175,6 +201,7 @@ class Probe:
         seq_length: int,
         micro_batch_size: int,
     ) -> None:
+        self.optimizer = optimizer
         if self.fail_capture and self.fail_capture_at == "inside":
             for chunk in model:
                 for module in chunk.modules():
@@ -185,6 +212,7 @@ class Probe:
 
         if self.capturing and torch.cuda.is_current_stream_capturing():
             self.events.append(["fault", "fail_inside_capture", type(module).__name__])
+            self.record["fault_at"] = time.time()
             raise RuntimeError(
                 f"mcgraph probe: injected failure inside the CUDA graph capture on rank "
                 f"{self.rank} ({type(module).__name__})"
@@ -197,6 +225,11 @@ class Probe:
     @hookimpl
     def mcgraph_train_step_start(self, step: int) -> None:
         self.events.append(["step", step])
+        if self.scale_lr is not None and self.scale_lr[0] == step and self.optimizer is not None:
+            factor = self.scale_lr[1]
+            for group in self.optimizer.param_groups:
+                group["lr"] = float(group["lr"]) * factor  # a Python float, as loops write it
+            self.events.append(["scale_lr", step, factor])
 
     @hookimpl
     def mcgraph_post_warmup_step(self, step: int, start_step: int) -> None:
@@ -211,11 +244,13 @@ class Probe:
             self.loss_values.append(loss.detach() if hasattr(loss, "detach") else loss)
         if self.raise_at is not None and self._due(self.raise_at, step):
             self.events.append(["fault", "raise", step])
+            self.record["fault_at"] = time.time()
             raise RuntimeError(
                 f"mcgraph probe: injected failure at step {step} on rank {self.rank}"
             )
         if self.sigterm_at is not None and self._due(self.sigterm_at, step):
             self.events.append(["fault", "sigterm", step])
+            self.record["fault_at"] = time.time()
             os.kill(os.getpid(), signal.SIGTERM)
 
     def _due(self, spec: tuple[int, str], step: int) -> bool:
@@ -248,6 +283,7 @@ class Probe:
             self.memory["before_capture_mib"] = _allocated_mib()
         if self.fail_capture and self.fail_capture_at == "before":
             self.events.append(["fault", "fail_capture", step])
+            self.record["fault_at"] = time.time()
             raise RuntimeError(f"mcgraph probe: injected capture failure on rank {self.rank}")
         self.capturing = True
 
@@ -271,6 +307,7 @@ class Probe:
     @hookimpl(wrapper=True, tryfirst=True)
     def mcgraph_shutdown(self, reason: Any, exception: BaseException | None) -> Any:
         self.capturing = False
+        self.record["shutdown_at"] = time.time()
         try:
             return (yield)
         finally:
@@ -278,6 +315,7 @@ class Probe:
             self.record["shutdown_reason"] = str(reason)
             self.record["exception"] = repr(exception) if exception is not None else None
             self._fill(read_losses=str(reason) in LOSS_REASONS)
+            self.record["recorded_at"] = time.time()
             self.write()
 
     # -- the record ----------------------------------------------------------------------
