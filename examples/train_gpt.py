@@ -146,6 +146,12 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
         "--lr-decay-iters", type=int, default=None, help="decay steps (default: --train-iters)"
     )
     train.add_argument("--min-lr", type=float, default=0.0)
+    train.add_argument(
+        "--capturable-optimizer",
+        action="store_true",
+        help="build megatron-core's capturable Adam (OptimizerConfig.optimizer_cuda_graph=True, "
+        "megatron-core 0.17+) without capturing it: the eager twin of an optimizer-graph run",
+    )
     train.add_argument("--clip-grad", type=float, default=1.0, help="gradient clipping norm")
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument(
@@ -499,7 +505,7 @@ def _build_optimizer(args: argparse.Namespace, model: list[Any]) -> Any:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     fields: dict[str, Any] = {}
-    if getattr(args, "optimizer_cuda_graph", False):
+    if getattr(args, "optimizer_cuda_graph", False) or args.capturable_optimizer:
         # A plugin's --optimizer-cuda-graph (megatron-core 0.17+): a capturable Adam.
         fields["optimizer_cuda_graph"] = True
     optimizer_config = OptimizerConfig(

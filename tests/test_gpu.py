@@ -781,3 +781,115 @@ def test_scenario(scenario: Scenario, jobs_root: Path, eager_twins: EagerTwins) 
 def test_failure_scenario_ends_the_job(scenario: Scenario, jobs_root: Path) -> None:
     job = run_scenario_job(scenario, "fault", scenario.argv(), jobs_root, dict(scenario.fault))
     check_failure(scenario, job)
+
+
+# -------------------------------------------------------------------------------------------
+# Asked for graphs, got none (issue 22): the run stops with the missing wiring, unless eager
+# is accepted explicitly; then it runs, warns once, and claims no speed-up.
+# -------------------------------------------------------------------------------------------
+
+NOTHING_CAPTURED = [
+    # TE scope matching no layer of the example's GPT (it has no Mamba layers)
+    pytest.param("mamba", (*TE_SPEC, *te("mamba")), {}, "No graphable layers found", id="mamba"),
+    # the loop's forward/backward never routed through the run
+    pytest.param(
+        "plain_forward_backward",
+        FULL,
+        {"MCGRAPH_PROBE_PLAIN_FWD_BWD": "1"},
+        "ended without a full-iteration capture",
+        id="plain_forward_backward",
+    ),
+]
+
+
+def _single_gpu_env() -> dict[str, str]:
+    device = pinned_device(
+        os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("CUDA_VISIBLE_DEVICES"), DEVICE_COUNT
+    )
+    return {} if device is None else {"CUDA_VISIBLE_DEVICES": device}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("accept_eager", [False, True], ids=["error", "accept-eager"])
+@pytest.mark.parametrize("name,graphs,env,phrase", NOTHING_CAPTURED)
+def test_asked_for_graphs_got_none(name, graphs, env, phrase, accept_eager, jobs_root):
+    if "transformer_engine" in graphs and not HAS_TE:
+        pytest.skip("needs Transformer Engine")
+    argv = ["--train-iters", str(STEPS), *MODEL, *graphs]
+    if accept_eager:
+        argv.append("--cuda-graph-accept-eager")
+    role = "accept-eager" if accept_eager else "error"
+    job = launch(
+        f"{name}/{role}",
+        argv,
+        job_dir=jobs_root / f"nothing-{name}-{role}-{uuid.uuid4().hex[:6]}",
+        timeout_s=GOOD_TIMEOUT_S,
+        env={**env, **_single_gpu_env()},
+    )
+    append_result(result_line(job, f"nothing_captured_{name}", role, test=_current_test()))
+    check_job_ended_cleanly(job)
+    output = job.result.output()
+    report = job.record(0)["report"]
+    assert report is not None and not report["graphs_captured"], job.context()
+    assert report["verdict"] == "unknown" and report["speedup"] is None, report
+    if not accept_eager:
+        assert job.result.rc == 2, job.context()  # a refused configuration, said once
+        assert phrase in output and "--cuda-graph-accept-eager" in output, job.context()
+        assert "Traceback" not in output, job.context()
+        return
+    assert job.result.rc == 0, job.context()
+    assert output.count("running eagerly as cuda_graph_accept_eager allows") == 1, job.context()
+    assert "faster than eager" not in output
+
+
+# -------------------------------------------------------------------------------------------
+# The optimizer graph's learning rate (issue 21): megatron-core's schedule, and a Python float
+# written by the host, reach the captured step: the losses equal an eager optimizer step of the
+# same capturable Adam, with the same device-side gradient norm.
+# -------------------------------------------------------------------------------------------
+
+OPTIMIZER_GRAPH_STEPS = 32
+LR_CASES = [
+    pytest.param(("--lr-warmup-iters", "4", "--lr-decay-style", "cosine"), None, id="schedule"),
+    pytest.param(("--lr-decay-style", "constant"), "10:0.1", id="float-write"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.skipif(not HAS_OPTIMIZER_GRAPH, reason="megatron-core < 0.17 has no optimizer graph")
+@pytest.mark.parametrize("schedule,write", LR_CASES)
+def test_the_optimizer_graph_follows_the_learning_rate(schedule, write, jobs_root):
+    """With ``write``, the host writes the learning rate x0.1 at step 10: a Python float in the
+    graphed run (the captured step reads a device tensor: the plugin copies the value in),
+    the same value filled into the tensor in the eager-optimizer run (TE's capturable Adam
+    takes nothing else)."""
+    common = ["--train-iters", str(OPTIMIZER_GRAPH_STEPS), *MODEL, *FULL, *schedule]
+    twin = [*common, "--capturable-optimizer", "--cuda-graph-device-grad-norm"]
+    jobs = {}
+    for role, argv in (("graphed", [*common, "--optimizer-cuda-graph"]), ("eager-optimizer", twin)):
+        env = {}
+        if write is not None:
+            env["MCGRAPH_PROBE_SCALE_LR"] = write if role == "graphed" else f"{write}:fill"
+        job = launch(
+            f"optimizer_lr/{role}",
+            argv,
+            job_dir=jobs_root / f"optimizer-lr-{role}-{uuid.uuid4().hex[:6]}",
+            timeout_s=GOOD_TIMEOUT_S,
+            env={**env, **_single_gpu_env()},
+        )
+        append_result(result_line(job, "optimizer_graph_lr", role, test=_current_test()))
+        check_job_ended_cleanly(job)
+        assert job.result.rc == 0, job.context()
+        jobs[role] = job
+    report = jobs["graphed"].record(0)["report"]
+    assert [c for c in report["replays"]] == ["training", "optimizer"], report
+    assert report["replays"]["optimizer"] == OPTIMIZER_GRAPH_STEPS - 1 - 3, report
+    graphed, eager = jobs["graphed"].losses(0), jobs["eager-optimizer"].losses(0)
+    assert all(math.isfinite(loss) for loss in graphed), graphed
+    # the same kernels on both sides (full-iteration graph, capturable Adam, device-side norm)
+    torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=1e-5, atol=1e-5)
+    if write is not None:
+        [note] = [n for n in report["notes"] if "host writes copied before replays" in n]
+        assert not note.endswith("replays: 0"), note

@@ -66,10 +66,14 @@ def capturable(monkeypatch):
     return built
 
 
-def run(*argv, plugins=(), steps=8):
+def run(*argv, plugins=(), steps=8, schedule=("--lr-decay-style", "constant")):
+    """The example loop; ``schedule=()`` leaves its default (cosine)."""
+    # A constant learning rate by default: this CPU stand-in's Adam keeps it as a Python
+    # float (a capturable Adam on the GPU holds a device tensor the schedule fills).
     recorder = Recorder()
     summary = train_gpt.run(
-        ["--train-iters", str(steps), "--log-interval", "0", *argv], plugins=[recorder, *plugins]
+        ["--train-iters", str(steps), "--log-interval", "0", *schedule, *argv],
+        plugins=[recorder, *plugins],
     )
     return summary, recorder
 
@@ -229,3 +233,18 @@ def test_the_built_optimizers_own_config_is_checked(
     [violation] = [v for v in info.value.violations if phrase in v.text]
     assert violation.fields[0] == f"OptimizerConfig.{field}"
     assert fake_optimizer_graph.StepGraph.made == []
+
+
+def test_a_learning_rate_baked_into_the_captured_step_is_refused_before_it_goes_stale(
+    graphs, capturable
+):
+    """This stand-in's Adam reads a Python-float learning rate (baked into a captured step):
+    a schedule that changes it is refused before the replay that would ignore it."""
+    from cudagraph_plugin.runtime.optimizer_sync import HyperparameterChangedError
+
+    with pytest.raises(HyperparameterChangedError, match=r"param_groups\[0\]\['lr'\] is now"):
+        run(
+            *FULL, *OPTIM, "--cuda-graph-warmup-steps", "1", schedule=("--lr-decay-style", "cosine")
+        )
+    [optimizer] = fake_optimizer_graph.StepGraph.made
+    assert optimizer.replays == 1  # the capture call's own replay; none after the change

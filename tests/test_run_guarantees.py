@@ -245,7 +245,7 @@ class BypassesTheOptimizerGraph:
 def test_an_optimizer_step_that_bypasses_the_graph_stops_at_the_capture_step(optimizer_graphs):
     with pytest.raises(CudaGraphWiringError, match="without capturing the optimizer step"):
         run(*FULL, "--optimizer-cuda-graph", "--cuda-graph-warmup-steps", "1",
-            plugins=[BypassesTheOptimizerGraph()])  # fmt: skip
+            "--lr-decay-style", "constant", plugins=[BypassesTheOptimizerGraph()])  # fmt: skip
 
 
 # -- replays per graph ---------------------------------------------------------------------------

@@ -168,6 +168,15 @@ def add_cuda_graph_arguments(parser: argparse.ArgumentParser, *, lenient: bool =
             ),
         ),
         (
+            "cuda_graph_device_grad_norm",
+            dict(
+                action="store_true",
+                help="compute the gradient norm on the device (torch foreach kernels in place of "
+                "megatron-core's host-reading fallback) in any run; the optimizer graph always "
+                "does where it is needed",
+            ),
+        ),
+        (
             "cuda_graph_log_all_ranks",
             dict(
                 action="store_true",

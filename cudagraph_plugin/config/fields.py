@@ -132,6 +132,7 @@ FIELD_PATHS: dict[str, tuple[str, ...]] = {
     "report_json": ("cuda_graph_report_json",),
     "fallback_on_slowdown": ("cuda_graph_fallback_on_slowdown",),
     "accept_eager": ("cuda_graph_accept_eager",),
+    "device_grad_norm": ("cuda_graph_device_grad_norm",),
     "log_all_ranks": ("cuda_graph_log_all_ranks",),
     "transformer_impl": ("model.transformer_impl", "transformer_impl"),
 }

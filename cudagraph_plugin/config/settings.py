@@ -100,6 +100,7 @@ class Settings:
     report_json: str | None = None
     fallback_on_slowdown: bool = False
     accept_eager: bool = False
+    device_grad_norm: bool = False
     log_all_ranks: bool = False
     transformer_impl: str | None = None
     # Where the values came from, and what could not be read.

@@ -322,6 +322,7 @@ BOOL_SETTINGS = (
     "add_bias_linear",
     "fallback_on_slowdown",
     "accept_eager",
+    "device_grad_norm",
     "log_all_ranks",
     "log_num_zeros_in_grad",
     "use_precision_aware_optimizer",

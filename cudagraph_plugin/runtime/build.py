@@ -136,7 +136,7 @@ def build_optimizer_graph(
     megatron-core's optimizer graph as ``optimizer.step`` (``make_step`` gives the callable
     that brackets its capture)."""
     violations = list(optimizer_graph_problems(state.settings, optimizer))
-    kernels = grad_norm.install()
+    kernels = install_device_grad_norm(state)
     if kernels.reads_host_after is True:
         violations.append(
             Violation(
@@ -156,12 +156,10 @@ def build_optimizer_graph(
             )
         )
     if violations:
-        kernels.restore()
+        release_device_grad_norm(state)
         raise CudaGraphConfigError(violations)
     warmup = state.settings.warmup_steps
-    state.optim = OptimizerGraphs(
-        optimizer, warmup, compat.single_mempool(state.model_config), kernels
-    )
+    state.optim = OptimizerGraphs(optimizer, warmup, compat.single_mempool(state.model_config))
     state.optim.install(make_step(state.optim))
     logger.info(
         "optimizer CUDA graph: optimizer.step is captured at its call number %d "
@@ -170,6 +168,20 @@ def build_optimizer_graph(
         warmup,
         extra=JOB_WIDE,
     )
+
+
+def install_device_grad_norm(state: RunState) -> Any:
+    """Device-side gradient-norm kernels in megatron-core's clip-grad path where it would
+    read the host (once per run; :func:`release_device_grad_norm` puts megatron-core's back)."""
+    if state.kernels is None:
+        state.kernels = grad_norm.install()
+    return state.kernels
+
+
+def release_device_grad_norm(state: RunState) -> None:
+    if state.kernels is not None:
+        state.kernels.restore()
+        state.kernels = None
 
 
 # The OptimizerConfig fields that decide what runs inside optimizer.step().

@@ -149,9 +149,7 @@ class TEGraphs:
 class OptimizerGraphs:
     """The optimizer step in a CUDA graph (megatron-core's ``OptimizerCudaGraphWrapper``)."""
 
-    def __init__(
-        self, optimizer: Any, warmup_steps: int, use_single_mempool: bool, kernels: Any = None
-    ) -> None:
+    def __init__(self, optimizer: Any, warmup_steps: int, use_single_mempool: bool) -> None:
         if compat.optimizer_graph_state_dirty():
             logger.warning(
                 "megatron-core's OptimizerCudaGraphWrapper holds state from an earlier run in "
@@ -167,10 +165,7 @@ class OptimizerGraphs:
             optimizer.step, warmup_steps, use_single_mempool
         )
         self.warmup_steps = warmup_steps
-        # The device-side gradient-norm kernels the plugin put into megatron-core, if any
-        # (compat.grad_norm.GradNormInstall), and the hyperparameter sync of the capture.
-        self.kernels: Any = kernels
-        self.sync: HyperparameterSync | None = None
+        self.sync: HyperparameterSync | None = None  # made right before the capture
 
     def watch_hyperparameters(self) -> None:
         """Right before the capture: the learning rate in device tensors, each watched."""
@@ -209,18 +204,12 @@ class OptimizerGraphs:
             ),
             ReleaseStep("optimizer hyperparameter sync", self._release_sync),
             ReleaseStep("the host's optimizer.step", self._restore_step),
-            ReleaseStep("megatron-core's gradient-norm kernels", self._restore_kernels),
         ]
 
     def _release_sync(self) -> None:
         if self.sync is not None:
             self.sync.release()
             self.sync = None
-
-    def _restore_kernels(self) -> None:
-        if self.kernels is not None:
-            self.kernels.restore()
-            self.kernels = None
 
     def _restore_step(self) -> None:
         if self.optimizer is None:

@@ -167,6 +167,8 @@ class CudaGraphPlugin:
             build.build_model_graphs(state, self.build, optimizer)
             if state.te is not None:
                 self.wiring.te_layers_found(state.te.layer_count())
+        if self.settings.device_grad_norm:
+            build.install_device_grad_norm(state)
         if state.optimizer_graph:
             build.build_optimizer_graph(
                 state, optimizer, lambda graphs: OptimizerStep(self.capture, graphs)
@@ -254,6 +256,10 @@ class CudaGraphPlugin:
             ReleaseStep("static-shape guard", self.guard.disarm),
             ReleaseStep("pending manual hooks", self.te_capture.forget_manual_hooks),
             ReleaseStep("model and optimizer references", self._drop_references),
+            ReleaseStep(
+                "megatron-core's gradient-norm kernels",
+                lambda: build.release_device_grad_norm(self.state),
+            ),
         ]
         try:
             self.release.release_all(reason, extra, quiet=quiet, exception=exception)

@@ -312,10 +312,10 @@ class Reporter:
 
     def notes(self) -> list[str]:
         """What the plugin supplied or changed in megatron-core for this run."""
-        optim = self.state.optim
+        optim, kernels = self.state.optim, self.state.kernels
         notes = []
-        if optim is not None and optim.kernels is not None and optim.kernels.replaced:
-            notes.append(optim.kernels.description)
+        if kernels is not None and kernels.replaced:
+            notes.append(kernels.description)
         if optim is not None and optim.sync is not None:
             notes.append(optim.sync.description)
         return notes

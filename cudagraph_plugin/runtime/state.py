@@ -50,6 +50,8 @@ class RunState:
     te: TEGraphs | None = None
     full: FullIterationGraphs | None = None
     optim: OptimizerGraphs | None = None
+    # the device-side gradient-norm kernels put into megatron-core (compat.grad_norm), if any
+    kernels: Any = None
     # (rank, world size) as seen while the process group lived: an aborted group forgets them
     ranks: tuple[int, int] | None = None
 

@@ -31,10 +31,15 @@ Environment contract (``R`` is the ``RANK`` variable, 0 without torchrun):
     (``all`` for every rank).
 ``MCGRAPH_PROBE_SIGTERM=<step>:<rank>``
     Send SIGTERM to this process at the end of that step, on that rank.
-``MCGRAPH_PROBE_SCALE_LR=<step>:<factor>``
+``MCGRAPH_PROBE_SCALE_LR=<step>:<factor>[:fill]``
     At the start of training step ``<step>`` (every rank), write each param group's
     learning rate back multiplied by ``<factor>`` as a Python float, as many custom loops
-    do (``for g in optimizer.param_groups: g["lr"] = new_lr``).
+    do (``for g in optimizer.param_groups: g["lr"] = new_lr``); with ``:fill``, a tensor
+    learning rate is filled in place instead (what an eager capturable Adam needs).
+``MCGRAPH_PROBE_PLAIN_FWD_BWD=1``
+    The host gets its plain ``forward_backward_func`` back from
+    ``run.forward_backward_func()`` (a ``tryfirst`` wrapper returns what it was given), as a
+    loop that never routes it through the run would use it.
 ``MCGRAPH_PROBE_FAIL_CAPTURE=<rank>|all``
     A capture that fails on that rank: by default ``mcgraph_before_capture`` raises;
     with ``MCGRAPH_PROBE_FAIL_CAPTURE_AT=inside`` a forward pre-hook on every module raises
@@ -66,7 +71,8 @@ SIGTERM_VAR = "MCGRAPH_PROBE_SIGTERM"
 FAIL_CAPTURE_VAR = "MCGRAPH_PROBE_FAIL_CAPTURE"
 FAIL_CAPTURE_AT_VAR = "MCGRAPH_PROBE_FAIL_CAPTURE_AT"
 SCALE_LR_VAR = "MCGRAPH_PROBE_SCALE_LR"
-PROBE_VARS = (DIR_VAR, RAISE_VAR, SIGTERM_VAR, FAIL_CAPTURE_VAR, SCALE_LR_VAR)
+PLAIN_VAR = "MCGRAPH_PROBE_PLAIN_FWD_BWD"
+PROBE_VARS = (DIR_VAR, RAISE_VAR, SIGTERM_VAR, FAIL_CAPTURE_VAR, SCALE_LR_VAR, PLAIN_VAR)
 RUN_NAME = "mcgraph-probe-run"
 MIB = 1024 * 1024
 # Losses are read from the device only for these reasons (see the module docstring).
@@ -114,13 +120,16 @@ def _step_rank(environ: Any, var: str) -> tuple[int, str] | None:
     return parse_step_rank(value, var) if value else None
 
 
-def _step_factor(value: str | None) -> tuple[int, float] | None:
-    """``"<step>:<factor>"`` -> ``(step, factor)``."""
+def _step_factor(value: str | None) -> tuple[int, float, bool] | None:
+    """``"<step>:<factor>[:fill]"`` -> ``(step, factor, fill)``."""
     if not value:
         return None
-    step, _, factor = value.partition(":")
+    step, _, rest = value.partition(":")
+    factor, _, mode = rest.partition(":")
     try:
-        return int(step), float(factor)
+        if mode not in ("", "fill"):
+            raise ValueError(mode)
+        return int(step), float(factor), mode == "fill"
     except ValueError:
         raise ValueError(
             f"{SCALE_LR_VAR}={value!r}: expected <step>:<factor>, e.g. 10:0.1"
@@ -162,6 +171,7 @@ class Probe:
         self.raise_at = _step_rank(environ, RAISE_VAR)
         self.sigterm_at = _step_rank(environ, SIGTERM_VAR)
         self.scale_lr = _step_factor(environ.get(SCALE_LR_VAR))
+        self.plain_fwd_bwd = environ.get(PLAIN_VAR) == "1"
         self.optimizer: Any = None
         fail_capture = environ.get(FAIL_CAPTURE_VAR) or None
         if fail_capture is not None and not _is_rank(fail_capture):
@@ -218,6 +228,11 @@ class Probe:
                 f"{self.rank} ({type(module).__name__})"
             )
 
+    @hookimpl(wrapper=True, tryfirst=True)
+    def mcgraph_forward_backward_func(self, forward_backward_func: Any) -> Any:
+        wrapped = yield
+        return forward_backward_func if self.plain_fwd_bwd else wrapped
+
     @hookimpl
     def mcgraph_train_start(self, start_step: int, train_iters: int) -> None:
         self.events.append(["train_start", start_step, train_iters])
@@ -226,9 +241,12 @@ class Probe:
     def mcgraph_train_step_start(self, step: int) -> None:
         self.events.append(["step", step])
         if self.scale_lr is not None and self.scale_lr[0] == step and self.optimizer is not None:
-            factor = self.scale_lr[1]
+            _, factor, fill = self.scale_lr
             for group in self.optimizer.param_groups:
-                group["lr"] = float(group["lr"]) * factor  # a Python float, as loops write it
+                if fill and hasattr(group["lr"], "fill_"):
+                    group["lr"].fill_(float(group["lr"]) * factor)
+                else:
+                    group["lr"] = float(group["lr"]) * factor  # a Python float, as loops do
             self.events.append(["scale_lr", step, factor])
 
     @hookimpl
