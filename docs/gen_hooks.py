@@ -70,6 +70,8 @@ FIRED_ELSEWHERE = {
     "mcgraph_enable_forward_pre_hook": (
         "a plugin after a capture (or the host: `run.enable_forward_pre_hook(...)`)"
     ),
+    "mcgraph_step_padded": "the host: `run.step_padded(...)`, inside a step it padded",
+    "mcgraph_invalidate_graphs": "the host: `run.invalidate_graphs(reason)`, between steps",
     "mcgraph_before_capture": "the CUDA graph plugin, right before a capture",
     "mcgraph_after_capture": "the CUDA graph plugin, right after a successful capture",
     "mcgraph_report": "the CUDA graph plugin, inside `mcgraph_shutdown`",

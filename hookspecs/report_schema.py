@@ -236,6 +236,48 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "fallback, the optimizer graph's hyperparameters kept in sync); `[]` when nothing",
     ),
     ReportField(
+        "thin_sample",
+        "bool",
+        "",
+        "the speed-up rests on fewer than 5 eager or 5 replayed steps (`verdict_text` says so): "
+        "measure more eager steps with `--cuda-graph-baseline-steps N`",
+    ),
+    ReportField(
+        "break_even_steps",
+        "int | None",
+        "steps",
+        "replayed steps after which the capture has paid for itself: `capture_seconds` over "
+        "the time each replayed step saves",
+        "nothing was captured, a median is missing, or replay saves nothing",
+    ),
+    ReportField(
+        "pays_off",
+        "bool | None",
+        "",
+        "whether the run replayed at least `break_even_steps` steps after the capture (the "
+        "report warns when not)",
+        "nothing was captured, training steps are unknown, or buckets (see `buckets`)",
+    ),
+    ReportField(
+        "buckets",
+        "list[dict[str, Any]]",
+        "",
+        "one entry per shape the bucketed full-iteration graphs saw (`--cuda-graph-buckets`): "
+        "`seq_length`, `micro_batch_size`, `num_microbatches`, `in_bucket`, `eager_steps`, "
+        "`capture_steps`, `replay_steps`, `capture_seconds`, `replays`, `graph_held`, "
+        "`eager_step_ms`, `replay_step_ms`, `speedup`, `padding_waste_percent` (padded "
+        "positions of all positions, from `run.step_padded`), `pool_mib` (what its captures "
+        "added to allocated memory; one pool serves every bucket), `break_even_steps`, "
+        "`paid_off`; `[]` without buckets",
+    ),
+    ReportField(
+        "invalidations",
+        "list[dict[str, Any]]",
+        "",
+        "each `run.invalidate_graphs(reason)`: `step`, `reason`, `graphs_freed`, `then` (what "
+        "followed); `[]` without",
+    ),
+    ReportField(
         "shutdown_reason",
         "str",
         "",
@@ -318,8 +360,8 @@ def _split_top(text: str, separator: str) -> list[str]:
 
 def _conforms(value: Any, annotation: str) -> bool:
     """Whether ``value`` is of the type ``annotation`` spells (the vocabulary of
-    :data:`REPORT_FIELDS`: ``None``, ``bool``, ``int``, ``float``, ``str``, ``list[X]``,
-    ``dict[str, X]`` and unions of them)."""
+    :data:`REPORT_FIELDS`: ``None``, ``bool``, ``int``, ``float``, ``str``, ``Any``,
+    ``list[X]``, ``dict[str, X]`` and unions of them)."""
     alternatives = _split_top(annotation, " | ")
     if len(alternatives) > 1:
         return any(_conforms(value, alternative) for alternative in alternatives)
@@ -332,6 +374,8 @@ def _conforms(value: Any, annotation: str) -> bool:
         )
     if annotation == "None":
         return value is None
+    if annotation == "Any":
+        return True
     if annotation == "float":
         return isinstance(value, int | float) and not isinstance(value, bool)
     if annotation == "int":

@@ -324,6 +324,25 @@ class TrainingRun:
             blame(self.pluginmanager, "mcgraph_train_step_end", exc)
             raise
 
+    def step_padded(self, *, seq_length: int, real_tokens: int, padded_tokens: int) -> None:
+        """Tell the plugins this step's micro-batches were padded to ``seq_length`` (call it
+        inside ``train_step``, where the padding happens)."""
+        self._check_active()
+        self._call(
+            "mcgraph_step_padded",
+            step=self._next_step,
+            seq_length=seq_length,
+            real_tokens=real_tokens,
+            padded_tokens=padded_tokens,
+        )
+
+    def invalidate_graphs(self, reason: str) -> None:
+        """Tell the plugins that what captured graphs point at may have moved (a checkpoint
+        load, parameters or optimizer state offloaded and brought back): call it between
+        steps, after the move."""
+        self._check_active()
+        self._call("mcgraph_invalidate_graphs", reason=reason)
+
     @contextlib.contextmanager
     def evaluation(self) -> Iterator[dict[str, Any]]:
         """An evaluation pass: start hook on entry, end hook (with the metrics) on success."""

@@ -262,6 +262,40 @@ def mcgraph_train_step_end(step: int, metrics: dict[str, Any]) -> None:
     """
 
 
+@hookspec
+def mcgraph_step_padded(step: int, seq_length: int, real_tokens: int, padded_tokens: int) -> None:
+    """The host padded this step's micro-batches to a sequence-length bucket.
+
+    Fired by :meth:`hookspecs.TrainingRun.step_padded` (``cudagraph_plugin.runtime.padding.
+    pad_step`` says what to pass). The CUDA graph plugin counts the padding waste of each
+    bucket for its report.
+
+    :param step: The current training step.
+    :param seq_length: The bucket length every micro-batch of the step was padded to.
+    :param real_tokens: Token positions of the step before padding (all micro-batches).
+    :param padded_tokens: Positions the padding added.
+
+    Result: notification.
+    """
+
+
+@hookspec
+def mcgraph_invalidate_graphs(reason: str) -> None:
+    """What captured graphs point at may have moved: the host loaded a checkpoint into the
+    model, offloaded parameters, gradients or optimizer state and brought them back, or
+    replaced tensors some other way.
+
+    Fired by :meth:`hookspecs.TrainingRun.invalidate_graphs`, between steps (never inside a
+    capture). The CUDA graph plugin frees its graphs before their next replay: bucketed
+    full-iteration graphs are captured again after their warm-up; other graphs are freed and
+    the run goes on eagerly (said in the log).
+
+    :param reason: The host's words, for the log and the report.
+
+    Result: notification.
+    """
+
+
 @hookspec(firstresult=True)
 def mcgraph_disable_forward_pre_hook(model: list[Any], param_sync: bool) -> bool | None:
     """Disable the DDP forward pre-hooks (the param all-gather overlap hooks).

@@ -11,7 +11,9 @@ every fake against both generations (and the snapshot against the installed sour
   real capture launches no kernel; ``replay()`` runs the recorded operations again on the
   same tensors: new contents of the static inputs go in, the captured outputs are
   overwritten, and no Python runs (no module hook, no autograd hook, no host code). A graph
-  that misses work therefore misses it here too, and the losses show it.
+  that misses work therefore misses it here too, and the losses show it. A replay works on
+  the captured addresses: if the memory of a tensor the capture used has moved since (the
+  real graph would read freed memory), it raises CUDA's "illegal memory access".
 * :class:`FakeGraphedCallable` — one callable of TE's ``make_graphed_callables`` (a layer
   and micro-batch). Replaying a TE graph runs no Python either, so calling it computes the
   layer's captured function with every forward hook of the layer's modules silenced: the
@@ -127,6 +129,10 @@ class _Recording(TorchDispatchMode):
         self._made: set[int] = set()
         self._before: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._saved: set[int] = set()
+        # The address of every tensor the graph found (made before the capture), when first
+        # seen: a real graph reads and writes those addresses, whatever happens to the
+        # tensor objects since.
+        self.addresses: dict[int, tuple[torch.Tensor, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -135,6 +141,9 @@ class _Recording(TorchDispatchMode):
                 "CUDA error: operation not permitted when stream is capturing (a tensor was "
                 "read on the host inside a CUDA graph capture)"
             )
+        for tensor in _tensors((args, kwargs)):
+            if _storage(tensor) not in self._made and id(tensor) not in self.addresses:
+                self.addresses[id(tensor)] = (tensor, tensor.data_ptr())
         for tensor in _written(func, args, kwargs):
             # A real capture changes nothing that exists: remember it to undo the write.
             if (
@@ -164,7 +173,20 @@ class _Recording(TorchDispatchMode):
         self._before.clear()
         self._saved.clear()
 
+    def check_addresses(self) -> None:
+        """A real replay works on the captured addresses: if a tensor's memory moved since
+        (freed and reallocated, ``param.data = ...``, ``storage().resize_()``), it reads
+        freed memory. The fake refuses, as the real one fails at best."""
+        for tensor, address in self.addresses.values():
+            if tensor.data_ptr() != address:
+                raise RuntimeError(
+                    "CUDA error: an illegal memory access was encountered (fake graph: a "
+                    f"tensor of shape {tuple(tensor.shape)} the graph reads at {address:#x} "
+                    f"moved to {tensor.data_ptr():#x} after the capture)"
+                )
+
     def replay(self) -> None:
+        self.check_addresses()
         with torch._C._AutoDispatchBelowADInplaceOrView():
             for func, args, kwargs, made in self.ops:
                 if func in _NO_KERNEL:
@@ -189,6 +211,8 @@ class FakeCUDAGraph:
         self.generator_states: list[Any] = []
         self.capture_pool: Any = None
         self.capture_error_mode: str | None = None
+        self.capture_stream: Any = None  # the stream torch.cuda.graph captured on
+        self.check_input_liveness = False
         self._recording: _Recording | None = None
         self._capture_context = contextlib.ExitStack()
         self._rng_before: torch.Tensor | None = None
@@ -203,6 +227,7 @@ class FakeCUDAGraph:
         self.capturing = True
         self.capture_pool = pool
         self.capture_error_mode = capture_error_mode
+        self.check_input_liveness = check_input_liveness
         # A capture draws no random numbers: the replays do, from where the generator is.
         self._rng_before = torch.get_rng_state()
         self._recording = _Recording()
@@ -252,6 +277,7 @@ def fake_graph(
     check_input_liveness: bool = False,
 ) -> Iterator[None]:
     """Mirrors ``torch.cuda.graph`` (the context manager that captures into a graph)."""
+    cuda_graph.capture_stream = stream
     cuda_graph.capture_begin(
         pool=pool, capture_error_mode=capture_error_mode, check_input_liveness=check_input_liveness
     )

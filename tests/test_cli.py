@@ -57,6 +57,13 @@ def test_both_spellings_of_every_flag():
             "r.json",
             "--cuda-graph-fallback-on-slowdown",
             "--optimizer-cuda-graph",
+            "--cuda-graph-buckets",
+            "256,512",
+            "--cuda-graph-baseline-steps",
+            "6",
+            "--cuda-graph-accept-eager",
+            "--cuda-graph-device-grad-norm",
+            "--cuda-graph-log-all-ranks",
         ]
     )
     underscores = parser().parse_args(
@@ -69,6 +76,13 @@ def test_both_spellings_of_every_flag():
             "r.json",
             "--cuda_graph_fallback_on_slowdown",
             "--optimizer_cuda_graph",
+            "--cuda_graph_buckets",
+            "256,512",
+            "--cuda_graph_baseline_steps",
+            "6",
+            "--cuda_graph_accept_eager",
+            "--cuda_graph_device_grad_norm",
+            "--cuda_graph_log_all_ranks",
         ]
     )
     assert (
@@ -81,6 +95,11 @@ def test_both_spellings_of_every_flag():
             "cuda_graph_report_json": "r.json",
             "cuda_graph_fallback_on_slowdown": True,
             "optimizer_cuda_graph": True,
+            "cuda_graph_buckets": "256,512",
+            "cuda_graph_baseline_steps": 6,
+            "cuda_graph_accept_eager": True,
+            "cuda_graph_device_grad_norm": True,
+            "cuda_graph_log_all_ranks": True,
         }
     )
 

@@ -128,6 +128,16 @@ class Recorder:
         self.step_metrics[step] = dict(metrics)
 
     @hookimpl
+    def mcgraph_step_padded(
+        self, step: int, seq_length: int, real_tokens: int, padded_tokens: int
+    ) -> None:
+        self.calls.append(("step_padded", step, seq_length))
+
+    @hookimpl
+    def mcgraph_invalidate_graphs(self, reason: str) -> None:
+        self.calls.append(("invalidate_graphs", reason))
+
+    @hookimpl
     def mcgraph_disable_forward_pre_hook(self, model: list[Any], param_sync: bool) -> None:
         self.calls.append(("disable_forward_pre_hook", param_sync))
 

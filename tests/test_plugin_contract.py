@@ -423,7 +423,16 @@ def test_blocked_by_its_name_and_told_so_when_given_its_distribution(
 @needs_mcore_on_cpu
 def test_hooks_report_and_host_logs_number_steps_alike(out: Path, caplog: pytest.LogCaptureFixture):
     caplog.set_level(logging.INFO, logger="train_gpt")
-    argv = ["--start-step", "1", "--train-iters", "5", "--eval-interval", "2"]
+    argv = [
+        "--start-step",
+        "1",
+        "--train-iters",
+        "5",
+        "--eval-interval",
+        "2",
+        "--log-interval",
+        "1",
+    ]
     train_gpt.run(["--cpu", *argv, "--eval-iters", "1", "--exit-interval", "4"])
 
     recorded = events(out)

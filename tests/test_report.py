@@ -164,6 +164,11 @@ def make_report(**overrides) -> RunReport:
         graphs_held=1,
         replays={"training": 16},
         notes=[],
+        thin_sample=False,
+        break_even_steps=None,
+        pays_off=None,
+        buckets=[],
+        invalidations=[],
         shutdown_reason="completed",
         device="NVIDIA H200",
         versions={"torch": "2.11", "megatron-core": "0.16.1", "transformer-engine": None},
@@ -215,6 +220,11 @@ def test_table_when_nothing_was_captured():
         graphs_held=0,
         replays={},
         notes=[],
+        thin_sample=False,
+        break_even_steps=None,
+        pays_off=None,
+        buckets=[],
+        invalidations=[],
         device="cpu",
     ).format_table()
     assert "NO GRAPH CAPTURED: no CUDA device" in table

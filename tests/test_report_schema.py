@@ -62,13 +62,19 @@ VERSION_1 = [
 ]
 
 
-# Version 2 (unreleased): ``replays`` per captured stage (issue 22) and ``notes`` (issue 21)
-# after ``graphs_held``.
+# Version 2 (unreleased): after ``graphs_held``, ``replays`` per captured stage (issue 22),
+# ``notes`` and ``thin_sample`` (issue 21), ``break_even_steps``, ``pays_off``, ``buckets`` and
+# ``invalidations`` (issue 23).
 _AT = [name for name, _, _ in VERSION_1].index("graphs_held") + 1
 VERSION_2 = [
     *VERSION_1[:_AT],
     ("replays", "dict[str, int]", "replays"),
     ("notes", "list[str]", ""),
+    ("thin_sample", "bool", ""),
+    ("break_even_steps", "int | None", "steps"),
+    ("pays_off", "bool | None", ""),
+    ("buckets", "list[dict[str, Any]]", ""),
+    ("invalidations", "list[dict[str, Any]]", ""),
     *VERSION_1[_AT:],
 ]
 
@@ -110,6 +116,11 @@ UNCAPTURED = dict(
     graphs_held=0,
     replays={},
     notes=[],
+    thin_sample=False,
+    break_even_steps=None,
+    pays_off=None,
+    buckets=[],
+    invalidations=[],
     device="cpu",
 )
 

@@ -151,6 +151,10 @@ RULE_CASES = {
         full_iteration(pipeline_model_parallel_size=2, batch_p2p_comm=False),
         full_iteration(pipeline_model_parallel_size=2),
     ),
+    "_buckets": (
+        full_iteration(cuda_graph_buckets="256,512"),
+        bridge(cuda_graph_buckets="256,512"),  # TE scopes: buckets are full-iteration graphs
+    ),
     "_optimizer_graph": (
         with_optimizer(bridge(), optimizer_cuda_graph=False),
         with_optimizer(bridge(), optimizer_cuda_graph=True),
@@ -2033,3 +2037,30 @@ def test_megatron_lm_flags_that_break_the_optimizer_graph(monkeypatch, argv, fie
     assert len(matching) == 1, problems
     assert field in matching[0].fields[0]
     assert find_violations(read_settings(argparse.Namespace(**base))) == []
+
+
+@pytest.mark.parametrize(
+    "top,model,phrase",
+    [
+        (dict(cuda_graph_fallback_on_slowdown=True), {}, "fallback policy decides for one graph"),
+        ({}, dict(pipeline_model_parallel_size=2), "not served with pipeline parallelism"),
+    ],
+)
+def test_buckets_refuse_what_they_do_not_serve(top, model, phrase):
+    config = full_iteration(cuda_graph_buckets=[512, 256], **model)
+    vars(config).update(top)
+    [violation] = [v for v in find_violations(read_settings(config)) if phrase in v.text]
+    assert violation.fields[0] == "model.cuda_graph_buckets"
+    assert violation.value.startswith("('256,512', ")
+
+
+def test_baseline_steps_raise_the_warmup_and_say_so():
+    config = bridge(scope="attn", cuda_graph_warmup_steps=2)
+    config.cuda_graph_baseline_steps = 6
+    settings = read_settings(config)
+    assert settings.warmup_steps == 7 and settings.warmup_from_baseline == 2
+    [note] = [n for n in advice(settings, environ={}) if "baseline" in n]
+    assert "capturing after 7 eager step(s) instead of 2" in note
+    longer = bridge(cuda_graph_warmup_steps=9)
+    longer.cuda_graph_baseline_steps = 6
+    assert read_settings(longer).warmup_steps == 9

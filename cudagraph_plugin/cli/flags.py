@@ -159,6 +159,26 @@ def add_cuda_graph_arguments(parser: argparse.ArgumentParser, *, lenient: bool =
             ),
         ),
         (
+            "cuda_graph_buckets",
+            dict(
+                default=None,
+                metavar="LENGTHS",
+                help="full_iteration: one graph per sequence-length bucket, e.g. 256,512,1024 "
+                "(the host pads each step's micro-batches to a bucket; other lengths run "
+                "eagerly)",
+            ),
+        ),
+        (
+            "cuda_graph_baseline_steps",
+            dict(
+                type=None if lenient else _non_negative_int,
+                default=None,
+                metavar="N",
+                help="measure at least N eager steps before the capture (raises the warm-up to "
+                "N + 1 where it is shorter): a sturdier eager figure for the report",
+            ),
+        ),
+        (
             "cuda_graph_accept_eager",
             dict(
                 action="store_true",

@@ -76,6 +76,17 @@ def advice(settings: Settings, environ: Any = None) -> list[str]:
             f"{source} has expandable_segments:True: CUDA graphs then need "
             "NCCL_GRAPH_REGISTER=0 (the preflight sets it when it can)"
         )
+    if s.buckets and s.seq_length is not None and max(s.buckets) > s.seq_length:
+        notes.append(
+            f"cuda_graph_buckets go up to {max(s.buckets)} but {s.field('seq_length')} is "
+            f"{s.seq_length}: a model with learned position embeddings has none beyond it"
+        )
+    if s.warmup_from_baseline is not None:
+        notes.append(
+            f"cuda_graph_baseline_steps={s.baseline_steps}: capturing after "
+            f"{s.warmup_steps} eager step(s) instead of {s.warmup_from_baseline}, so the report's "
+            f"eager figure rests on {s.baseline_steps} of them"
+        )
     if s.warmup_steps < 2:
         notes.append(
             f"{s.field('warmup_steps')}={s.warmup_steps}: the run report needs at least 2 "

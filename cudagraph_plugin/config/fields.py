@@ -131,6 +131,8 @@ FIELD_PATHS: dict[str, tuple[str, ...]] = {
     ),
     "report_json": ("cuda_graph_report_json",),
     "fallback_on_slowdown": ("cuda_graph_fallback_on_slowdown",),
+    "buckets": ("model.cuda_graph_buckets", "cuda_graph_buckets"),
+    "baseline_steps": ("cuda_graph_baseline_steps",),
     "accept_eager": ("cuda_graph_accept_eager",),
     "device_grad_norm": ("cuda_graph_device_grad_norm",),
     "log_all_ranks": ("cuda_graph_log_all_ranks",),

@@ -99,6 +99,9 @@ class Settings:
     use_distributed_optimizer: bool = False
     report_json: str | None = None
     fallback_on_slowdown: bool = False
+    buckets: tuple[int, ...] | None = None
+    baseline_steps: int | None = None
+    warmup_from_baseline: int | None = None  # the warm-up given, when baseline_steps raised it
     accept_eager: bool = False
     device_grad_norm: bool = False
     log_all_ranks: bool = False
@@ -220,6 +223,13 @@ def read_settings(config: Any) -> Settings:
             continue
         if value is not MISSING:
             values[setting] = value
+    baseline = values.get("baseline_steps")
+    if baseline is not None:
+        given = values.get("warmup_steps", DEFAULT_WARMUP_STEPS)
+        if given < baseline + 1:
+            # eager steps measured before the capture, the run's first one left out
+            values["warmup_steps"] = baseline + 1
+            values["warmup_from_baseline"] = given
     names = parse_scope(values.pop("scope", None))
     impl, scope = canonical_impl_and_scope(values.pop("impl", "none"), names)
     # megatron-core accepts a scope listed twice; the plugin uses each once and says so.

@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from cudagraph_plugin.config.buckets import check_buckets
 from cudagraph_plugin.config.fields import MISSING
 
 
@@ -164,6 +165,28 @@ def _to_dtype_name(value: Any) -> str:
     raise _Unreadable("not a known dtype", "use fp32, bf16, fp16 or fp8 (or a torch dtype)")
 
 
+def _to_buckets(value: Any) -> tuple[int, ...]:
+    """Sequence-length buckets: a list of ints or a string ``"256,512,1024"`` (commas or
+    spaces); sorted, each once."""
+    if isinstance(value, str):
+        value = [part for part in re.split(r"[,\s]+", value.strip()) if part]
+    if not isinstance(value, Iterable) or isinstance(value, Mapping):
+        raise _Unreadable("not a list of sequence lengths", _BUCKETS_FIX)
+    lengths = []
+    for item in value:
+        try:
+            lengths.append(_integer(item))
+        except _Unreadable:
+            raise _Unreadable(f"{item!r} is not a sequence length", _BUCKETS_FIX) from None
+    try:
+        return check_buckets(lengths, "cuda_graph_buckets")
+    except ValueError as exc:
+        raise _Unreadable(str(exc), _BUCKETS_FIX) from None
+
+
+_BUCKETS_FIX = "give distinct positive sequence lengths, e.g. 256,512,1024"
+
+
 def _to_choice(*choices: str) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         if isinstance(value, str) and value.strip() in choices:
@@ -299,6 +322,8 @@ _PARSERS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "optimizer": (_to_optimizer_name, False),
     "transformer_impl": (_to_choice("local", "transformer_engine", "inference_optimized"), True),
     "loss_scale": (_to_float, True),
+    "buckets": (_to_buckets, True),
+    "baseline_steps": (_to_int(0, 10), True),
     "grad_norm_skip_threshold": (_to_limit, True),
     "main_params_dtype": (_to_dtype_name, True),
     "exp_avg_dtype": (_to_dtype_name, True),

@@ -20,6 +20,7 @@ from cudagraph_plugin.config.errors import MCORE, CudaGraphConfigError, Violatio
 from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.config.rules.optimizer import optimizer_step_problems
 from cudagraph_plugin.config.settings import Settings, read_settings
+from cudagraph_plugin.runtime.buckets import BucketGraphs
 from cudagraph_plugin.runtime.mechanisms import OptimizerGraphs, TEGraphs
 from cudagraph_plugin.runtime.state import RunState
 
@@ -92,7 +93,8 @@ def check_rng_tracker() -> None:
 
 
 def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer: Any) -> None:
-    """Check what the host built for model graphs; create the TE helper for TE scopes."""
+    """Check what the host built for model graphs; create the TE helper for TE scopes, the
+    bucket graphs for ``cuda_graph_buckets``."""
     model = state.model
     assert model is not None and state.seq_length is not None
     assert state.micro_batch_size is not None
@@ -115,6 +117,10 @@ def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer
                     _BUILD_FIX,
                 )
             ]
+        )
+    if state.settings.buckets:
+        state.buckets = BucketGraphs(
+            state.settings.buckets, state.settings.warmup_steps, model=model, optimizer=optimizer
         )
     if state.te_mode:
         state.te = TEGraphs(

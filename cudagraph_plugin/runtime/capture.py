@@ -52,11 +52,20 @@ class Captures:
         seconds = time.perf_counter() - start
         # The report's memory numbers span the captures of the first capture step (a
         # full-iteration or TE capture and the optimizer's, in the same step).
+        after = MemorySnapshot.take()
         if not self.records:
             self.memory_before = before
         if not self.records or self.records[0]["step"] == step:
-            self.memory_after = MemorySnapshot.take()
-        self.records.append({"stage": stage, "step": step, "seconds": seconds})
+            self.memory_after = after
+        self.records.append(
+            {
+                "stage": stage,
+                "step": step,
+                "seconds": seconds,
+                # what this capture added to the allocated memory (its graph's pool share)
+                "mib": after.allocated_mib - before.allocated_mib,
+            }
+        )
         self.replays.setdefault(stage, 0)
         self.graph_count = state.graphs_held()
         self.graphs_held_max = max(self.graphs_held_max, self.graph_count)

@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from cudagraph_plugin import compat
+from cudagraph_plugin.runtime.buckets import Action, BucketGraphs
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.guard import FIX, ShapeGuard, StaticShapeError
 from cudagraph_plugin.runtime.mechanisms import FullIterationGraphs, OptimizerGraphs
@@ -48,7 +49,7 @@ class ForwardBackwardInterceptor:
         if known is not None:
             return known[1]
         state = self.state
-        if state.full_iteration_mode and state.full is None:
+        if state.full_iteration_mode and state.full is None and not state.settings.buckets:
             state.full = FullIterationGraphs(
                 state.settings.warmup_steps, compat.single_mempool(state.model_config)
             )
@@ -68,6 +69,8 @@ class ForwardBackwardInterceptor:
                 logger.info("forward_backward_func called after shutdown: running eagerly")
             return eager(**kwargs)
         stage = "validation" if kwargs.get("forward_only") else "training"
+        if state.buckets is not None:
+            return self._bucketed(state.buckets, eager, kwargs)
         if state.full is not None and state.phase is not Phase.FALLEN_BACK:
             return self._full_iteration(state.full, eager, stage, kwargs)
         self.te_capture.check_host_enabled_pre_hooks()
@@ -100,6 +103,20 @@ class ForwardBackwardInterceptor:
         result = self.captures.bracket(stage, lambda: full.call(wrapper, kwargs))
         self.guard.commit(stage)
         return result
+
+    def _bucketed(self, buckets: BucketGraphs, eager: Any, kwargs: dict[str, Any]) -> Any:
+        """Bucketed full-iteration graphs: their own routing, guard and capture sequence;
+        the plugin brackets each capture and counts the replays."""
+        step = self.state.step
+        route = buckets.route(kwargs, step)
+        if route.action is Action.CAPTURE:
+            self.wiring.full_iteration_capture("training")
+            return self.captures.bracket(
+                "training", lambda: buckets.run(route, eager, kwargs, step)
+            )
+        if route.action is Action.REPLAY:
+            self.captures.replayed("training")
+        return buckets.run(route, eager, kwargs, step)
 
     def _check_te_call(self, kwargs: dict[str, Any]) -> None:
         for name, captured in (

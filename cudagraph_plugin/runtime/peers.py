@@ -504,3 +504,30 @@ def watch_job() -> PeerWatch | None:
     except RuntimeError as exc:
         logger.warning("%s: this run does not watch its peers", exc)
         return None
+
+
+class JobWatch:
+    """The run's side of the watch: started once the process group exists (from whichever
+    hook sees it first), the mark at the start of shutdown, the wait for the peers at its
+    end. Caches the rank and world size while the process group lives (an abort forgets
+    them, and the report needs them)."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.peers: PeerWatch | None = None
+        self._tried = False
+
+    def watch(self) -> None:
+        if self._tried or not compat.distributed_world()[1] > 1:
+            return
+        self._tried = True
+        self.state.ranks = compat.distributed_world()
+        self.peers = watch_job()
+
+    def end(self, reason: Any, exception: BaseException | None) -> None:
+        if self.peers is not None:
+            self.peers.end(reason, exception)
+
+    def wait_for_peers(self) -> None:
+        if self.peers is not None:
+            self.peers.wait_for_peers()

@@ -35,8 +35,8 @@ from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.fallback import Fallback
 from cudagraph_plugin.runtime.guard import ShapeGuard
 from cudagraph_plugin.runtime.interceptor import ForwardBackwardInterceptor, OptimizerStep
+from cudagraph_plugin.runtime.invalidation import Invalidation
 from cudagraph_plugin.runtime.measurement import Measurement
-from cudagraph_plugin.runtime.peers import PeerWatch
 from cudagraph_plugin.runtime.release import ReleaseStep
 from cudagraph_plugin.runtime.release_plan import ReleasePlan
 from cudagraph_plugin.runtime.report import Reporter, RunReport
@@ -66,12 +66,12 @@ class CudaGraphPlugin:
         )
         self.measurement = Measurement(state, self.capture)
         self.fallback = Fallback(state, self.capture, self.measurement, self.guard)
-        self.reporter = Reporter(state, self.measurement, self.capture)
+        self.invalidation = Invalidation(state, self.capture, self.guard)
+        self.reporter = Reporter(state, self.measurement, self.capture, self.invalidation.events)
         self.release = ReleasePlan(state, self.capture)
         self.shutdown = Shutdown(state, self.reporter, self._release_all)
         self.log_filter: ranklog.RankFilter | None = None
-        self.peers: PeerWatch | None = None
-        self._peers_watched = False
+        self.job = peers.JobWatch(state)
 
     @classmethod
     def configure(cls, config: Any, pluginmanager: Any) -> CudaGraphPlugin:
@@ -119,7 +119,9 @@ class CudaGraphPlugin:
 
     @property
     def graphs_freed(self) -> int:
-        return self.release.graphs_freed + self.fallback.graphs_freed
+        return (
+            self.release.graphs_freed + self.fallback.graphs_freed + self.invalidation.graphs_freed
+        )
 
     @property
     def allocated_after_free_mib(self) -> float | None:
@@ -140,7 +142,7 @@ class CudaGraphPlugin:
 
     @hookimpl
     def mcgraph_rng_initialized(self, config: Any) -> None:
-        self._watch_peers()
+        self.job.watch()
         if self.state.active:
             build.check_rng_tracker()
 
@@ -159,7 +161,7 @@ class CudaGraphPlugin:
     ) -> None:
         state = self.state
         state.advance((Phase.CONFIGURED,), Phase.BUILT)
-        self._watch_peers()
+        self.job.watch()
         state.model, state.model_config = model, model_config
         state.seq_length, state.micro_batch_size = seq_length, micro_batch_size
         if state.active:
@@ -190,8 +192,8 @@ class CudaGraphPlugin:
 
     @hookimpl
     def mcgraph_train_start(self, start_step: int, train_iters: int) -> None:
-        self.state.start_step = start_step
-        self._watch_peers()
+        self.state.start_step, self.state.train_iters = start_step, train_iters
+        self.job.watch()
         self.wiring.training_starts()
         warning = warmup_warning(self.settings, start_step, train_iters)
         if warning:
@@ -206,6 +208,18 @@ class CudaGraphPlugin:
     def mcgraph_post_warmup_step(self, step: int, start_step: int) -> None:
         if self.state.te_mode:  # full-iteration graphs are captured inside forward_backward
             self.te_capture.capture(step)
+
+    @hookimpl
+    def mcgraph_step_padded(
+        self, step: int, seq_length: int, real_tokens: int, padded_tokens: int
+    ) -> None:
+        if self.state.buckets is not None:
+            self.state.buckets.record_padding(seq_length, real_tokens, padded_tokens)
+
+    @hookimpl
+    def mcgraph_invalidate_graphs(self, reason: str) -> None:
+        if self.state.active or self.state.optimizer_graph:
+            self.invalidation.invalidate(reason)
 
     @hookimpl(wrapper=True)
     def mcgraph_enable_forward_pre_hook(self, model: list[Any]) -> Any:
@@ -235,21 +249,11 @@ class CudaGraphPlugin:
     # other rank then ends within seconds), and waits for them last.
     @hookimpl(wrapper=True, tryfirst=True, specname="mcgraph_shutdown")
     def shutdown_guard(self, reason: Any, exception: BaseException | None) -> Any:
-        if self.peers is not None:
-            self.peers.end(reason, exception)
+        self.job.end(reason, exception)
         try:
             return (yield from self.shutdown.guard(reason, exception))
         finally:
-            if self.peers is not None:
-                self.peers.wait_for_peers()
-
-    def _watch_peers(self) -> None:
-        """Once the process group exists: watch the job for a peer's failure."""
-        if self._peers_watched or not compat.distributed_world()[1] > 1:
-            return
-        self._peers_watched = True
-        self.state.ranks = compat.distributed_world()
-        self.peers = peers.watch_job()
+            self.job.wait_for_peers()
 
     def _release_all(self, reason: str, *, quiet: bool, exception: BaseException | None) -> None:
         extra = [

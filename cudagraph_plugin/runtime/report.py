@@ -21,6 +21,12 @@ from cudagraph_plugin import compat
 from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.measurement import Measurement
+from cudagraph_plugin.runtime.payoff import (
+    break_even_steps,
+    bucket_rows,
+    pays_off,
+    thin_sample_note,
+)
 from cudagraph_plugin.runtime.state import RunState
 from cudagraph_plugin.runtime.timing import MemorySnapshot, median_or_none
 from hookspecs import call_hook
@@ -117,6 +123,11 @@ class RunReport:
     graphs_held: int
     replays: dict[str, int]
     notes: list[str]
+    thin_sample: bool
+    break_even_steps: int | None
+    pays_off: bool | None
+    buckets: list[dict[str, Any]]
+    invalidations: list[dict[str, Any]]
     shutdown_reason: str
     device: str
     versions: dict[str, str | None]
@@ -175,6 +186,15 @@ class RunReport:
         if self.graphs_captured:
             rows.append(("replay step", _ms(self.replay_step_ms, self.replay_steps)))
             rows.append(("verdict", self.verdict_text))
+            if self.break_even_steps is not None:
+                paid = {True: "paid off", False: "NOT paid off in this run", None: ""}
+                rows.append(
+                    (
+                        "break-even",
+                        f"after {self.break_even_steps} replayed step(s) "
+                        f"{paid[self.pays_off]}".rstrip(),
+                    )
+                )
         if self.fallback_step is not None:
             rows.append(("fallback", f"graph freed at step {self.fallback_step}; eager since"))
         if self.memory_before_capture is not None:
@@ -196,11 +216,38 @@ class RunReport:
         if self.graphs_captured:
             rows.append(("replays", ", ".join(f"{k} {v}" for k, v in sorted(self.replays.items()))))
             rows.append(("held now", f"{self.graphs_held} graph(s), freed right after this"))
+        rows += [("bucket", _bucket_line(row)) for row in self.buckets]
+        rows += [
+            (
+                "invalidated",
+                f"step {e['step']}: {e['reason']} ({e['graphs_freed']} freed; {e['then']})",
+            )
+            for e in self.invalidations
+        ]
         rows += [("note", note) for note in self.notes]
         rows.append(("run", f"{self.steps_timed} step(s) timed, ended: {self.shutdown_reason}"))
         rows.append(("versions", ", ".join(f"{k} {v or '-'}" for k, v in self.versions.items())))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _bucket_line(row: dict[str, Any]) -> str:
+    """One bucket key of the bucketed graphs, for the table."""
+    key = f"seq {row['seq_length']} x mbs {row['micro_batch_size']} x {row['num_microbatches']}"
+    if not row["in_bucket"]:
+        return f"{key}: outside every bucket, {len(row['eager_steps'])} eager step(s)"
+    parts = [f"{row['replays']} replays"]
+    if row.get("speedup"):
+        parts.append(f"{row['speedup']:.2f}x")
+    if row.get("capture_seconds"):
+        parts.append(f"capture {row['capture_seconds']:.3f} s")
+    if row.get("pool_mib") is not None:
+        parts.append(f"+{row['pool_mib']:.0f} MiB")
+    if row.get("padding_waste_percent") is not None:
+        parts.append(f"padding {row['padding_waste_percent']:.1f}%")
+    if row.get("break_even_steps") is not None:
+        parts.append(f"break-even {row['break_even_steps']} step(s)")
+    return f"{key}: " + ", ".join(parts)
 
 
 def _ms(value: float | None, steps: list[int]) -> str:
@@ -228,6 +275,7 @@ class Reporter:
     state: RunState
     measurement: Measurement
     captures: Captures
+    invalidations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     report: RunReport | None = None
 
     def emit(self, reason: str, *, sync: bool) -> None:
@@ -246,6 +294,15 @@ class Reporter:
             logger.warning(
                 "CUDA graphs did not pay off: %s", self.report.verdict_text, extra=JOB_WIDE
             )
+        elif self.report.pays_off is False and rank == 0:
+            logger.warning(
+                "CUDA graphs did not pay off within this run: the capture took %.3f s and is "
+                "earned back after %s replayed step(s); this run replayed %s",
+                self.report.capture_seconds,
+                self.report.break_even_steps or "no number of",
+                len(self.report.replay_steps),
+                extra=JOB_WIDE,
+            )
         settings = self.state.settings
         if settings.report_json:
             path = self.report.write_json(rank_path(settings.report_json, rank))
@@ -259,11 +316,15 @@ class Reporter:
         # A capture that produced no graph (a scope matching no layer) buys nothing: no
         # speed-up is claimed for it.
         captured = bool(captures.records) and captures.graphs_held_max > 0
+        thin = None
         if captured:
             result, speedup, noise, text = verdict(
                 [durations[s] for s in eager], [durations[s] for s in replay]
             )
             no_graph_reason = None
+            thin = thin_sample_note(len(eager), len(replay))
+            if thin is not None and result != "unknown":
+                text += f" ({thin})"
         else:
             result, speedup, noise = "unknown", None, 0.0
             if captures.records:
@@ -277,6 +338,14 @@ class Reporter:
                     f"(start_step + {state.settings.warmup_steps})"
                 )
             text = f"no graph captured: {no_graph_reason}"
+        eager_ms = median_or_none([durations[s] for s in eager])
+        replay_ms = median_or_none([durations[s] for s in replay])
+        even = break_even_steps(captures.seconds(), eager_ms, replay_ms) if captured else None
+        capture_step = captures.training_capture_step()
+        left = None
+        if captured and state.train_iters is not None and capture_step is not None:
+            left = state.train_iters - capture_step - 1
+        bucket_summary = [] if state.buckets is None else state.buckets.summary(durations)
         return RunReport(
             impl=state.settings.impl,
             scope=list(state.settings.scope),
@@ -284,14 +353,14 @@ class Reporter:
             no_graph_reason=no_graph_reason,
             warmup_steps=state.settings.warmup_steps,
             start_step=state.start_step,
-            capture_step=captures.training_capture_step(),
+            capture_step=capture_step,
             capture_seconds=captures.seconds(),
             graph_count=captures.graphs_held_max,
             steps_timed=len(durations),
             eager_steps=eager,
-            eager_step_ms=median_or_none([durations[s] for s in eager]),
+            eager_step_ms=eager_ms,
             replay_steps=replay,
-            replay_step_ms=median_or_none([durations[s] for s in replay]),
+            replay_step_ms=replay_ms,
             speedup=speedup,
             verdict=result,
             verdict_text=text,
@@ -303,6 +372,11 @@ class Reporter:
             graphs_held=captures.graph_count,
             replays=dict(captures.replays),
             notes=self.notes(),
+            thin_sample=thin is not None,
+            break_even_steps=even,
+            pays_off=pays_off(even, left) if captured and state.buckets is None else None,
+            buckets=bucket_rows(bucket_summary, captures.records),
+            invalidations=list(self.invalidations),
             shutdown_reason=reason,
             device=_device_name(state.cuda),
             versions=compat.versions(),

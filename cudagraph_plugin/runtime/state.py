@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from cudagraph_plugin.config.settings import Settings
 
 if TYPE_CHECKING:
+    from cudagraph_plugin.runtime.buckets import BucketGraphs
     from cudagraph_plugin.runtime.mechanisms import (
         FullIterationGraphs,
         OptimizerGraphs,
@@ -50,6 +51,8 @@ class RunState:
     te: TEGraphs | None = None
     full: FullIterationGraphs | None = None
     optim: OptimizerGraphs | None = None
+    buckets: BucketGraphs | None = None
+    train_iters: int | None = None
     # the device-side gradient-norm kernels put into megatron-core (compat.grad_norm), if any
     kernels: Any = None
     # (rank, world size) as seen while the process group lived: an aborted group forgets them
@@ -90,8 +93,8 @@ class RunState:
         return compat.distributed_world()
 
     def mechanisms(self) -> list[Any]:
-        """The mechanisms in use, in release order (optimizer, TE, full iteration)."""
-        return [m for m in (self.optim, self.te, self.full) if m is not None]
+        """The mechanisms in use, in release order (optimizer, TE, full iteration, buckets)."""
+        return [m for m in (self.optim, self.te, self.full, self.buckets) if m is not None]
 
     def graphs_held(self) -> int:
         return sum(m.graph_count() for m in self.mechanisms())

@@ -92,7 +92,8 @@ class Wiring:
         if state.start_step is None or step - state.start_step != state.settings.warmup_steps:
             return
         stages = {record["stage"] for record in self.captures.records}
-        if state.full_iteration_mode and "training" not in stages:
+        # (bucketed graphs are captured each after its own warm-up, whatever the step)
+        if state.full_iteration_mode and state.buckets is None and "training" not in stages:
             self._nothing(
                 f"the capture step {step} ended without a full-iteration capture: the training "
                 "forward_backward_func did not come from run.forward_backward_func(), or was "

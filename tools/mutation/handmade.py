@@ -26,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LIFECYCLE = "tests/test_plugin_lifecycle.py::"
+BUCKETS = "tests/test_buckets.py::"
+BUCKETS_PY = "cudagraph_plugin/runtime/buckets.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +170,156 @@ MUTANTS = [
         '                kwargs["data_iterator"] = self.guard.check_call(\n'
         "                    stage, state.step, kwargs, record=record\n                )\n",
         (LIFECYCLE + "test_shape_change_after_capture_raises_instead_of_replaying[te]",),
+    ),
+    Mutant(
+        "bucket-warmup-shared",
+        "bucket graphs: one warm-up count for all buckets instead of each bucket's own",
+        BUCKETS_PY,
+        "        if self._calls[key] >= self.warmup_steps:\n",
+        "        if sum(self._calls.values()) >= self.warmup_steps:\n",
+        (BUCKETS + "test_each_bucket_is_captured_after_its_own_warmup_and_replayed_for_its_steps",),
+    ),
+    Mutant(
+        "bucket-buffers-shared",
+        "bucket graphs: one list of static input buffers for every bucket",
+        BUCKETS_PY,
+        "self._buffers.setdefault((key.seq_length, key.micro_batch_size), [])",
+        "self._buffers.setdefault(0, [])",
+        (BUCKETS + "test_bucket_graphs_train_exactly_as_eager_with_the_same_padding",),
+    ),
+    Mutant(
+        "bucket-outside-replays",
+        "bucket graphs: a shape outside every bucket is warmed up and captured like a bucket",
+        BUCKETS_PY,
+        "        if key.seq_length not in self.buckets:\n",
+        "        if False:\n",
+        (
+            BUCKETS + "test_a_shape_outside_every_bucket_runs_eagerly_with_one_log_line_per_"
+            "new_shape",
+        ),
+    ),
+    Mutant(
+        "bucket-outside-logged-every-step",
+        "bucket graphs: a log line on every step of a shape outside the buckets",
+        BUCKETS_PY,
+        "        if what not in self._logged:\n",
+        "        if True:\n",
+        (
+            BUCKETS + "test_a_shape_outside_every_bucket_runs_eagerly_with_one_log_line_per_"
+            "new_shape",
+        ),
+    ),
+    Mutant(
+        "bucket-forward-only-graphed",
+        "bucket graphs: forward-only calls are routed like training calls",
+        BUCKETS_PY,
+        '        if kwargs.get("forward_only"):\n',
+        "        if False:\n",
+        (BUCKETS + "test_forward_only_calls_run_eagerly",),
+    ),
+    Mutant(
+        "bucket-replay-unchecked",
+        "bucket graphs: replays skip the static-shape guard",
+        BUCKETS_PY,
+        "        data_iterator = self.guard.check_call(label, step, kwargs, record=capturing)\n",
+        "        data_iterator = (\n"
+        "            self.guard.check_call(label, step, kwargs, record=True)\n"
+        '            if capturing\n            else kwargs["data_iterator"]\n        )\n',
+        (BUCKETS + "test_a_replay_checks_the_micro_batches_against_its_capture",),
+    ),
+    Mutant(
+        "bucket-moved-memory-unchecked",
+        "bucket graphs: no address check; graphs replay onto moved memory",
+        BUCKETS_PY,
+        "        if not self._graphs or self._reference is None:\n",
+        "        if True:\n",
+        (
+            BUCKETS + "test_graphs_are_freed_and_recaptured_after_warmup_when_memory_moves"
+            "[grad-buffers-offloaded]",
+            BUCKETS + "test_graphs_are_freed_and_recaptured_after_warmup_when_memory_moves"
+            "[parameter-reallocated]",
+        ),
+    ),
+    Mutant(
+        "bucket-loss-scale-unchecked",
+        "bucket graphs: a replaced loss-scale tensor goes unnoticed",
+        BUCKETS_PY,
+        "            if scale is not None:\n",
+        "            if False:\n",
+        (
+            BUCKETS + "test_graphs_are_freed_and_recaptured_after_warmup_when_memory_moves"
+            "[loss-scale-replaced]",
+        ),
+    ),
+    Mutant(
+        "bucket-recapture-without-warmup",
+        "bucket graphs: after an invalidation a bucket is captured again without warm-up",
+        BUCKETS_PY,
+        "        result = release_each(self.graph_release_steps())\n        self._calls.clear()\n",
+        "        result = release_each(self.graph_release_steps())\n",
+        (BUCKETS + "test_the_host_can_invalidate_the_graphs_explicitly",),
+    ),
+    Mutant(
+        "bucket-pool-per-graph",
+        "bucket graphs: every graph gets its own memory pool",
+        BUCKETS_PY,
+        "        pool = self._pool if self._pool is not None else torch.cuda.graph_pool_handle()\n",
+        "        pool = torch.cuda.graph_pool_handle()\n",
+        (BUCKETS + "test_each_bucket_is_captured_after_its_own_warmup_and_replayed_for_its_steps",),
+    ),
+    Mutant(
+        "bucket-stale-pool-handle",
+        "bucket graphs: the pool handle of freed graphs is captured into again",
+        BUCKETS_PY,
+        "        if not self._graphs:\n            self._pool = None\n",
+        "        if not self._graphs:\n            pass\n",
+        (
+            BUCKETS + "test_graphs_are_freed_and_recaptured_after_warmup_when_memory_moves"
+            "[grad-buffers-offloaded]",
+        ),
+    ),
+    Mutant(
+        "bucket-scratch-not-kept",
+        "bucket graphs: megatron-core's scratch buffers are not kept for the graphs",
+        BUCKETS_PY,
+        "_Captured(graph, result, step, self._scratch())",
+        "_Captured(graph, result, step, [])",
+        (BUCKETS + "test_graphs_keep_the_scratch_buffers_megatron_core_replaces",),
+    ),
+    Mutant(
+        "bucket-rng-not-registered",
+        "bucket graphs: the RNG tracker's generator states are not registered in a graph",
+        BUCKETS_PY,
+        "                graph.register_generator_state(state)\n",
+        "                pass\n",
+        (BUCKETS + "test_capture_registers_every_tracker_generator_state_in_each_graph",),
+    ),
+    Mutant(
+        "bucket-ranks-not-agreed",
+        "bucket graphs: ranks routing different shapes are not made to run eagerly",
+        BUCKETS_PY,
+        "        if agreed[:3] != [-v for v in agreed[3:6]]:\n",
+        "        if False:\n",
+        (BUCKETS + "test_ranks_that_disagree_on_the_shape_run_the_step_eagerly",),
+    ),
+    Mutant(
+        "bucket-stale-streams-not-overridden",
+        "bucket graphs: the capture leaves autograd's stale-stream override off",
+        "cudagraph_plugin/compat/buckets.py",
+        "    setter(True)\n",
+        "    setter(before)\n",
+        (BUCKETS + "test_capture_runs_on_one_stream_with_stale_streams_overridden_only_meanwhile",),
+    ),
+    Mutant(
+        "padding-counts-in-the-loss",
+        "padding: padded positions keep loss_mask 1",
+        "cudagraph_plugin/runtime/padding.py",
+        '        "loss_mask": 0,\n',
+        '        "loss_mask": 1,\n',
+        (
+            "tests/test_padding.py::"
+            "test_pads_each_sequence_key_to_the_smallest_bucket_at_least_its_length",
+        ),
     ),
 ]
 

@@ -2,8 +2,8 @@
 
 The rules are DESIGN.md's constraints plus megatron-core's own cuda-graph assertions that
 apply to the model config, one module per topic (``names``, ``training``, ``optimizer``,
-``model``, ``te``); :func:`evaluate` runs them all and returns every violation and what could not be
-checked here.
+``model``, ``te``, ``buckets``); :func:`evaluate` runs them all and returns every
+violation and what could not be checked here.
 
 Pure Python: no torch, no megatron import.
 """
@@ -12,11 +12,18 @@ from __future__ import annotations
 
 from cudagraph_plugin.config.environment import Environment
 from cudagraph_plugin.config.errors import CudaGraphConfigError, Note, Violation
-from cudagraph_plugin.config.rules import model, names, optimizer, te, training
+from cudagraph_plugin.config.rules import buckets, model, names, optimizer, te, training
 from cudagraph_plugin.config.rules.base import RULES
 from cudagraph_plugin.config.settings import Settings
 
-_TOPICS = (names, training, optimizer, model, te)  # imported for their registrations, in this order
+_TOPICS = (
+    names,
+    training,
+    optimizer,
+    model,
+    te,
+    buckets,
+)  # imported for their registrations, in this order
 
 
 def evaluate(

@@ -306,7 +306,7 @@ def test_a_run_feeds_the_plugin_the_documented_hooks_and_the_report(
     by_hook = {e["hook"]: e for e in events}
     assert by_hook["mcgraph_model_built"]["seq_length"] == 32
     assert by_hook["mcgraph_warmup_steps"]["answer"] == 3
-    assert report["warmup_steps"] == 3 and report["schema_version"] == 1
+    assert report["warmup_steps"] == 3 and report["schema_version"] == 2
     assert by_hook["mcgraph_report"]["graphs_captured"] is False
 
     # A memory line for every event: INFO for lifecycle events, DEBUG for steps.

@@ -1,0 +1,190 @@
+"""megatron-core (and torch.distributed) access for the bucketed full-iteration graphs.
+
+Everything ``cudagraph_plugin.runtime.buckets`` needs from megatron-core goes through here, so that
+it can move into ``compat/`` as it is. Feature detection, never version numbers:
+
+* static inputs: ``FullCudaGraphWrapper.data_read`` and its ``StaticBufferLoader`` (both);
+* capture stream: ``get_shared_capture_stream()`` (0.18+; DDP is built on it), none in 0.16
+  (the caller keeps one of its own);
+* generator states to register in each graph: ``get_all_rng_states()`` (both);
+* DDP's contiguous buffers: ``buffers`` and ``expert_parallel_buffers``, each with
+  ``param_data`` (distributed optimizer only) and ``grad_data`` (both);
+* scratch buffers: ``parallel_state._GLOBAL_MEMORY_BUFFER.buffer`` (both).
+
+Lazy imports only: importing this module imports neither torch nor megatron-core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from cudagraph_plugin import compat
+
+
+def static_input_reader(forward_backward_func: Any) -> Any:
+    """A megatron-core ``FullCudaGraphWrapper`` used only for its static-input handling
+    (``data_read`` and its ``StaticBufferLoader`` with the loader's copy stream); it is
+    never called, so its class-level graph, result and counters stay untouched."""
+    return compat.make_full_iteration_wrapper(forward_backward_func, 1, False)
+
+
+def read_static_inputs(
+    reader: Any, buffers: list[Any], data_iterator: Any, model: Any, num_microbatches: int
+) -> Any:
+    """Draw ``num_microbatches`` micro-batches (per model chunk) and copy them into
+    ``buffers``, the caller's own static buffers, with megatron-core's loader; returns the
+    data iterator(s) over the static buffers, as ``FullCudaGraphWrapper`` passes them on.
+
+    megatron-core keeps one buffer list per stage on ``StaticBufferLoader``'s class; the
+    caller's list stands in for the training one while the loader runs, and the class's own
+    list is back in place afterwards, also when drawing raises.
+    """
+    from megatron.core.full_cuda_graph import StaticBufferLoader
+
+    compat.order_input_copy_after_replay(reader)
+    lists = StaticBufferLoader.static_buffers
+    saved = lists["training"]
+    lists["training"] = buffers
+    try:
+        return reader.data_read(data_iterator, model, True, num_microbatches)
+    finally:
+        lists["training"] = saved
+
+
+def shared_capture_stream() -> Any:
+    """megatron-core's process-wide capture stream (0.18+: DDP is built on it), else
+    ``None`` (0.16: every capture stream is the caller's)."""
+    from megatron.core import full_cuda_graph
+
+    get = getattr(full_cuda_graph, "get_shared_capture_stream", None)
+    return None if get is None else get()
+
+
+def rng_generator_states() -> list[Any]:
+    """The generator states of megatron-core's RNG tracker, which every graph must register
+    (``CUDAGraph.register_generator_state``) so its replays advance them (megatron-core's
+    ``FullCudaGraphWrapper`` registers the same, per graph)."""
+    from megatron.core.tensor_parallel.random import get_all_rng_states
+
+    return list(get_all_rng_states().values())
+
+
+def ddp_buffer_tensors(model: list[Any]) -> list[tuple[str, str, Any]]:
+    """(group, name, tensor) for every contiguous parameter and gradient buffer of
+    megatron-core's DDP chunks. megatron-core's own RL offloading (``offload_grad_buffers``,
+    ``_ParamAndGradBuffer.offload_to_cpu``) frees and reallocates exactly these, with
+    ``storage().resize_()``: the tensors stay, their addresses change."""
+    found = []
+    for index, chunk in enumerate(model):
+        # Instance attributes of megatron-core's DDP (``buffers`` shadows Module.buffers()).
+        attributes = vars(chunk)
+        buffers = [
+            *attributes.get("buffers", ()),
+            *attributes.get("expert_parallel_buffers", ()),
+        ]
+        for number, buffer in enumerate(buffers):
+            grad_data = getattr(buffer, "grad_data", None)
+            if grad_data is not None:
+                found.append(
+                    ("gradient buffers", f"model chunk {index} grad buffer {number}", grad_data)
+                )
+            param_data = getattr(buffer, "param_data", None)
+            if param_data is not None:
+                found.append(
+                    ("parameters", f"model chunk {index} param buffer {number}", param_data)
+                )
+    return found
+
+
+def global_memory_buffer_tensors() -> list[tuple[str, str, Any]]:
+    """megatron-core's global scratch buffers (sequence-parallel all-gathers use them).
+    They grow when a longer sequence first needs more, freeing the old tensor, which a
+    graph captured for a shorter bucket still points at."""
+    from megatron.core import parallel_state
+
+    buffer = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    if buffer is None:
+        return []
+    return [
+        ("megatron-core global memory buffer", f"{name} ({dtype})", tensor)
+        for (name, dtype), tensor in list(buffer.buffer.items())
+    ]
+
+
+def loss_scale_tensor(optimizer: Any) -> Any:
+    """The loss-scale tensor the captured backward multiplies by (``config.grad_scale_func``
+    is the optimizer's ``scale_loss``), or ``None``."""
+    get = getattr(optimizer, "get_loss_scale", None)
+    if get is None:
+        return None
+    scale = get()
+    return scale if hasattr(scale, "data_ptr") else None
+
+
+def optimizer_state_tensors(optimizer: Any) -> list[tuple[str, str, Any]]:
+    """A sample of the optimizer's own memory: per inner optimizer, its first main
+    parameter and that parameter's state tensors (megatron-core's
+    ``MegatronOptimizer.offload_to_cpu`` moves all of them together, by ``p.data = ...`` and
+    ``state[k] = ...``)."""
+    found = []
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    for index, megatron_optimizer in enumerate(inner):
+        torch_optimizer = getattr(megatron_optimizer, "optimizer", None)
+        if torch_optimizer is None or not getattr(torch_optimizer, "param_groups", None):
+            continue
+        params = torch_optimizer.param_groups[0]["params"]
+        if not params:
+            continue
+        first = params[0]
+        found.append(("optimizer state", f"optimizer {index} main parameter 0", first))
+        for key, value in sorted(torch_optimizer.state.get(first, {}).items()):
+            if hasattr(value, "data_ptr") and getattr(value, "dim", lambda: 0)() > 0:
+                found.append(("optimizer state", f"optimizer {index} state {key!r}", value))
+    return found
+
+
+def barrier() -> None:
+    """megatron-core's capture barrier (every rank enters and leaves a capture together)."""
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def max_across_ranks(values: list[int]) -> list[int]:
+    """The element-wise maximum of ``values`` over every rank (one small all-reduce and a
+    host read); ``values`` itself in a single-rank job."""
+    import torch
+
+    if compat.distributed_world()[1] == 1:
+        return list(values)
+    dist = torch.distributed
+    on_gpu = "nccl" in str(dist.get_backend()).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    tensor = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]
+
+
+@contextlib.contextmanager
+def stale_capture_streams_overridden() -> Iterator[None]:
+    """What megatron-core 0.19 sets before its capture (``full_cuda_graph.py``):
+    ``torch.autograd.graph.set_override_stale_capture_stream(True)``, so autograd nodes made
+    on another stream (DDP's gradient hooks) join the capture instead of invalidating it.
+    megatron-core leaves the process-wide flag on; it is restored here. Torch builds
+    without it (before pytorch#180090) capture as before."""
+    import torch
+
+    setter = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
+    if setter is None:
+        yield
+        return
+    getter = getattr(torch._C, "_override_stale_capture_stream", None)
+    before = bool(getter()) if getter is not None else False
+    setter(True)
+    try:
+        yield
+    finally:
+        setter(before)

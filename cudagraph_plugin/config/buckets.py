@@ -1,0 +1,36 @@
+"""Sequence-length buckets (pure Python): the setting's accepted form and the arithmetic
+of padding to them. The padding itself (torch) is :mod:`cudagraph_plugin.runtime.padding`;
+the graphs per bucket are :mod:`cudagraph_plugin.runtime.buckets`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+
+def check_buckets(buckets: Iterable[Any], field: str = "buckets") -> tuple[int, ...]:
+    """The bucket lengths, sorted; a clear error for anything that is not a non-empty set of
+    distinct positive integers."""
+    values = list(buckets)
+    if not values:
+        raise ValueError(f"{field} is empty: give at least one sequence length, e.g. 512,1024")
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(
+                f"{field} must be positive integers (sequence lengths), got {value!r} in {values!r}"
+            )
+    if len(set(values)) != len(values):
+        raise ValueError(f"{field} has a length twice: {values!r}; give each length once")
+    return tuple(sorted(values))
+
+
+def bucket_for(length: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket >= ``length``, or ``None`` when it exceeds every bucket."""
+    return next((bucket for bucket in sorted(buckets) if bucket >= length), None)
+
+
+def padding_waste_percent(real_tokens: int, padded_tokens: int) -> float | None:
+    """Padded positions as a percentage of all positions computed; ``None`` without any."""
+    total = real_tokens + padded_tokens
+    return None if total == 0 else 100.0 * padded_tokens / total

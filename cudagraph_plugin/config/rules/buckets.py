@@ -1,0 +1,47 @@
+"""Rules on sequence-length buckets (``cuda_graph_buckets``): one full-iteration graph per
+bucket, so buckets need the full-iteration scope; the fallback policy and pipeline
+parallelism are not served with them yet."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from cudagraph_plugin.config.environment import Environment
+from cudagraph_plugin.config.errors import Violation
+from cudagraph_plugin.config.rules.base import rule, scope_value, violation
+from cudagraph_plugin.config.settings import Settings
+
+
+def _buckets_value(s: Settings) -> str:
+    return ",".join(map(str, s.buckets or ()))
+
+
+@rule
+def _buckets(s: Settings, env: Environment) -> Iterator[Violation]:
+    if not s.buckets:
+        return
+    if not (s.impl == "local" and s.full_iteration):
+        yield violation(
+            s,
+            ("buckets", "impl", "scope"),
+            (_buckets_value(s), s.impl, scope_value(s)),
+            "sequence-length buckets are full-iteration graphs (one per bucket)",
+            "use cuda_graph_impl=local with scope full_iteration, or drop cuda_graph_buckets",
+        )
+    if s.fallback_on_slowdown:
+        yield violation(
+            s,
+            ("buckets", "fallback_on_slowdown"),
+            (_buckets_value(s), True),
+            "the fallback policy decides for one graph; with buckets the report shows each "
+            "bucket's speed-up instead",
+            "drop cuda_graph_fallback_on_slowdown (read the per-bucket report)",
+        )
+    if s.pipeline_parallel:
+        yield violation(
+            s,
+            ("buckets", "pipeline_model_parallel_size"),
+            (_buckets_value(s), s.pipeline_model_parallel_size),
+            "bucketed graphs are not served with pipeline parallelism yet",
+            "use one sequence length (no buckets) with pipeline parallelism",
+        )

@@ -1,0 +1,592 @@
+"""Full-iteration CUDA graphs per sequence-length bucket, recaptured when memory moves.
+
+megatron-core's ``FullCudaGraphWrapper`` holds one graph per stage on its class: a shape
+change after capture would replay stale buffers (the plugin's guard raises instead).
+:class:`BucketGraphs` serves hosts whose sequence length changes per batch (RL trainers):
+the host pads each step's micro-batches to a bucket length (``cudagraph_plugin.runtime.padding``)
+and passes it as ``seq_length``; every (bucket, micro-batch size, micro-batch count) gets
+its own graph, following megatron-core's rules for each:
+
+* its own warm-up: a key runs eagerly (on its static buffers) ``warmup_steps`` times, is
+  captured on its next call, which then replays (megatron-core's sequence); the warm-up
+  makes every lazy, shape-dependent allocation (rotary caches, scratch buffers) outside
+  the capture pool;
+* its own static input buffers, filled by megatron-core's ``StaticBufferLoader`` through
+  ``FullCudaGraphWrapper.data_read`` (``bucket_compat.read_static_inputs``), the copy
+  ordered after the previous replay;
+* the capture as megatron-core does it: barrier, a new ``CUDAGraph`` registering every
+  generator state of the RNG tracker, synchronise, ``torch.cuda.graph(...,
+  capture_error_mode="thread_local")`` on megatron-core's shared capture stream where it
+  has one (0.18+; else one stream of this object), stale capture streams overridden,
+  synchronise, barrier;
+* one graph memory pool shared by every bucket graph of this object (and no other graph),
+  so their memory is about that of the largest, not the sum. A graph's outputs (the losses
+  it returns) are valid until the next forward/backward call: a later graph may reuse
+  their memory, as a later replay of the same graph overwrites them;
+* the graphs keep megatron-core's global scratch buffers they were captured with: a
+  longer sequence makes megatron-core replace a buffer with a larger one (its local
+  attention takes the ``"mpu"`` buffer for every step, sized by the sequence length
+  squared), which would free the memory the earlier graphs use as scratch.
+
+A step outside every bucket runs eagerly with one log line per new shape (never a crash,
+never a stale replay); forward-only (validation) calls run eagerly (see :meth:`route`).
+The shape guard (``guard.ShapeGuard``) checks each replayed call against its graph's
+capture call.
+
+Memory that moves: before every training call while graphs are held, an
+:class:`AddressFingerprint` (``data_ptr()`` of DDP's parameter and gradient buffers, a
+sample of parameters, the loss scale) is compared
+with the one taken at capture; if anything moved (offload and reload, ``param.data = ...``)
+every graph is freed and each bucket is captured again after its warm-up, with a log line
+saying why; :meth:`BucketGraphs.invalidate` does the same on the host's word. In a
+multi-rank job every rank must take the same action in a step (a capture holds barriers,
+the graphs hold collectives): each training call agrees on the key and on "memory moved"
+with one small all-reduce; on disagreement the step runs eagerly on every rank.
+
+What the fingerprint cannot see (the host then calls :meth:`BucketGraphs.invalidate`, or a
+debugging run captures with ``check_input_liveness``): a parameter outside every DDP
+buffer moved alone and not sampled; cached tensors freed behind the graphs' back, e.g.
+megatron-core's rotary-embedding table (``RotaryEmbedding.forward`` is an
+``lru_cache(maxsize=32)``: once 32 other lengths ran eagerly, a bucket's table is evicted
+and freed, since replays never touch the cache), or cuBLAS workspaces cleared while
+graphs live.
+
+None of this fires hooks: the plugin brackets :meth:`BucketGraphs.run` of a
+``Action.CAPTURE`` route with its capture hooks, timing and memory snapshots.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import functools
+import inspect
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from cudagraph_plugin.compat import buckets as bucket_compat
+from cudagraph_plugin.config.buckets import check_buckets, padding_waste_percent
+from cudagraph_plugin.runtime.guard import ShapeGuard, StaticShapeError
+from cudagraph_plugin.runtime.release import ReleaseStep, release_each, settle
+from cudagraph_plugin.runtime.timing import median_or_none
+
+logger = logging.getLogger("cudagraph_plugin")
+
+BUCKET_FIX = (
+    "with CUDA graph buckets, pad every micro-batch of a step to the bucket length passed as "
+    "seq_length (cudagraph_plugin.runtime.padding.pad_step), and keep micro_batch_size and the "
+    "tensor dtypes of a bucket fixed"
+)
+
+PARAMS_PER_CHUNK = 16
+"""Parameters sampled per model chunk by the address fingerprint (see AddressFingerprint)."""
+
+
+class Action(enum.Enum):
+    """What a training call does."""
+
+    EAGER = "eager"  # the host's own call: outside every bucket, forward-only, ranks disagree
+    WARMUP = "warmup"  # eager on the key's static buffers, counted towards its capture
+    CAPTURE = "capture"  # captured, then replayed once
+    REPLAY = "replay"
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketKey:
+    """The shape a graph is captured for."""
+
+    seq_length: int
+    micro_batch_size: int | None
+    num_microbatches: int
+
+    def __str__(self) -> str:
+        return (
+            f"seq_length {self.seq_length}, micro_batch_size {self.micro_batch_size}, "
+            f"{self.num_microbatches} micro-batch(es)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """The decision for one call; ``key`` is ``None`` for forward-only calls."""
+
+    action: Action
+    key: BucketKey | None
+    reason: str | None = None
+
+
+@dataclasses.dataclass
+class BucketStats:
+    """What happened to one key: each call's step and action, capture times, replays."""
+
+    key: BucketKey
+    in_bucket: bool
+    calls: list[tuple[int | None, Action]] = dataclasses.field(default_factory=list)
+    capture_seconds: list[float] = dataclasses.field(default_factory=list)
+    replays: int = 0
+
+    def steps(self, *actions: Action) -> list[int]:
+        return [step for step, action in self.calls if action in actions and step is not None]
+
+
+@dataclasses.dataclass
+class _Captured:
+    graph: Any
+    result: Any  # the capture's outputs, which every replay refills; kept with the graph
+    step: int | None
+    scratch: list[tuple[str, Any]]  # megatron-core's scratch buffers at capture, kept alive
+
+
+Fingerprint = tuple[tuple[str, str, int], ...]
+
+
+class AddressFingerprint:
+    """``data_ptr()`` of what a full-iteration graph points at and a host may reallocate.
+
+    Cheap enough for every step (a few dozen pointer reads): megatron-core DDP's contiguous
+    parameter and gradient buffers (what megatron-core's own RL offloading frees and
+    reallocates), up to ``params_per_chunk`` parameters per model chunk spread over its
+    parameters (``param.data = ...`` offloading moves them all; a single parameter moved
+    alone and not sampled is not seen: hosts say so with ``invalidate``) and the loss scale
+    the captured backward multiplies by. (megatron-core's global scratch buffers move too,
+    but the graphs keep the ones they use: :class:`BucketGraphs`.) With
+    ``optimizer_state`` also a sample of the optimizer's main parameters and state, which
+    an optimizer-step graph reads and a forward/backward graph does not.
+    """
+
+    def __init__(
+        self,
+        model: Sequence[Any],
+        optimizer: Any = None,
+        *,
+        params_per_chunk: int | None = PARAMS_PER_CHUNK,
+        optimizer_state: bool = False,
+    ) -> None:
+        self.model: list[Any] | None = list(model)
+        self.optimizer = optimizer
+        self.optimizer_state = optimizer_state
+        self._params = [
+            (f"model chunk {index} {name}", param)
+            for index, chunk in enumerate(self.model)
+            for name, param in _spread(list(chunk.named_parameters()), params_per_chunk)
+        ]
+
+    def take(self) -> Fingerprint:
+        if self.model is None:
+            return ()
+        entries = [("parameters", name, param.data_ptr()) for name, param in self._params]
+        tensors = bucket_compat.ddp_buffer_tensors(self.model)
+        if self.optimizer is not None:
+            scale = bucket_compat.loss_scale_tensor(self.optimizer)
+            if scale is not None:
+                tensors.append(("loss scale", "optimizer loss scale", scale))
+            if self.optimizer_state:
+                tensors += bucket_compat.optimizer_state_tensors(self.optimizer)
+        entries += [(group, name, tensor.data_ptr()) for group, name, tensor in tensors]
+        return tuple(entries)
+
+    @staticmethod
+    def changes(before: Fingerprint, after: Fingerprint) -> list[str]:
+        """What differs, one entry per group: ``"<group> (<first name>: old -> new)"``."""
+        old = {(group, name): ptr for group, name, ptr in before}
+        new = {(group, name): ptr for group, name, ptr in after}
+        found: dict[str, str] = {}
+        for entry in [*old, *(k for k in new if k not in old)]:
+            group, name = entry
+            if group not in found and old.get(entry) != new.get(entry):
+                found[group] = f"{group} ({name}: {_ptr(old.get(entry))} -> {_ptr(new.get(entry))})"
+        return list(found.values())
+
+    def forget(self) -> None:
+        """Drop the model and optimizer (the run is over)."""
+        self.model = None
+        self.optimizer = None
+        self._params = []
+
+
+def _ptr(value: int | None) -> str:
+    return "absent" if value is None else f"{value:#x}"
+
+
+def _spread(items: list[Any], count: int | None) -> list[Any]:
+    """``count`` items spread evenly from first to last (all of them if fewer, or None)."""
+    if count is None or len(items) <= count:
+        return items
+    if count == 1:
+        return items[:1]
+    last = len(items) - 1
+    return [items[i] for i in sorted({round(n * last / (count - 1)) for n in range(count)})]
+
+
+class BucketGraphs:
+    """Full-iteration graphs of the training stage, one per bucket key.
+
+    :param buckets: the bucket sequence lengths.
+    :param warmup_steps: eager calls of a key before its capture (at least 1).
+    :param model: the model chunks (for the address fingerprint and megatron-core's reader).
+    :param optimizer: the host's optimizer (its loss scale is in the fingerprint).
+    :param max_graphs: at most this many graphs at once (``None``: no limit); a further key
+        runs eagerly with one log line.
+    :param fingerprint: what to check for moved memory (default: :class:`AddressFingerprint`
+        of ``model`` and ``optimizer``).
+    :param agree: element-wise maximum of a list of ints over all ranks (default: one
+        all-reduce, nothing in a single-rank job).
+    :param check_input_liveness: capture with torch's input-liveness check (torch 2.13+),
+        which makes a replay raise if a tensor the graph reads was freed: a debugging aid.
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[int],
+        warmup_steps: int,
+        *,
+        model: Sequence[Any],
+        optimizer: Any = None,
+        max_graphs: int | None = None,
+        fingerprint: AddressFingerprint | None = None,
+        agree: Callable[[list[int]], list[int]] | None = None,
+        check_input_liveness: bool = False,
+    ) -> None:
+        self.buckets = check_buckets(buckets, "cuda_graph_buckets")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(
+                f"cuda_graph_warmup_steps={warmup_steps!r}: bucketed full-iteration graphs "
+                "need at least 1 eager step per bucket before its capture (lazy, "
+                "shape-dependent allocations must happen outside the graph pool). Fix: "
+                "--cuda-graph-warmup-steps 1 or more"
+            )
+        if max_graphs is not None and (isinstance(max_graphs, bool) or max_graphs < 1):
+            raise ValueError(
+                f"max_graphs={max_graphs!r}: give a positive number of graphs, or None for no limit"
+            )
+        self.warmup_steps = warmup_steps
+        self.max_graphs = max_graphs
+        self.fingerprint = fingerprint or AddressFingerprint(model, optimizer)
+        self._agree = agree or bucket_compat.max_across_ranks
+        self._liveness = _liveness_kwargs(check_input_liveness)
+        self.guard = ShapeGuard()
+        self.stats: dict[BucketKey, BucketStats] = {}
+        self.invalidations: list[tuple[int | None, str, int]] = []
+        self.padding: dict[int, list[int]] = {}  # seq_length -> [real, padded] tokens
+        self._graphs: dict[BucketKey, _Captured] = {}
+        self._calls: collections.Counter[BucketKey] = collections.Counter()
+        self._buffers: dict[tuple[int, int | None], list[Any]] = {}
+        self._reference: Fingerprint | None = None
+        self._reader: Any = None
+        self._pool: Any = None
+        self._stream: Any = None
+        self._logged: set[Any] = set()
+
+    # -- routing ----------------------------------------------------------------------------
+
+    def route(self, kwargs: Mapping[str, Any], step: int | None = None) -> Route:
+        """Decide what one ``forward_backward_func`` call does.
+
+        Forward-only calls run eagerly: megatron-core's wrapper keeps one validation graph,
+        which a second shape would replay stale, and they are cheap next to the training
+        step. A training call first checks the address fingerprint (freeing every graph if
+        memory moved), agrees with the other ranks, then: outside every bucket, eager; a
+        captured key, replay; else warm-up until the key's ``warmup_steps``-th call, which
+        captures.
+        """
+        if kwargs.get("forward_only"):
+            self._log_once(
+                "forward_only",
+                "forward-only (validation) calls run eagerly with CUDA graph buckets: only "
+                "the training step is captured per bucket",
+            )
+            return Route(Action.EAGER, None, "forward-only")
+        key = _key(kwargs)
+        moved = self._moved()
+        mbs = key.micro_batch_size if key.micro_batch_size is not None else -1
+        shape = [key.seq_length, mbs, key.num_microbatches]
+        agreed = self._agree([*shape, *(-v for v in shape), int(bool(moved))])
+        if agreed[6] and not moved:
+            moved = ["another rank found memory moved"]
+        if moved:
+            self.invalidate("memory the graphs point at moved: " + "; ".join(moved), step=step)
+        if agreed[:3] != [-v for v in agreed[3:6]]:
+            self._log_once(
+                ("ranks", key),
+                f"ranks called forward_backward_func with different shapes at step {step} "
+                f"(this rank: {key}); such steps run eagerly on every rank. Fix: pad every "
+                "rank's micro-batches to the same bucket (pad_step(..., length=<the longest "
+                "over all ranks>))",
+            )
+            return Route(Action.EAGER, key, "ranks disagree")
+        if key.seq_length not in self.buckets:
+            self._log_once(
+                ("outside", key),
+                f"a training step with {key} is outside every CUDA graph bucket "
+                f"({', '.join(map(str, self.buckets))}): steps of this shape run eagerly",
+            )
+            return Route(Action.EAGER, key, "outside every bucket")
+        if key in self._graphs:
+            return Route(Action.REPLAY, key)
+        if self.max_graphs is not None and len(self._graphs) >= self.max_graphs:
+            self._log_once(
+                ("limit", key),
+                f"a training step with {key} would need a CUDA graph beyond the limit of "
+                f"{self.max_graphs}: steps of this shape run eagerly",
+            )
+            return Route(Action.EAGER, key, "graph limit")
+        if self._calls[key] >= self.warmup_steps:
+            return Route(Action.CAPTURE, key)
+        return Route(Action.WARMUP, key)
+
+    def run(self, route: Route, eager: Any, kwargs: dict[str, Any], step: int | None = None) -> Any:
+        """Carry out ``route`` for a call of ``eager`` (megatron-core's forward_backward_func)
+        with ``kwargs``; returns what the call returns (after a capture or replay, the
+        graph's outputs, valid until the next call)."""
+        key = route.key
+        if key is not None:
+            stats = self.stats.setdefault(key, BucketStats(key, key.seq_length in self.buckets))
+            stats.calls.append((step, route.action))
+        if route.action is Action.EAGER:
+            return eager(**kwargs)
+        assert key is not None
+        kwargs = dict(kwargs)
+        label = f"training (bucket {key})"
+        capturing = route.action is Action.CAPTURE
+        data_iterator = self.guard.check_call(label, step, kwargs, record=capturing)
+        if self._reader is None:
+            self._reader = bucket_compat.static_input_reader(eager)
+        buffers = self._buffers.setdefault((key.seq_length, key.micro_batch_size), [])
+        try:
+            kwargs["data_iterator"] = bucket_compat.read_static_inputs(
+                self._reader, buffers, data_iterator, kwargs["model"], key.num_microbatches
+            )
+        except StaticShapeError as error:
+            error.add_note(f"Fix: {BUCKET_FIX}")
+            raise
+        if route.action is Action.WARMUP:
+            self._calls[key] += 1
+            return eager(**kwargs)
+        if capturing:
+            result = self._capture(key, eager, kwargs, step)
+            self.guard.commit(label)
+            return result
+        captured = self._graphs[key]
+        captured.graph.replay()
+        stats.replays += 1
+        return captured.result
+
+    # -- capture ----------------------------------------------------------------------------
+
+    def _capture(self, key: BucketKey, eager: Any, kwargs: dict[str, Any], step: int | None) -> Any:
+        import torch
+
+        pool = self._pool if self._pool is not None else torch.cuda.graph_pool_handle()
+        stream = bucket_compat.shared_capture_stream()
+        if stream is None:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            stream = self._stream
+        logger.info("capturing the full-iteration CUDA graph for %s at step %s", key, step)
+        start = time.perf_counter()
+        with bucket_compat.stale_capture_streams_overridden():
+            bucket_compat.barrier()
+            graph = torch.cuda.CUDAGraph()
+            for state in bucket_compat.rng_generator_states():
+                graph.register_generator_state(state)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(
+                graph,
+                pool=pool,
+                stream=stream,
+                capture_error_mode="thread_local",
+                **self._liveness,
+            ):
+                result = eager(**kwargs)
+            torch.cuda.synchronize()
+            bucket_compat.barrier()
+        seconds = time.perf_counter() - start
+        self._pool = pool
+        self._graphs[key] = _Captured(graph, result, step, self._scratch())
+        self._calls[key] += 1
+        self._reference = self.fingerprint.take()
+        stats = self.stats[key]
+        stats.capture_seconds.append(seconds)
+        logger.info(
+            "captured the full-iteration CUDA graph for %s in %.3f s (%d bucket graph(s) held)",
+            key,
+            seconds,
+            len(self._graphs),
+        )
+        graph.replay()
+        stats.replays += 1
+        return result
+
+    # -- moved memory and invalidation ------------------------------------------------------
+
+    def _moved(self) -> list[str]:
+        if not self._graphs or self._reference is None:
+            return []
+        now = self.fingerprint.take()
+        if now == self._reference:
+            return []
+        return AddressFingerprint.changes(self._reference, now) or ["the fingerprint changed"]
+
+    def invalidate(self, reason: str, step: int | None = None) -> int:
+        """Free every graph (their memory, outputs and shape references); each key is
+        captured again after ``warmup_steps`` eager calls. Returns the graphs freed."""
+        if self._graphs:
+            import torch
+
+            # The last replay may still run on the device: its memory goes back only after.
+            torch.cuda.synchronize()
+        result = release_each(self.graph_release_steps())
+        self._calls.clear()
+        self.guard.disarm()
+        self._reference = None
+        self.invalidations.append((step, reason, result.graphs_freed))
+        logger.warning(
+            "CUDA graph buckets: %s: freed %d graph(s) at step %s; each bucket is captured "
+            "again after %d warm-up step(s)",
+            reason,
+            result.graphs_freed,
+            step,
+            self.warmup_steps,
+        )
+        settle(result.failures, None)
+        return result.graphs_freed
+
+    # -- bookkeeping and release ------------------------------------------------------------
+
+    def graph_count(self) -> int:
+        return len(self._graphs)
+
+    @staticmethod
+    def _scratch() -> list[tuple[str, Any]]:
+        return [(name, t) for _, name, t in bucket_compat.global_memory_buffer_tensors()]
+
+    def kept_scratch_buffers(self) -> list[tuple[str, int, int]]:
+        """(name, address, bytes) of the scratch buffers the held graphs keep alive that
+        megatron-core has since replaced: memory that exists only for the graphs."""
+        current = {t.data_ptr() for _, t in self._scratch()}
+        kept: dict[int, tuple[str, int, int]] = {}
+        for captured in self._graphs.values():
+            for name, tensor in captured.scratch:
+                address = tensor.data_ptr()
+                if address not in current:
+                    kept[address] = (name, address, tensor.numel() * tensor.element_size())
+        return list(kept.values())
+
+    def record_padding(self, seq_length: int, real_tokens: int, padded_tokens: int) -> None:
+        """Count a step's real and padded token positions (from ``padding.pad_step``)."""
+        counts = self.padding.setdefault(seq_length, [0, 0])
+        counts[0] += real_tokens
+        counts[1] += padded_tokens
+
+    def summary(self, durations_ms: Mapping[int, float] | None = None) -> list[dict[str, Any]]:
+        """Per key: its steps by action, capture seconds, replays, padding waste, and with
+        the host's step durations the median eager and replay step times. A key's first
+        call (its static buffers, lazy allocations) and its capture steps are left out of
+        the medians."""
+        durations = durations_ms or {}
+        rows = []
+        for key, stats in sorted(self.stats.items(), key=lambda item: _sort_key(item[0])):
+            first = stats.calls[0][0] if stats.calls else None
+            eager = [s for s in stats.steps(Action.EAGER, Action.WARMUP) if s != first]
+            replay = stats.steps(Action.REPLAY)
+            real, padded = self.padding.get(key.seq_length, [0, 0])
+            rows.append(
+                {
+                    "seq_length": key.seq_length,
+                    "micro_batch_size": key.micro_batch_size,
+                    "num_microbatches": key.num_microbatches,
+                    "in_bucket": stats.in_bucket,
+                    "eager_steps": stats.steps(Action.EAGER, Action.WARMUP),
+                    "capture_steps": stats.steps(Action.CAPTURE),
+                    "replay_steps": replay,
+                    "capture_seconds": list(stats.capture_seconds),
+                    "replays": stats.replays,
+                    "graph_held": key in self._graphs,
+                    "eager_step_ms": median_or_none(
+                        [durations[s] for s in eager if s in durations]
+                    ),
+                    "replay_step_ms": median_or_none(
+                        [durations[s] for s in replay if s in durations]
+                    ),
+                    "padding_waste_percent": padding_waste_percent(real, padded),
+                }
+            )
+        return rows
+
+    def graph_release_steps(self) -> list[ReleaseStep]:
+        """The graphs alone, then the pool handle (invalidation, the fallback policy)."""
+        return [
+            *(
+                ReleaseStep(f"bucket graph ({key})", functools.partial(self._free, key), True)
+                for key in list(self._graphs)
+            ),
+            ReleaseStep("bucket graph pool handle", self._forget_pool),
+        ]
+
+    def release_steps(self) -> list[ReleaseStep]:
+        return [
+            *self.graph_release_steps(),
+            ReleaseStep("bucket warm-up counters", self._calls.clear),
+            ReleaseStep("bucket static input buffers", self._buffers.clear),
+            ReleaseStep("bucket static-shape guard", self.guard.disarm),
+            ReleaseStep("bucket model and optimizer references", self._drop_references),
+        ]
+
+    def _free(self, key: BucketKey) -> int:
+        captured = self._graphs.pop(key)
+        captured.result = None  # its tensors live in the pool
+        captured.scratch = []
+        captured.graph.reset()
+        return 1
+
+    def _forget_pool(self) -> None:
+        # A pool whose last graph is gone is released; capturing into its stale handle trips
+        # the caching allocator ("use_count > 0"): the next capture asks for a new one.
+        if not self._graphs:
+            self._pool = None
+
+    def _drop_references(self) -> None:
+        self.fingerprint.forget()
+        self._reference = None
+        self._reader = None
+        self._stream = None
+
+    def _log_once(self, what: Any, message: str) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            logger.info("%s", message)
+
+
+def _key(kwargs: Mapping[str, Any]) -> BucketKey:
+    for name in ("seq_length", "num_microbatches"):
+        if not isinstance(kwargs.get(name), int):
+            raise ValueError(
+                f"forward_backward_func called with {name}={kwargs.get(name)!r}; CUDA graph "
+                f"buckets route each training call by its seq_length and num_microbatches. "
+                f"Fix: pass {name} as an int (megatron-core's schedules take it)"
+            )
+    return BucketKey(
+        kwargs["seq_length"], kwargs.get("micro_batch_size"), kwargs["num_microbatches"]
+    )
+
+
+def _sort_key(key: BucketKey) -> tuple[int, int, int]:
+    mbs = key.micro_batch_size if key.micro_batch_size is not None else -1
+    return (key.seq_length, mbs, key.num_microbatches)
+
+
+def _liveness_kwargs(check: bool) -> dict[str, bool]:
+    if not check:
+        return {}
+    import torch
+
+    if "check_input_liveness" not in inspect.signature(torch.cuda.graph).parameters:
+        raise ValueError(
+            f"check_input_liveness=True needs torch.cuda.graph(check_input_liveness=...), "
+            f"which torch {torch.__version__} lacks (torch 2.13 has it). Fix: upgrade torch "
+            "or leave the check off"
+        )
+    return {"check_input_liveness": True}

@@ -1,0 +1,68 @@
+"""The host's word that what captured graphs point at has moved (``run.invalidate_graphs``:
+a checkpoint load, parameters or optimizer state offloaded and brought back).
+
+Bucketed full-iteration graphs are freed and captured again after their warm-up
+(:meth:`BucketGraphs.invalidate`). megatron-core's own mechanisms cannot capture twice in
+a run (its full-iteration wrapper keeps one graph per stage on its class; 0.19's TE helper
+captures once), so their graphs are freed and the run goes on eagerly, said in the log:
+never a replay onto moved memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+from cudagraph_plugin.runtime.capture import Captures
+from cudagraph_plugin.runtime.guard import ShapeGuard
+from cudagraph_plugin.runtime.release import ReleaseStep, release_each
+from cudagraph_plugin.runtime.state import Phase, RunState
+
+logger = logging.getLogger("cudagraph_plugin")
+
+
+class Invalidation:
+    def __init__(self, state: RunState, captures: Captures, guard: ShapeGuard) -> None:
+        self.state = state
+        self.captures = captures
+        self.guard = guard
+        self.graphs_freed = 0
+        self.events: list[dict[str, object]] = []
+
+    def invalidate(self, reason: str) -> None:
+        state = self.state
+        if state.buckets is not None:
+            freed = state.buckets.invalidate(reason, step=state.step)
+            self._record(reason, freed, "recaptured after their warm-up")
+            return
+        if state.phase is not Phase.CAPTURED:
+            self._record(reason, 0, "no graph was held")
+            return
+        steps: list[ReleaseStep] = []
+        if state.full is not None:
+            steps += state.full.graph_release_steps()
+        if state.te is not None:
+            steps += [s for s in state.te.release_steps() if s.frees_graphs]
+        if state.optim is not None:
+            steps += state.optim.release_steps()
+            state.optim = None
+        freed = release_each(steps).graphs_freed
+        gc.collect()
+        self.guard.disarm()
+        self.captures.graph_count = 0
+        state.advance((Phase.CAPTURED,), Phase.FALLEN_BACK)
+        logger.warning(
+            "the host invalidated the CUDA graphs at step %s (%s): %d graph(s) freed; "
+            "megatron-core's graphs are captured once per run, so the run goes on eagerly "
+            "(bucketed full-iteration graphs, --cuda-graph-buckets, are captured again)",
+            state.step,
+            reason,
+            freed,
+        )
+        self._record(reason, freed, "the run goes on eagerly")
+
+    def _record(self, reason: str, freed: int, then: str) -> None:
+        self.graphs_freed += freed
+        self.events.append(
+            {"step": self.state.step, "reason": reason, "graphs_freed": freed, "then": then}
+        )

@@ -1,0 +1,285 @@
+"""Padding micro-batches to a sequence-length bucket (torch, no megatron-core): the host's
+helper for bucketed full-iteration graphs.
+
+Bucketed full-iteration CUDA graphs (``cudagraph_plugin.runtime.buckets``) keep one graph per
+(bucket length, micro-batch size, micro-batch count): a host whose sequence lengths vary
+pads each step's micro-batches to one bucket length and passes that length as
+``seq_length``. This module owns that padding and the waste it costs:
+
+* :func:`pad_to_bucket` pads one micro-batch dict: ``tokens`` with the pad token, ``labels``
+  with the label pad id, ``loss_mask`` with zeros (padding never counts in the loss),
+  ``position_ids`` by counting on from each row's last position, a megatron-core attention
+  mask (boolean ``[b, 1, s, s]``, ``True`` = masked) with every padded key masked, and any
+  key the host names in ``extra``. Padding goes on the right: with megatron-core's causal
+  attention no real token attends to a later (padded) one, so the real tokens' outputs and
+  losses are those of the unpadded batch.
+* :func:`pad_step` pads all micro-batches of one step to one common bucket (the graph of a
+  step reads every micro-batch at the same shape).
+* the bucket arithmetic (:func:`bucket_for`, :func:`check_buckets`, :func:`padding_waste_percent`)
+  is :mod:`cudagraph_plugin.config.buckets`' (re-exported here).
+
+A length above the largest bucket raises :class:`BucketOverflowError` by default: a host
+that pads expects a graph. ``overflow="keep"`` returns such a batch unpadded instead (its
+``seq_length`` is then outside every bucket, and the step runs eagerly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from cudagraph_plugin.config.buckets import bucket_for, check_buckets, padding_waste_percent
+
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+"""The micro-batch keys padded along their last dimension (megatron-core's GPT batch)."""
+
+OVERFLOW_CHOICES = ("error", "keep")
+
+
+class BucketOverflowError(ValueError):
+    """A sequence is longer than the largest bucket."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedBatch:
+    """One padded micro-batch.
+
+    :ivar batch: a new dict (the input is not modified); values that need no padding are
+        the input's own objects.
+    :ivar seq_length: the bucket length (the length itself when ``overflow="keep"`` let a
+        too-long batch through): pass it to ``forward_backward_func`` as ``seq_length``.
+    :ivar padding: padded token positions added (rows x added length).
+    :ivar tokens: token positions after padding (rows x ``seq_length``).
+    """
+
+    batch: dict[str, Any]
+    seq_length: int
+    padding: int
+    tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedStep:
+    """All micro-batches of one step, padded to one bucket (see :func:`pad_step`)."""
+
+    batches: list[dict[str, Any]]
+    seq_length: int
+    padding: int
+    tokens: int
+
+
+def sequence_length(batch: Mapping[str, Any]) -> int:
+    """The length of a micro-batch: the last dimension of its sequence tensors (which must
+    agree)."""
+    lengths = {
+        key: batch[key].shape[-1]
+        for key in SEQUENCE_KEYS
+        if isinstance(batch.get(key), torch.Tensor)
+    }
+    if not lengths:
+        raise ValueError(
+            f"the micro-batch has none of the sequence tensors {', '.join(SEQUENCE_KEYS)} "
+            f"(keys: {', '.join(map(str, batch)) or 'none'}); pad_to_bucket needs at least one"
+        )
+    if len(set(lengths.values())) > 1:
+        found = ", ".join(f"batch[{key!r}] {length}" for key, length in lengths.items())
+        raise ValueError(
+            f"the micro-batch's sequence tensors disagree on their length ({found}); give "
+            "them one length in their last dimension"
+        )
+    return next(iter(lengths.values()))
+
+
+def pad_to_bucket(
+    batch: Mapping[str, Any],
+    buckets: Sequence[int],
+    *,
+    pad_token_id: int,
+    label_pad_id: int | None = None,
+    length: int | None = None,
+    overflow: str = "error",
+    extra: Mapping[str, int | float | bool] | None = None,
+) -> PaddedBatch:
+    """Pad one micro-batch to the smallest bucket >= its length.
+
+    :param batch: the micro-batch: ``tokens``, ``labels``, ``loss_mask``, ``position_ids``
+        (``[..., s]``) and ``attention_mask`` (``None`` or megatron-core's boolean
+        ``[b, 1, s, s]``, ``True`` = masked) where present; other values pass through.
+    :param buckets: the bucket lengths.
+    :param pad_token_id: the token id of padded positions.
+    :param label_pad_id: the label of padded positions (default ``pad_token_id``: a valid
+        vocabulary id, which every cross-entropy implementation accepts; ``loss_mask`` is 0
+        there, so it never counts).
+    :param length: pad as if the batch were this long (at least its own length): the step's
+        or the job's longest micro-batch, so that every micro-batch and rank picks the same
+        bucket (every rank must run the same graph in each step).
+    :param overflow: ``"error"`` (default) raises :class:`BucketOverflowError` above the
+        largest bucket; ``"keep"`` returns the batch unpadded (the step then runs eagerly).
+    :param extra: more keys to pad along their last dimension, each with its pad value
+        (e.g. ``{"advantages": 0.0}``). Any other tensor of two or more dimensions whose last
+        dimension is the sequence length is refused, since leaving it unpadded would break
+        the model's shapes.
+    """
+    if overflow not in OVERFLOW_CHOICES:
+        raise ValueError(f"overflow must be one of {OVERFLOW_CHOICES}, got {overflow!r}")
+    buckets = check_buckets(buckets)
+    extra = dict(extra or {})
+    own = sequence_length(batch)
+    wanted = own if length is None else length
+    if wanted < own:
+        raise ValueError(
+            f"length={length} is shorter than the micro-batch ({own} tokens); pass the "
+            "longest length of the step (or job), or leave length out"
+        )
+    _refuse_unnamed_sequence_tensors(batch, own, extra)
+    bucket = bucket_for(wanted, buckets)
+    if bucket is None:
+        if overflow == "keep":
+            return PaddedBatch(dict(batch), own, 0, _rows(batch) * own)
+        raise BucketOverflowError(
+            f"a micro-batch of length {wanted} exceeds the largest CUDA graph bucket "
+            f"({buckets[-1]}; buckets: {', '.join(map(str, buckets))}). Fix: add a bucket >= "
+            f"{wanted} (e.g. --cuda-graph-buckets {','.join(map(str, (*buckets, wanted)))}), "
+            "truncate the sequence, or pass overflow='keep' to run such steps eagerly"
+        )
+    added = bucket - own
+    values: dict[str, int | float | bool] = {
+        "tokens": pad_token_id,
+        "labels": pad_token_id if label_pad_id is None else label_pad_id,
+        "loss_mask": 0,
+        **extra,
+    }
+    padded = dict(batch)
+    if added:
+        for key, value in values.items():
+            if isinstance(batch.get(key), torch.Tensor):
+                padded[key] = _pad_last(batch[key], added, value)
+        if isinstance(batch.get("position_ids"), torch.Tensor):
+            padded["position_ids"] = _continue_positions(batch["position_ids"], added)
+        if batch.get("attention_mask") is not None:
+            padded["attention_mask"] = _pad_attention_mask(batch["attention_mask"], added)
+    rows = _rows(batch)
+    return PaddedBatch(padded, bucket, rows * added, rows * bucket)
+
+
+def pad_step(
+    batches: Sequence[Mapping[str, Any]],
+    buckets: Sequence[int],
+    *,
+    pad_token_id: int,
+    label_pad_id: int | None = None,
+    length: int | None = None,
+    overflow: str = "error",
+    extra: Mapping[str, int | float | bool] | None = None,
+) -> PaddedStep:
+    """Pad every micro-batch of one step to the bucket of the longest (or of ``length``, if
+    longer: the job-wide longest, agreed across ranks by the host)."""
+    if not batches:
+        raise ValueError("pad_step needs at least one micro-batch")
+    buckets = check_buckets(buckets)
+    longest = max(sequence_length(batch) for batch in batches)
+    target = longest if length is None else max(longest, length)
+    if overflow == "keep" and bucket_for(target, buckets) is None:
+        # Above every bucket the step runs eagerly, but still at one length for all its
+        # micro-batches (forward_backward_func takes one seq_length).
+        buckets = (target,)
+    results = [
+        pad_to_bucket(
+            batch,
+            buckets,
+            pad_token_id=pad_token_id,
+            label_pad_id=label_pad_id,
+            length=target,
+            overflow=overflow,
+            extra=extra,
+        )
+        for batch in batches
+    ]
+    return PaddedStep(
+        [result.batch for result in results],
+        results[0].seq_length,
+        sum(result.padding for result in results),
+        sum(result.tokens for result in results),
+    )
+
+
+def _rows(batch: Mapping[str, Any]) -> int:
+    """Sequences in the micro-batch: the product of the leading dimensions of its first
+    sequence tensor."""
+    for key in SEQUENCE_KEYS:
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor):
+            rows = 1
+            for size in value.shape[:-1]:
+                rows *= size
+            return rows
+    return 0
+
+
+def _refuse_unnamed_sequence_tensors(
+    batch: Mapping[str, Any], length: int, extra: Mapping[str, Any]
+) -> None:
+    known = {*SEQUENCE_KEYS, "attention_mask", *extra}
+    for key, value in batch.items():
+        if key in known or not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() >= 2 and value.shape[-1] == length:
+            raise ValueError(
+                f"batch[{key!r}] (shape {tuple(value.shape)}) has the sequence length {length} "
+                f"in its last dimension but pad_to_bucket does not know how to pad it. Fix: "
+                f"pass extra={{{key!r}: <pad value>}}, or drop it from the micro-batch"
+            )
+
+
+def _pad_last(tensor: torch.Tensor, added: int, value: int | float | bool) -> torch.Tensor:
+    filler = torch.full(
+        (*tensor.shape[:-1], added), value, dtype=tensor.dtype, device=tensor.device
+    )
+    return torch.cat([tensor, filler], dim=-1)
+
+
+def _continue_positions(position_ids: torch.Tensor, added: int) -> torch.Tensor:
+    # Each row counts on from its own last position (packed rows restart their count).
+    steps = torch.arange(1, added + 1, dtype=position_ids.dtype, device=position_ids.device)
+    if position_ids.shape[-1] == 0:
+        return torch.cat([position_ids, (steps - 1).expand(*position_ids.shape[:-1], added)], -1)
+    return torch.cat([position_ids, position_ids[..., -1:] + steps], dim=-1)
+
+
+def _pad_attention_mask(mask: Any, added: int) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
+        described = (
+            f"shape {tuple(mask.shape)} dtype {mask.dtype}"
+            if isinstance(mask, torch.Tensor)
+            else type(mask).__name__
+        )
+        raise ValueError(
+            f"batch['attention_mask'] is {described}; pad_to_bucket pads megatron-core's "
+            "boolean [b, 1, s, s] mask (True = masked) or None. Fix: build that mask, or "
+            "pass attention_mask=None for causal attention"
+        )
+    length = mask.shape[-1]
+    size = length + added
+    padded = torch.ones((*mask.shape[:-2], size, size), dtype=torch.bool, device=mask.device)
+    padded[..., :length, :length] = mask
+    # A padded query attends to itself only: no row is fully masked (a fully masked row
+    # gives NaN in some attention kernels), and no real query sees a padded key.
+    index = torch.arange(length, size, device=mask.device)
+    padded[..., index, index] = False
+    return padded
+
+
+__all__ = [
+    "BucketOverflowError",
+    "PaddedBatch",
+    "PaddedStep",
+    "bucket_for",
+    "check_buckets",
+    "pad_step",
+    "pad_to_bucket",
+    "padding_waste_percent",
+    "sequence_length",
+]

@@ -1,0 +1,74 @@
+"""Does capture pay off? The figures the report adds to eager vs replay: whether its samples
+are too thin to trust the speed-up, after how many replays the capture cost is earned back
+(and whether the run lasts that long), and the same per sequence-length bucket.
+
+Break-even: a capture costs ``capture_seconds``; each replayed step saves ``eager_ms -
+replay_ms``; the capture has paid for itself after ``ceil(capture_ms / saving)`` replayed
+steps (never, when replay saves nothing).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+THIN_SAMPLE = 5
+"""Steps on either side below which a speed-up is reported as not to be trusted."""
+
+
+def thin_sample_note(eager_steps: int, replay_steps: int) -> str | None:
+    """Why the speed-up rests on too few steps, or None."""
+    if min(eager_steps, replay_steps) >= THIN_SAMPLE:
+        return None
+    return (
+        f"measured on {eager_steps} eager and {replay_steps} replayed step(s): too few to "
+        f"trust this speed-up (at least {THIN_SAMPLE} each; --cuda-graph-baseline-steps N "
+        "measures N eager steps before the capture)"
+    )
+
+
+def break_even_steps(
+    capture_seconds: float | None, eager_ms: float | None, replay_ms: float | None
+) -> int | None:
+    """Replayed steps after which the capture has paid for itself; None when replay saves
+    nothing (or a figure is missing)."""
+    if capture_seconds is None or eager_ms is None or replay_ms is None:
+        return None
+    saving = eager_ms - replay_ms
+    if saving <= 0:
+        return None
+    return max(1, math.ceil(capture_seconds * 1000.0 / saving))
+
+
+def pays_off(break_even: int | None, replays_left: int | None) -> bool | None:
+    """Whether the run replays enough steps to earn the capture back (None: not known)."""
+    if replays_left is None:
+        return None
+    return break_even is not None and replays_left >= break_even
+
+
+def bucket_rows(
+    summary: Sequence[Mapping[str, Any]], captures: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """The bucket graphs' summary with, per bucket, its speed-up, break-even, graph memory
+    (what its captures added to the allocated memory: with one shared pool, a later bucket
+    adds little) and whether it earned its capture back within the run."""
+    rows = []
+    for row in summary:
+        steps = set(row["capture_steps"])
+        mib = [c.get("mib") for c in captures if c["stage"] == "training" and c["step"] in steps]
+        eager_ms, replay_ms = row["eager_step_ms"], row["replay_step_ms"]
+        capture_seconds = sum(row["capture_seconds"]) if row["capture_seconds"] else None
+        even = break_even_steps(capture_seconds, eager_ms, replay_ms)
+        rows.append(
+            {
+                **row,
+                "capture_seconds": capture_seconds,
+                "speedup": eager_ms / replay_ms if eager_ms and replay_ms else None,
+                "pool_mib": sum(m for m in mib if m is not None) if mib else None,
+                "break_even_steps": even,
+                "paid_off": pays_off(even, row["replays"]) if capture_seconds else None,
+            }
+        )
+    return rows

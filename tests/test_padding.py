@@ -1,0 +1,173 @@
+"""Padding micro-batches to a sequence-length bucket (``cudagraph_plugin.runtime.padding``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cudagraph_plugin.runtime.padding import (
+    BucketOverflowError,
+    bucket_for,
+    check_buckets,
+    pad_step,
+    pad_to_bucket,
+    padding_waste_percent,
+    sequence_length,
+)
+
+BUCKETS = (8, 16, 32)
+
+
+def batch(length: int, rows: int = 2, start: int = 5) -> dict:
+    tokens = (torch.arange(length) + start).repeat(rows, 1)
+    return {
+        "tokens": tokens,
+        "labels": tokens + 1,
+        "loss_mask": torch.ones(rows, length),
+        "position_ids": torch.arange(length).repeat(rows, 1),
+        "attention_mask": None,
+    }
+
+
+def test_pads_each_sequence_key_to_the_smallest_bucket_at_least_its_length():
+    original = batch(11)
+    padded = pad_to_bucket(original, BUCKETS, pad_token_id=0, label_pad_id=-1)
+    assert padded.seq_length == 16
+    assert padded.padding == 2 * 5 and padded.tokens == 2 * 16
+    out = padded.batch
+    assert out["tokens"].shape == (2, 16) and out["tokens"].dtype == original["tokens"].dtype
+    assert torch.equal(out["tokens"][:, :11], original["tokens"])
+    assert out["tokens"][:, 11:].eq(0).all()
+    assert torch.equal(out["labels"][:, :11], original["labels"])
+    assert out["labels"][:, 11:].eq(-1).all()
+    assert out["loss_mask"].tolist() == [[1.0] * 11 + [0.0] * 5] * 2
+    assert out["position_ids"].tolist() == [list(range(16))] * 2
+    assert out["attention_mask"] is None
+    # the input is left as it was
+    assert original["tokens"].shape == (2, 11)
+
+
+def test_labels_default_to_the_pad_token_and_positions_count_on_per_row():
+    packed = batch(5)
+    packed["position_ids"] = torch.tensor([[0, 1, 0, 1, 2], [0, 1, 2, 3, 4]])
+    out = pad_to_bucket(packed, BUCKETS, pad_token_id=7).batch
+    assert out["labels"][:, 5:].eq(7).all()
+    assert out["position_ids"].tolist() == [[0, 1, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 7]]
+
+
+def test_a_batch_at_a_bucket_length_is_not_padded():
+    original = batch(16)
+    padded = pad_to_bucket(original, BUCKETS, pad_token_id=0)
+    assert padded.seq_length == 16 and padded.padding == 0
+    assert padded.batch["tokens"] is original["tokens"]
+
+
+def test_attention_mask_masks_every_padded_key_and_lets_padded_queries_see_themselves():
+    original = batch(3, rows=1)
+    causal = torch.triu(torch.ones(3, 3, dtype=torch.bool), diagonal=1).view(1, 1, 3, 3)
+    original["attention_mask"] = causal
+    mask = pad_to_bucket(original, BUCKETS, pad_token_id=0).batch["attention_mask"]
+    assert mask.shape == (1, 1, 8, 8) and mask.dtype == torch.bool
+    assert torch.equal(mask[..., :3, :3], causal)
+    assert mask[..., :3, 3:].all()  # no real query sees a padded key
+    for row in range(3, 8):
+        assert mask[0, 0, row].tolist() == [column != row for column in range(8)]
+
+
+@pytest.mark.parametrize(
+    "mask", [torch.ones(1, 3), torch.zeros(1, 1, 3, 3)], ids=["2d", "float-4d"]
+)
+def test_other_attention_masks_are_refused_with_the_fix(mask):
+    original = batch(3, rows=1)
+    original["attention_mask"] = mask
+    with pytest.raises(ValueError, match=r"attention_mask.*boolean \[b, 1, s, s\].*Fix"):
+        pad_to_bucket(original, BUCKETS, pad_token_id=0)
+
+
+def test_above_the_largest_bucket_raises_naming_the_length_and_the_buckets():
+    with pytest.raises(BucketOverflowError) as error:
+        pad_to_bucket(batch(40), BUCKETS, pad_token_id=0)
+    message = str(error.value)
+    assert "length 40" in message and "8, 16, 32" in message
+    assert "--cuda-graph-buckets 8,16,32,40" in message and "overflow='keep'" in message
+    assert isinstance(error.value, ValueError)
+
+
+def test_overflow_keep_passes_a_too_long_batch_through_unpadded():
+    original = batch(40)
+    padded = pad_to_bucket(original, BUCKETS, pad_token_id=0, overflow="keep")
+    assert padded.seq_length == 40 and padded.padding == 0 and padded.tokens == 80
+    assert padded.batch["tokens"] is original["tokens"]
+
+
+def test_length_picks_the_bucket_of_a_longer_sequence():
+    padded = pad_to_bucket(batch(5), BUCKETS, pad_token_id=0, length=9)
+    assert padded.seq_length == 16 and padded.padding == 2 * 11
+    with pytest.raises(ValueError, match="length=4 is shorter than the micro-batch"):
+        pad_to_bucket(batch(5), BUCKETS, pad_token_id=0, length=4)
+
+
+def test_unknown_sequence_tensors_are_refused_unless_named_in_extra():
+    original = batch(5)
+    original["advantages"] = torch.ones(2, 5)
+    original["sample_ids"] = torch.tensor([3, 4])  # one value per row: passes through
+    original["note"] = "kept"
+    with pytest.raises(ValueError, match=r"batch\['advantages'\].*extra=\{'advantages'"):
+        pad_to_bucket(original, BUCKETS, pad_token_id=0)
+    out = pad_to_bucket(original, BUCKETS, pad_token_id=0, extra={"advantages": 0.5}).batch
+    assert out["advantages"][:, 5:].eq(0.5).all() and out["advantages"].shape == (2, 8)
+    assert out["sample_ids"] is original["sample_ids"] and out["note"] == "kept"
+
+
+def test_sequence_tensors_must_agree_on_their_length():
+    original = batch(5)
+    original["labels"] = original["labels"][:, :4]
+    with pytest.raises(ValueError, match=r"disagree.*'tokens'\] 5.*'labels'\] 4"):
+        sequence_length(original)
+    with pytest.raises(ValueError, match="none of the sequence tensors"):
+        sequence_length({"attention_mask": None})
+
+
+def test_pad_step_pads_every_micro_batch_to_the_bucket_of_the_longest():
+    step = pad_step([batch(3), batch(10), batch(6)], BUCKETS, pad_token_id=0)
+    assert step.seq_length == 16
+    assert [b["tokens"].shape[-1] for b in step.batches] == [16, 16, 16]
+    assert step.padding == 2 * (13 + 6 + 10) and step.tokens == 3 * 2 * 16
+    # the job-wide longest (agreed across ranks) picks a larger bucket
+    assert pad_step([batch(3)], BUCKETS, pad_token_id=0, length=20).seq_length == 32
+
+
+def test_pad_step_above_every_bucket_keeps_one_length_for_the_step():
+    step = pad_step([batch(40), batch(35)], BUCKETS, pad_token_id=0, overflow="keep")
+    assert step.seq_length == 40
+    assert [b["tokens"].shape[-1] for b in step.batches] == [40, 40]
+    assert step.padding == 2 * 5
+    with pytest.raises(BucketOverflowError):
+        pad_step([batch(40)], BUCKETS, pad_token_id=0)
+    with pytest.raises(ValueError, match="at least one micro-batch"):
+        pad_step([], BUCKETS, pad_token_id=0)
+
+
+@pytest.mark.parametrize(
+    "buckets,match",
+    [
+        ((), "empty"),
+        ((8, 0), "positive integers"),
+        ((8, "16"), "positive integers"),
+        ((8, True), "positive integers"),
+        ((8, 8), "twice"),
+    ],
+)
+def test_bad_buckets_are_refused_naming_the_field(buckets, match):
+    with pytest.raises(ValueError, match=match) as error:
+        check_buckets(buckets, "cuda_graph_buckets")
+    assert str(error.value).startswith("cuda_graph_buckets")
+
+
+def test_bucket_for_and_waste():
+    assert check_buckets([32, 8, 16]) == (8, 16, 32)
+    assert [bucket_for(n, (8, 16)) for n in (1, 8, 9, 16, 17)] == [8, 8, 16, 16, None]
+    assert padding_waste_percent(75, 25) == 25.0
+    assert padding_waste_percent(0, 0) is None
+    with pytest.raises(ValueError, match="overflow must be one of"):
+        pad_to_bucket(batch(3), BUCKETS, pad_token_id=0, overflow="drop")
