@@ -19,7 +19,7 @@ install)
   for v in 16 19; do
     printf 'export PYTHONPATH=/tmp/gpu/site%s:/tmp/pt${PYTHONPATH:+:$PYTHONPATH}\nexport NVTE_FRAMEWORK=pytorch\n' $v > /tmp/gpu/env$v.sh
   done
-  tail -3 /tmp/gpu/install16.log /tmp/gpu/install19.log
+  for log in /tmp/gpu/install16.log /tmp/gpu/install19.log; do tail -n 3 "$log"; done
   nvidia-smi --query-gpu=name,memory.used --format=csv
   ;;
 suite)
