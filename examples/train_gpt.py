@@ -591,9 +591,25 @@ class _Record:
         }
 
 
-def _train(
-    training: TrainingRun, args: argparse.Namespace, use_cuda: bool, record: _Record
-) -> None:
+@dataclasses.dataclass
+class Setup:
+    """What a host loop needs once the model is built and wired (see :func:`set_up`)."""
+
+    model: list[Any]
+    optimizer: Any
+    config: Any
+    fwd_bwd: Any
+    scheduler: Any
+    device: torch.device
+    log_here: bool
+    """This rank logs the loss: the first rank of the last pipeline stage."""
+    dp_rank: int
+
+
+def set_up(training: TrainingRun, args: argparse.Namespace, use_cuda: bool) -> Setup:
+    """Everything before the first step, as Megatron-LM orders it: process groups, the
+    micro-batch calculator, seeds, the model (DDP), the optimizer and its sync callbacks,
+    ``run.model_built``, the forward/backward function through the plugins, the schedule."""
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -648,8 +664,47 @@ def _train(
         micro_batch_size=args.micro_batch_size,
     )
     fwd_bwd = training.forward_backward_func(get_forward_backward_func())
-    scheduler = _lr_scheduler(args, optimizer)
+    return Setup(
+        model=model,
+        optimizer=optimizer,
+        config=config,
+        fwd_bwd=fwd_bwd,
+        scheduler=_lr_scheduler(args, optimizer),
+        device=device,
+        log_here=log_here,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+    )
+
+
+class PreHookToggle:
+    """Megatron-LM starts training with the param all-gather pre-hooks off, so that a bad
+    initialisation or checkpoint on one rank does not spread through the first all-gather;
+    they come back after the first step (distributed optimizer with overlapped gathers)."""
+
+    def __init__(self, training: TrainingRun, args: argparse.Namespace, setup: Setup) -> None:
+        self.training = training
+        self.setup = setup
+        self.pending = args.use_distributed_optimizer and args.overlap_param_gather
+        self.param_sync_func = setup.config.param_sync_func
+        if self.pending:
+            training.disable_forward_pre_hook(setup.model, param_sync=False)
+            setup.config.param_sync_func = None
+
+    def after_step(self) -> None:
+        if self.pending:
+            self.pending = False
+            self.training.enable_forward_pre_hook(self.setup.model)
+            self.setup.config.param_sync_func = self.param_sync_func
+
+
+def _train(
+    training: TrainingRun, args: argparse.Namespace, use_cuda: bool, record: _Record
+) -> None:
+    setup = set_up(training, args, use_cuda)
+    model, optimizer, scheduler = setup.model, setup.optimizer, setup.scheduler
+    fwd_bwd, log_here, dp_rank = setup.fwd_bwd, setup.log_here, setup.dp_rank
     clock = _StepClock(use_cuda)
+    device = setup.device
 
     batch_shape = {
         "micro_batch_size": args.micro_batch_size,
@@ -657,7 +712,6 @@ def _train(
         "vocab_size": args.vocab_size,
         "device": device,
     }
-    dp_rank = parallel_state.get_data_parallel_rank()
 
     def batches(seed: int) -> Any:
         # Every pipeline stage and model chunk draws the same micro-batches (the first
@@ -675,14 +729,7 @@ def _train(
         "micro_batch_size": args.micro_batch_size,
     }
 
-    # Megatron-LM starts training with the param all-gather pre-hooks off, so that a bad
-    # initialisation or checkpoint on one rank does not spread through the first all-gather;
-    # they come back after the first step.
-    toggle_pre_hooks = args.use_distributed_optimizer and args.overlap_param_gather
-    param_sync_func = config.param_sync_func
-    if toggle_pre_hooks:
-        training.disable_forward_pre_hook(model, param_sync=False)
-        config.param_sync_func = None
+    pre_hooks = PreHookToggle(training, args, setup)
 
     if log_here:
         logger.info("training steps %d to %d", args.start_step, args.train_iters - 1)
@@ -708,9 +755,7 @@ def _train(
         if loss is not None:
             record.losses.append(loss)
         record.steps += 1
-        if toggle_pre_hooks and step == args.start_step:
-            training.enable_forward_pre_hook(model)
-            config.param_sync_func = param_sync_func
+        pre_hooks.after_step()
 
         # Intervals count finished steps (Megatron-LM's iterations); log lines name the step
         # as the hooks and the run report do, from 0.
@@ -778,37 +823,60 @@ def run(argv: Sequence[str] | None = None, plugins: Sequence[Any] = ()) -> dict[
         (floats, one per step), ``median_step_ms``, ``eval_losses``, ``device`` (``"cuda"``
         or ``"cpu"``) and ``shutdown_reason`` (as :class:`hookspecs.ShutdownReason` names it).
     """
+    return host_run(argv, plugins, parser=build_parser, train=_train, record=_Record())
+
+
+def host_run(
+    argv: Sequence[str] | None,
+    plugins: Sequence[Any],
+    *,
+    parser: Any,
+    train: Any,
+    record: Any,
+    check: Any = None,
+) -> dict[str, Any]:
+    """One run of a host loop: the plugin manager, the command line (every plugin's options
+    included), the :class:`hookspecs.TrainingRun` around ``train(training, args, use_cuda,
+    record)``, the process groups torn down after the run's shutdown hook; returns
+    ``record.summary(device, shutdown_reason)``. ``check(parser, args, use_cuda)`` adds the
+    host's own argument checks."""
     pm = get_plugin_manager()
     for plugin in plugins:
         pm.register(plugin)
-    parser = build_parser(pm)
-    args = parser.parse_args(argv)
+    argument_parser = parser(pm)
+    args = argument_parser.parse_args(argv)
     use_cuda = torch.cuda.is_available() and not args.cpu
-    _check_args(parser, args, use_cuda)
+    _check_args(argument_parser, args, use_cuda)
+    if check is not None:
+        check(argument_parser, args, use_cuda)
 
     # On the CPU the CUDA graph plugin still validates the requested configuration, then
     # says in one line that graphs need a CUDA device and runs eagerly; nothing to do here.
     training = TrainingRun(
         pm, config=args, train_iters=args.train_iters, start_step=args.start_step
     )
-    record = _Record()
     device_context = contextlib.nullcontext() if use_cuda else cpu_redirect()
     with device_context, mcore_without_te_fixes():
         try:
             with training:
-                _train(training, args, use_cuda, record)
+                train(training, args, use_cuda, record)
         finally:
             # Only after the run's shutdown hook: graphs hold NCCL buffers and must go first.
             _end_distributed(training.shutdown_reason)
     return record.summary("cuda" if use_cuda else "cpu", str(training.shutdown_reason))
 
 
-def main() -> int:
-    """Command-line entry point: train, print a short summary, return the exit code."""
+def configure_logging() -> None:
+    """The examples' log format; megatron-core's chattiest loggers at WARNING."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     # At INFO these log their whole config and every parameter name.
     for noisy in ("megatron.core.distributed", "megatron.core.optimizer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def main() -> int:
+    """Command-line entry point: train, print a short summary, return the exit code."""
+    configure_logging()
     try:
         summary = run()
     except ConfigurationError as refused:  # every problem with its fix, no traceback

@@ -66,6 +66,22 @@ def fake_graphs(monkeypatch: pytest.MonkeyPatch) -> Any:
     assert not compat.full_iteration_state_dirty(), "a run left FullCudaGraphWrapper state"
 
 
+@pytest.fixture
+def bucket_fakes(fake_graphs: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The fake capture, with pool handles that are new on every call, as torch's are
+    (``torch.cuda.graph_pool_handle`` returns a fresh id each time): bucketed graphs must
+    keep one pool."""
+    import itertools
+
+    import cpu_redirect
+
+    handles = itertools.count(1)
+    monkeypatch.setitem(
+        cpu_redirect._CUDA_STAND_INS, "graph_pool_handle", lambda: (0, next(handles))
+    )
+    return fake_graphs
+
+
 @pytest.fixture(scope="session")
 def subprocess_env() -> dict[str, str]:
     """Environment for a child Python: this one, with the same plugin blocking."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import logging
 import random
 from collections.abc import Iterator
@@ -42,14 +41,8 @@ MAX_LENGTH = 64  # the model's position embeddings: room for lengths above every
 
 
 @pytest.fixture
-def graphs(fake_graphs, monkeypatch):
-    """The fake capture, with pool handles that are new on every call, as torch's are
-    (``torch.cuda.graph_pool_handle`` returns a fresh id each time)."""
-    handles = itertools.count(1)
-    monkeypatch.setitem(
-        cpu_redirect._CUDA_STAND_INS, "graph_pool_handle", lambda: (0, next(handles))
-    )
-    return fake_graphs
+def graphs(bucket_fakes):
+    return bucket_fakes
 
 
 # -- the host: a real megatron-core GPT whose sequence length changes per step ---------------

@@ -1,0 +1,227 @@
+"""The RL-style host (``examples/rl_loop.py``) with bucketed full-iteration graphs, on real
+megatron-core 0.16.1 on the CPU.
+
+Rollouts (forward only, unpadded lengths) alternate with training steps whose random
+lengths are padded to buckets; the training state is offloaded and brought back through
+megatron-core's own offload API. The plugin is driven only through the hooks, as any host
+drives it; graph capture is faked (``tests/fakes.py``: a replay re-runs the captured work on
+the captured tensors and refuses to run once memory it reads has moved).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import rl_loop
+import torch
+from cpu_only import needs_mcore_on_cpu
+
+from cudagraph_plugin.runtime import buckets as bucket_runtime
+
+pytestmark = needs_mcore_on_cpu
+
+EXAMPLES = Path(rl_loop.__file__).resolve().parent
+GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
+WARMUP = 2
+LOOP = [
+    "--seq-length", "48", "--min-length", "4", "--max-length", "48", "--train-iters", "24",
+    "--steps-per-round", "4", "--rollout-batches", "2", "--log-interval", "0",
+    "--cuda-graph-warmup-steps", str(WARMUP),
+]  # fmt: skip
+
+
+def run(tmp_path: Path, *argv: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    report_path = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
+    summary = rl_loop.run([*LOOP, *argv, "--cuda-graph-report-json", str(report_path)])
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    return summary, report
+
+
+def expected_schedule(
+    lengths: list[int], buckets: set[int], resets_before: set[int] = frozenset()
+) -> dict[int, dict[str, list[int]]]:
+    """Per bucket, the steps that warm up, capture and replay: a bucket captures on its
+    (WARMUP + 1)-th step and replays after; a reset (an invalidation) starts every bucket's
+    warm-up again."""
+    schedule: dict[int, dict[str, list[int]]] = collections.defaultdict(
+        lambda: {"eager_steps": [], "capture_steps": [], "replay_steps": []}
+    )
+    seen: collections.Counter[int] = collections.Counter()
+    for step, length in enumerate(lengths):
+        if step in resets_before:
+            seen.clear()
+        if length not in buckets:
+            schedule[length]["eager_steps"].append(step)
+            continue
+        seen[length] += 1
+        if seen[length] <= WARMUP:
+            schedule[length]["eager_steps"].append(step)
+        elif seen[length] == WARMUP + 1:
+            schedule[length]["capture_steps"].append(step)
+        else:
+            schedule[length]["replay_steps"].append(step)
+    return schedule
+
+
+def schedule_of(report: dict[str, Any]) -> dict[int, dict[str, list[int]]]:
+    return {
+        row["seq_length"]: {
+            name: row[name] for name in ("eager_steps", "capture_steps", "replay_steps")
+        }
+        for row in report["buckets"]
+    }
+
+
+def test_each_bucket_replays_every_step_after_its_capture_and_trains_as_eager(
+    bucket_fakes, tmp_path
+):
+    graphs, report = run(tmp_path, *GRAPHS, "--cuda-graph-buckets", "16,32,48")
+    eager, _ = run(tmp_path, "--pad-to-buckets", "16,32,48")
+    lengths = graphs["seq_lengths"]
+    assert lengths == eager["seq_lengths"]
+    counts = collections.Counter(lengths)
+    assert set(counts) == {16, 32, 48} and min(counts.values()) >= WARMUP + 2, counts
+    assert schedule_of(report) == expected_schedule(lengths, {16, 32, 48})
+    replays = sum(row["replays"] for row in report["buckets"])
+    assert replays == len(lengths) - WARMUP * 3  # every step after its bucket's warm-up
+    assert graphs["losses"] == eager["losses"]  # bitwise: the same work on the same values
+    assert graphs["rollout_losses"] == eager["rollout_losses"]
+    assert graphs["losses"][-1] < graphs["losses"][0]
+    assert report["graphs_captured"] and report["graphs_held"] == 3
+    assert [g.resets for g in bucket_fakes.graphs] == [1, 1, 1]  # each freed once at the end
+    assert len({g.capture_pool for g in bucket_fakes.graphs}) == 1  # one pool for all
+    row = {r["seq_length"]: r for r in report["buckets"]}[16]
+    assert 0 < row["padding_waste_percent"] < 75  # lengths 4..16 padded to 16
+
+
+def test_a_length_outside_every_bucket_runs_eagerly_with_one_log_line(
+    bucket_fakes, tmp_path, caplog
+):
+    caplog.set_level(logging.INFO, logger="cudagraph_plugin")
+    graphs, report = run(
+        tmp_path, *GRAPHS, "--cuda-graph-buckets", "16,32", "--pad-to-buckets", "16,32,48"
+    )
+    eager, _ = run(tmp_path, "--pad-to-buckets", "16,32,48")
+    lengths = graphs["seq_lengths"]
+    assert 48 in lengths
+    assert schedule_of(report) == expected_schedule(lengths, {16, 32})
+    outside = [r for r in caplog.records if "outside every CUDA graph bucket" in r.getMessage()]
+    assert len(outside) == 1 and "seq_length 48" in outside[0].getMessage()
+    assert graphs["losses"] == eager["losses"]
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["host-invalidates", "fingerprint"])
+def test_offload_and_reload_recapture_every_bucket_and_train_as_eager(
+    bucket_fakes, tmp_path, caplog, monkeypatch, explicit
+):
+    """Gradient buffers and optimizer state go off the device after every 8 steps and come
+    back after the rollout. Told by the host, or seeing the buffers' addresses move (each
+    reload here allocates the gradient buffers afresh somewhere else: a tensor is kept on
+    the old place meanwhile, as the rollout's activations would take it on a GPU), the
+    plugin frees every graph and captures each bucket again after its warm-up; a replay on
+    the old addresses would raise in the fake graph."""
+    caplog.set_level(logging.WARNING, logger="cudagraph_plugin")
+    if not explicit:
+        _reloads_land_elsewhere(monkeypatch)
+    offload = ["--offload-interval", "8", "--train-iters", "24", "--pad-to-buckets", "16,32,48"]
+    flags = ["--invalidate-after-reload"] if explicit else []
+    graphs, report = run(tmp_path, *GRAPHS, "--cuda-graph-buckets", "16,32,48", *offload, *flags)
+    eager, _ = run(tmp_path, *offload)
+    assert graphs["offloads"] == eager["offloads"] == 2
+    lengths = graphs["seq_lengths"]
+    assert schedule_of(report) == expected_schedule(lengths, {16, 32, 48}, {8, 16})
+    freed = [r for r in caplog.records if "CUDA graph buckets:" in r.getMessage()]
+    assert len(freed) == 2
+    why = "reloaded after the rollout" if explicit else "memory the graphs point at moved"
+    assert all(why in r.getMessage() for r in freed)
+    assert len(report["invalidations"]) == (2 if explicit else 0)
+    assert graphs["losses"] == eager["losses"]
+
+
+def _reloads_land_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU a freed block of the same size usually comes back at the same address;
+    while megatron-core's offload has the gradient storage shrunk to nothing, a block of
+    its size is taken (as a GPU's rollout would take the memory), so the reload lands
+    elsewhere."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+
+    offload, reload = _ParamAndGradBuffer.offload_to_cpu, _ParamAndGradBuffer.reload_from_cpu
+    taken: list[torch.Tensor] = []
+
+    def offload_to_cpu(self, move_params: bool = True, move_grads: bool = True) -> None:
+        offload(self, move_params=move_params, move_grads=move_grads)
+        if move_grads and self.grad_data is not None:
+            taken.append(torch.ones(self.grad_data_size, dtype=self.grad_data.dtype))
+
+    def reload_from_cpu(self, move_params: bool = True, move_grads: bool = True) -> None:
+        reload(self, move_params=move_params, move_grads=move_grads)
+        taken.clear()
+
+    monkeypatch.setattr(_ParamAndGradBuffer, "offload_to_cpu", offload_to_cpu)
+    monkeypatch.setattr(_ParamAndGradBuffer, "reload_from_cpu", reload_from_cpu)
+
+
+def test_the_fingerprint_check_is_what_catches_the_move(bucket_fakes, tmp_path, monkeypatch):
+    """Without the plugin's address check the replay after a reload reads the old
+    gradient buffers: the fake graph refuses it (a real one would read freed memory)."""
+    _reloads_land_elsewhere(monkeypatch)
+    monkeypatch.setattr(bucket_runtime.BucketGraphs, "_moved", lambda self: [])
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        run(tmp_path, *GRAPHS, "--cuda-graph-buckets", "16,32,48", "--offload-interval", "8")
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--eval-interval", "2"], "--eval-interval does not apply"),
+        (["--min-length", "40", "--max-length", "20"], "--min-length"),
+        (["--offload-interval", "6"], "multiple of --steps-per-round"),
+        (["--pad-to-buckets", "16,64"], "exceeds --seq-length"),
+        (["--pad-to-buckets", "16,x"], "--pad-to-buckets: '16,x' is not"),
+        (["--offload-interval", "8", "--use-distributed-optimizer"], "needs --bf16"),
+    ],
+)
+def test_bad_loop_flags_are_refused_with_the_fix(argv, match, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        rl_loop.run([*LOOP, "--cpu", *argv])
+    assert exit_info.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_data_parallel_ranks_pad_each_step_to_one_agreed_bucket(tmp_path, subprocess_env):
+    """Each rank draws its own lengths; the ranks agree on the step's longest, so every
+    step has one bucket on both ranks (the graphs of a step hold collectives)."""
+    script = tmp_path / "host.py"
+    script.write_text(
+        "import json, os, sys\n"
+        f"sys.path.insert(0, {str(EXAMPLES)!r})\n"
+        "import rl_loop\n"
+        f"summary = rl_loop.run({[*LOOP, '--cpu', '--pad-to-buckets', '16,32,48']!r})\n"
+        f"path = os.path.join({str(tmp_path)!r}, 'rank' + os.environ['RANK'] + '.json')\n"
+        "json.dump(summary, open(path, 'w'))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), str(script)],
+        capture_output=True, text=True, timeout=300, env=subprocess_env, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert first["seq_lengths"] == second["seq_lengths"]
+    assert len(set(first["seq_lengths"])) > 1
+    # the ranks' own data differ: their losses do
+    assert first["losses"] != second["losses"]
