@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU suite (tests/test_gpu.py, tests/test_gpu_in_process.py) in one device call.
+# The GPU suite (tests/test_gpu.py, tests/test_gpu_in_process.py, tests/test_gpu_rl.py) in one device call.
 #
 #   bash tests/gpu_suite.sh OUT_DIR [single|multi|all] [pytest arguments, e.g. -k te_attn]
 #
@@ -121,7 +121,7 @@ run_part() {
 }
 
 if [ "$PART" = single ] || [ "$PART" = all ]; then
-  run_part single tests/test_gpu.py tests/test_gpu_in_process.py -m "gpu and not multigpu" "${XDIST[@]}" "$@"
+  run_part single tests/test_gpu.py tests/test_gpu_in_process.py tests/test_gpu_rl.py -m "gpu and not multigpu" "${XDIST[@]}" "$@"
 fi
 if [ "$PART" = multi ] || [ "$PART" = all ]; then
   # MULTI_WORKERS=2 runs two 2-GPU jobs at a time (good runs only: the failure jobs' 60 s
@@ -130,7 +130,7 @@ if [ "$PART" = multi ] || [ "$PART" = all ]; then
   if [ "${MULTI_WORKERS:-1}" -gt 1 ] && [ ${#XDIST[@]} -gt 0 ]; then
     MULTI_XDIST=(-n "$MULTI_WORKERS" --dist loadgroup)
   fi
-  run_part multi tests/test_gpu.py -m multigpu "${MULTI_XDIST[@]}" "$@"
+  run_part multi tests/test_gpu.py tests/test_gpu_rl.py -m multigpu "${MULTI_XDIST[@]}" "$@"
 fi
 echo "suite part $PART took $(( $(date +%s) - START )) s, status $STATUS" | tee -a "$OUT/summary.txt"
 exit $STATUS

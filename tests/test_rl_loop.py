@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import rl_loop
 import torch
+from bucket_schedule import expected_schedule, lengths_of, schedule_of
 from cpu_only import needs_mcore_on_cpu
 
 from cudagraph_plugin.runtime import buckets as bucket_runtime
@@ -45,51 +46,16 @@ def run(tmp_path: Path, *argv: str) -> tuple[dict[str, Any], dict[str, Any] | No
     return summary, report
 
 
-def expected_schedule(
-    lengths: list[int], buckets: set[int], resets_before: set[int] = frozenset()
-) -> dict[int, dict[str, list[int]]]:
-    """Per bucket, the steps that warm up, capture and replay: a bucket captures on its
-    (WARMUP + 1)-th step and replays after; a reset (an invalidation) starts every bucket's
-    warm-up again."""
-    schedule: dict[int, dict[str, list[int]]] = collections.defaultdict(
-        lambda: {"eager_steps": [], "capture_steps": [], "replay_steps": []}
-    )
-    seen: collections.Counter[int] = collections.Counter()
-    for step, length in enumerate(lengths):
-        if step in resets_before:
-            seen.clear()
-        if length not in buckets:
-            schedule[length]["eager_steps"].append(step)
-            continue
-        seen[length] += 1
-        if seen[length] <= WARMUP:
-            schedule[length]["eager_steps"].append(step)
-        elif seen[length] == WARMUP + 1:
-            schedule[length]["capture_steps"].append(step)
-        else:
-            schedule[length]["replay_steps"].append(step)
-    return schedule
-
-
-def schedule_of(report: dict[str, Any]) -> dict[int, dict[str, list[int]]]:
-    return {
-        row["seq_length"]: {
-            name: row[name] for name in ("eager_steps", "capture_steps", "replay_steps")
-        }
-        for row in report["buckets"]
-    }
-
-
 def test_each_bucket_replays_every_step_after_its_capture_and_trains_as_eager(
     bucket_fakes, tmp_path
 ):
     graphs, report = run(tmp_path, *GRAPHS, "--cuda-graph-buckets", "16,32,48")
     eager, _ = run(tmp_path, "--pad-to-buckets", "16,32,48")
     lengths = graphs["seq_lengths"]
-    assert lengths == eager["seq_lengths"]
+    assert lengths == eager["seq_lengths"] == lengths_of(report)
     counts = collections.Counter(lengths)
     assert set(counts) == {16, 32, 48} and min(counts.values()) >= WARMUP + 2, counts
-    assert schedule_of(report) == expected_schedule(lengths, {16, 32, 48})
+    assert schedule_of(report) == expected_schedule(lengths, {16, 32, 48}, WARMUP)
     replays = sum(row["replays"] for row in report["buckets"])
     assert replays == len(lengths) - WARMUP * 3  # every step after its bucket's warm-up
     assert graphs["losses"] == eager["losses"]  # bitwise: the same work on the same values
@@ -112,7 +78,7 @@ def test_a_length_outside_every_bucket_runs_eagerly_with_one_log_line(
     eager, _ = run(tmp_path, "--pad-to-buckets", "16,32,48")
     lengths = graphs["seq_lengths"]
     assert 48 in lengths
-    assert schedule_of(report) == expected_schedule(lengths, {16, 32})
+    assert schedule_of(report) == expected_schedule(lengths, {16, 32}, WARMUP)
     outside = [r for r in caplog.records if "outside every CUDA graph bucket" in r.getMessage()]
     assert len(outside) == 1 and "seq_length 48" in outside[0].getMessage()
     assert graphs["losses"] == eager["losses"]
@@ -137,7 +103,7 @@ def test_offload_and_reload_recapture_every_bucket_and_train_as_eager(
     eager, _ = run(tmp_path, *offload)
     assert graphs["offloads"] == eager["offloads"] == 2
     lengths = graphs["seq_lengths"]
-    assert schedule_of(report) == expected_schedule(lengths, {16, 32, 48}, {8, 16})
+    assert schedule_of(report) == expected_schedule(lengths, {16, 32, 48}, WARMUP, {8, 16})
     freed = [r for r in caplog.records if "CUDA graph buckets:" in r.getMessage()]
     assert len(freed) == 2
     why = "reloaded after the rollout" if explicit else "memory the graphs point at moved"

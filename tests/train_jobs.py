@@ -23,6 +23,7 @@ from jobs import JobResult, run_job, torchrun_command
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_GPT = REPO / "examples" / "train_gpt.py"
+RL_LOOP = REPO / "examples" / "rl_loop.py"
 PROBE_PATH = Path(__file__).resolve().parent / "probe"
 RESULTS_VAR = "MCGRAPH_GPU_RESULTS"
 
@@ -46,17 +47,18 @@ def job_env(
     return env
 
 
-def train_command(argv: Sequence[str], nproc: int = 1) -> list[str]:
-    """``python examples/train_gpt.py ARGV``, or the same under torchrun for ``nproc`` > 1."""
+def train_command(argv: Sequence[str], nproc: int = 1, script: Path = TRAIN_GPT) -> list[str]:
+    """``python examples/train_gpt.py ARGV`` (or another example ``script``), or the same
+    under torchrun for ``nproc`` > 1."""
     if nproc == 1:
-        return [sys.executable, str(TRAIN_GPT), *argv]
-    return torchrun_command(nproc, TRAIN_GPT, *argv)
+        return [sys.executable, str(script), *argv]
+    return torchrun_command(nproc, script, *argv)
 
 
-def display_command(argv: Sequence[str], nproc: int = 1) -> str:
+def display_command(argv: Sequence[str], nproc: int = 1, script: Path = TRAIN_GPT) -> str:
     """The command as a user would type it (for tables and messages)."""
     launcher = "python" if nproc == 1 else f"torchrun --standalone --nproc-per-node {nproc}"
-    return " ".join([launcher, "examples/train_gpt.py", *argv])
+    return " ".join([launcher, f"examples/{script.name}", *argv])
 
 
 @dataclasses.dataclass
@@ -68,6 +70,7 @@ class TrainJob:
     nproc: int
     result: JobResult
     records: dict[int, dict[str, Any]]
+    script: Path = TRAIN_GPT
 
     def context(self) -> str:
         """For assertion messages: what ran, how it ended, the logs' tails."""
@@ -102,12 +105,13 @@ def launch(
     env: Mapping[str, str] | None = None,
     base_env: Mapping[str, str] | None = None,
     dump_signal: int | None = None,
+    script: Path = TRAIN_GPT,
 ) -> TrainJob:
-    """Run ``train_gpt.py argv`` as a job in ``job_dir`` (logs, and the probe's records in
-    ``job_dir/probe``), with ``env`` added to the job's environment."""
+    """Run ``train_gpt.py argv`` (or ``script``) as a job in ``job_dir`` (logs, and the
+    probe's records in ``job_dir/probe``), with ``env`` added to the job's environment."""
     probe_dir = job_dir / "probe"
     result = run_job(
-        train_command(argv, nproc),
+        train_command(argv, nproc, script),
         log_dir=job_dir,
         timeout_s=timeout_s,
         name=name,
@@ -115,7 +119,7 @@ def launch(
         cwd=REPO,
         dump_signal=dump_signal,
     )
-    return TrainJob(name, list(argv), nproc, result, load_records(probe_dir))
+    return TrainJob(name, list(argv), nproc, result, load_records(probe_dir), script)
 
 
 # -------------------------------------------------------------------------------------------
@@ -167,7 +171,23 @@ def report_fields(report: dict[str, Any] | None) -> dict[str, Any]:
         "graph_count": report.get("graph_count"),
         "memory_before_mib": before.get("allocated_mib"),
         "memory_after_mib": after.get("allocated_mib"),
+        "buckets": [
+            {name: row.get(name) for name in BUCKET_FIELDS} for row in report.get("buckets") or []
+        ],
     }
+
+
+BUCKET_FIELDS = (
+    "seq_length",
+    "capture_steps",
+    "replays",
+    "capture_seconds",
+    "eager_step_ms",
+    "replay_step_ms",
+    "speedup",
+    "padding_waste_percent",
+    "pool_mib",
+)
 
 
 def result_line(job: TrainJob, scenario: str, role: str, test: str | None = None) -> dict[str, Any]:
@@ -179,7 +199,7 @@ def result_line(job: TrainJob, scenario: str, role: str, test: str | None = None
         "scenario": scenario,
         "role": role,
         "test": test,
-        "command": display_command(job.argv, job.nproc),
+        "command": display_command(job.argv, job.nproc, job.script),
         "argv": job.argv,
         "nproc": job.nproc,
         "rc": job.result.rc,

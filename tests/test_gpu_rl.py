@@ -1,0 +1,173 @@
+"""Bucketed full-iteration graphs in the RL-style host (``examples/rl_loop.py``) on GPUs,
+each run its own process, as users start it (issue 23).
+
+* three buckets, 60 training steps at random lengths: every step after its bucket's capture
+  replays, the losses equal the eager run with the same padding (``--pad-to-buckets``
+  without graphs; relative 1e-5: the graph replays the same kernels, a capture may pick
+  other cuBLAS workspaces), and the three graphs together take at most 1.5x the memory of
+  the largest bucket's alone (one pool);
+* the training state offloaded and brought back every 10 steps: recaptured after each reload,
+  told by the host (``--invalidate-after-reload``) or seen by the plugin's address check
+  (fp32: megatron-core's ``restore_from_cpu`` gives the parameters new memory), no illegal
+  memory access, losses equal the eager run with the same offloads;
+* DP=2 (two GPUs): the same on both ranks.
+
+The results go to the suite's results file with per-bucket speed-ups, capture times,
+padding waste and pool memory (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from bucket_schedule import expected_schedule, lengths_of, schedule_of
+
+from train_jobs import RL_LOOP, TrainJob, append_result, launch, pinned_device, result_line
+
+CUDA = torch.cuda.is_available()
+DEVICE_COUNT = torch.cuda.device_count() if CUDA else 0
+TIMEOUT_S = float(os.environ.get("MCGRAPH_GPU_JOB_TIMEOUT", "180"))
+STEPS = 60
+WARMUP = 2
+OFFLOAD_EVERY = 10
+BUCKETS = "128,256,512"
+GRAPHS = ("--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration")
+LOOP = (
+    "--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
+    "--vocab-size", "1024", "--seq-length", "512", "--min-length", "32",
+    "--micro-batch-size", "2", "--num-microbatches", "1", "--train-iters", str(STEPS),
+    "--steps-per-round", "5", "--rollout-batches", "2", "--log-interval", "0",
+    "--cuda-graph-warmup-steps", str(WARMUP), "--pad-to-buckets", BUCKETS,
+)  # fmt: skip
+BF16 = ("--bf16",)
+OFFLOAD = ("--offload-interval", str(OFFLOAD_EVERY))
+RELOADS_BEFORE = set(range(OFFLOAD_EVERY, STEPS, OFFLOAD_EVERY))
+RTOL = 1e-5
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
+
+
+def _job(name: str, role: str, argv: tuple[str, ...], jobs_root: Path, nproc: int = 1) -> TrainJob:
+    env = {}
+    if nproc == 1:
+        device = pinned_device(
+            os.environ.get("PYTEST_XDIST_WORKER"),
+            os.environ.get("CUDA_VISIBLE_DEVICES"),
+            DEVICE_COUNT,
+        )
+        if device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = device
+    job = launch(
+        f"{name}/{role}",
+        list(argv),
+        job_dir=jobs_root / f"{name}-{role}-{uuid.uuid4().hex[:6]}",
+        timeout_s=TIMEOUT_S,
+        nproc=nproc,
+        env=env,
+        script=RL_LOOP,
+    )
+    append_result(result_line(job, name, role, test=os.environ.get("PYTEST_CURRENT_TEST")))
+    assert not job.result.timed_out, f"HANG: killed at the timeout\n{job.context()}"
+    assert job.result.leftovers == [], job.context()
+    assert job.result.rc == 0, job.context()
+    for rank in range(nproc):
+        assert job.record(rank)["shutdown_reason"] == "completed", job.context()
+    return job
+
+
+@pytest.fixture(scope="session")
+def jobs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    logs = os.environ.get("MCGRAPH_GPU_LOGS")
+    if logs:
+        Path(logs).mkdir(parents=True, exist_ok=True)
+        return Path(logs)
+    return tmp_path_factory.mktemp("gpu-rl-jobs")
+
+
+def _same_losses(graphed: TrainJob, eager: TrainJob, rank: int = 0) -> None:
+    mine, theirs = graphed.losses(rank), eager.losses(rank)
+    assert len(mine) == len(theirs) == STEPS, (len(mine), len(theirs))
+    torch.testing.assert_close(torch.tensor(mine), torch.tensor(theirs), rtol=RTOL, atol=0.0)
+    assert mine[-1] < mine[0], mine  # it trains
+
+
+def _check_schedule(
+    report: dict[str, Any], resets_before: set[int] = frozenset(), every_bucket: bool = True
+) -> None:
+    lengths = lengths_of(report)
+    assert len(lengths) == STEPS, report["buckets"]
+    buckets = {int(b) for b in BUCKETS.split(",")}
+    # (with two ranks each step takes the longer of two draws: the smallest bucket is rare)
+    assert set(lengths) == buckets if every_bucket else set(lengths) <= buckets, set(lengths)
+    assert schedule_of(report) == expected_schedule(lengths, buckets, WARMUP, resets_before)
+
+
+@pytest.mark.xdist_group("rl_buckets")
+def test_three_buckets_replay_after_capture_train_as_eager_and_share_one_pool(jobs_root):
+    graphed = _job(
+        "rl_buckets", "graphed", (*LOOP, *BF16, *GRAPHS, "--cuda-graph-buckets", BUCKETS), jobs_root
+    )
+    eager = _job("rl_buckets", "eager", (*LOOP, *BF16), jobs_root)
+    alone = _job(
+        "rl_buckets",
+        "largest-alone",
+        (*LOOP, *BF16, *GRAPHS, "--cuda-graph-buckets", "512"),
+        jobs_root,
+    )
+    report = graphed.record(0)["report"]
+    _check_schedule(report)
+    assert sum(row["replays"] for row in report["buckets"]) == STEPS - 3 * WARMUP
+    _same_losses(graphed, eager)
+    pools = {row["seq_length"]: row["pool_mib"] for row in report["buckets"]}
+    [largest] = [
+        row["pool_mib"] for row in alone.record(0)["report"]["buckets"] if row["seq_length"] == 512
+    ]
+    assert largest and largest > 0, alone.record(0)["report"]["buckets"]
+    assert sum(pools.values()) <= 1.5 * largest, (pools, largest)
+
+
+@pytest.mark.parametrize(
+    "name,extra,phrase",
+    [
+        (
+            "rl_offload_invalidate",
+            (*BF16, "--invalidate-after-reload"),
+            "reloaded after the rollout",
+        ),
+        ("rl_offload_fingerprint_fp32", (), "memory the graphs point at moved"),
+    ],
+)
+def test_offload_and_reload_recapture_and_train_as_eager(name, extra, phrase, jobs_root):
+    graphed = _job(
+        name,
+        "graphed",
+        (*LOOP, *OFFLOAD, *extra, *GRAPHS, "--cuda-graph-buckets", BUCKETS),
+        jobs_root,
+    )
+    eager = _job(name, "eager", (*LOOP, *OFFLOAD, *extra), jobs_root)
+    report = graphed.record(0)["report"]
+    _check_schedule(report, RELOADS_BEFORE)
+    output = graphed.result.output()
+    assert output.count(f"CUDA graph buckets: {phrase}") == len(RELOADS_BEFORE), graphed.context()
+    assert "illegal memory access" not in output
+    _same_losses(graphed, eager)
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(DEVICE_COUNT < 2, reason="needs 2 GPUs")
+def test_two_data_parallel_ranks_with_buckets_and_offload(jobs_root):
+    argv = (*LOOP, *BF16, *OFFLOAD, "--invalidate-after-reload")
+    graphed = _job(
+        "rl_dp2", "graphed", (*argv, *GRAPHS, "--cuda-graph-buckets", BUCKETS), jobs_root, nproc=2
+    )
+    eager = _job("rl_dp2", "eager", argv, jobs_root, nproc=2)
+    for rank in (0, 1):
+        report = graphed.record(rank)["report"]
+        _check_schedule(report, RELOADS_BEFORE, every_bucket=False)
+        _same_losses(graphed, eager, rank)
+    assert lengths_of(graphed.record(0)["report"]) == lengths_of(graphed.record(1)["report"])
