@@ -137,11 +137,11 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: 
             f"--offload-interval {args.offload_interval} must be 0 or a positive multiple of "
             f"--steps-per-round {args.steps_per_round} (the state is offloaded between rounds)"
         )
-    if args.offload_interval and args.use_distributed_optimizer and not args.bf16:
+    if args.offload_interval and use_cuda and not args.bf16:
         parser.error(
-            "--offload-interval with --use-distributed-optimizer needs --bf16: without it "
-            "megatron-core's offload_to_cpu() replaces the optimizer's parameter shards, which "
-            "are views of the model's parameters, and the optimizer would then update copies"
+            "--offload-interval needs --bf16 on a GPU: without it megatron-core's optimizer "
+            "holds the model's own parameters (or, distributed, views of them), and its "
+            "offload_to_cpu() would move the weights the rollout needs to the host"
         )
     source = "--pad-to-buckets" if args.pad_to_buckets else "--cuda-graph-buckets"
     try:
@@ -162,6 +162,7 @@ class _RLRecord(train_gpt._Record):
     real_tokens: int = 0
     padded_tokens: int = 0
     offloads: int = 0
+    reloads_moved: int = 0
 
     def summary(self, device: str, shutdown_reason: str) -> dict[str, Any]:
         return {
@@ -170,6 +171,7 @@ class _RLRecord(train_gpt._Record):
             "seq_lengths": list(self.seq_lengths),
             "padding_waste_percent": padding_waste_percent(self.real_tokens, self.padded_tokens),
             "offloads": self.offloads,
+            "reloads_moved": self.reloads_moved,
         }
 
 
@@ -221,25 +223,37 @@ def _iterators(model: list[Any], batches: list[dict[str, Any]]) -> Any:
 
 class _Offload:
     """Gradient buffers and optimizer state off the device between phases, megatron-core's
-    way (its RL offload API)."""
+    way (its RL offload API). Says after each reload whether the gradient buffers came back
+    at new addresses (what captured graphs would then miss)."""
 
     def __init__(self, setup: train_gpt.Setup) -> None:
         self.setup = setup
         self.away = False
+        self._addresses: list[int] = []
+
+    def _grad_addresses(self) -> list[int]:
+        return [
+            buffer.grad_data.data_ptr()
+            for chunk in self.setup.model
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers
+        ]
 
     def offload(self) -> None:
+        self._addresses = self._grad_addresses()
         with _storage_warning_silenced():
             for chunk in self.setup.model:
                 chunk.offload_grad_buffers()
         self.setup.optimizer.offload_to_cpu()
         self.away = True
 
-    def reload(self) -> None:
+    def reload(self) -> bool:
+        """Bring the state back; True when the gradient buffers moved."""
         self.setup.optimizer.restore_from_cpu()
         with _storage_warning_silenced():
             for chunk in self.setup.model:
                 chunk.restore_grad_buffers()
         self.away = False
+        return self._grad_addresses() != self._addresses
 
 
 @contextlib.contextmanager
@@ -345,7 +359,13 @@ def _train(
         if rollout_loss is not None:
             record.rollout_losses.append(rollout_loss)
         if offload.away:
-            offload.reload()
+            moved = offload.reload()
+            record.reloads_moved += moved
+            logger.info(
+                "step %d: training state reloaded, gradient buffers %s",
+                step - 1,
+                "at new addresses" if moved else "at the same addresses",
+            )
             if args.invalidate_after_reload:
                 training.invalidate_graphs(
                     "gradient buffers and optimizer state reloaded after the rollout"
@@ -386,7 +406,8 @@ def _train(
 
 def run(argv: Sequence[str] | None = None, plugins: Sequence[Any] = ()) -> dict[str, Any]:
     """Run the loop once and return ``train_gpt.run``'s summary plus ``rollout_losses``,
-    ``seq_lengths`` (each step's padded length), ``padding_waste_percent`` and ``offloads``."""
+    ``seq_lengths`` (each step's padded length), ``padding_waste_percent``, ``offloads`` and
+    ``reloads_moved`` (reloads that put the gradient buffers at new addresses)."""
     return train_gpt.host_run(
         argv, plugins, parser=build_parser, train=_train, record=_RLRecord(), check=_check
     )
@@ -404,7 +425,8 @@ def main() -> int:
     lengths = sorted(set(summary["seq_lengths"]))
     print(
         f"trained {summary['steps']} step(s) on {summary['device']} at lengths "
-        f"{', '.join(map(str, lengths)) or '-'} ({summary['offloads']} offload(s))"
+        f"{', '.join(map(str, lengths)) or '-'} ({summary['offloads']} offload(s), "
+        f"{summary['reloads_moved']} reload(s) at new addresses)"
     )
     if summary["losses"]:
         print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}")

@@ -26,6 +26,7 @@ from bucket_schedule import expected_schedule, lengths_of, schedule_of
 from cpu_only import needs_mcore_on_cpu
 
 from cudagraph_plugin.runtime import buckets as bucket_runtime
+from hookspecs import get_plugin_manager
 
 pytestmark = needs_mcore_on_cpu
 
@@ -109,6 +110,8 @@ def test_offload_and_reload_recapture_every_bucket_and_train_as_eager(
     why = "reloaded after the rollout" if explicit else "memory the graphs point at moved"
     assert all(why in r.getMessage() for r in freed)
     assert len(report["invalidations"]) == (2 if explicit else 0)
+    if not explicit:
+        assert graphs["reloads_moved"] == 2  # the host saw what the plugin's check saw
     assert graphs["losses"] == eager["losses"]
 
 
@@ -152,7 +155,6 @@ def test_the_fingerprint_check_is_what_catches_the_move(bucket_fakes, tmp_path, 
         (["--offload-interval", "6"], "multiple of --steps-per-round"),
         (["--pad-to-buckets", "16,64"], "exceeds --seq-length"),
         (["--pad-to-buckets", "16,x"], "--pad-to-buckets: '16,x' is not"),
-        (["--offload-interval", "8", "--use-distributed-optimizer"], "needs --bf16"),
     ],
 )
 def test_bad_loop_flags_are_refused_with_the_fix(argv, match, capsys):
@@ -160,6 +162,21 @@ def test_bad_loop_flags_are_refused_with_the_fix(argv, match, capsys):
         rl_loop.run([*LOOP, "--cpu", *argv])
     assert exit_info.value.code == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bf16,refused", [([], True), (["--bf16"], False)])
+def test_offload_on_a_gpu_needs_bf16(bf16, refused, capsys):
+    """An fp32 optimizer's parameters are the model's: megatron-core's offload_to_cpu() would
+    take the rollout's weights off the GPU (seen on an H200: the rollout then fails in the
+    embedding with tensors on two devices). On the CPU it moves nothing."""
+    parser = rl_loop.build_parser(get_plugin_manager())
+    args = parser.parse_args([*LOOP, "--offload-interval", "8", *bf16])
+    if not refused:
+        rl_loop._check(parser, args, use_cuda=True)
+        return
+    with pytest.raises(SystemExit):
+        rl_loop._check(parser, args, use_cuda=True)
+    assert "--offload-interval needs --bf16 on a GPU" in capsys.readouterr().err
 
 
 def _free_port() -> int:
