@@ -75,8 +75,8 @@ from train_jobs import (
     append_result,
     end_after_fault_s,
     launch,
-    pinned_device,
     result_line,
+    single_gpu_env,
 )
 
 # A small bf16 GPT: big enough to launch real kernels, quick to build.
@@ -561,13 +561,7 @@ def run_scenario_job(
 ) -> TrainJob:
     job_env = dict(env)
     if scenario.nproc == 1:
-        device = pinned_device(
-            os.environ.get("PYTEST_XDIST_WORKER"),
-            os.environ.get("CUDA_VISIBLE_DEVICES"),
-            DEVICE_COUNT,
-        )
-        if device is not None:
-            job_env["CUDA_VISIBLE_DEVICES"] = device
+        job_env.update(single_gpu_env(DEVICE_COUNT))
     job = launch(
         f"{scenario.name}/{role}",
         argv,
@@ -803,10 +797,7 @@ NOTHING_CAPTURED = [
 
 
 def _single_gpu_env() -> dict[str, str]:
-    device = pinned_device(
-        os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("CUDA_VISIBLE_DEVICES"), DEVICE_COUNT
-    )
-    return {} if device is None else {"CUDA_VISIBLE_DEVICES": device}
+    return single_gpu_env(DEVICE_COUNT)
 
 
 @pytest.mark.gpu

@@ -27,7 +27,7 @@ import pytest
 import torch
 from bucket_schedule import expected_schedule, lengths_of, schedule_of
 
-from train_jobs import RL_LOOP, TrainJob, append_result, launch, pinned_device, result_line
+from train_jobs import RL_LOOP, TrainJob, append_result, launch, result_line, single_gpu_env
 
 CUDA = torch.cuda.is_available()
 DEVICE_COUNT = torch.cuda.device_count() if CUDA else 0
@@ -53,15 +53,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA
 
 
 def _job(name: str, role: str, argv: tuple[str, ...], jobs_root: Path, nproc: int = 1) -> TrainJob:
-    env = {}
-    if nproc == 1:
-        device = pinned_device(
-            os.environ.get("PYTEST_XDIST_WORKER"),
-            os.environ.get("CUDA_VISIBLE_DEVICES"),
-            DEVICE_COUNT,
-        )
-        if device is not None:
-            env["CUDA_VISIBLE_DEVICES"] = device
+    env = single_gpu_env(DEVICE_COUNT) if nproc == 1 else {}
     job = launch(
         f"{name}/{role}",
         list(argv),

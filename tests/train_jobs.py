@@ -247,3 +247,12 @@ def pinned_device(worker: str | None, visible: str | None, device_count: int) ->
     if not devices:
         return None
     return devices[int(worker[2:]) % len(devices)]
+
+
+def single_gpu_env(device_count: int) -> dict[str, str]:
+    """The environment a single-GPU job of this pytest(-xdist) worker adds: its pinned
+    ``CUDA_VISIBLE_DEVICES`` (see :func:`pinned_device`), or nothing outside xdist."""
+    device = pinned_device(
+        os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("CUDA_VISIBLE_DEVICES"), device_count
+    )
+    return {} if device is None else {"CUDA_VISIBLE_DEVICES": device}

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LIFECYCLE = "tests/test_plugin_lifecycle.py::"
 BUCKETS = "tests/test_buckets.py::"
 BUCKETS_PY = "cudagraph_plugin/runtime/buckets.py"
+RL = "tests/test_rl_loop.py::"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +178,11 @@ MUTANTS = [
         BUCKETS_PY,
         "        if self._calls[key] >= self.warmup_steps:\n",
         "        if sum(self._calls.values()) >= self.warmup_steps:\n",
-        (BUCKETS + "test_each_bucket_is_captured_after_its_own_warmup_and_replayed_for_its_steps",),
+        (
+            BUCKETS + "test_each_bucket_is_captured_after_its_own_warmup_and_replayed_"
+            "for_its_steps",
+            RL + "test_each_bucket_replays_every_step_after_its_capture_and_trains_as_eager",
+        ),
     ),
     Mutant(
         "bucket-buffers-shared",
@@ -196,6 +201,7 @@ MUTANTS = [
         (
             BUCKETS + "test_a_shape_outside_every_bucket_runs_eagerly_with_one_log_line_per_"
             "new_shape",
+            RL + "test_a_length_outside_every_bucket_runs_eagerly_with_one_log_line",
         ),
     ),
     Mutant(
@@ -238,6 +244,7 @@ MUTANTS = [
             "[grad-buffers-offloaded]",
             BUCKETS + "test_graphs_are_freed_and_recaptured_after_warmup_when_memory_moves"
             "[parameter-reallocated]",
+            RL + "test_offload_and_reload_recapture_every_bucket_and_train_as_eager[fingerprint]",
         ),
     ),
     Mutant(
@@ -257,7 +264,11 @@ MUTANTS = [
         BUCKETS_PY,
         "        result = release_each(self.graph_release_steps())\n        self._calls.clear()\n",
         "        result = release_each(self.graph_release_steps())\n",
-        (BUCKETS + "test_the_host_can_invalidate_the_graphs_explicitly",),
+        (
+            BUCKETS + "test_the_host_can_invalidate_the_graphs_explicitly",
+            RL + "test_offload_and_reload_recapture_every_bucket_and_train_as_eager"
+            "[host-invalidates]",
+        ),
     ),
     Mutant(
         "bucket-pool-per-graph",
