@@ -101,10 +101,19 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 _REFREEZE_AT = 50_000
 
 
-def _freeze_the_baseline() -> None:
-    if len(gc.get_objects(generation=2)) > _REFREEZE_AT:
-        gc.collect()
-        gc.freeze()
+class _FrozenBaseline:
+    """Registered as a plugin, not a conftest hook: conftest hooks see only the tests under
+    tests/, this one also the example plugin's tests (testpaths)."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        if len(gc.get_objects(generation=2)) > _REFREEZE_AT:
+            gc.collect()
+            gc.freeze()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_FrozenBaseline(), "mcgraph-frozen-gc-baseline")
 
 
 # -- no test leaves state behind -------------------------------------------------------------
@@ -160,7 +169,6 @@ _STATE_BEFORE = pytest.StashKey[dict[str, Any]]()
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
-    _freeze_the_baseline()
     item.stash[_STATE_BEFORE] = _process_state()  # before any fixture is set up
     return (yield)
 
