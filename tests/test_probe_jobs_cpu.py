@@ -23,7 +23,9 @@ from cpu_only import needs_mcore_on_cpu
 from cudagraph_plugin.entry import RUN_PLUGIN_NAME
 from train_jobs import REPO, TrainJob, append_result, launch, result_line
 
-pytestmark = [needs_mcore_on_cpu, pytest.mark.slow]
+# One pytest-xdist worker takes the module (make test runs --dist loadgroup), so the jobs
+# fixture runs its jobs once, not once on each worker.
+pytestmark = [needs_mcore_on_cpu, pytest.mark.slow, pytest.mark.xdist_group("probe_jobs_cpu")]
 
 CPU = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 SHORT = ["--train-iters", "6", "--log-interval", "0"]
