@@ -29,8 +29,13 @@ venv: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/python examples/train_gpt.py $(DEMO_ARGS)
 
+# The suite on two pytest-xdist workers (a 2-core machine; TEST_ARGS= runs it in one process).
+# loadgroup keeps the tests that share a module's job run on one worker (xdist_group marks);
+# one torch thread per worker, as the two workers already fill the two cores. The ten slowest
+# tests are listed at the end, so a slow new test shows at once.
+TEST_ARGS ?= -n 2 --dist loadgroup
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --durations=10 $(TEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -98,7 +98,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 # Listing that generation costs about a millisecond (gc.get_freeze_count() would walk the
 # 400,000 frozen objects).
 
-_REFREEZE_AT = 50_000
+_REFREEZE_AT = 10_000
 
 
 class _FrozenBaseline:
