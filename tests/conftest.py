@@ -91,25 +91,41 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 # it exits, and every full gc.collect() walks them all: 0.25 s each, several per training run
 # (the fake and real TE capture, the plugin's release steps), a third of the suite's time.
 # Frozen (gc.freeze: the permanent generation) they are no longer walked; what a test creates
-# is collected exactly as before. The baseline is taken again, after a collection, whenever
-# the oldest generation has grown past _REFREEZE_AT objects: what tests keep alive piles up
-# there (a few hundred objects a test), and gc.unfreeze() puts the whole baseline back there
-# (megatron-core's capture with FREEZE_GC does, and the plugin's end of a stuck capture).
-# Listing that generation costs about a millisecond (gc.get_freeze_count() would walk the
-# 400,000 frozen objects).
+# is collected exactly as before. Collection (which imports them) runs without the collector,
+# whose automatic passes would walk them over and over, then the baseline is frozen once.
+# It is taken again, after a collection, whenever the oldest generation has grown past
+# _REFREEZE_AT objects: what tests keep alive piles up there (a few hundred objects a test),
+# and gc.unfreeze() puts the whole baseline back there (megatron-core's capture with
+# FREEZE_GC does, and the plugin's end of a stuck capture). Listing that generation costs
+# about a millisecond (gc.get_freeze_count() would walk the 400,000 frozen objects).
 
 _REFREEZE_AT = 10_000
+
+
+def _freeze_the_baseline() -> None:
+    gc.collect()
+    gc.freeze()
 
 
 class _FrozenBaseline:
     """Registered as a plugin, not a conftest hook: conftest hooks see only the tests under
     tests/, this one also the example plugin's tests (testpaths)."""
 
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_collection(self, session: pytest.Session) -> Iterator[None]:
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return (yield)
+        finally:
+            if was_enabled:
+                gc.enable()
+            _freeze_the_baseline()
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         if len(gc.get_objects(generation=2)) > _REFREEZE_AT:
-            gc.collect()
-            gc.freeze()
+            _freeze_the_baseline()
 
 
 def pytest_configure(config: pytest.Config) -> None:
