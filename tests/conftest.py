@@ -9,7 +9,10 @@ This module owns what every test relies on:
   would fail every plugin manager. Once ``cudagraph_plugin.entry`` exists this does nothing;
 * the check that no test leaves process state behind (at the end of this module);
 * a frozen garbage collector baseline (``gc.freeze``), so that the ``gc.collect()`` calls a
-  run makes (megatron-core's capture, the plugin's shutdown) cost milliseconds, not 0.25 s.
+  run makes (megatron-core's capture, the plugin's shutdown) cost milliseconds, not 0.25 s;
+* under pytest-xdist's ``--dist loadgroup``, a test that ends its worker (pytest-timeout's
+  thread method does, after 300 s) fails once and the others still run
+  (``tests/xdist_loadgroup.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xdist_loadgroup
 
 from hookspecs import BLOCK_ENV_VAR
 
@@ -130,6 +134,8 @@ class _FrozenBaseline:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_FrozenBaseline(), "mcgraph-frozen-gc-baseline")
+    # Only pytest-xdist's controller asks it for a scheduler.
+    config.pluginmanager.register(xdist_loadgroup, "mcgraph-xdist-loadgroup")
 
 
 # -- no test leaves state behind -------------------------------------------------------------
