@@ -29,8 +29,15 @@ venv: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/python examples/train_gpt.py $(DEMO_ARGS)
 
+# The suite on two pytest-xdist workers, sized for a 2-core machine (XDIST="-n 4" on a bigger
+# one, XDIST= for one process). --dist loadgroup keeps the tests that read one module-scoped
+# job run on one worker (their xdist_group marks), so the job runs once. One torch thread per
+# worker: the workers already fill the cores. The ten slowest tests are listed at the end, so
+# a slow new test shows at once. PYTEST_ARGS adds arguments (--randomly-seed=N, -k ...).
+XDIST ?= -n 2 --dist loadgroup
+PYTEST_ARGS ?=
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --durations=10 $(XDIST) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

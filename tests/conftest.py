@@ -1,16 +1,23 @@
 """Shared test set-up for the whole suite.
 
-This module owns two things every test relies on:
+This module owns what every test relies on:
 
 * ``examples/`` on ``sys.path``, so tests import the example host (``train_gpt``) and the
   CUDA-to-CPU redirect (``cpu_redirect``) the way the example script itself does;
 * blocking the ``cudagraph`` entry point while its module does not exist yet: the
   distribution declares ``cudagraph = cudagraph_plugin.entry``, and loading a missing module
-  would fail every plugin manager. Once ``cudagraph_plugin.entry`` exists this does nothing.
+  would fail every plugin manager. Once ``cudagraph_plugin.entry`` exists this does nothing;
+* the check that no test leaves process state behind (at the end of this module);
+* a frozen garbage collector baseline (``gc.freeze``), so that the ``gc.collect()`` calls a
+  run makes (megatron-core's capture, the plugin's shutdown) cost milliseconds, not 0.25 s;
+* under pytest-xdist's ``--dist loadgroup``, a test that ends its worker (pytest-timeout's
+  thread method does, after 300 s) fails once and the others still run
+  (``tests/xdist_loadgroup.py``).
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import logging
 import os
@@ -21,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xdist_loadgroup
 
 from hookspecs import BLOCK_ENV_VAR
 
@@ -96,6 +104,55 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if config.pluginmanager.hasplugin("randomly"):
         seed = config.getoption("randomly_seed")
         terminalreporter.write_line(f"random test order: --randomly-seed={seed} repeats it")
+
+
+# -- a cheap gc.collect() ------------------------------------------------------------------
+#
+# Once torch and megatron-core are imported the process holds ~400,000 objects that live until
+# it exits, and every full gc.collect() walks them all: 0.25 s each, several per training run
+# (the fake and real TE capture, the plugin's release steps), a third of the suite's time.
+# Frozen (gc.freeze: the permanent generation) they are no longer walked; what a test creates
+# is collected exactly as before. Collection (which imports them) runs without the collector,
+# whose automatic passes would walk them over and over, then the baseline is frozen once.
+# It is taken again, after a collection, whenever the oldest generation has grown past
+# _REFREEZE_AT objects: what tests keep alive piles up there (a few hundred objects a test),
+# and gc.unfreeze() puts the whole baseline back there (megatron-core's capture with
+# FREEZE_GC does, and the plugin's end of a stuck capture). Listing that generation costs
+# about a millisecond (gc.get_freeze_count() would walk the 400,000 frozen objects).
+
+_REFREEZE_AT = 10_000
+
+
+def _freeze_the_baseline() -> None:
+    gc.collect()
+    gc.freeze()
+
+
+class _FrozenBaseline:
+    """Registered as a plugin, not a conftest hook: conftest hooks see only the tests under
+    tests/, this one also the example plugin's tests (testpaths)."""
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_collection(self, session: pytest.Session) -> Iterator[None]:
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return (yield)
+        finally:
+            if was_enabled:
+                gc.enable()
+            _freeze_the_baseline()
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        if len(gc.get_objects(generation=2)) > _REFREEZE_AT:
+            _freeze_the_baseline()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_FrozenBaseline(), "mcgraph-frozen-gc-baseline")
+    # Only pytest-xdist's controller asks it for a scheduler.
+    config.pluginmanager.register(xdist_loadgroup, "mcgraph-xdist-loadgroup")
 
 
 # -- no test leaves state behind -------------------------------------------------------------

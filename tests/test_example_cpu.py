@@ -379,7 +379,10 @@ def script_run(subprocess_env: dict[str, str]) -> tuple[subprocess.CompletedProc
     return result, asks_for_graphs
 
 
+# The tests of one module-scoped run share a pytest-xdist worker (make test runs --dist
+# loadgroup), so the script runs once, not once on each worker.
 @pytest.mark.slow
+@pytest.mark.xdist_group("example_script_run")
 def test_script_exits_zero_and_prints_the_summary(
     script_run: tuple[subprocess.CompletedProcess[str], bool],
 ) -> None:
@@ -391,6 +394,7 @@ def test_script_exits_zero_and_prints_the_summary(
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("example_script_run")
 def test_script_says_once_that_cuda_graphs_need_a_cuda_device(
     script_run: tuple[subprocess.CompletedProcess[str], bool],
 ) -> None:

@@ -36,7 +36,10 @@ def traced_run(subprocess_env: dict[str, str]) -> subprocess.CompletedProcess[st
 
 
 @needs_mcore_on_cpu
+# The tests of the module-scoped run share a pytest-xdist worker (make test runs --dist
+# loadgroup), so the loop runs once, not once on each worker.
 @pytest.mark.slow
+@pytest.mark.xdist_group("minimal_loop_run")
 def test_the_minimal_loop_trains_and_fires_every_host_hook_in_order(
     traced_run: subprocess.CompletedProcess[str],
 ) -> None:
@@ -68,6 +71,7 @@ def test_the_minimal_loop_trains_and_fires_every_host_hook_in_order(
 
 @needs_mcore_on_cpu
 @pytest.mark.slow
+@pytest.mark.xdist_group("minimal_loop_run")
 def test_the_cuda_graph_plugin_validates_reports_and_shuts_down(
     traced_run: subprocess.CompletedProcess[str],
 ) -> None:

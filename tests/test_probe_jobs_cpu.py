@@ -23,7 +23,9 @@ from cpu_only import needs_mcore_on_cpu
 from cudagraph_plugin.entry import RUN_PLUGIN_NAME
 from train_jobs import REPO, TrainJob, append_result, launch, result_line
 
-pytestmark = [needs_mcore_on_cpu, pytest.mark.slow]
+# One pytest-xdist worker takes the module (make test runs --dist loadgroup), so the jobs
+# fixture runs its jobs once, not once on each worker.
+pytestmark = [needs_mcore_on_cpu, pytest.mark.slow, pytest.mark.xdist_group("probe_jobs_cpu")]
 
 CPU = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 SHORT = ["--train-iters", "6", "--log-interval", "0"]
@@ -46,10 +48,13 @@ JOBS = {
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TrainJob]:
+    # Made before the threads: the first mktemp of a pytest-xdist worker empties its base
+    # directory, which would race with another thread's first mktemp.
+    job_dirs = {name: tmp_path_factory.mktemp(name) for name in JOBS}
+
     def one(name: str) -> TrainJob:
         argv, env = JOBS[name]
-        job_dir = tmp_path_factory.mktemp(name)
-        return launch(name, argv, job_dir=job_dir, timeout_s=TIMEOUT_S, env={**CPU, **env})
+        return launch(name, argv, job_dir=job_dirs[name], timeout_s=TIMEOUT_S, env={**CPU, **env})
 
     with concurrent.futures.ThreadPoolExecutor(len(JOBS)) as pool:
         return dict(zip(JOBS, pool.map(one, JOBS), strict=True))
