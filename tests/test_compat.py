@@ -400,3 +400,25 @@ def test_rng_tracker_state_reads_the_active_tracker():
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
     assert compat.rng_tracker_state()[0] is False
     assert "was not called" in compat.rng_tracker_state()[1]
+
+
+@pytest.mark.parametrize("freeze_gc", [True, False])
+def test_ending_a_stuck_te_capture_unfreezes_only_what_megatron_core_froze(monkeypatch, freeze_gc):
+    """megatron-core freezes the garbage collector for a TE capture only with its FREEZE_GC
+    on (off with torch >= 2.9); ending a capture it left stuck must not unfreeze the host's
+    own frozen objects otherwise."""
+    import gc
+
+    from megatron.core.transformer import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "FREEZE_GC", freeze_gc)
+    unfrozen = []
+    monkeypatch.setattr(gc, "unfreeze", lambda: unfrozen.append(True))
+    cuda_graphs._set_capture_start()
+    try:
+        assert compat.end_stuck_te_capture() is True
+    finally:
+        cuda_graphs._set_capture_end()
+    assert not cuda_graphs.is_graph_capturing()
+    assert unfrozen == ([True] if freeze_gc else [])
+    assert compat.end_stuck_te_capture() is False  # nothing stuck now

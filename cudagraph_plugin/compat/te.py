@@ -71,8 +71,10 @@ def end_stuck_te_capture() -> bool:
     if not cuda_graphs.is_graph_capturing():
         return False
     cuda_graphs._set_capture_end()
-    # _start_capturing may have frozen the garbage collector (FREEZE_GC) before failing.
-    _gc.unfreeze()
+    # _start_capturing froze the garbage collector before failing where megatron-core's
+    # FREEZE_GC is on (off with torch >= 2.9); otherwise leave the host's own frozen objects.
+    if getattr(cuda_graphs, "FREEZE_GC", False):
+        _gc.unfreeze()
     return True
 
 
