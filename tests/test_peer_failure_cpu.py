@@ -506,6 +506,7 @@ def told_by(job: Job, rank: int, peer_rank: int, reason: str, stand_in: bool = T
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("peer_failure_jobs")
 def test_rank_1_raising_ends_the_blocked_rank_0_with_peer_failed(jobs):
     job = jobs["raise"]
     ended_in_time(job)
@@ -519,6 +520,7 @@ def test_rank_1_raising_ends_the_blocked_rank_0_with_peer_failed(jobs):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("peer_failure_jobs")
 def test_every_other_rank_of_three_is_told(jobs):
     """Rank 0 waits in the stand-in; rank 2 in the next step's gloo all-reduce, which its
     abort cannot end (gloo's abort does nothing) while the failed rank 1 is alive: rank 1
@@ -538,6 +540,7 @@ def test_every_other_rank_of_three_is_told(jobs):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("peer_failure_jobs")
 def test_sigterm_to_rank_1_ends_the_blocked_rank_0_with_peer_failed(jobs):
     job = jobs["sigterm"]
     ended_in_time(job)
@@ -548,6 +551,7 @@ def test_sigterm_to_rank_1_ends_the_blocked_rank_0_with_peer_failed(jobs):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("peer_failure_jobs")
 def test_two_ranks_failing_at_once_each_finish_their_own_shutdown(jobs):
     job = jobs["both"]
     ended_in_time(job)
@@ -563,6 +567,7 @@ def test_two_ranks_failing_at_once_each_finish_their_own_shutdown(jobs):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("peer_failure_jobs")
 def test_ranks_completing_at_different_times_raise_no_alarm(jobs):
     job = jobs["completed"]
     ended_in_time(job)
@@ -575,6 +580,7 @@ def test_ranks_completing_at_different_times_raise_no_alarm(jobs):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("peer_failure_jobs")
 def test_the_store_gone_with_rank_0_leaves_rank_1_to_complete(jobs):
     job = jobs["store_gone"]
     ended_in_time(job)
@@ -587,6 +593,7 @@ def test_the_store_gone_with_rank_0_leaves_rank_1_to_complete(jobs):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("peer_failure_jobs")
 def test_the_rank_hosting_the_store_keeps_it_until_the_others_were_told(jobs):
     """Without torchrun, rank 0's process serves the job's store: it fails, and waits for
     the peers before its exit takes the store (and the mark) away."""
