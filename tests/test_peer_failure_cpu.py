@@ -463,9 +463,13 @@ class Job:
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
+    # Made before the threads start: a worker's first mktemp empties its base folder, and
+    # concurrent first calls race (FileExistsError under pytest-xdist).
+    outs = {name: tmp_path_factory.mktemp(name) for name in JOBS}
+
     def one(name: str) -> Job:
         nproc, launcher, args = JOBS[name]
-        out = tmp_path_factory.mktemp(name)
+        out = outs[name]
         host_args = ["--out", str(out), *args]
         if launcher == "torchrun":
             command = torchrun_command(nproc, HOST, *host_args)
