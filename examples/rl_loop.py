@@ -53,8 +53,7 @@ from typing import Any
 import torch
 
 import train_gpt
-from cudagraph_plugin.config.buckets import padding_waste_percent
-from cudagraph_plugin.runtime.padding import check_buckets, pad_step
+from cudagraph_plugin.runtime.padding import pad_step, padding_waste_percent, parse_buckets
 from hookspecs import ConfigurationError, TrainingRun, print_refusal
 
 logger = logging.getLogger("rl_loop")
@@ -105,19 +104,6 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _lengths(text: Any) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    if isinstance(text, str):
-        try:
-            values = [int(part) for part in text.split(",") if part.strip()]
-        except ValueError:
-            raise ValueError(f"{text!r} is not a comma-separated list of integers") from None
-    else:
-        values = list(text)
-    return check_buckets(values, "--pad-to-buckets")
-
-
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: bool) -> None:
     if args.eval_interval:
         parser.error(
@@ -144,10 +130,12 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: 
             "offload_to_cpu() would move the weights the rollout needs to the host"
         )
     source = "--pad-to-buckets" if args.pad_to_buckets else "--cuda-graph-buckets"
+    lengths = args.pad_to_buckets or getattr(args, "cuda_graph_buckets", None)
     try:
-        args.buckets = _lengths(args.pad_to_buckets or getattr(args, "cuda_graph_buckets", None))
+        args.buckets = None if lengths is None else parse_buckets(lengths, source)
     except ValueError as error:
-        parser.error(f"{source}: {error}")
+        message = str(error)  # check_buckets' messages start with the field's name
+        parser.error(message if message.startswith(source) else f"{source}: {message}")
     if args.buckets is not None and args.buckets[-1] > args.seq_length:
         parser.error(
             f"{source}: the largest bucket ({args.buckets[-1]}) exceeds --seq-length "
@@ -270,32 +258,24 @@ def _rollout(
 ) -> float | None:
     """Forward-only passes over micro-batches of their own lengths; the mean loss (on the
     last pipeline stage, else ``None``)."""
-    with training.evaluation() as metrics:
-        for chunk in setup.model:
-            chunk.eval()
-        losses = []
-        try:
-            with torch.no_grad():
-                for _ in range(args.rollout_batches):
-                    batch = data.micro_batch()
-                    loss_dicts = setup.fwd_bwd(
-                        forward_step_func=train_gpt.forward_step,
-                        data_iterator=_iterators(setup.model, [batch]),
-                        model=setup.model,
-                        num_microbatches=1,
-                        seq_length=batch["tokens"].shape[-1],
-                        micro_batch_size=args.micro_batch_size,
-                        forward_only=True,
-                    )
-                    losses.append(train_gpt._mean_loss(loss_dicts))
-        finally:
-            for chunk in setup.model:
-                chunk.train()
-        if losses[0] is None:  # not the last pipeline stage
-            return None
-        loss = float(torch.stack(losses).mean())
-        metrics["loss"] = loss
-    return loss
+
+    def losses() -> list[Any]:
+        results = []
+        for _ in range(args.rollout_batches):
+            batch = data.micro_batch()
+            loss_dicts = setup.fwd_bwd(
+                forward_step_func=train_gpt.forward_step,
+                data_iterator=_iterators(setup.model, [batch]),
+                model=setup.model,
+                num_microbatches=1,
+                seq_length=batch["tokens"].shape[-1],
+                micro_batch_size=args.micro_batch_size,
+                forward_only=True,
+            )
+            results.append(train_gpt._mean_loss(loss_dicts))
+        return results
+
+    return train_gpt.forward_only_pass(training, setup.model, losses)
 
 
 def _train_step(
@@ -306,7 +286,6 @@ def _train_step(
     step: int,
     record: _RLRecord,
 ) -> tuple[torch.Tensor | None, Any]:
-    model, optimizer = setup.model, setup.optimizer
     with training.train_step(step) as metrics:
         start = time.perf_counter()
         batches = [data.micro_batch() for _ in range(args.num_microbatches)]
@@ -318,20 +297,15 @@ def _train_step(
         training.step_padded(
             seq_length=padded.seq_length, real_tokens=real, padded_tokens=padded.padding
         )
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        loss_dicts = setup.fwd_bwd(
+        loss_dicts, grad_norm, update_successful = train_gpt.optimizer_step(
+            setup,
             forward_step_func=train_gpt.forward_step,
-            data_iterator=_iterators(model, padded.batches),
-            model=model,
+            data_iterator=_iterators(setup.model, padded.batches),
+            model=setup.model,
             num_microbatches=args.num_microbatches,
             seq_length=padded.seq_length,
             micro_batch_size=args.micro_batch_size,
-            forward_only=False,
         )
-        update_successful, grad_norm, _ = optimizer.step()
-        setup.scheduler.step(increment=1)
         loss = train_gpt._mean_loss(loss_dicts)
         metrics.update(
             loss=loss,

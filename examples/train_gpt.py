@@ -32,7 +32,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -737,12 +737,9 @@ def _train(
         with training.train_step(step) as metrics:
             start = time.perf_counter()
             clock.start()
-            for chunk in model:
-                chunk.zero_grad_buffer()
-            optimizer.zero_grad()
-            loss_dicts = fwd_bwd(data_iterator=train_iter, forward_only=False, **step_args)
-            update_successful, grad_norm, _ = optimizer.step()
-            scheduler.step(increment=1)
+            loss_dicts, grad_norm, update_successful = optimizer_step(
+                setup, data_iterator=train_iter, **step_args
+            )
             clock.stop()
             loss = _mean_loss(loss_dicts)
             metrics.update(
@@ -794,15 +791,42 @@ def _evaluate(
     eval_iter: Iterator[dict[str, Any]],
     step_args: dict[str, Any],
 ) -> float | None:
+    return forward_only_pass(
+        training,
+        model,
+        lambda: [
+            _mean_loss(fwd_bwd(data_iterator=eval_iter, forward_only=True, **step_args))
+            for _ in range(args.eval_iters)
+        ],
+    )
+
+
+def optimizer_step(setup: Setup, **fwd_bwd_kwargs: Any) -> tuple[Any, Any, Any]:
+    """One training step's work as Megatron-LM's ``train_step`` does it: gradients zeroed,
+    the forward/backward over the step's micro-batches (``fwd_bwd_kwargs``), the optimizer
+    step, the schedule stepped. Returns the loss dicts, the gradient norm and whether the
+    update was applied."""
+    for chunk in setup.model:
+        chunk.zero_grad_buffer()
+    setup.optimizer.zero_grad()
+    loss_dicts = setup.fwd_bwd(forward_only=False, **fwd_bwd_kwargs)
+    update_successful, grad_norm, _ = setup.optimizer.step()
+    setup.scheduler.step(increment=1)
+    return loss_dicts, grad_norm, update_successful
+
+
+def forward_only_pass(
+    training: TrainingRun, model: list[Any], losses: Callable[[], list[Any]]
+) -> float | None:
+    """One ``run.evaluation()``: the chunks in eval mode, without autograd, while
+    ``losses()`` makes the forward-only calls and returns each call's mean loss; their mean
+    (``None`` on pipeline stages other than the last)."""
     with training.evaluation() as metrics:
         for chunk in model:
             chunk.eval()
         try:
             with torch.no_grad():
-                batches = [
-                    _mean_loss(fwd_bwd(data_iterator=eval_iter, forward_only=True, **step_args))
-                    for _ in range(args.eval_iters)
-                ]
+                batches = losses()
         finally:
             for chunk in model:
                 chunk.train()

@@ -5,7 +5,8 @@ the graphs per bucket are :mod:`cudagraph_plugin.runtime.buckets`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 
@@ -23,6 +24,24 @@ def check_buckets(buckets: Iterable[Any], field: str = "buckets") -> tuple[int, 
     if len(set(values)) != len(values):
         raise ValueError(f"{field} has a length twice: {values!r}; give each length once")
     return tuple(sorted(values))
+
+
+def parse_buckets(value: Any, field: str = "buckets") -> tuple[int, ...]:
+    """The setting's accepted form: a list of ints or a string ``"256,512,1024"`` (commas or
+    spaces; digit strings count as ints), checked by :func:`check_buckets`. Raises
+    ``ValueError`` saying what is wrong."""
+    if isinstance(value, str):
+        value = [part for part in re.split(r"[,\s]+", value.strip()) if part]
+    if not isinstance(value, Iterable) or isinstance(value, Mapping):
+        raise ValueError("not a list of sequence lengths")
+    lengths = []
+    for item in value:
+        if isinstance(item, str) and re.fullmatch(r"\s*[+-]?\d+\s*", item):
+            item = int(item)
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise ValueError(f"{item!r} is not a sequence length")
+        lengths.append(item)
+    return check_buckets(lengths, field)
 
 
 def bucket_for(length: int, buckets: Sequence[int]) -> int | None:

@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from cudagraph_plugin.config.buckets import check_buckets
+from cudagraph_plugin.config.buckets import parse_buckets
 from cudagraph_plugin.config.fields import MISSING
 
 
@@ -168,18 +168,8 @@ def _to_dtype_name(value: Any) -> str:
 def _to_buckets(value: Any) -> tuple[int, ...]:
     """Sequence-length buckets: a list of ints or a string ``"256,512,1024"`` (commas or
     spaces); sorted, each once."""
-    if isinstance(value, str):
-        value = [part for part in re.split(r"[,\s]+", value.strip()) if part]
-    if not isinstance(value, Iterable) or isinstance(value, Mapping):
-        raise _Unreadable("not a list of sequence lengths", _BUCKETS_FIX)
-    lengths = []
-    for item in value:
-        try:
-            lengths.append(_integer(item))
-        except _Unreadable:
-            raise _Unreadable(f"{item!r} is not a sequence length", _BUCKETS_FIX) from None
     try:
-        return check_buckets(lengths, "cuda_graph_buckets")
+        return parse_buckets(value, "cuda_graph_buckets")
     except ValueError as exc:
         raise _Unreadable(str(exc), _BUCKETS_FIX) from None
 

@@ -15,8 +15,8 @@ pads each step's micro-batches to one bucket length and passes that length as
   losses are those of the unpadded batch.
 * :func:`pad_step` pads all micro-batches of one step to one common bucket (the graph of a
   step reads every micro-batch at the same shape).
-* the bucket arithmetic (:func:`bucket_for`, :func:`check_buckets`, :func:`padding_waste_percent`)
-  is :mod:`cudagraph_plugin.config.buckets`' (re-exported here).
+* the bucket arithmetic (:func:`bucket_for`, :func:`check_buckets`, :func:`parse_buckets`,
+  :func:`padding_waste_percent`) is :mod:`cudagraph_plugin.config.buckets`' (re-exported here).
 
 A length above the largest bucket raises :class:`BucketOverflowError` by default: a host
 that pads expects a graph. ``overflow="keep"`` returns such a batch unpadded instead (its
@@ -31,7 +31,12 @@ from typing import Any
 
 import torch
 
-from cudagraph_plugin.config.buckets import bucket_for, check_buckets, padding_waste_percent
+from cudagraph_plugin.config.buckets import (
+    bucket_for,
+    check_buckets,
+    padding_waste_percent,
+    parse_buckets,
+)
 
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 """The micro-batch keys padded along their last dimension (megatron-core's GPT batch)."""
@@ -281,5 +286,6 @@ __all__ = [
     "pad_step",
     "pad_to_bucket",
     "padding_waste_percent",
+    "parse_buckets",
     "sequence_length",
 ]
