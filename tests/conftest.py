@@ -91,6 +91,19 @@ def bucket_fakes(fake_graphs: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 @pytest.fixture(scope="session")
+def jobs_root(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Where the GPU jobs' logs and probe records go: ``MCGRAPH_GPU_LOGS`` (the suite driver
+    tars it) or a pytest temporary folder."""
+    from pathlib import Path
+
+    logs = os.environ.get("MCGRAPH_GPU_LOGS")
+    if logs:
+        Path(logs).mkdir(parents=True, exist_ok=True)
+        return Path(logs)
+    return tmp_path_factory.mktemp("gpu-jobs")
+
+
+@pytest.fixture(scope="session")
 def subprocess_env() -> dict[str, str]:
     """Environment for a child Python: this one, with the same plugin blocking."""
     env = dict(os.environ)

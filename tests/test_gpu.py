@@ -73,6 +73,7 @@ from cudagraph_plugin.entry import RUN_PLUGIN_NAME
 from train_jobs import (
     TrainJob,
     append_result,
+    check_job_ended_cleanly,
     end_after_fault_s,
     launch,
     result_line,
@@ -540,17 +541,6 @@ def _params(good: bool) -> list[Any]:
 # -------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def jobs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the jobs' logs and probe records go: ``MCGRAPH_GPU_LOGS`` (the suite driver
-    tars it) or a pytest temporary folder."""
-    logs = os.environ.get("MCGRAPH_GPU_LOGS")
-    if logs:
-        Path(logs).mkdir(parents=True, exist_ok=True)
-        return Path(logs)
-    return tmp_path_factory.mktemp("gpu-jobs")
-
-
 def _current_test() -> str | None:
     current = os.environ.get("PYTEST_CURRENT_TEST")
     return current.rsplit(" ", 1)[0] if current else None
@@ -598,13 +588,6 @@ def eager_twins(jobs_root: Path) -> EagerTwins:
 # -------------------------------------------------------------------------------------------
 # Assertions.
 # -------------------------------------------------------------------------------------------
-
-
-def check_job_ended_cleanly(job: TrainJob) -> None:
-    result = job.result
-    assert not result.timed_out, f"HANG: killed at the timeout\n{job.context()}"
-    assert result.leftovers == [], f"processes left behind: {result.leftovers}\n{job.context()}"
-    assert result.survivors == [], f"processes that would not die: {result.survivors}"
 
 
 def capture_stages(events: list[list[Any]]) -> list[tuple[str, int]]:

@@ -27,7 +27,15 @@ import pytest
 import torch
 from bucket_schedule import expected_schedule, lengths_of, schedule_of
 
-from train_jobs import RL_LOOP, TrainJob, append_result, launch, result_line, single_gpu_env
+from train_jobs import (
+    RL_LOOP,
+    TrainJob,
+    append_result,
+    check_job_ended_cleanly,
+    launch,
+    result_line,
+    single_gpu_env,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE_COUNT = torch.cuda.device_count() if CUDA else 0
@@ -64,21 +72,11 @@ def _job(name: str, role: str, argv: tuple[str, ...], jobs_root: Path, nproc: in
         script=RL_LOOP,
     )
     append_result(result_line(job, name, role, test=os.environ.get("PYTEST_CURRENT_TEST")))
-    assert not job.result.timed_out, f"HANG: killed at the timeout\n{job.context()}"
-    assert job.result.leftovers == [], job.context()
+    check_job_ended_cleanly(job)
     assert job.result.rc == 0, job.context()
     for rank in range(nproc):
         assert job.record(rank)["shutdown_reason"] == "completed", job.context()
     return job
-
-
-@pytest.fixture(scope="session")
-def jobs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    logs = os.environ.get("MCGRAPH_GPU_LOGS")
-    if logs:
-        Path(logs).mkdir(parents=True, exist_ok=True)
-        return Path(logs)
-    return tmp_path_factory.mktemp("gpu-rl-jobs")
 
 
 def _same_losses(graphed: TrainJob, eager: TrainJob, rank: int = 0) -> None:

@@ -177,6 +177,33 @@ def make_report(**overrides) -> RunReport:
     return RunReport(**fields)
 
 
+UNCAPTURED = dict(  # what a run that captured nothing reports
+    graphs_captured=False,
+    no_graph_reason="no CUDA device (CUDA graphs need one; the run was eager)",
+    capture_step=None,
+    capture_seconds=None,
+    graph_count=0,
+    eager_steps=[1, 2, 3],
+    replay_steps=[],
+    replay_step_ms=None,
+    speedup=None,
+    verdict="unknown",
+    noise=0.0,
+    memory_before_capture=None,
+    memory_after_capture=None,
+    peak_allocated_at_end_mib=None,
+    graphs_held=0,
+    replays={},
+    notes=[],
+    thin_sample=False,
+    break_even_steps=None,
+    pays_off=None,
+    buckets=[],
+    invalidations=[],
+    device="cpu",
+)
+
+
 def test_report_memory_overheads():
     data = make_report().to_dict()
     assert data["memory_overhead_mib"] == pytest.approx(64.0)
@@ -204,28 +231,6 @@ def test_table_for_a_captured_run():
 
 
 def test_table_when_nothing_was_captured():
-    table = make_report(
-        graphs_captured=False,
-        no_graph_reason="no CUDA device",
-        capture_step=None,
-        capture_seconds=None,
-        graph_count=0,
-        replay_steps=[],
-        replay_step_ms=None,
-        speedup=None,
-        verdict="unknown",
-        memory_before_capture=None,
-        memory_after_capture=None,
-        peak_allocated_at_end_mib=None,
-        graphs_held=0,
-        replays={},
-        notes=[],
-        thin_sample=False,
-        break_even_steps=None,
-        pays_off=None,
-        buckets=[],
-        invalidations=[],
-        device="cpu",
-    ).format_table()
+    table = make_report(**UNCAPTURED).format_table()
     assert "NO GRAPH CAPTURED: no CUDA device" in table
     assert "replay step" not in table and "memory" not in table

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from cpu_only import needs_mcore_on_cpu
-from test_report import make_report
+from test_report import UNCAPTURED, make_report
 
 import train_gpt
 from cudagraph_plugin.runtime.timing import MemorySnapshot
@@ -96,33 +96,6 @@ def test_the_memory_snapshot_has_the_documented_keys():
     assert [f.name for f in MemorySnapshot.__dataclass_fields__.values()] == list(
         MEMORY_SNAPSHOT_FIELDS
     )
-
-
-UNCAPTURED = dict(
-    graphs_captured=False,
-    no_graph_reason="no CUDA device (CUDA graphs need one; the run was eager)",
-    capture_step=None,
-    capture_seconds=None,
-    graph_count=0,
-    eager_steps=[1, 2, 3],
-    replay_steps=[],
-    replay_step_ms=None,
-    speedup=None,
-    verdict="unknown",
-    noise=0.0,
-    memory_before_capture=None,
-    memory_after_capture=None,
-    peak_allocated_at_end_mib=None,
-    graphs_held=0,
-    replays={},
-    notes=[],
-    thin_sample=False,
-    break_even_steps=None,
-    pays_off=None,
-    buckets=[],
-    invalidations=[],
-    device="cpu",
-)
 
 
 @pytest.mark.parametrize("overrides", [{}, UNCAPTURED], ids=["captured", "not captured"])

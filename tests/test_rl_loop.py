@@ -13,9 +13,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ from cpu_only import needs_mcore_on_cpu
 
 from cudagraph_plugin.runtime import buckets as bucket_runtime
 from hookspecs import get_plugin_manager
+from jobs import torchrun_command
 
 pytestmark = needs_mcore_on_cpu
 
@@ -154,7 +153,8 @@ def test_the_fingerprint_check_is_what_catches_the_move(bucket_fakes, tmp_path, 
         (["--min-length", "40", "--max-length", "20"], "--min-length"),
         (["--offload-interval", "6"], "multiple of --steps-per-round"),
         (["--pad-to-buckets", "16,64"], "exceeds --seq-length"),
-        (["--pad-to-buckets", "16,x"], "--pad-to-buckets: '16,x' is not"),
+        (["--pad-to-buckets", "16,x"], "--pad-to-buckets: 'x' is not a sequence length"),
+        (["--pad-to-buckets", "16,16"], "--pad-to-buckets has a length twice"),
     ],
 )
 def test_bad_loop_flags_are_refused_with_the_fix(argv, match, capsys):
@@ -179,12 +179,6 @@ def test_offload_on_a_gpu_needs_bf16(bf16, refused, capsys):
     assert "--offload-interval needs --bf16 on a GPU" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_data_parallel_ranks_pad_each_step_to_one_agreed_bucket(tmp_path, subprocess_env):
     """Each rank draws its own lengths; the ranks agree on the step's longest, so every
     step has one bucket on both ranks (the graphs of a step hold collectives)."""
@@ -198,8 +192,7 @@ def test_two_data_parallel_ranks_pad_each_step_to_one_agreed_bucket(tmp_path, su
         "json.dump(summary, open(path, 'w'))\n"
     )
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(_free_port()), str(script)],
+        torchrun_command(2, script),
         capture_output=True, text=True, timeout=300, env=subprocess_env, check=False,
     )  # fmt: skip
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]

@@ -87,6 +87,14 @@ class TrainJob:
         return losses
 
 
+def check_job_ended_cleanly(job: TrainJob) -> None:
+    """The launcher's end of a job: no timeout, no process left behind or surviving."""
+    result = job.result
+    assert not result.timed_out, f"HANG: killed at the timeout\n{job.context()}"
+    assert result.leftovers == [], f"processes left behind: {result.leftovers}\n{job.context()}"
+    assert result.survivors == [], f"processes that would not die: {result.survivors}"
+
+
 def load_records(probe_dir: Path) -> dict[int, dict[str, Any]]:
     records = {}
     for path in sorted(probe_dir.glob("rank*.json")):
