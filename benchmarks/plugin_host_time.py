@@ -11,10 +11,14 @@ step:
 * ``forward_backward``: the plugin's forward/backward wrapper minus the megatron-core call it
   wraps (the capture decision, the input-copy ordering, the guard's set-up), guard included;
 * ``guard``: of which checking each micro-batch against the captured one (the static-shape
-  guard), which runs while megatron-core draws the micro-batches.
+  guard), which runs while megatron-core draws the micro-batches;
+* ``optimizer`` (mode ``full_iteration_optimizer``): the plugin's ``optimizer.step`` in
+  place of the host's minus megatron-core's ``OptimizerCudaGraphWrapper`` call it wraps (the
+  capture decision, the hyperparameter check before each replay).
 
 Timed with ``time.perf_counter_ns`` around each piece on the steady-state steps (after the
-capture step); medians over those steps, in microseconds. The target is < 20 µs per step.
+capture step); medians over those steps, in microseconds. The target is <= 30 µs per step
+(issue 21).
 
 GPU (after ../shared/gpu/README.md's install)::
 
@@ -42,12 +46,13 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+import gpu_limit  # noqa: E402
 import gpu_modes  # noqa: E402  (sets up sys.path for the project and the example)
 
-TARGET_US = 20.0
+TARGET_US = 30.0
 # The model of the other GPU benchmarks (gpu_modes, gpu_limit), so the numbers line up.
 SIZE = gpu_modes.SIZES["4L-512H"]
-MODES = ("full_iteration", "te_attn_mlp", "eager")
+MODES = ("full_iteration", "full_iteration_optimizer", "te_attn_mlp", "eager")
 
 
 class StepClock:
@@ -97,18 +102,40 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack) -> None:
 
     forward_backward = interceptor.ForwardBackwardInterceptor.call
     inner_ns = [0]
+    inner_depth = [0]
 
-    def timed_forward_backward(self: Any, eager: Any, kwargs: dict[str, Any]) -> Any:
-        def timed_eager(**inner_kwargs: Any) -> Any:
-            start = time.perf_counter_ns()
-            try:
-                return eager(**inner_kwargs)
-            finally:
+    @contextlib.contextmanager
+    def inner() -> Any:
+        # megatron-core's time (its wrapper, the host's function): the outermost one counts
+        inner_depth[0] += 1
+        start = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            inner_depth[0] -= 1
+            if inner_depth[0] == 0:
                 inner_ns[0] += time.perf_counter_ns() - start
 
+    # One timed stand-in per host function, made once: the plugin keys its megatron-core
+    # wrapper by the function it is given, so a new stand-in per call would make it build a
+    # new FullCudaGraphWrapper (and CUDA stream) on every step, which the plugin never does.
+    timed_eagers: dict[int, tuple[Any, Any]] = {}
+
+    def timed_eager_for(eager: Any) -> Any:
+        known = timed_eagers.get(id(eager))
+        if known is None:
+
+            def timed_eager(**inner_kwargs: Any) -> Any:
+                with inner():
+                    return eager(**inner_kwargs)
+
+            known = timed_eagers[id(eager)] = (eager, timed_eager)
+        return known[1]
+
+    def timed_forward_backward(self: Any, eager: Any, kwargs: dict[str, Any]) -> Any:
         inner_ns[0] = 0
         start = time.perf_counter_ns()
-        result = forward_backward(self, timed_eager, kwargs)
+        result = forward_backward(self, timed_eager_for(eager), kwargs)
         clock.add("forward_backward", time.perf_counter_ns() - start - inner_ns[0])
         return result
 
@@ -117,11 +144,8 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack) -> None:
     mcore_call = FullCudaGraphWrapper.__call__
 
     def timed_mcore_call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter_ns()
-        try:
+        with inner():
             return mcore_call(self, *args, **kwargs)
-        finally:
-            inner_ns[0] += time.perf_counter_ns() - start
 
     patch(FullCudaGraphWrapper, "__call__", timed_mcore_call)
 
@@ -137,6 +161,32 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack) -> None:
             inner_ns[0] -= spent  # it ran inside megatron-core's call: count it as the guard
 
     patch(guard.ShapeGuard, "_see", timed_see)
+
+    optimizer_step = interceptor.OptimizerStep.__call__
+    optimizer_inner_ns = [0]
+
+    def timed_optimizer_step(self: Any) -> Any:
+        optimizer_inner_ns[0] = 0
+        start = time.perf_counter_ns()
+        result = optimizer_step(self)
+        clock.add("optimizer", time.perf_counter_ns() - start - optimizer_inner_ns[0])
+        return result
+
+    patch(interceptor.OptimizerStep, "__call__", timed_optimizer_step)
+    try:  # megatron-core 0.17+
+        from megatron.core.optimizer.optimizer_cuda_graph import OptimizerCudaGraphWrapper
+    except ImportError:
+        return
+    mcore_optimizer_call = OptimizerCudaGraphWrapper.__call__
+
+    def timed_mcore_optimizer_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter_ns()
+        try:
+            return mcore_optimizer_call(self, *args, **kwargs)
+        finally:
+            optimizer_inner_ns[0] += time.perf_counter_ns() - start
+
+    patch(OptimizerCudaGraphWrapper, "__call__", timed_mcore_optimizer_call)
 
 
 def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -163,19 +213,21 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         cpu=args.cpu,
         smoke=False,
     )
-    argv = gpu_modes.plugin_argv(SIZE, gpu_modes.MODES[mode], settings, use_cuda=not args.cpu)
+    argv = gpu_modes.plugin_argv(SIZE, gpu_limit.MODES[mode], settings, use_cuda=not args.cpu)
     with contextlib.ExitStack() as stack:
         instrument(clock, stack)
         train_gpt.run(argv, plugins=[capture])
     first = (capture.step if capture.step is not None else args.warmup) + 1
     steady = {step: pieces for step, pieces in clock.ns.items() if step >= first}
-    pieces = ("hooks", "forward_backward", "guard")
+    pieces = ("hooks", "forward_backward", "guard", "optimizer")
     per_piece = {
         piece: statistics.median(p[piece] for p in steady.values()) / 1000.0 if steady else None
         for piece in pieces
     }
     # the guard runs inside megatron-core's call and is already part of forward_backward
-    totals = [(p["hooks"] + p["forward_backward"]) / 1000.0 for p in steady.values()]
+    totals = [
+        (p["hooks"] + p["forward_backward"] + p["optimizer"]) / 1000.0 for p in steady.values()
+    ]
     total = statistics.median(totals) if totals else None
     return {
         "mode": mode,
@@ -185,7 +237,7 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "total_us_per_step": total,
         "total_us_p90": sorted(totals)[int(0.9 * (len(totals) - 1))] if totals else None,
         "target_us": TARGET_US,
-        "within_target": total is not None and total < TARGET_US,
+        "within_target": total is not None and total <= TARGET_US,
     }
 
 

@@ -545,6 +545,30 @@ class FakeDevice:
         self.now_ms = 0.0
         self.events: list[Any] = []
         self.synchronize_calls = 0
+        # what torch._C._cuda_getCurrentStream(device_index) answers: (stream_id,
+        # device_index, device_type); the test switches streams by changing it
+        self.current_stream = (0, 0, 1)
+        self.streams_made: list[Any] = []
+        self.recorded_on: list[Any] = []  # the stream given to each Event.record() call
+
+    def install_stream_bindings(self, monkeypatch: Any) -> None:
+        """The C bindings ``torch.cuda.current_stream()`` reads on a CUDA build of torch
+        (``torch._C._cuda_getDevice``, ``torch._C._cuda_getCurrentStream``; CPU builds have
+        neither) and a ``torch.cuda.Stream`` made from their answer, as torch makes it."""
+        fake = self
+
+        class FakeStream:
+            def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+                self.stream_id = kwargs.get("stream_id", 0)
+                self.device_index = kwargs.get("device_index", 0)
+                self.device_type = kwargs.get("device_type", 1)
+                fake.streams_made.append(self)
+
+        monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+        monkeypatch.setattr(
+            torch._C, "_cuda_getCurrentStream", lambda index: fake.current_stream, raising=False
+        )
+        monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
 
     def advance(self, ms: float) -> None:
         self.now_ms += ms
@@ -568,8 +592,11 @@ class FakeDevice:
 
             at_ms = 0.0
             done = True
+            stream: Any = None
 
             def record(self, stream: Any = None) -> None:
+                self.stream = stream
+                device.recorded_on.append(stream)
                 self.at_ms = device.now_ms
                 self.done = False
                 device.events.append(self)

@@ -118,7 +118,22 @@ def extract_megatron(root: Path) -> dict[str, object]:
             for name in _self_attributes(cuda_graphs, "TECudaGraphHelper")
             if name in HELPER_ATTRIBUTES
         ],
+        "StaticBufferLoader.__call__": _method_source(
+            root / "megatron/core/full_cuda_graph.py", "StaticBufferLoader", "__call__"
+        ),
     }
+
+
+def _method_source(path: Path, class_name: str, method: str) -> str:
+    """The source text of one method, as ``inspect.getsource`` gives it (indented)."""
+    text = path.read_text()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == method:
+                    lines = text.splitlines(keepends=True)
+                    return "".join(lines[item.lineno - 1 : item.end_lineno])
+    raise LookupError(f"{class_name}.{method} not in {path}")
 
 
 def extract_torch(root: Path) -> dict[str, object]:

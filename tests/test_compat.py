@@ -222,6 +222,67 @@ def test_input_copy_waits_for_the_previous_replay(monkeypatch):
     assert waits == [wrapper.static_loader.stream]
 
 
+@pytest.mark.parametrize(
+    "generation,orders", [("megatron-core 0.16", False), ("megatron-core 0.19", True)]
+)
+def test_whether_the_loader_orders_its_copy_is_read_from_its_code(generation, orders):
+    import real_apis
+
+    source = real_apis.load()[generation]["StaticBufferLoader.__call__"]
+    assert compat.copy_waits_for_current_stream(source) is orders
+
+
+def test_the_snapshot_holds_the_installed_loader_code():
+    import inspect
+
+    import real_apis
+
+    [entry] = [e for e in real_apis.load().values() if e["version"] == full_cuda_graph_version()]
+    assert inspect.getsource(StaticBufferLoader.__call__) == entry["StaticBufferLoader.__call__"]
+
+
+def full_cuda_graph_version() -> str:
+    import megatron.core
+
+    return megatron.core.__version__
+
+
+@needs_mcore_on_cpu
+def test_no_extra_wait_where_the_loader_orders_its_copy(monkeypatch, tmp_path):
+    """megatron-core 0.17+ waits before its copy: the plugin's wait on every step would be
+    a second one (host time for nothing)."""
+    import importlib.util
+
+    import cpu_redirect as redirect
+    import real_apis
+
+    # megatron-core 0.19's own __call__, in a file (the plugin reads the loader's code)
+    module_file = tmp_path / "loader019.py"
+    module_file.write_text(
+        "import torch\n"
+        "from megatron.core.full_cuda_graph import *  # noqa\n"
+        "from megatron.core.full_cuda_graph import StaticBufferLoader\n\n\n"
+        "class Loader019:\n" + real_apis.load()["megatron-core 0.19"]["StaticBufferLoader.__call__"]
+    )
+    spec = importlib.util.spec_from_file_location("loader019", module_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(StaticBufferLoader, "__call__", module.Loader019.__call__)
+    waits = []
+    monkeypatch.setattr(redirect.Stream, "wait_stream", lambda self, other: waits.append(self))
+    compat.loader_orders_its_copy.cache_clear()
+    try:
+        assert compat.loader_orders_its_copy()
+        with cpu_redirect():
+            wrapper = compat.make_full_iteration_wrapper(
+                lambda **kw: None, warmup_steps=1, use_single_mempool=False
+            )
+            compat.order_input_copy_after_replay(wrapper)
+    finally:
+        compat.loader_orders_its_copy.cache_clear()
+    assert waits == []
+
+
 def test_019_free_drops_the_shared_graph_pool_handle(monkeypatch):
     monkeypatch.setattr(full_cuda_graph, "_shared_graph_pool", (0, 7), raising=False)
     _dirty()

@@ -221,3 +221,45 @@ def test_plain_objects_are_described_by_their_public_fields():
 
     assert signature(Params(32, cache=1)) == signature(Params(32, cache=2))
     assert signature(Params(32, cache=1)) != signature(Params(16, cache=1))
+
+
+def test_a_batch_that_contains_itself_is_checked_without_endless_recursion():
+    """The depth limit holds on the dict fast path too."""
+    guard = ShapeGuard()
+    batch: dict = {"tokens": torch.zeros(2, 8, dtype=torch.int64)}
+    batch["self"] = batch
+    kwargs = {"num_microbatches": 1, "seq_length": 8, "micro_batch_size": 2}
+    next(guard.check_call("training", 3, {**kwargs, "data_iterator": iter([batch])}, record=True))
+    guard.commit("training")
+    next(guard.check_call("training", 4, {**kwargs, "data_iterator": iter([batch])}, record=False))
+
+
+def test_a_changed_tensor_in_a_nested_dict_or_an_array_like_value_is_caught():
+    """Values other than torch tensors in a dict batch (a nested dict, an object with shape
+    and dtype) go through the general description: changes there still raise."""
+
+    class ArrayLike:
+        def __init__(self, shape):
+            self.shape = shape
+            self.dtype = "float32"
+
+    def batch(inner_len, array_len):
+        return {
+            "tokens": torch.zeros(2, 8, dtype=torch.int64),
+            "extra": {"cu_seqlens": torch.zeros(inner_len, dtype=torch.int32)},
+            "array": ArrayLike((array_len,)),
+        }
+
+    kwargs = {"num_microbatches": 1, "seq_length": 8, "micro_batch_size": 2}
+
+    def check(b, record=False):
+        next(guard.check_call("training", 3, {**kwargs, "data_iterator": iter([b])}, record=record))
+
+    guard = ShapeGuard()
+    check(batch(3, 4), record=True)
+    guard.commit("training")
+    check(batch(3, 4))
+    with pytest.raises(StaticShapeError, match="cu_seqlens"):
+        check(batch(5, 4))
+    with pytest.raises(StaticShapeError, match="array"):
+        check(batch(3, 6))

@@ -108,6 +108,28 @@ def test_cuda_timer_records_read_events_again_instead_of_creating_new_ones(devic
     assert timer.durations_ms() == {step: 1.0 for step in range(200)}
 
 
+def test_cuda_timer_records_on_the_current_stream_without_a_new_stream_object_per_step(
+    device, monkeypatch
+):
+    device.install_stream_bindings(monkeypatch)
+    timer = StepTimer(use_cuda=True)
+    for step in range(50):
+        if step == 30:
+            device.current_stream = (7, 0, 1)  # the host switched to another stream
+        timer.start(step)
+        device.advance(1.0)
+        timer.stop(step)
+        device.pass_all()
+    recorded = device.recorded_on
+    assert len(recorded) == 100 and all(stream is not None for stream in recorded)
+    # one Stream object per stream seen, not one per record (torch.cuda.current_stream()
+    # builds a new one on every call)
+    assert len(device.streams_made) == 2
+    assert {stream.stream_id for stream in recorded[:60]} == {0}
+    assert {stream.stream_id for stream in recorded[60:]} == {7}
+    assert timer.durations_ms() == {step: 1.0 for step in range(50)}
+
+
 def test_cuda_timer_waits_once_for_steps_still_in_flight(device):
     timer = StepTimer(use_cuda=True)
     for step in range(5):  # the host runs ahead: the device has passed nothing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -18,6 +19,40 @@ def clear_cublas_workspaces() -> None:
     import torch
 
     torch._C._cuda_clearCublasWorkspaces()
+
+
+def current_stream_lookup() -> Callable[[], Any]:
+    """A callable that returns ``torch.cuda.current_stream()`` for the current device, made
+    for code that runs on every step.
+
+    ``torch.cuda.current_stream()`` builds a new ``Stream`` object on each call (device
+    lookup, CUDA-support check, constructor: several microseconds of Python, measured on the
+    H200 host as the largest part of the plugin's per-step time). The callable asks torch's
+    C binding which stream is current (two C calls) and reuses one ``Stream`` object per
+    stream it has seen, so a host that switches streams still gets the right one. Where the
+    binding is missing (CPU builds of torch) it returns ``None``: ``Event.record(None)``
+    then asks torch itself.
+    """
+    import torch
+
+    get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
+    get_device = getattr(torch._C, "_cuda_getDevice", None)
+    if get_stream is None or get_device is None:
+        return lambda: None
+    streams: dict[Any, Any] = {}
+
+    def current_stream() -> Any:
+        key = get_stream(get_device())
+        stream = streams.get(key)
+        if stream is None:
+            stream_id, device_index, device_type = key
+            stream = torch.cuda.Stream(
+                stream_id=stream_id, device_index=device_index, device_type=device_type
+            )
+            streams[key] = stream
+        return stream
+
+    return current_stream
 
 
 def nccl_initialized() -> bool:

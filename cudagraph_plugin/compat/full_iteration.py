@@ -3,7 +3,9 @@ reading its class-level state, and freeing it (0.16 has no API for that)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
+import sys
 from typing import Any
 
 STAGES = ("training", "validation")
@@ -36,23 +38,51 @@ def make_full_iteration_wrapper(
 def order_input_copy_after_replay(wrapper: Any) -> None:
     """Make the wrapper's input-copy stream wait for the work already queued (the previous
     replay, which reads the static buffers the copy overwrites). megatron-core 0.16 copies
-    without waiting (0.17 fixed it upstream); on later versions this is one more wait."""
+    without waiting; where its loader waits itself (0.17 fixed it upstream:
+    :func:`loader_orders_its_copy`) this does nothing, since it runs on every step."""
+    if loader_orders_its_copy():
+        return
     import torch
 
     wrapper.static_loader.stream.wait_stream(torch.cuda.current_stream())
 
 
-def full_iteration_captured(stage: str) -> bool:
-    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+@functools.cache
+def loader_orders_its_copy() -> bool:
+    """Whether megatron-core's ``StaticBufferLoader`` makes its copy stream wait for the
+    current stream before it copies into the static buffers (a feature, read from its code;
+    ``False`` when the code cannot be read, which costs one more wait per step, never a
+    race)."""
+    from megatron.core.full_cuda_graph import StaticBufferLoader
 
-    return FullCudaGraphWrapper.cuda_graph[stage] is not None
+    try:
+        return copy_waits_for_current_stream(inspect.getsource(StaticBufferLoader.__call__))
+    except (OSError, TypeError):
+        return False
+
+
+def copy_waits_for_current_stream(loader_source: str) -> bool:
+    """``StaticBufferLoader.__call__``'s code orders its copy after the current stream."""
+    return "self.stream.wait_stream(torch.cuda.current_stream())" in loader_source
+
+
+def _wrapper_class() -> Any:
+    # The two readers below run on every forward/backward call: the module from
+    # sys.modules (a dictionary lookup) rather than an import statement each time. The class
+    # is read each time, never cached: tests put another class in the module.
+    module = sys.modules.get("megatron.core.full_cuda_graph")
+    if module is None:
+        from megatron.core import full_cuda_graph as module
+    return module.FullCudaGraphWrapper
+
+
+def full_iteration_captured(stage: str) -> bool:
+    return _wrapper_class().cuda_graph[stage] is not None
 
 
 def full_iteration_calls(stage: str) -> int:
     """How many times the wrapper has run ``stage`` (its capture counter)."""
-    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
-
-    return FullCudaGraphWrapper.curr_iteration[stage]
+    return _wrapper_class().curr_iteration[stage]
 
 
 def full_iteration_state_dirty() -> bool:

@@ -4,6 +4,7 @@ optimizer step needs to be capturable."""
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 
@@ -20,9 +21,12 @@ def make_optimizer_graph_wrapper(step: Any, warmup_steps: int, use_single_mempoo
 
 
 def _optimizer_graph_class() -> Any:
-    from megatron.core.optimizer.optimizer_cuda_graph import OptimizerCudaGraphWrapper
-
-    return OptimizerCudaGraphWrapper
+    # read on every optimizer step: the module from sys.modules rather than an import
+    # statement each time (the class itself is read each time: tests replace it)
+    module = sys.modules.get("megatron.core.optimizer.optimizer_cuda_graph")
+    if module is None:
+        from megatron.core.optimizer import optimizer_cuda_graph as module
+    return module.OptimizerCudaGraphWrapper
 
 
 def optimizer_graph_captured() -> bool:

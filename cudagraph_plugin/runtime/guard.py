@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -80,6 +81,8 @@ def fingerprint(batch: Any, depth: int = 0) -> Any:
     """What :func:`signature` describes, as a cheap comparable value (no strings): the
     guard compares every micro-batch of every replayed step with it, and builds the readable
     :func:`signature` only to say what changed."""
+    if type(batch) is dict and depth < _MAX_DEPTH:
+        return _dict_fingerprint(batch, depth)
     shape = getattr(batch, "shape", None)
     if shape is not None:
         dtype = getattr(batch, "dtype", None)
@@ -99,6 +102,21 @@ def fingerprint(batch: Any, depth: int = 0) -> Any:
         fields = tuple(f.name for f in dataclasses.fields(batch))
         return (type(batch), tuple((n, fingerprint(getattr(batch, n), depth + 1)) for n in fields))
     return (type(batch), signature(batch, depth=depth))
+
+
+def _dict_fingerprint(batch: dict[Any, Any], depth: int) -> Any:
+    """:func:`fingerprint` of a plain dict, the usual micro-batch, on the fast path: torch
+    tensors described in place (their ``torch.Size`` and dtype), other values through
+    :func:`fingerprint`."""
+    torch = sys.modules.get("torch")
+    tensor = torch.Tensor if torch is not None else ()
+    items = []
+    for key, value in batch.items():
+        if isinstance(value, tensor):
+            items.append((key, _TENSOR, value.shape, value.dtype))
+        else:
+            items.append((key, fingerprint(value, depth + 1)))
+    return (dict, tuple(items))
 
 
 def _difference(expected: tuple, actual: tuple) -> str:
@@ -137,22 +155,23 @@ class ShapeGuard:
     ) -> Any:
         """Check (or, with ``record``, remember) one forward/backward call; returns the
         data iterator to pass on, wrapped so each micro-batch is checked as it is drawn."""
-        call = {key: kwargs.get(key) for key in self.CALL_KEYS}
-        if record:
-            self._recording[stage] = _Reference(step, call)
-        elif stage in self._reference:
-            ref = self._reference[stage]
-            for key in self.CALL_KEYS:
-                if call[key] != ref.call[key]:
-                    raise StaticShapeError(
-                        f"{stage} forward_backward_func called with {key}={call[key]!r} after "
-                        f"CUDA graph capture (step {ref.step}) with {key}={ref.call[key]!r}; "
-                        f"replaying the graph would use stale buffers. Fix: {FIX}"
-                    )
         data_iterator = kwargs.get("data_iterator")
-        if record or stage in self._reference:
-            return self._wrap(stage, data_iterator, record)
-        return data_iterator
+        if record:
+            call = {key: kwargs.get(key) for key in self.CALL_KEYS}
+            self._recording[stage] = _Reference(step, call)
+            return self._wrap(stage, data_iterator, True)
+        ref = self._reference.get(stage)
+        if ref is None:
+            return data_iterator
+        for key in self.CALL_KEYS:
+            value = kwargs.get(key)
+            if value != ref.call[key]:
+                raise StaticShapeError(
+                    f"{stage} forward_backward_func called with {key}={value!r} after "
+                    f"CUDA graph capture (step {ref.step}) with {key}={ref.call[key]!r}; "
+                    f"replaying the graph would use stale buffers. Fix: {FIX}"
+                )
+        return self._wrap(stage, data_iterator, False)
 
     def commit(self, stage: str) -> None:
         """Make the recorded call the reference for ``stage``."""

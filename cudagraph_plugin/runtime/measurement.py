@@ -1,8 +1,15 @@
-"""Measurement of one run: every training step timed, split into eager and replayed steps.
+"""Measurement of one run: the training steps timed, split into eager and replayed steps.
 
 The step whose capture splits them is the training graph's (full iteration or TE), else the
 optimizer graph's (:meth:`Captures.training_capture_step`); replays end where the opt-in
 fallback freed the graph.
+
+Which steps are timed (:meth:`Measurement.times`): every step up to
+:data:`DENSE_REPLAY_STEPS` steps after the capture (the warm-up, the capture, and the
+replays the report's first figures and the fallback decision rest on), then one step in
+:data:`SAMPLE_EVERY`: a median over a long run needs no more, and a timed step costs the
+host two event records and a query. Bucketed runs time every step (each bucket's figures
+come from its own steps, whatever order the host runs them in).
 """
 
 from __future__ import annotations
@@ -11,6 +18,9 @@ from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.state import RunState
 from cudagraph_plugin.runtime.timing import StepTimer, split_samples
 
+DENSE_REPLAY_STEPS = 50
+SAMPLE_EVERY = 10
+
 
 class Measurement:
     def __init__(self, state: RunState, captures: Captures) -> None:
@@ -18,6 +28,19 @@ class Measurement:
         self.captures = captures
         self.timer = StepTimer(use_cuda=state.cuda)
         self.fallback_step: int | None = None
+        self._capture_step: int | None = None
+
+    def times(self, step: int) -> bool:
+        """Whether ``step`` is timed (see the module's docstring)."""
+        capture = self._capture_step
+        if capture is None:
+            if self.state.buckets is not None:
+                return True
+            capture = self._capture_step = self.captures.training_capture_step()
+            if capture is None:
+                return True
+        after = step - capture
+        return after <= DENSE_REPLAY_STEPS or after % SAMPLE_EVERY == 0
 
     def samples(self, sync: bool = True) -> tuple[list[int], list[int], dict[int, float]]:
         """(eager steps, replayed steps, milliseconds per timed step); ``sync=False`` leaves

@@ -31,6 +31,7 @@ import dataclasses
 import logging
 import math
 import numbers
+import sys
 from typing import Any
 
 logger = logging.getLogger("cudagraph_plugin")
@@ -72,9 +73,14 @@ class HyperparameterChangedError(RuntimeError):
 
 
 def _is_tensor(value: Any) -> bool:
-    import torch
+    # runs for every watched value before every replay: torch from sys.modules (without
+    # torch imported, nothing is a tensor)
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
-    return isinstance(value, torch.Tensor)
+
+# Values compared with == directly (no tensor can hide inside them).
+_PLAIN = (float, int, str)
 
 
 def _is_number(value: Any) -> bool:
@@ -199,6 +205,10 @@ class HyperparameterSync:
                     copies.append((index, key, captured, value))
             for key, captured in watched.baked.items():
                 value = group.get(key, _MISSING)
+                if value is captured or (
+                    type(value) is type(captured) and type(value) in _PLAIN and value == captured
+                ):
+                    continue  # the common case, a value rewritten unchanged: no deeper look
                 if not _same(captured, value):
                     fix = FIX_LR if key == "lr" else FIX_BAKED.format(key=key)
                     problems.append(

@@ -202,7 +202,8 @@ class CudaGraphPlugin:
     @hookimpl
     def mcgraph_train_step_start(self, step: int) -> None:
         self.state.step = step
-        self.measurement.timer.start(step)
+        if self.measurement.times(step):
+            self.measurement.timer.start(step)
 
     @hookimpl
     def mcgraph_post_warmup_step(self, step: int, start_step: int) -> None:

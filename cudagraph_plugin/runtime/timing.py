@@ -2,9 +2,11 @@
 
 The step timer uses CUDA events on a CUDA device (two event records per step, turned into
 milliseconds once the device has passed them, never waiting for it before the numbers are
-read) and ``time.perf_counter`` on the CPU. :func:`split_samples` divides the timed steps
-into eager ones (the warm-up steps without the first one, which pays one-off costs) and
-replayed ones (after the capture step, which pays for the capture).
+read) and ``time.perf_counter`` on the CPU; which steps it times is the measurement's
+choice (:meth:`~cudagraph_plugin.runtime.measurement.Measurement.times`).
+:func:`split_samples` divides the timed steps into eager ones (the warm-up steps without the
+first one, which pays one-off costs) and replayed ones (after the capture step, which pays
+for the capture).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class StepTimer:
         self._ms = array.array("d")
         self._spare: list[Any] = []
         self._event_class: Any = None
+        self._current_stream: Any = None
 
     def _mark(self) -> Any:
         if self.use_cuda:
@@ -46,9 +49,14 @@ class StepTimer:
                 if self._event_class is None:
                     import torch
 
+                    from cudagraph_plugin import compat
+
                     self._event_class = torch.cuda.Event
+                    self._current_stream = compat.current_stream_lookup()
                 event = self._event_class(enable_timing=True)
-            event.record()
+            # on the current stream, as Event.record() does, without building a new Stream
+            # object per call (compat.current_stream_lookup)
+            event.record(self._current_stream())
             return event
         return time.perf_counter()
 
