@@ -22,6 +22,11 @@ Garbage collection stays enabled (what a training loop sees). Run::
 
     python benchmarks/hook_overhead.py                 # make bench-cpu
     python benchmarks/hook_overhead.py --steps 200000 --repeats 9 --json hook.json
+    python benchmarks/hook_overhead.py --steps 2000 --cache-sweep-mib 64   # cold caches
+
+The hot loop is the least the hooks can cost. In a training loop each step's GPU work (or,
+on a CPU, its forward/backward) evicts the hooks' code and data from the CPU caches first;
+``--cache-sweep-mib`` writes over that much memory between steps (untimed) to show it.
 """
 
 from __future__ import annotations
@@ -93,10 +98,35 @@ def fake_step(metrics: dict[str, Any], step: int) -> None:
     metrics["step_time_ms"] = float(step)
 
 
-def _time_bare(steps: int) -> float:
+class CacheSweep:
+    """Between timed steps, what a real training step does to the CPU caches: a write over
+    ``mib`` MiB (untimed). The hot loop keeps the hooks' code and data in cache, so it shows
+    the least they can cost; with the sweep each step starts cold, as after a model's
+    forward/backward."""
+
+    def __init__(self, mib: int) -> None:
+        import torch
+
+        self.buffer = torch.zeros(mib * 2**20 // 4) if mib else None
+
+    def __call__(self) -> None:
+        if self.buffer is not None:
+            self.buffer.add_(1.0)
+
+
+def _time_bare(steps: int, sweep: CacheSweep) -> float:
+    if sweep.buffer is not None:
+        spent = 0
+        for step in range(steps):
+            sweep()
+            start = time.perf_counter_ns()
+            metrics: dict[str, Any] = {}
+            fake_step(metrics, step)
+            spent += time.perf_counter_ns() - start
+        return spent / steps / 1000.0
     start = time.perf_counter_ns()
     for step in range(steps):
-        metrics: dict[str, Any] = {}
+        metrics = {}
         fake_step(metrics, step)
     return (time.perf_counter_ns() - start) / steps / 1000.0
 
@@ -119,34 +149,46 @@ def _make_run(variant: str, steps: int) -> Any:
     return TrainingRun(pm, config=config, train_iters=steps)
 
 
-def _time_hooks(variant: str, steps: int) -> float:
+def _time_hooks(variant: str, steps: int, sweep: CacheSweep) -> float:
     run = _make_run(variant, steps)
     with run:
         gc.collect()
-        start = time.perf_counter_ns()
-        for step in range(steps):
-            with run.train_step(step) as metrics:
-                fake_step(metrics, step)
-        elapsed = time.perf_counter_ns() - start
+        if sweep.buffer is not None:
+            elapsed = 0
+            for step in range(steps):
+                sweep()
+                start = time.perf_counter_ns()
+                with run.train_step(step) as metrics:
+                    fake_step(metrics, step)
+                elapsed += time.perf_counter_ns() - start
+        else:
+            start = time.perf_counter_ns()
+            for step in range(steps):
+                with run.train_step(step) as metrics:
+                    fake_step(metrics, step)
+            elapsed = time.perf_counter_ns() - start
     return elapsed / steps / 1000.0
 
 
-def _timer(variant: str) -> Callable[[int], float]:
-    return _time_bare if variant == "bare" else (lambda n: _time_hooks(variant, n))
+def _timer(variant: str, sweep: CacheSweep) -> Callable[[int], float]:
+    if variant == "bare":
+        return lambda n: _time_bare(n, sweep)
+    return lambda n: _time_hooks(variant, n, sweep)
 
 
-def measure(steps: int, repeats: int) -> dict[str, list[float]]:
+def measure(steps: int, repeats: int, sweep_mib: int = 0) -> dict[str, list[float]]:
     """Microseconds per step, one value per repeat and variant.
 
     The variants take turns within each repeat (round-robin), so a slow phase of a shared
     machine hits all of them alike; one short untimed loop per variant warms up first.
     """
+    sweep = CacheSweep(sweep_mib)
     for variant in VARIANTS:
-        _timer(variant)(min(steps, 1000))
+        _timer(variant, sweep)(min(steps, 1000))
     samples: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
     for _ in range(repeats):
         for variant in VARIANTS:
-            samples[variant].append(_timer(variant)(steps))
+            samples[variant].append(_timer(variant, sweep)(steps))
     return samples
 
 
@@ -162,9 +204,9 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
-def run_benchmark(steps: int, repeats: int) -> dict[str, Any]:
+def run_benchmark(steps: int, repeats: int, sweep_mib: int = 0) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
-    for variant, samples in measure(steps, repeats).items():
+    for variant, samples in measure(steps, repeats, sweep_mib).items():
         results[variant] = {
             "us_per_step_median": statistics.median(samples),
             "us_per_step_min": min(samples),
@@ -190,6 +232,7 @@ def run_benchmark(steps: int, repeats: int) -> dict[str, Any]:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "steps": steps,
         "repeats": repeats,
+        "cache_sweep_mib": sweep_mib,
         "hooks_per_step": [
             "mcgraph_train_step_start",
             "post-warm-up check",
@@ -206,6 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100_000, help="steps per timed loop")
     parser.add_argument("--repeats", type=int, default=9, help="timed loops per variant")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument(
+        "--cache-sweep-mib",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="write over MIB MiB between steps (untimed) so each step starts with cold "
+        "caches, as after a real forward/backward (0: the hot loop)",
+    )
     args = parser.parse_args(argv)
     # The CUDA graph plugin says on every run that the CPU means no graphs, and megatron
     # warns at import; neither is what is measured here.
@@ -214,9 +265,10 @@ def main(argv: list[str] | None = None) -> int:
 
     warnings.filterwarnings("ignore")
 
-    data = run_benchmark(args.steps, args.repeats)
+    data = run_benchmark(args.steps, args.repeats, args.cache_sweep_mib)
+    sweep = f", {args.cache_sweep_mib} MiB cache sweep" if args.cache_sweep_mib else ""
     print(
-        f"hook dispatch per training step, {args.steps} steps x {args.repeats} repeats, "
+        f"hook dispatch per training step{sweep}, {args.steps} steps x {args.repeats} repeats, "
         f"Python {data['versions']['python']}, pluggy {data['versions']['pluggy']}"
     )
     print(tables.hook_table(data))
