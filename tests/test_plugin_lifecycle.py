@@ -96,6 +96,7 @@ def test_steps_long_after_the_capture_are_timed_one_in_n(fake_graphs, monkeypatc
     # dense through step 2 + 4, then every third step after the capture
     assert report.replay_steps == [3, 4, 5, 6, 8, 11, 14, 17]
     assert report.steps_timed == 3 + len(report.replay_steps)
+    assert "(median of 8, sampled from steps 3-17)" in report.format_table()
     assert sorted(rec.graph_plugin.measurement.timer.durations_ms()) == [
         0, 1, 2, *report.replay_steps
     ]  # fmt: skip

@@ -253,7 +253,12 @@ def _bucket_line(row: dict[str, Any]) -> str:
 def _ms(value: float | None, steps: list[int]) -> str:
     if value is None:
         return "n/a"
-    span = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
+    if len(steps) == 1:
+        span = f"step {steps[0]}"
+    elif steps[-1] - steps[0] + 1 == len(steps):
+        span = f"steps {steps[0]}-{steps[-1]}"
+    else:  # long runs time one step in several (measurement.Measurement.times)
+        span = f"sampled from steps {steps[0]}-{steps[-1]}"
     return f"{value:.3f} ms (median of {len(steps)}, {span})"
 
 
