@@ -5,6 +5,9 @@
 #                                            # megatron-core 0.16.1 and 0.19.2 (one TE build),
 #                                            # pytest from .gpu/wheels/test
 #   bash tools/gpu_session.sh suite 16|19 single|multi [pytest args]   # tests/gpu_suite.sh
+#   bash tools/gpu_session.sh host 16|19 [modes]  # benchmarks/plugin_host_time.py, one
+#                                            # process per mode (default: full_iteration
+#                                            # full_iteration_optimizer), $OUT/host-v.tgz
 #
 # Results go to $OUT (the device tool's folder), at most 8 files per call.
 set -uo pipefail
@@ -28,5 +31,17 @@ suite)
   PYTHON=python3 bash tests/gpu_suite.sh "$OUT/s$v-$part" "$part" "$@"
   cat "$OUT/s$v-$part/summary.txt" | tail -15
   head -40 "$OUT/s$v-$part/table.md"
+  ;;
+host)
+  v=${1:?16|19}; shift
+  source /tmp/gpu/env$v.sh
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/proj ./hookspecs . > /tmp/gpu/proj.log 2>&1 || { tail -5 /tmp/gpu/proj.log; exit 1; }
+  export PYTHONPATH=/tmp/proj:$PWD:$PWD/examples:$PYTHONPATH
+  mkdir -p /tmp/host-$v
+  for mode in ${*:-full_iteration full_iteration_optimizer}; do
+    timeout 90 python3 benchmarks/plugin_host_time.py --mode "$mode" --out /tmp/host-$v/$mode.json > /tmp/host-$v/$mode.log 2>&1
+    echo "$mode rc=$?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['us_per_step'], d['total_us_per_step'], d['total_us_p90'])" /tmp/host-$v/$mode.json 2>&1 | tail -1
+  done
+  tar czf "$OUT/host-$v.tgz" -C /tmp host-$v
   ;;
 esac
