@@ -40,7 +40,7 @@ GPU, one command per device call (``benchmarks/pairs_gpu.sh`` explains the split
 by hand::
 
     python3 benchmarks/pairs.py --modes eager,full_iteration,full_iteration_optimizer,\\
-        te_attn_mlp --pairs 5 --out /tmp/pairs --resume --time-budget 430
+        te_attn_mlp --pairs 5 --out /tmp/pairs --resume --time-budget 460
 
 CPU check of every code path::
 
@@ -765,7 +765,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--profile-skip", type=int, default=5, help="steady steps before the profiled ones"
     )
     parser.add_argument("--keep-traces", action="store_true", help="keep the traces in DIR/traces")
-    parser.add_argument("--timeout", type=float, default=150.0, help="seconds per run")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
     parser.add_argument(
         "--time-budget",
         type=float,
@@ -901,8 +901,13 @@ def _parent(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         _set_failed_aside(out)
     env = child_env()
     started = time.perf_counter()
+    # What the next run may take: the longest so far (a run that timed out predicts nothing).
     longest = max(
-        (r.get("process_wall_s") or 0.0 for r in load_runs(out) if not r.get("skipped")),
+        (
+            r.get("process_wall_s") or 0.0
+            for r in load_runs(out)
+            if not r.get("skipped") and not r.get("timed_out")
+        ),
         default=0.0,
     )
     todo = plan(meta["modes"], meta["pairs"], meta["settings"]["profile_steps"] > 0)
@@ -957,7 +962,7 @@ def _parent(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         gpu_modes.write_json(path, record)
         if record.get("skipped"):
             meta["skipped"][mode] = record["skipped"]
-        else:
+        elif not result.timed_out:
             longest = max(longest, result.wall_s)
         status = (
             f"skipped: {record['skipped']}"

@@ -9,12 +9,14 @@
 # profiled run per side and mode, into /tmp/pairs_TAG; leaves in OUT: pairs_TAG.tgz (every
 # run's JSON and log, settings, summary), summary.md, summary.json and this call's log.
 #
-# Splitting: one run is a fresh Python process (start-up with megatron-core and TE ~12-15 s
-# on the H200, then 60 steps of 2-30 ms), so the 48 runs take ~10-13 min, more than one
-# device call (600 s). Each call starts no run that would end after $PAIRS_BUDGET seconds
-# (430), by the longest run so far, and ends with "N run(s) still missing" until none is;
-# call it again with the same TAG to continue (pairs.py --resume makes only the missing
-# runs). Two calls are expected, three if start-up is slower. /tmp/pairs_TAG lasts while the
+# Splitting: one run is a fresh Python process: ~15-18 s on the H200 (BENCHMARKS.md: a
+# fresh train_gpt.py job of 12 steps took 15-18 s there, three at a time; 60 steps add
+# 0.2-1.5 s), so the 40 timed and 8 profiled runs take ~12-14 min, more than one device call
+# (600 s). Each call starts no run that would end after $PAIRS_BUDGET seconds (460), by the
+# longest run so far, so a call takes ~8-9 min (install ~5 s, the runs, the tarball; a hard
+# stop at 550 s), and ends with "N run(s) still missing" until none is; call it again with
+# the same TAG to continue (pairs.py --resume makes only the missing runs). Two calls are
+# expected, three if start-up is slower. /tmp/pairs_TAG lasts while the
 # machine stays up; if it was replaced between calls, send the last pairs_TAG.tgz along with
 # the tree and set PAIRS_FROM=path/to/pairs_TAG.tgz: the runs continue from it. Pairs are
 # taken round-robin over the modes, so a call that stops early leaves fewer pairs, not
@@ -48,9 +50,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limi
 call=$(ls "$DIR"/call*.log 2>/dev/null | wc -l)
 log="$DIR/call$((call + 1)).log"
 # The hard stop leaves time for the tarball within the device's 600 s.
-timeout -k 10 540 python3 -u benchmarks/pairs.py \
+timeout -k 5 550 python3 -u benchmarks/pairs.py \
   --modes "${MODES:-eager,full_iteration,full_iteration_optimizer,te_attn_mlp}" \
-  --pairs "${PAIRS:-5}" --out "$DIR" --resume --time-budget "${PAIRS_BUDGET:-430}" \
+  --pairs "${PAIRS:-5}" --out "$DIR" --resume --time-budget "${PAIRS_BUDGET:-460}" \
   ${PAIRS_ARGS:-} 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 tar czf "$OUTD/pairs_$TAG.tgz" -C /tmp "pairs_$TAG"
