@@ -15,8 +15,8 @@ megatron-core 0.17+). TE modes are skipped, with a note, when Transformer Engine
 imported, the optimizer graph where megatron-core has none. Both loops time a step with the
 same clock (a pair of CUDA events around it, read at the end of the run, no device
 synchronisation per step; the wall clock on the CPU). The step time of a run is the median
-of its steps after the capture step and one
-more (``warmup + 2`` onwards, the same steps for eager runs); a mode's time is the median
+of its steps after the capture step and one more (``warmup + 2`` onwards, the same steps
+for eager runs); a mode's time is the median
 of all its runs' steps; ``ratio_per_repeat`` adds plugin/baseline of each back-to-back
 pair. By default (``--gc manual``) Python's garbage collector is collected before each run
 and kept off during it, as Megatron-LM's ``--manual-gc`` does for its performance runs.
@@ -227,12 +227,10 @@ def te_status(use_cuda: bool) -> tuple[bool, str | None]:
 
 
 class Collector:
-    """Collects the end time of each step, the host's time of each step (the device may still
-    be working on it: the step clock's times are in ``train_gpt.run()``'s summary), the run
-    report and the plugin list of one run."""
+    """Collects the end time of each step, the run report and the plugin list of one run
+    (the step times are the example's own clock, in ``train_gpt.run()``'s summary)."""
 
     def __init__(self) -> None:
-        self.step_ms: dict[int, float] = {}
         self.step_end_time: dict[int, float] = {}
         self.report: dict[str, Any] | None = None
         self.pluginmanager: Any = None
@@ -251,9 +249,8 @@ class Collector:
         )
 
     @hookimpl
-    def mcgraph_train_step_end(self, step: int, metrics: dict[str, Any]) -> None:
+    def mcgraph_train_step_end(self, step: int) -> None:
         self.step_end_time[step] = time.perf_counter()
-        self.step_ms[step] = float(metrics["step_time_ms"])
 
     @hookimpl
     def mcgraph_report(self, report: Any) -> None:

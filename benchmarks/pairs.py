@@ -390,6 +390,8 @@ def child_main(args: argparse.Namespace) -> int:
             else f"FAILED: {record.get('error')}"
         )
     )
+    if record.get("traceback"):
+        print(record["traceback"])
     return 0 if record["ok"] or record.get("skipped") else 1
 
 
