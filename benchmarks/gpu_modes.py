@@ -3,16 +3,20 @@
 For each model size and mode this runs, in one process and interleaved (A/B, then B/A):
 
 * **plugin**: ``examples/train_gpt.py``'s :func:`run` with the CUDA graph plugin, plus a
-  small collecting plugin (per-step times from ``mcgraph_train_step_end``, the run report
-  from ``mcgraph_report``);
+  small collecting plugin (the end time of each step from ``mcgraph_train_step_end``, the
+  run report from ``mcgraph_report``);
 * **baseline**: ``benchmarks/handwritten.py``, the same loop written by hand with CUDA
   graphs applied inline the way Megatron-LM does, without any plugin or hook.
 
 Modes: ``eager`` (local layer spec), ``full_iteration`` (local spec, FullCudaGraphWrapper),
 ``eager_te`` (TE layer spec), ``te_attn`` and ``te_attn_mlp`` (TE spec, per-layer TE graphs
-of those scopes). TE modes are skipped, with a note, when Transformer Engine cannot be
-imported. The step time of a run is the median of its steps after the capture step and one
-more (``warmup + 2`` onwards, the same steps for eager runs); a mode's time is the median
+of those scopes); on request ``full_iteration_optimizer`` (the optimizer step captured too,
+megatron-core 0.17+). TE modes are skipped, with a note, when Transformer Engine cannot be
+imported, the optimizer graph where megatron-core has none. Both loops time a step with the
+same clock (a pair of CUDA events around it, read at the end of the run, no device
+synchronisation per step; the wall clock on the CPU). The step time of a run is the median
+of its steps after the capture step and one more (``warmup + 2`` onwards, the same steps
+for eager runs); a mode's time is the median
 of all its runs' steps; ``ratio_per_repeat`` adds plugin/baseline of each back-to-back
 pair. By default (``--gc manual``) Python's garbage collector is collected before each run
 and kept off during it, as Megatron-LM's ``--manual-gc`` does for its performance runs.
@@ -79,7 +83,10 @@ class Mode:
     scope: str | None
     transformer_impl: str
     eager_reference: str | None  # the mode whose step time the speed-up is relative to
-    extra: tuple[str, ...] = ()  # more of the plugin's flags (e.g. the optimizer graph)
+    # The optimizer step captured too (megatron-core 0.17+): the plugin's
+    # --optimizer-cuda-graph and --cuda-graph-device-grad-norm, the hand-written loop's
+    # OptimizerCudaGraphWrapper with the same device-side gradient norm.
+    optimizer_graph: bool = False
 
     @property
     def needs_te(self) -> bool:
@@ -125,8 +132,19 @@ MODES = {
             transformer_impl="transformer_engine",
             eager_reference="eager_te",
         ),
+        Mode(
+            "full_iteration_optimizer",
+            "full_iteration + optimizer graph (local spec)",
+            impl="local",
+            scope="full_iteration",
+            transformer_impl="local",
+            eager_reference="eager",
+            optimizer_graph=True,
+        ),
     )
 }
+# What gpu_modes.py runs unless told (the optimizer graph needs megatron-core 0.17+).
+DEFAULT_MODES = ("eager", "full_iteration", "eager_te", "te_attn", "te_attn_mlp")
 
 
 # -------------------------------------------------------------------------------------------
@@ -176,6 +194,18 @@ def _plugin_version() -> str | None:
     return getattr(cudagraph_plugin, "__version__", None)
 
 
+def mode_unavailable(mode: Mode, use_cuda: bool, te_note: str | None) -> str | None:
+    """Why ``mode`` cannot run here (``None``: it can). ``te_note``: :func:`te_status`'s
+    reason, where TE is not available."""
+    if mode.needs_te and te_note is not None:
+        return te_note
+    if mode.optimizer_graph:
+        import handwritten
+
+        return handwritten.optimizer_graph_unavailable(use_cuda)
+    return None
+
+
 def te_status(use_cuda: bool) -> tuple[bool, str | None]:
     """Whether the TE modes can run here, and why not."""
     if not use_cuda:
@@ -197,10 +227,10 @@ def te_status(use_cuda: bool) -> tuple[bool, str | None]:
 
 
 class Collector:
-    """Collects the per-step times, the run report and the plugin list of one run."""
+    """Collects the end time of each step, the run report and the plugin list of one run
+    (the step times are the example's own clock, in ``train_gpt.run()``'s summary)."""
 
     def __init__(self) -> None:
-        self.step_ms: dict[int, float] = {}
         self.step_end_time: dict[int, float] = {}
         self.report: dict[str, Any] | None = None
         self.pluginmanager: Any = None
@@ -219,9 +249,8 @@ class Collector:
         )
 
     @hookimpl
-    def mcgraph_train_step_end(self, step: int, metrics: dict[str, Any]) -> None:
+    def mcgraph_train_step_end(self, step: int) -> None:
         self.step_end_time[step] = time.perf_counter()
-        self.step_ms[step] = float(metrics["step_time_ms"])
 
     @hookimpl
     def mcgraph_report(self, report: Any) -> None:
@@ -275,7 +304,8 @@ def plugin_argv(size: Size, mode: Mode, s: Settings, use_cuda: bool) -> list[str
         argv += ["--cuda-graph-scope", mode.scope]
     if mode.graphed:
         argv += ["--cuda-graph-warmup-steps", str(s.warmup)]
-    argv += list(mode.extra)
+    if mode.optimizer_graph:
+        argv += ["--optimizer-cuda-graph", "--cuda-graph-device-grad-norm"]
     if s.bf16:
         argv.append("--bf16")
     if s.cpu:
@@ -299,6 +329,8 @@ def baseline_config(size: Size, mode: Mode, s: Settings, use_cuda: bool) -> Any:
         cuda_graph_impl=mode.impl,
         cuda_graph_scope=tuple(mode.scope.split(",")) if mode.scope else (),
         cuda_graph_warmup_steps=s.warmup,
+        optimizer_cuda_graph=mode.optimizer_graph,
+        log_interval=0,  # as plugin_argv's --log-interval 0: the clock is read at the end
         cpu=s.cpu,
     )
 
@@ -323,9 +355,10 @@ def _run_plugin(size: Size, mode: Mode, s: Settings, use_cuda: bool) -> dict[str
     collector = Collector()
     plugins = [collector]
     summary = train_gpt.run(plugin_argv(size, mode, s, use_cuda), plugins=plugins)
+    step_ms = dict(enumerate(summary["step_ms"]))  # the example's step clock, from step 0
     return {
-        "step_ms": [collector.step_ms[k] for k in sorted(collector.step_ms)],
-        "steady_step_ms": _steady(collector.step_ms, s),
+        "step_ms": summary["step_ms"],
+        "steady_step_ms": _steady(step_ms, s),
         "steady_iteration_ms": _steady(iteration_ms(collector.step_end_time), s),
         "losses": summary["losses"],
         "shutdown_reason": summary["shutdown_reason"],
@@ -633,7 +666,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default=_default_out(), help="JSON results ($OUT/bench.json)")
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"from {', '.join(SIZES)}")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"from {', '.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"from {', '.join(MODES)}")
     parser.add_argument("--steps", type=int, default=60, help="training steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="cuda_graph_warmup_steps")
     parser.add_argument("--repeats", type=int, default=3, help="plugin/baseline pairs per mode")
@@ -776,10 +809,11 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(use_cuda)
     notes: list[str] = []
     skipped: dict[str, str] = {}
+    for mode in modes:
+        reason = mode_unavailable(mode, use_cuda, None if env["te_available"] else env["te_note"])
+        if reason is not None and (use_cuda or not mode.needs_te):
+            skipped[mode.name] = reason
     if use_cuda and not env["te_available"]:
-        for mode in modes:
-            if mode.needs_te:
-                skipped[mode.name] = env["te_note"]
         notes.append(f"TE modes skipped: {env['te_note']}")
     if not use_cuda:
         notes.append(

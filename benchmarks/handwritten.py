@@ -1,15 +1,21 @@
 """The baseline: the example's training loop written by hand, with CUDA graphs inline.
 
 No plugin, no hook, no ``hookspecs``: this is the loop a Megatron-LM user writes today.
-It does the same work as ``examples/train_gpt.py`` (same GPT, data, loss, DDP and
-optimizer configuration, the same timed region ``zero_grad + forward_backward_func +
-optimizer.step + synchronize``) and applies CUDA graphs the way Megatron-LM's
+It does the same work as ``examples/train_gpt.py`` (same GPT, data, loss, DDP, optimizer
+and learning-rate schedule, the same timed region ``zero_grad + forward_backward_func +
+optimizer.step + scheduler.step``, timed the same way: a pair of CUDA events around each
+step, read once at the log interval or the end, never a device synchronisation per step;
+the wall clock on the CPU) and applies CUDA graphs the way Megatron-LM's
 ``megatron/training/training.py`` does (megatron-core 0.19.2's copy):
 
 * DDP is built on ``get_shared_capture_stream()`` for full-iteration graphs on
   megatron-core >= 0.18 (``get_model``, lines ~1870-1890); 0.16 has no such stream;
 * ``forward_backward_func`` is wrapped in ``FullCudaGraphWrapper`` (``train``, ~3614-3622;
   ``use_single_mempool`` exists from 0.18);
+* with ``optimizer_cuda_graph`` (megatron-core 0.17+), ``optimizer.step`` is replaced by an
+  ``OptimizerCudaGraphWrapper`` around it (``train``, ~3633-3638), built from an
+  ``OptimizerConfig(optimizer_cuda_graph=True)`` (a capturable Adam); the wrapper captures at
+  its call number ``cuda_graph_warmup_steps`` and ``del optimizer.step`` ends it (~4103);
 * ``TECudaGraphHelper`` is created before the loop (~3713-3721) and ``create_cudagraphs()``
   runs when ``iteration - start_iteration == cuda_graph_warmup_steps`` (~3784-3794), with
   the forward pre-hooks off around it when the distributed optimizer overlaps the param
@@ -17,13 +23,27 @@ optimizer.step + synchronize``) and applies CUDA graphs the way Megatron-LM's
 * forward pre-hooks come back after the first step (~3888-3913);
 * TE graphs are deleted after the loop (~4098-4100).
 
+Two things Megatron-LM itself does not do, which a hand-written loop must, for the optimizer
+graph to capture and follow the schedule on the stacks the benchmark runs:
+
+* megatron-core's clip-grad path falls back to host-reading kernels where neither Transformer
+  Engine 2.14+'s nor Apex's multi-tensor kernels import (TE 2.11: the capture fails). A
+  hand-written loop has to patch the same module globals the plugin patches; this one calls
+  the plugin's ``cudagraph_plugin.compat.grad_norm`` (``install()``, then ``restore()``) as a
+  library, once before the loop, with no hook and nothing per step;
+* torch's capturable Adam bakes a Python-number learning rate into the graph: its param groups
+  get the learning rate in a device tensor before the capture (Transformer Engine's and Apex's
+  capturable FusedAdam hold one already; megatron-core 0.17+'s scheduler fills it in place).
+
 Unlike Megatron-LM (which never frees full-iteration graphs), the graphs are freed in a
 ``finally`` at the end, so that several runs share one process, as the benchmark's runs do.
 
 On the CPU (``cpu=True``, under ``examples/cpu_redirect.py``) nothing can be captured: the
 full-iteration wrapper runs its eager warm-up path for every step, and the TE branch drives
 a recording stand-in of ``TECudaGraphHelper`` (the real one needs Transformer Engine and a
-GPU), so every branch of the loop runs and the losses match the plugin's eager CPU run.
+GPU), so every branch of the loop runs and the losses match the plugin's eager CPU run. The
+optimizer graph needs a CUDA device (a capturable Adam) and megatron-core 0.17+: elsewhere
+:func:`optimizer_graph_unavailable` says why and :func:`run` refuses it.
 """
 
 from __future__ import annotations
@@ -32,6 +52,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import logging
 import os
 import random
 import statistics
@@ -46,6 +67,8 @@ import torch
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
+
+logger = logging.getLogger("handwritten")
 
 
 @dataclasses.dataclass
@@ -65,14 +88,26 @@ class BaselineConfig:
     train_iters: int = 10
     start_step: int = 0
     lr: float = 3e-3
+    min_lr: float = 0.0
+    lr_decay_style: str = "cosine"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None
+    clip_grad: float = 1.0
     seed: int = 1234
+    log_interval: int = 10
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     cuda_graph_impl: str = "none"
     cuda_graph_scope: Sequence[str] = ()
     cuda_graph_warmup_steps: int = 3
+    optimizer_cuda_graph: bool = False
     cpu: bool = False
+    # torch.profiler over steps profile_first .. profile_first + profile_steps - 1 (GPU
+    # activity on a GPU, CPU activity on the CPU), its Chrome trace written to trace_path.
+    profile_first: int | None = None
+    profile_steps: int = 0
+    trace_path: str | None = None
 
 
 # -------------------------------------------------------------------------------------------
@@ -87,6 +122,23 @@ def mcore_new_generation() -> bool:
     from packaging.version import Version
 
     return Version(megatron.core.__version__) >= Version("0.18.0")
+
+
+def optimizer_graph_unavailable(use_cuda: bool) -> str | None:
+    """Why the optimizer step cannot be captured here (``None``: it can): megatron-core
+    0.17+ has ``OptimizerCudaGraphWrapper``, and its capturable Adam needs a CUDA device."""
+    import megatron.core
+
+    try:
+        from megatron.core.optimizer import optimizer_cuda_graph  # noqa: F401
+    except ImportError:
+        return (
+            f"megatron-core {megatron.core.__version__} has no optimizer graph "
+            "(OptimizerCudaGraphWrapper, megatron-core 0.17+)"
+        )
+    if not use_cuda:
+        return "the optimizer graph needs a CUDA device (a capturable Adam, captured on a stream)"
+    return None
 
 
 def graph_config_fields(impl: str, scope: Sequence[str], warmup_steps: int) -> dict[str, Any]:
@@ -250,16 +302,44 @@ def _build_model(cfg: BaselineConfig, config: Any, ddp_stream: Any) -> list[Any]
 def _build_optimizer(cfg: BaselineConfig, model: list[Any]) -> Any:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    fields: dict[str, Any] = {}
+    if cfg.optimizer_cuda_graph:
+        fields["optimizer_cuda_graph"] = True  # Megatron-LM's --optimizer-cuda-graph
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=cfg.lr,
+        min_lr=min(cfg.min_lr, cfg.lr),
         weight_decay=0.01,
-        clip_grad=1.0,
+        clip_grad=cfg.clip_grad,
         bf16=cfg.bf16,
         params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
+        **fields,
     )
     return get_megatron_optimizer(optimizer_config, model)
+
+
+def _lr_scheduler(cfg: BaselineConfig, optimizer: Any) -> Any:
+    """megatron-core's schedule, set up as ``train_gpt.py`` (and Megatron-LM) set it up."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_iters = cfg.lr_decay_iters or cfg.train_iters
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=cfg.lr,
+        min_lr=min(cfg.min_lr, cfg.lr),
+        lr_warmup_steps=min(cfg.lr_warmup_iters, max(decay_iters - 1, 0)),
+        lr_decay_steps=max(decay_iters, 1),
+        lr_decay_style=cfg.lr_decay_style,
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=max(cfg.train_iters, 1),
+        wd_incr_style="constant",
+    )
+    if cfg.start_step:
+        scheduler.step(increment=cfg.start_step)
+    return scheduler
 
 
 def _wire_grad_sync(cfg: BaselineConfig, config: Any, model: list[Any], optimizer: Any) -> None:
@@ -317,6 +397,35 @@ def free_full_iteration_graphs() -> int:
     return freed
 
 
+def free_optimizer_graph() -> int:
+    """Free the optimizer graph and reset ``OptimizerCudaGraphWrapper``'s class state (its
+    graph, result and call counter live on the class, as the full-iteration wrapper's do)."""
+    from megatron.core.optimizer.optimizer_cuda_graph import OptimizerCudaGraphWrapper
+
+    graph, OptimizerCudaGraphWrapper.cuda_graph = OptimizerCudaGraphWrapper.cuda_graph, None
+    OptimizerCudaGraphWrapper.result = None
+    OptimizerCudaGraphWrapper.curr_iteration = 0
+    if graph is None:
+        return 0
+    graph.reset()
+    return 1
+
+
+def _lr_in_device_tensors(optimizer: Any) -> None:
+    """A capturable torch Adam reads a tensor learning rate on the device at every replay but
+    bakes a Python number into the graph: give its param groups tensors before the capture
+    (megatron-core 0.17+'s scheduler fills them in place). Transformer Engine's and Apex's
+    capturable FusedAdam hold tensors already."""
+    for chained in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(chained, "optimizer", chained)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            if group.get("capturable") and group["params"] and not torch.is_tensor(group["lr"]):
+                device = group["params"][0].device
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+
+
 class CpuTeHelperStandIn:
     """Records what the loop asks of ``TECudaGraphHelper`` on a machine that cannot capture.
 
@@ -366,6 +475,80 @@ def _te_capture_finished(helper: Any, new_generation: bool) -> bool:
 def _synchronize(use_cuda: bool) -> None:
     if use_cuda:
         torch.cuda.synchronize()
+
+
+class StepClock:
+    """Step times without a device synchronisation per step, as ``train_gpt.py``'s clock (and
+    Megatron-LM's timers) take them: a pair of CUDA events around each step, read when the
+    log interval comes and at the end (one wait for the newest); on the CPU the wall clock."""
+
+    def __init__(self, use_cuda: bool) -> None:
+        self.use_cuda = use_cuda
+        self._pending: list[tuple[Any, Any]] = []
+        self._spare: list[Any] = []
+        self._start: Any = None
+
+    def _mark(self) -> Any:
+        if not self.use_cuda:
+            return time.perf_counter()
+        event = self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self._start = self._mark()
+
+    def stop(self) -> None:
+        self._pending.append((self._start, self._mark()))
+
+    def read(self) -> list[float]:
+        """Milliseconds of the steps stopped since the last read (waits for the last one)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        if not self.use_cuda:
+            return [(end - start) * 1000.0 for start, end in pending]
+        pending[-1][1].synchronize()
+        times = [start.elapsed_time(end) for start, end in pending]
+        for start, end in pending:
+            self._spare += (start, end)
+        return times
+
+
+class StepProfiler:
+    """``torch.profiler`` over steps ``first .. first + count - 1``: started before the first
+    one's work and stopped after the last one's, the device synchronised at both ends (as
+    ``benchmarks/gpu_limit.py``'s profiler does around the plugin's steps)."""
+
+    def __init__(self, first: int, count: int, use_cuda: bool, trace_path: str) -> None:
+        self.first, self.last = first, first + count - 1
+        self.use_cuda = use_cuda
+        self.trace_path = trace_path
+        self.profiler: Any = None
+        self.done = False
+
+    def before_step(self, iteration: int) -> None:
+        if iteration != self.first:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        _synchronize(self.use_cuda)
+        activity = ProfilerActivity.CUDA if self.use_cuda else ProfilerActivity.CPU
+        self.profiler = profile(activities=[activity])
+        self.profiler.start()
+
+    def after_step(self, iteration: int) -> None:
+        if self.profiler is None or iteration != self.last:
+            return
+        _synchronize(self.use_cuda)
+        self.stop()
+        self.done = True
+
+    def stop(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler.export_chrome_trace(self.trace_path)
+            self.profiler = None
 
 
 def _train(cfg: BaselineConfig, use_cuda: bool, out: dict[str, Any]) -> None:
@@ -425,6 +608,7 @@ def _train(cfg: BaselineConfig, use_cuda: bool, out: dict[str, Any]) -> None:
     model = _build_model(cfg, config, ddp_stream)
     optimizer = _build_optimizer(cfg, model)
     _wire_grad_sync(cfg, config, model, optimizer)
+    scheduler = _lr_scheduler(cfg, optimizer)
 
     forward_backward_func = get_forward_backward_func()
     if full_iteration:
@@ -463,8 +647,37 @@ def _train(cfg: BaselineConfig, use_cuda: bool, out: dict[str, Any]) -> None:
         _disable_forward_pre_hook(model, param_sync=False)
         config.param_sync_func = None
 
+    clock = StepClock(use_cuda)
+    profiler = None
+    if cfg.profile_steps > 0 and cfg.profile_first is not None:
+        trace_path = cfg.trace_path or "handwritten_trace.json"
+        profiler = StepProfiler(cfg.profile_first, cfg.profile_steps, use_cuda, trace_path)
     cuda_graph_helper: Any = None
+    grad_norm_kernels: Any = None
+    optimizer_graph: Any = None  # OptimizerCudaGraphWrapper, whose class holds the graph
     try:
+        if cfg.optimizer_cuda_graph:
+            from megatron.core.optimizer.optimizer_cuda_graph import OptimizerCudaGraphWrapper
+
+            from cudagraph_plugin.compat import grad_norm
+
+            # The clip-grad path's host reads, replaced where megatron-core has them (see the
+            # module's docstring): a library call, once, not a hook.
+            grad_norm_kernels = grad_norm.install()
+            if grad_norm_kernels.reads_host_after:
+                raise RuntimeError(
+                    "the optimizer graph cannot be captured: megatron-core's clip-grad path "
+                    f"still reads the host ({grad_norm_kernels.reason})"
+                )
+            _lr_in_device_tensors(optimizer)
+            free_optimizer_graph()  # an earlier run's class state, if any
+            wrapper_args: dict[str, Any] = {"cuda_graph_warmup_steps": cfg.cuda_graph_warmup_steps}
+            if new_generation:
+                wrapper_args["use_single_mempool"] = True
+            optimizer_graph = OptimizerCudaGraphWrapper
+            optimizer.step = OptimizerCudaGraphWrapper(optimizer.step, **wrapper_args)
+            out["optimizer_graph_path"] = "OptimizerCudaGraphWrapper"
+
         if te_graphs:
             from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
 
@@ -498,21 +711,28 @@ def _train(cfg: BaselineConfig, use_cuda: bool, out: dict[str, Any]) -> None:
                 _synchronize(use_cuda)
                 out["capture_seconds"] = time.perf_counter() - capture_start
                 out["capture_step"] = iteration
+            if profiler is not None:
+                profiler.before_step(iteration)
 
-            start = time.perf_counter()
+            clock.start()
             for chunk in model:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
             loss_dicts = forward_backward_func(
                 data_iterator=train_iter, forward_only=False, **step_args
             )
-            optimizer.step()
-            _synchronize(use_cuda)
-            step_ms.append((time.perf_counter() - start) * 1000.0)
-            losses.append(_mean_loss(loss_dicts))
+            _update_successful, grad_norm_value, _ = optimizer.step()
+            scheduler.step(increment=1)
+            clock.stop()
+            loss = _mean_loss(loss_dicts)
+            losses.append(loss)
             step_end_time.append(time.perf_counter())
+            if profiler is not None:
+                profiler.after_step(iteration)
             if full_iteration and FullCudaGraphWrapper.cuda_graph["training"] is not None:
                 out.setdefault("capture_step", iteration)
+            if optimizer_graph is not None and optimizer_graph.cuda_graph is not None:
+                out.setdefault("optimizer_capture_step", iteration)
 
             if iteration == start_iteration and toggle_pre_hooks:
                 _enable_forward_pre_hook(model)
@@ -520,9 +740,27 @@ def _train(cfg: BaselineConfig, use_cuda: bool, out: dict[str, Any]) -> None:
                 if te_graphs and cfg.cuda_graph_warmup_steps == 0:
                     assert _te_capture_finished(cuda_graph_helper, new_generation)
                     cuda_graph_helper.cuda_graph_set_manual_hooks()
+            # The example's log line, and its one read of the device per interval.
+            if cfg.log_interval and (iteration + 1) % cfg.log_interval == 0:
+                times = clock.read()
+                step_ms += times
+                logger.info(
+                    "step %d | loss %.4f | grad norm %.3f | lr %.3g | %.2f ms/step (last %d)",
+                    iteration,
+                    loss.item(),
+                    float(grad_norm_value) if grad_norm_value is not None else float("nan"),
+                    scheduler.get_lr(optimizer.param_groups[0]),
+                    statistics.median(times),
+                    len(times),
+                )
+        step_ms += clock.read()
+        if profiler is not None:
+            out["profiled"] = profiler.done
         if use_cuda:
             out["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     finally:
+        if profiler is not None:
+            profiler.stop()
         freed = 0
         if cuda_graph_helper is not None:
             if cuda_graph_helper.graphs_created():
@@ -531,18 +769,31 @@ def _train(cfg: BaselineConfig, use_cuda: bool, out: dict[str, Any]) -> None:
             out["te_helper_calls"] = list(getattr(cuda_graph_helper, "calls", []))
         if full_iteration:
             freed += free_full_iteration_graphs()
+        if cfg.optimizer_cuda_graph:
+            # Megatron-LM's "del optimizer.step" (the class's method again), then the graph.
+            vars(optimizer).pop("step", None)
+            freed += free_optimizer_graph()
+        if grad_norm_kernels is not None:
+            grad_norm_kernels.restore()
         out["graphs_freed"] = freed
         gc.collect()
 
 
 def run(cfg: BaselineConfig) -> dict[str, Any]:
-    """Train once; returns ``losses``, ``step_ms`` (per step), ``step_end_time``
-    (``time.perf_counter()`` at the end of each loop iteration), ``median_step_ms``,
-    ``capture_seconds``/``capture_step`` (graphed runs), ``peak_allocated_mib`` (CUDA),
-    ``graphs_freed``, ``graph_path`` and ``device``."""
+    """Train once; returns ``losses``, ``step_ms`` (per step, from the step clock),
+    ``step_end_time`` (``time.perf_counter()`` at the end of each loop iteration),
+    ``median_step_ms``, ``capture_seconds``/``capture_step`` (graphed runs),
+    ``optimizer_capture_step`` (optimizer graph), ``peak_allocated_mib`` (CUDA),
+    ``graphs_freed``, ``graph_path``, ``profiled`` (with a profile) and ``device``.
+
+    :raises RuntimeError: ``optimizer_cuda_graph`` where :func:`optimizer_graph_unavailable`
+        gives a reason.
+    """
     from cpu_redirect import cpu_redirect, mcore_without_te_fixes
 
     use_cuda = torch.cuda.is_available() and not cfg.cpu
+    if cfg.optimizer_cuda_graph and (reason := optimizer_graph_unavailable(use_cuda)):
+        raise RuntimeError(f"optimizer_cuda_graph refused: {reason}")
     out: dict[str, Any] = {"losses_tensors": [], "step_ms": [], "step_end_time": []}
     device_context = contextlib.nullcontext() if use_cuda else cpu_redirect()
     with device_context, mcore_without_te_fixes():

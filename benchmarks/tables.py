@@ -145,6 +145,84 @@ def limit_table(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _pct(value: Any) -> str:
+    return _f(None if value is None else value * 100.0, ".1f", "%")
+
+
+def pairs_table(data: dict[str, Any]) -> str:
+    """``pairs.py``'s summary: step times, per-pair ratios, spreads, kernels, losses, verdict."""
+    unit = next(
+        (r.get("kernel_unit") for r in data.get("results", []) if r.get("kernel_unit")), None
+    )
+    counted = "kernels" if unit is None or unit.startswith("GPU") else "CPU ops"
+    lines = [
+        "| mode | plugin ms/step | hand-written ms/step | plugin / hand-written per pair | "
+        "median ratio | spread: pairs (plugin runs, hand-written runs) | "
+        f"{counted}/step: plugin / hand-written | {counted} ms/step: plugin / hand-written | "
+        "losses | verdict |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---|---|",
+    ]
+    for row in data.get("results", []):
+        if row.get("skipped"):
+            lines.append(f"| {row['label']} | skipped: {row['skipped']} |  |  |  |  |  |  |  |  |")
+            continue
+        prof = row.get("profile") or {}
+        p, h = prof.get("plugin") or {}, prof.get("handwritten") or {}
+        equal = row.get("kernel_counts_equal")
+        kernels = (
+            f"{_f(p.get('count_per_step'), '.1f')} / {_f(h.get('count_per_step'), '.1f')}"
+            + {True: " (equal)", False: " (DIFFER)", None: ""}[equal]
+        )
+        kernel_ms = (
+            f"{_f(p.get('time_ms_per_step'), '.3f')} / {_f(h.get('time_ms_per_step'), '.3f')}"
+        )
+        losses = row.get("losses") or {}
+        loss_text = (
+            "identical"
+            if losses.get("identical")
+            else f"max diff {losses['max_abs_diff']:.2g}"
+            if losses.get("max_abs_diff") is not None
+            else "-"
+        )
+        if losses.get("pairs_compared"):
+            loss_text += f" ({losses['pairs_compared']} pair(s), {losses['steps_compared']} steps)"
+        ratios = ", ".join(f"{r:.3f}" for r in row.get("ratios") or []) or "-"
+        spreads = (
+            f"{_pct(row.get('spread'))} ({_pct(row.get('plugin_spread'))}, "
+            f"{_pct(row.get('handwritten_spread'))})"
+        )
+        verdict = row.get("verdict", "-")
+        if verdict != (row.get("rule") or {}).get("verdict"):
+            verdict += f" (rule: {row['rule']['verdict']})"
+        errors = "; ".join(row.get("errors", []))
+        lines.append(
+            f"| {row['label']} | {_f(row.get('plugin_ms'))} | {_f(row.get('handwritten_ms'))} | "
+            f"{ratios} | {_f(row.get('median_ratio'), '.3f')} | {spreads} | {kernels} | "
+            f"{kernel_ms} | {loss_text} | {verdict} |" + (f" errors: {errors}" if errors else "")
+        )
+    return "\n".join(lines)
+
+
+def pairs_verdict_lines(data: dict[str, Any]) -> list[str]:
+    """The done-when of ``pairs.py`` and each mode's reason, as markdown bullets."""
+    done = data.get("done_when") or {}
+    lines = [f"- done when {done.get('criterion', '-')}: **{done.get('verdict', '-')}**"]
+    for row in data.get("results", []):
+        if row.get("skipped"):
+            continue
+        rule = row.get("rule") or {}
+        reason = rule.get("reason", "-")
+        if rule.get("so_far"):
+            reason += f"; so far: {rule['so_far']['verdict']} ({rule['so_far']['reason']})"
+        diff = row.get("kernel_count_diff")
+        if diff:
+            reason += "; counts that differ (plugin, hand-written): " + ", ".join(
+                f"{name[:60]} {a}/{b}" for name, (a, b) in list(diff.items())[:5]
+            )
+        lines.append(f"- {row['label']}: {row.get('verdict', '-')}: {reason}")
+    return lines
+
+
 def hook_table(data: dict[str, Any]) -> str:
     """The CPU hook-dispatch table (``hook_overhead.py --json``)."""
     lines = [

@@ -585,6 +585,8 @@ class _Record:
             "last_loss": losses[-1] if losses else None,
             "losses": losses,
             "median_step_ms": statistics.median(self.step_ms) if self.step_ms else None,
+            # The step clock's time of each step run (CUDA events on a GPU), in order.
+            "step_ms": list(self.step_ms),
             "eval_losses": list(self.eval_losses),
             "device": device,
             "shutdown_reason": shutdown_reason,
@@ -844,8 +846,10 @@ def run(argv: Sequence[str] | None = None, plugins: Sequence[Any] = ()) -> dict[
     :param plugins: Extra plugin objects registered on this run's plugin manager before the
         command line is parsed (so they may add options too).
     :returns: ``steps`` (training steps run), ``first_loss``, ``last_loss``, ``losses``
-        (floats, one per step), ``median_step_ms``, ``eval_losses``, ``device`` (``"cuda"``
-        or ``"cpu"``) and ``shutdown_reason`` (as :class:`hookspecs.ShutdownReason` names it).
+        (floats, one per step), ``median_step_ms``, ``step_ms`` (the step clock's
+        milliseconds, one per step: CUDA events on a GPU, read at the log interval and at the
+        end), ``eval_losses``, ``device`` (``"cuda"`` or ``"cpu"``) and ``shutdown_reason``
+        (as :class:`hookspecs.ShutdownReason` names it).
     """
     return host_run(argv, plugins, parser=build_parser, train=_train, record=_Record())
 
