@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU limit and the plugin's host time, each mode in its own process (issue 15):
-#   MODES="eager full_iteration full_iteration_optimizer" HOST_MODES="full_iteration" \
+#   MODES="eager eager_device_norm full_iteration full_iteration_optimizer" HOST_MODES="full_iteration" \
 #     bash benchmarks/fresh_process_bench.sh $OUT TAG
 # on the H200 after ../shared/gpu/README.md's install; leaves $OUT/bench_TAG.tgz.
 source /tmp/gpu/env.sh

@@ -87,6 +87,9 @@ class Mode:
     # --optimizer-cuda-graph and --cuda-graph-device-grad-norm, the hand-written loop's
     # OptimizerCudaGraphWrapper with the same device-side gradient norm.
     optimizer_graph: bool = False
+    # The plugin's device-side gradient norm without any graph (--cuda-graph-device-grad-norm):
+    # the eager baseline the optimizer graph is compared with (issue 21). Plugin side only.
+    device_grad_norm: bool = False
 
     @property
     def needs_te(self) -> bool:
@@ -138,8 +141,17 @@ MODES = {
             impl="local",
             scope="full_iteration",
             transformer_impl="local",
-            eager_reference="eager",
+            eager_reference="eager_device_norm",
             optimizer_graph=True,
+        ),
+        Mode(
+            "eager_device_norm",
+            "eager, device-side gradient norm (local spec)",
+            "none",
+            None,
+            "local",
+            None,
+            device_grad_norm=True,
         ),
     )
 }
@@ -306,6 +318,8 @@ def plugin_argv(size: Size, mode: Mode, s: Settings, use_cuda: bool) -> list[str
         argv += ["--cuda-graph-warmup-steps", str(s.warmup)]
     if mode.optimizer_graph:
         argv += ["--optimizer-cuda-graph", "--cuda-graph-device-grad-norm"]
+    elif mode.device_grad_norm:
+        argv.append("--cuda-graph-device-grad-norm")
     if s.bf16:
         argv.append("--bf16")
     if s.cpu:

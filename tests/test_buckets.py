@@ -372,11 +372,22 @@ def offload_and_reload_grad_buffers(host: Host, graphs: BucketGraphs | None) -> 
     (``storage().resize_(0)``, then a new allocation); something else takes the freed
     memory meanwhile, so the buffers come back elsewhere."""
     [chunk] = host.model
-    before = [buffer.grad_data.data_ptr() for buffer in chunk.buffers]
-    chunk.offload_grad_buffers()
-    squatters = [torch.empty(buffer.grad_data_size) for buffer in chunk.buffers]
-    chunk.restore_grad_buffers()
-    assert [buffer.grad_data.data_ptr() for buffer in chunk.buffers] != before
+
+    def addresses() -> list[int]:
+        return [buffer.grad_data.data_ptr() for buffer in chunk.buffers]
+
+    before = addresses()
+    squatters = []
+    # The squatter usually takes the freed block, but the allocator may have handed the
+    # block back to the system and map it again for the reload: offload once more, with
+    # one more squatter held, until the buffers land elsewhere.
+    for _ in range(8):
+        chunk.offload_grad_buffers()
+        squatters += [torch.empty(buffer.grad_data_size) for buffer in chunk.buffers]
+        chunk.restore_grad_buffers()
+        if addresses() != before:
+            break
+    assert addresses() != before
     del squatters
 
 

@@ -123,14 +123,30 @@ def _reloads_land_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
 
     offload, reload = _ParamAndGradBuffer.offload_to_cpu, _ParamAndGradBuffer.reload_from_cpu
     taken: list[torch.Tensor] = []
+    before: dict[int, int] = {}
+
+    def squat(buffer: _ParamAndGradBuffer) -> None:
+        taken.append(torch.ones(buffer.grad_data_size, dtype=buffer.grad_data.dtype))
 
     def offload_to_cpu(self, move_params: bool = True, move_grads: bool = True) -> None:
+        if move_grads and self.grad_data is not None:
+            before[id(self)] = self.grad_data.data_ptr()
         offload(self, move_params=move_params, move_grads=move_grads)
         if move_grads and self.grad_data is not None:
-            taken.append(torch.ones(self.grad_data_size, dtype=self.grad_data.dtype))
+            squat(self)
 
     def reload_from_cpu(self, move_params: bool = True, move_grads: bool = True) -> None:
         reload(self, move_params=move_params, move_grads=move_grads)
+        # The allocator may have handed the freed block back to the system and mapped it
+        # again for the reload, squatter or not: the gradients once more, one more
+        # squatter held, until they land elsewhere.
+        for _ in range(8):
+            if before.get(id(self)) != self.grad_data.data_ptr():
+                break
+            offload(self, move_params=False, move_grads=True)
+            squat(self)
+            reload(self, move_params=False, move_grads=True)
+        assert before.pop(id(self), None) != self.grad_data.data_ptr()
         taken.clear()
 
     monkeypatch.setattr(_ParamAndGradBuffer, "offload_to_cpu", offload_to_cpu)
