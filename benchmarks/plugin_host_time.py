@@ -8,6 +8,8 @@ step:
 
 * ``hooks``: ``TrainingRun.train_step`` entering and leaving (every ``mcgraph_*`` step hook:
   dispatch by pluggy, the plugin's step timer, post-warmup);
+* ``plugin_hooks``: of which the CUDA graph plugin's own step-hook implementations (their
+  bodies: the step timer, the capture-step and fallback checks), without the dispatch;
 * ``forward_backward``: the plugin's forward/backward wrapper minus the megatron-core call it
   wraps (the capture decision, the input-copy ordering, the guard's set-up), guard included;
 * ``guard``: of which checking each micro-batch against the captured one (the static-shape
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -99,6 +102,25 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack) -> None:
             clock.add("hooks", time.perf_counter_ns() - start)
 
     patch(run.TrainingRun, "train_step", timed_train_step)
+
+    # The plugin's own step hooks, timed inside the dispatch (patched on the class before
+    # the run registers its instance; functools.wraps keeps pluggy's hookimpl marker).
+    from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
+
+    for name in ("mcgraph_train_step_start", "mcgraph_train_step_end"):
+        implementation = getattr(CudaGraphPlugin, name)
+
+        @functools.wraps(implementation)
+        def timed_implementation(
+            self: Any, *args: Any, _implementation: Any = implementation, **kwargs: Any
+        ) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return _implementation(self, *args, **kwargs)
+            finally:
+                clock.add("plugin_hooks", time.perf_counter_ns() - start)
+
+        patch(CudaGraphPlugin, name, timed_implementation)
 
     forward_backward = interceptor.ForwardBackwardInterceptor.call
     inner_ns = [0]
@@ -218,7 +240,7 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         train_gpt.run(argv, plugins=[capture])
     first = (capture.step if capture.step is not None else args.warmup) + 1
     steady = {step: pieces for step, pieces in clock.ns.items() if step >= first}
-    pieces = ("hooks", "forward_backward", "guard", "optimizer")
+    pieces = ("hooks", "plugin_hooks", "forward_backward", "guard", "optimizer")
     per_piece = {
         piece: statistics.median(p[piece] for p in steady.values()) / 1000.0 if steady else None
         for piece in pieces
@@ -228,6 +250,11 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         (p["hooks"] + p["forward_backward"] + p["optimizer"]) / 1000.0 for p in steady.values()
     ]
     total = statistics.median(totals) if totals else None
+    # what the plugin's own code costs per step, the hook dispatch left out
+    own = [
+        (p["plugin_hooks"] + p["forward_backward"] + p["optimizer"]) / 1000.0
+        for p in steady.values()
+    ]
     return {
         "mode": mode,
         "capture_step": capture.step,
@@ -235,6 +262,7 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "us_per_step": per_piece,
         "total_us_per_step": total,
         "total_us_p90": sorted(totals)[int(0.9 * (len(totals) - 1))] if totals else None,
+        "plugin_code_us_per_step": statistics.median(own) if own else None,
         "target_us": TARGET_US,
         "within_target": total is not None and total <= TARGET_US,
     }

@@ -41,4 +41,7 @@ def test_the_instrumented_run_builds_one_wrapper_and_reports_each_piece(fake_gra
     pieces = result["us_per_step"]
     assert pieces["hooks"] > 0 and pieces["forward_backward"] > 0 and pieces["guard"] > 0
     assert pieces["optimizer"] == 0  # no optimizer graph in this mode
+    # the plugin's step hooks are timed inside the dispatch, so part of it
+    assert 0 < pieces["plugin_hooks"] < pieces["hooks"]
+    assert result["plugin_code_us_per_step"] < result["total_us_per_step"]
     assert FullCudaGraphWrapper.__call__ is call  # the benchmark's patches are undone
