@@ -9,7 +9,9 @@ the wall clock on the CPU) and applies CUDA graphs the way Megatron-LM's
 ``megatron/training/training.py`` does (megatron-core 0.19.2's copy):
 
 * DDP is built on ``get_shared_capture_stream()`` for full-iteration graphs on
-  megatron-core >= 0.18 (``get_model``, lines ~1870-1890); 0.16 has no such stream;
+  megatron-core >= 0.18 (``get_model``, lines ~1870-1890; 0.16 has no such stream), on a
+  side stream for TE graphs, and, unlike Megatron-LM, on the current stream without graphs,
+  as the plugin's host does (:func:`ddp_build_stream`);
 * ``forward_backward_func`` is wrapped in ``FullCudaGraphWrapper`` (``train``, ~3614-3622;
   ``use_single_mempool`` exists from 0.18);
 * with ``optimizer_cuda_graph`` (megatron-core 0.17+), ``optimizer.step`` is replaced by an
@@ -139,6 +141,25 @@ def optimizer_graph_unavailable(use_cuda: bool) -> str | None:
     if not use_cuda:
         return "the optimizer graph needs a CUDA device (a capturable Adam, captured on a stream)"
     return None
+
+
+def ddp_build_stream(graphs: bool, full_iteration: bool, new_generation: bool) -> str | None:
+    """The stream DDP is built on: ``"shared"`` (megatron-core's shared capture stream),
+    ``"side"`` (a new stream) or ``None`` (the current stream).
+
+    The plugin's host builds it there (the plugin's ``DDPBuildContext``): with full-iteration
+    graphs on the shared capture stream (0.18+; 0.16 has none), with TE graphs on a side
+    stream, without graphs on the current stream (the plugin is not active). Megatron-LM 0.19
+    (``get_model``, ~1870) uses a side stream without graphs too; that is not followed here:
+    autograd runs every parameter's ``AccumulateGrad`` node, with DDP's gradient hook, on the
+    stream DDP was built on, so a side stream would add cross-stream waits to every eager
+    backward of this loop and not of the plugin's.
+    """
+    if not graphs:
+        return None
+    if full_iteration:
+        return "shared" if new_generation else None
+    return "side"
 
 
 def graph_config_fields(impl: str, scope: Sequence[str], warmup_steps: int) -> dict[str, Any]:
@@ -598,13 +619,14 @@ def _train(cfg: BaselineConfig, use_cuda: bool, out: dict[str, Any]) -> None:
     )
     config = TransformerConfig(**fields)
 
-    # Megatron-LM 0.19 (training.py ~1870): DDP on the shared capture stream for full
-    # iteration, on a dedicated side stream otherwise.
     ddp_stream = None
-    if new_generation and use_cuda:
+    stream_kind = ddp_build_stream(graphs and use_cuda, full_iteration, new_generation)
+    if stream_kind == "shared":
         from megatron.core.full_cuda_graph import get_shared_capture_stream
 
-        ddp_stream = get_shared_capture_stream() if full_iteration else torch.cuda.Stream()
+        ddp_stream = get_shared_capture_stream()
+    elif stream_kind == "side":
+        ddp_stream = torch.cuda.Stream()
     model = _build_model(cfg, config, ddp_stream)
     optimizer = _build_optimizer(cfg, model)
     _wire_grad_sync(cfg, config, model, optimizer)

@@ -77,3 +77,23 @@ def test_the_optimizer_graph_is_refused_where_it_cannot_be_captured() -> None:
     assert reason is not None and ("0.17" in reason or "CUDA device" in reason)
     with pytest.raises(RuntimeError, match="optimizer_cuda_graph refused"):
         _handwritten(optimizer_cuda_graph=True)
+
+
+@pytest.mark.parametrize("shared_stream", [False, True], ids=["0.16", "0.18+"])
+@pytest.mark.parametrize("full_iteration", [False, True], ids=["te-or-none", "full-iteration"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_ddp_is_built_on_the_stream_the_plugin_builds_it_on(
+    monkeypatch: pytest.MonkeyPatch, graphs: bool, full_iteration: bool, shared_stream: bool
+) -> None:
+    """The stream DDP is built on decides where every AccumulateGrad node (and DDP's grad
+    hook) runs in each backward: both loops must build it on the same one. The plugin gives
+    the host a build context only while graphs are on (``state.active``), and its
+    ``DDPBuildContext`` picks the stream."""
+    from cudagraph_plugin.compat import ddp
+
+    monkeypatch.setattr(ddp, "_has_shared_capture_stream", lambda: shared_stream)
+    expected = None
+    context = ddp.DDPBuildContext(full_iteration)
+    if graphs and context.needs_stream:
+        expected = "shared" if full_iteration else "side"
+    assert handwritten.ddp_build_stream(graphs, full_iteration, shared_stream) == expected
