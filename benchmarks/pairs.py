@@ -185,6 +185,12 @@ def profile_counts(trace_path: Path, steps: int, use_cuda: bool) -> dict[str, An
         for e in events
         if e.get("ph") == "X" and e.get("cat") == category and e.get("dur") is not None
     ]
+    if use_cuda and not items:
+        # Both sides empty would read as "identical kernel counts (0 per step)": a PASS.
+        raise RuntimeError(
+            f"the profile of {steps} step(s) holds no GPU kernel ({len(events)} trace events): "
+            "torch.profiler recorded no CUDA activity (CUPTI unavailable or not permitted?)"
+        )
     counts = collections.Counter(str(e.get("name")) for e in items)
     out: dict[str, Any] = {
         "unit": "GPU kernels" if use_cuda else "CPU operators (no GPU: not kernels)",

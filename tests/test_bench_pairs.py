@@ -141,6 +141,30 @@ def test_profiled_eager_runs_of_both_sides_count_the_same_cpu_operators(tmp_path
     assert row["rule"]["verdict"] == pairs.INCOMPLETE  # profiles, but no timed pair
 
 
+def _trace(path: Path, kernels: int) -> Path:
+    """A Chrome trace as torch.profiler writes it: CUDA runtime calls, and a kernel event
+    (category "kernel", microseconds) for each kernel the GPU ran."""
+    events: list[dict] = [
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 10 * i, "dur": 3}
+        for i in range(kernels + 2)
+    ]
+    events += [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 10 * i + 5, "dur": 100}
+        for i in range(kernels)
+    ]
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_a_gpu_profile_counts_kernels_and_one_without_any_is_an_error(tmp_path: Path) -> None:
+    counted = pairs.profile_counts(_trace(tmp_path / "k.json", 20), steps=10, use_cuda=True)
+    assert counted["count_per_step"] == 2.0 and counted["time_ms_per_step"] == 0.2
+    # No CUDA activity recorded on either side would read as identical (zero) kernel counts,
+    # a PASS on step time alone: the run fails instead.
+    with pytest.raises(RuntimeError, match="no GPU kernel"):
+        pairs.profile_counts(_trace(tmp_path / "none.json", 0), steps=10, use_cuda=True)
+
+
 # -- the verdict -----------------------------------------------------------------------------
 
 EQUAL_KERNELS = (500.0, 500.0)
