@@ -9,6 +9,11 @@
 #                                            # process per mode (default: full_iteration
 #                                            # full_iteration_optimizer), $OUT/host-v.tgz
 #
+# After `install`, /tmp/gpu/env.sh is megatron-core 0.19.2's (installed last), which is what
+# `bash benchmarks/pairs_gpu.sh $OUT TAG` (issue 21's pairs, two calls with the same TAG) and
+# `MODES="eager_device_norm full_iteration_optimizer" bash benchmarks/fresh_process_bench.sh
+# $OUT TAG` (the optimizer graph vs the device-norm eager step) use.
+#
 # Results go to $OUT (the device tool's folder), at most 8 files per call.
 set -uo pipefail
 cmd=${1:?install|suite}; shift
