@@ -70,6 +70,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
+# The example host's own step clock (torch only, no plugin): both sides time alike.
+from step_clock import StepClock  # noqa: E402
+
 logger = logging.getLogger("handwritten")
 
 
@@ -496,44 +499,6 @@ def _te_capture_finished(helper: Any, new_generation: bool) -> bool:
 def _synchronize(use_cuda: bool) -> None:
     if use_cuda:
         torch.cuda.synchronize()
-
-
-class StepClock:
-    """Step times without a device synchronisation per step, as ``train_gpt.py``'s clock (and
-    Megatron-LM's timers) take them: a pair of CUDA events around each step, read when the
-    log interval comes and at the end (one wait for the newest); on the CPU the wall clock."""
-
-    def __init__(self, use_cuda: bool) -> None:
-        self.use_cuda = use_cuda
-        self._pending: list[tuple[Any, Any]] = []
-        self._spare: list[Any] = []
-        self._start: Any = None
-
-    def _mark(self) -> Any:
-        if not self.use_cuda:
-            return time.perf_counter()
-        event = self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def start(self) -> None:
-        self._start = self._mark()
-
-    def stop(self) -> None:
-        self._pending.append((self._start, self._mark()))
-
-    def read(self) -> list[float]:
-        """Milliseconds of the steps stopped since the last read (waits for the last one)."""
-        pending, self._pending = self._pending, []
-        if not pending:
-            return []
-        if not self.use_cuda:
-            return [(end - start) * 1000.0 for start, end in pending]
-        pending[-1][1].synchronize()
-        times = [start.elapsed_time(end) for start, end in pending]
-        for start, end in pending:
-            self._spare += (start, end)
-        return times
 
 
 class StepProfiler:

@@ -51,6 +51,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from step_clock import StepClock
 
 import train_gpt
 from cudagraph_plugin.runtime.padding import pad_step, padding_waste_percent, parse_buckets
@@ -326,7 +327,7 @@ def _train(
     data = _Data(args, setup)
     pre_hooks = train_gpt.PreHookToggle(training, args, setup)
     offload = _Offload(setup)
-    clock = train_gpt._StepClock(use_cuda)
+    clock = StepClock(use_cuda)
     step = args.start_step
     while step < args.train_iters:
         rollout_loss = _rollout(training, args, setup, data)

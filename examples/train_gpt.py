@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from step_clock import StepClock
 
 from cpu_redirect import cpu_redirect, cpu_run_blocker, mcore_without_te_fixes
 from hookspecs import (
@@ -359,44 +360,6 @@ def _end_distributed(reason: ShutdownReason | None) -> None:
         dist.destroy_process_group()
 
 
-class _StepClock:
-    """Step times without a device synchronisation per step, as Megatron-LM's timers take
-    them: a pair of CUDA events around each step, read when the log interval comes (one
-    wait for the newest); on the CPU the wall clock."""
-
-    def __init__(self, use_cuda: bool) -> None:
-        self.use_cuda = use_cuda
-        self._pending: list[tuple[Any, Any]] = []
-        self._spare: list[Any] = []
-        self._start: Any = None
-
-    def _mark(self) -> Any:
-        if not self.use_cuda:
-            return time.perf_counter()
-        event = self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def start(self) -> None:
-        self._start = self._mark()
-
-    def stop(self) -> None:
-        self._pending.append((self._start, self._mark()))
-
-    def read(self) -> list[float]:
-        """Milliseconds of the steps stopped since the last read (waits for the last one)."""
-        pending, self._pending = self._pending, []
-        if not pending:
-            return []
-        if not self.use_cuda:
-            return [(end - start) * 1000.0 for start, end in pending]
-        pending[-1][1].synchronize()
-        times = [start.elapsed_time(end) for start, end in pending]
-        for start, end in pending:
-            self._spare += (start, end)
-        return times
-
-
 # -------------------------------------------------------------------------------------------
 # The run.
 # -------------------------------------------------------------------------------------------
@@ -705,7 +668,7 @@ def _train(
     setup = set_up(training, args, use_cuda)
     model, optimizer, scheduler = setup.model, setup.optimizer, setup.scheduler
     fwd_bwd, log_here, dp_rank = setup.fwd_bwd, setup.log_here, setup.dp_rank
-    clock = _StepClock(use_cuda)
+    clock = StepClock(use_cuda)
     device = setup.device
 
     batch_shape = {
