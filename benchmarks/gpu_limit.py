@@ -135,7 +135,7 @@ class LimitSettings:
 
     @property
     def steady_from(self) -> int:
-        return self.warmup + 2
+        return gpu_modes.steady_from(self.warmup)
 
     @property
     def first_profiled(self) -> int:

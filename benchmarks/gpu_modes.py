@@ -289,8 +289,13 @@ class Settings:
 
     @property
     def steady_from(self) -> int:
-        """First step counted: after the capture step (``warmup``) and the one after it."""
-        return self.warmup + 2
+        return steady_from(self.warmup)
+
+
+def steady_from(warmup: int) -> int:
+    """First step counted: after the capture step (``warmup``) and the one after it (every
+    benchmark counts from here)."""
+    return warmup + 2
 
 
 def _spec_for(mode: Mode, use_cuda: bool) -> str:

@@ -119,7 +119,7 @@ class PairSettings:
 
     @property
     def steady_from(self) -> int:
-        return self.warmup + 2
+        return gpu_modes.steady_from(self.warmup)
 
     @property
     def profile_first(self) -> int:
