@@ -92,6 +92,8 @@ def _same(captured: Any, current: Any) -> bool:
     equal Python value (compared without reading any tensor)."""
     if captured is current:
         return True
+    if type(current) is type(captured) and type(current) in _PLAIN and current == captured:
+        return True  # the common case before each replay, a value rewritten unchanged
     if _is_tensor(captured) or _is_tensor(current):
         return False
     if isinstance(captured, (tuple, list)) and isinstance(current, (tuple, list)):
@@ -205,10 +207,6 @@ class HyperparameterSync:
                     copies.append((index, key, captured, value))
             for key, captured in watched.baked.items():
                 value = group.get(key, _MISSING)
-                if value is captured or (
-                    type(value) is type(captured) and type(value) in _PLAIN and value == captured
-                ):
-                    continue  # the common case, a value rewritten unchanged: no deeper look
                 if not _same(captured, value):
                     fix = FIX_LR if key == "lr" else FIX_BAKED.format(key=key)
                     problems.append(
