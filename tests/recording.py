@@ -68,3 +68,22 @@ class RaiseAt:
     def mcgraph_train_step_end(self, step, metrics):
         if step == self.step:
             raise self.exc
+
+
+# The example host's flags the CPU lifecycle tests combine.
+FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
+TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp"]
+OVERLAP = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"]
+
+
+def run_recorded(*argv: str, plugins: Any = (), steps: int = 8) -> tuple[dict[str, Any], Recorder]:
+    """One run of the example loop (``train_gpt.run``) for ``steps`` steps, no log lines, with
+    a :class:`Recorder` registered first: its summary and the recorder."""
+    import train_gpt
+
+    recorder = Recorder()
+    summary = train_gpt.run(
+        ["--train-iters", str(steps), "--log-interval", "0", *argv],
+        plugins=[recorder, *plugins],
+    )
+    return summary, recorder

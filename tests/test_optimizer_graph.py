@@ -19,11 +19,10 @@ import train_gpt
 from cudagraph_plugin import compat
 from cudagraph_plugin.config.errors import CudaGraphConfigError
 from hookspecs import hookimpl
-from recording import RaiseAt, Recorder
+from recording import FULL, RaiseAt, run_recorded
 
 pytestmark = needs_mcore_on_cpu
 
-FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
 OPTIM = ["--optimizer-cuda-graph"]
 
 
@@ -70,12 +69,7 @@ def run(*argv, plugins=(), steps=8, schedule=("--lr-decay-style", "constant")):
     """The example loop; ``schedule=()`` leaves its default (cosine)."""
     # A constant learning rate by default: this CPU stand-in's Adam keeps it as a Python
     # float (a capturable Adam on the GPU holds a device tensor the schedule fills).
-    recorder = Recorder()
-    summary = train_gpt.run(
-        ["--train-iters", str(steps), "--log-interval", "0", *schedule, *argv],
-        plugins=[recorder, *plugins],
-    )
-    return summary, recorder
+    return run_recorded(*schedule, *argv, plugins=plugins, steps=steps)
 
 
 @pytest.mark.parametrize("warmup,start", [(1, 0), (3, 0), (2, 5)])

@@ -19,28 +19,18 @@ import pytest
 from cpu_only import needs_mcore_on_cpu
 
 import cpu_redirect as redirect
-import train_gpt
 from cudagraph_plugin import compat
 from cudagraph_plugin.config.errors import CudaGraphConfigError
 from cudagraph_plugin.runtime import fallback, release_plan
 from cudagraph_plugin.runtime.timing import StepTimer
 from hookspecs import TrainingRun, hookimpl
-from recording import RaiseAt, Recorder
+from recording import FULL, OVERLAP, TE, RaiseAt, run_recorded
 
 pytestmark = needs_mcore_on_cpu
 
-FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
-TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp"]
-OVERLAP = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"]
-
 
 def run(*argv: str, plugins=(), steps: int = 6):
-    recorder = Recorder()
-    summary = train_gpt.run(
-        ["--train-iters", str(steps), "--log-interval", "0", *argv],
-        plugins=[recorder, *plugins],
-    )
-    return summary, recorder
+    return run_recorded(*argv, plugins=plugins, steps=steps)
 
 
 # -- cleanup per resource -----------------------------------------------------------------------

@@ -12,7 +12,6 @@ import gc
 import json
 import logging
 import weakref
-from typing import Any
 
 import pytest
 import torch
@@ -26,22 +25,10 @@ from cudagraph_plugin.runtime.guard import StaticShapeError
 from cudagraph_plugin.runtime.state import Phase
 from fakes import FakeTECudaGraphHelper, install_fake_cuda_graphs
 from hookspecs import ShutdownReason, hookimpl
-from recording import RaiseAt, Recorder
+from recording import FULL, OVERLAP, TE, RaiseAt, Recorder
+from recording import run_recorded as run
 
 pytestmark = needs_mcore_on_cpu
-
-FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
-TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp"]
-OVERLAP = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"]
-
-
-def run(*argv: str, plugins=(), steps: int = 8) -> tuple[dict[str, Any], Recorder]:
-    recorder = Recorder()
-    summary = train_gpt.run(
-        ["--train-iters", str(steps), "--log-interval", "0", *argv],
-        plugins=[recorder, *plugins],
-    )
-    return summary, recorder
 
 
 # -- full-iteration graphs --------------------------------------------------------------------

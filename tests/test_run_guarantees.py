@@ -30,23 +30,15 @@ from cudagraph_plugin.runtime.report import RunReport
 from cudagraph_plugin.runtime.timing import StepTimer
 from cudagraph_plugin.runtime.wiring import CudaGraphWiringError
 from hookspecs import TrainingRun, get_plugin_manager, hookimpl
-from recording import Recorder
+from recording import FULL, OVERLAP, TE, Recorder, run_recorded
 
 pytestmark = needs_mcore_on_cpu
 
-FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
-TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp"]
-OVERLAP = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"]
 EAGER_OK = ["--cuda-graph-accept-eager"]
 
 
 def run(*argv: str, plugins=(), steps: int = 6):
-    recorder = Recorder()
-    summary = train_gpt.run(
-        ["--train-iters", str(steps), "--log-interval", "0", *argv],
-        plugins=[recorder, *plugins],
-    )
-    return summary, recorder
+    return run_recorded(*argv, plugins=plugins, steps=steps)
 
 
 def graph_plugin(recorder: Recorder):
