@@ -22,6 +22,8 @@
 # taken round-robin over the modes, so a call that stops early leaves fewer pairs, not
 # missing modes; the summary says INCOMPLETE until every pair and profile is there.
 # PAIRS_ARGS adds pairs.py arguments (e.g. --retry-failed: make failed runs again).
+# PAIRS_STOP (550) is the hard stop in seconds: lower it, with PAIRS_BUDGET ~90 s below it,
+# when the device call has less time left than 600 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTD=${1:?usage: bash benchmarks/pairs_gpu.sh OUT TAG}
@@ -50,7 +52,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limi
 call=$(ls "$DIR"/call*.log 2>/dev/null | wc -l)
 log="$DIR/call$((call + 1)).log"
 # The hard stop leaves time for the tarball within the device's 600 s.
-timeout -k 5 550 python3 -u benchmarks/pairs.py \
+timeout -k 5 "${PAIRS_STOP:-550}" python3 -u benchmarks/pairs.py \
   --modes "${MODES:-eager,full_iteration,full_iteration_optimizer,te_attn_mlp}" \
   --pairs "${PAIRS:-5}" --out "$DIR" --resume --time-budget "${PAIRS_BUDGET:-460}" \
   ${PAIRS_ARGS:-} 2>&1 | tee "$log"

@@ -10,6 +10,8 @@ step:
   dispatch by pluggy, the plugin's step timer, post-warmup);
 * ``plugin_hooks``: of which the CUDA graph plugin's own step-hook implementations (their
   bodies: the step timer, the capture-step and fallback checks), without the dispatch;
+* ``timer``: of which the plugin's step timer (two CUDA event records and a query on the
+  steps it times; ``timed_steps`` / ``untimed_steps`` give the step total apart for both);
 * ``forward_backward``: the plugin's forward/backward wrapper minus the megatron-core call it
   wraps (the capture decision, the input-copy ordering, the guard's set-up), guard included;
 * ``guard``: of which checking each micro-batch against the captured one (the static-shape
@@ -19,8 +21,12 @@ step:
   capture decision, the hyperparameter check before each replay).
 
 Timed with ``time.perf_counter_ns`` around each piece on the steady-state steps (after the
-capture step); medians over those steps, in microseconds. The target is <= 30 µs per step
-(issue 21).
+capture step); medians over those steps, in microseconds. The main thread's CPU time
+(``time.thread_time_ns``) is kept beside each: a piece whose CPU time is far below its
+wall-clock time waited (slept in the driver, was descheduled). Two ways to take the device
+out of the figures: ``--sync-between-steps`` (the device idle at each step's start) and
+``--size host-bound`` (a model whose GPU work is far below the host's). The target is
+<= 30 µs per step (issue 21).
 
 GPU (after ../shared/gpu/README.md's install)::
 
@@ -55,26 +61,52 @@ import gpu_modes  # noqa: E402  (sets up sys.path for the project and the exampl
 TARGET_US = 30.0
 # The model of the other GPU benchmarks (gpu_modes, gpu_limit), so the numbers line up.
 SIZE = gpu_modes.SIZES["4L-512H"]
+# ``--size host-bound``: a model whose GPU work per step is far below the host's, so the
+# host never waits for the device and every piece is the host's own work.
+SIZES = {**gpu_modes.SIZES, "host-bound": gpu_modes.Size("host-bound-1L-64H", 1, 64, 4)}
 MODES = ("full_iteration", "full_iteration_optimizer", "te_attn_mlp", "eager")
 
 
 class StepClock:
-    """Nanoseconds spent in each instrumented piece, per training step."""
+    """Nanoseconds spent in each instrumented piece, per training step: wall-clock time
+    (``ns``) and the main thread's CPU time (``cpu_ns``; far below the wall-clock time where
+    a piece waited, e.g. slept in the driver); ``timed``: the steps the plugin's own step
+    timer timed (it samples after its dense window, see runtime/measurement.py)."""
 
     def __init__(self) -> None:
         self.step: int | None = None
         self.ns: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.cpu_ns: dict[int, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter
+        )
+        self.timed: set[int] = set()
 
-    def add(self, piece: str, ns: int) -> None:
+    def add(self, piece: str, ns: int, cpu_ns: int = 0) -> None:
         if self.step is not None:
             self.ns[self.step][piece] += ns
+            self.cpu_ns[self.step][piece] += cpu_ns
 
 
-def instrument(clock: StepClock, stack: contextlib.ExitStack) -> None:
+class _Span:
+    """Wall-clock and thread CPU time of one piece, added to ``clock`` on exit."""
+
+    __slots__ = ("clock", "cpu", "piece", "wall")
+
+    def __init__(self, clock: StepClock, piece: str) -> None:
+        self.clock, self.piece = clock, piece
+        self.wall = time.perf_counter_ns()
+        self.cpu = time.thread_time_ns()
+
+    def end(self, minus_ns: int = 0) -> None:
+        cpu = time.thread_time_ns() - self.cpu
+        self.clock.add(self.piece, time.perf_counter_ns() - self.wall - minus_ns, cpu)
+
+
+def instrument(clock: StepClock, stack: contextlib.ExitStack, sync_between_steps: bool) -> None:
     """Wrap the pieces the plugin adds to a step (undone when ``stack`` closes)."""
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
-    from cudagraph_plugin.runtime import guard, interceptor
+    from cudagraph_plugin.runtime import guard, interceptor, timing
     from hookspecs import run
 
     def patch(owner: Any, name: str, replacement: Any) -> None:
@@ -83,23 +115,31 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack) -> None:
         stack.callback(setattr, owner, name, original)
 
     train_step = run.TrainingRun.train_step
+    synchronize = None
+    if sync_between_steps:
+        import torch
+
+        synchronize = torch.cuda.synchronize
 
     @contextlib.contextmanager
     def timed_train_step(self: Any, step: int) -> Any:
+        if synchronize is not None:
+            # the device idle before the step's first piece: no piece can wait for it
+            synchronize()
         clock.step = step
-        start = time.perf_counter_ns()
+        span = _Span(clock, "hooks")
         manager = train_step(self, step)
         metrics = manager.__enter__()
-        clock.add("hooks", time.perf_counter_ns() - start)
+        span.end()
         try:
             yield metrics
         except BaseException:
             if not manager.__exit__(*sys.exc_info()):
                 raise
         else:
-            start = time.perf_counter_ns()
+            span = _Span(clock, "hooks")
             manager.__exit__(None, None, None)
-            clock.add("hooks", time.perf_counter_ns() - start)
+            span.end()
 
     patch(run.TrainingRun, "train_step", timed_train_step)
 
@@ -107,37 +147,47 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack) -> None:
     # the run registers its instance; functools.wraps keeps pluggy's hookimpl marker).
     from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
 
-    for name in ("mcgraph_train_step_start", "mcgraph_train_step_end"):
-        implementation = getattr(CudaGraphPlugin, name)
+    def timed_method(owner: Any, name: str, piece: str, mark: Any = None) -> None:
+        method = getattr(owner, name)
 
-        @functools.wraps(implementation)
-        def timed_implementation(
-            self: Any, *args: Any, _implementation: Any = implementation, **kwargs: Any
-        ) -> Any:
-            start = time.perf_counter_ns()
+        @functools.wraps(method)
+        def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if mark is not None:
+                mark(*args, **kwargs)
+            span = _Span(clock, piece)
             try:
-                return _implementation(self, *args, **kwargs)
+                return method(self, *args, **kwargs)
             finally:
-                clock.add("plugin_hooks", time.perf_counter_ns() - start)
+                span.end()
 
-        patch(CudaGraphPlugin, name, timed_implementation)
+        patch(owner, name, timed)
+
+    for name in ("mcgraph_train_step_start", "mcgraph_train_step_end"):
+        timed_method(CudaGraphPlugin, name, "plugin_hooks")
+
+    # of which the plugin's step timer (two CUDA event records and a query per timed step)
+    def mark_timed(step: int) -> None:
+        clock.timed.add(step)
+
+    timed_method(timing.StepTimer, "start", "timer", mark=mark_timed)
+    timed_method(timing.StepTimer, "stop", "timer")
 
     forward_backward = interceptor.ForwardBackwardInterceptor.call
-    inner_ns = [0]
-    inner_depth = [0]
+    inner = {"depth": 0, "ns": 0, "cpu_ns": 0}
 
     def timed_inner(call: Any, *args: Any, **kwargs: Any) -> Any:
         # megatron-core's time (its wrapper, the host's function): the outermost one counts.
         # A plain function, not a context manager: what the harness itself costs around the
         # call lands in the plugin's share.
-        inner_depth[0] += 1
-        start = time.perf_counter_ns()
+        inner["depth"] += 1
+        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
         try:
             return call(*args, **kwargs)
         finally:
-            inner_depth[0] -= 1
-            if not inner_depth[0]:
-                inner_ns[0] += time.perf_counter_ns() - start
+            inner["depth"] -= 1
+            if not inner["depth"]:
+                inner["cpu_ns"] += time.thread_time_ns() - start_cpu
+                inner["ns"] += time.perf_counter_ns() - start
 
     # One timed stand-in per host function, made once: the plugin keys its megatron-core
     # wrapper by the function it is given, so a new stand-in per call would make it build a
@@ -154,12 +204,19 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack) -> None:
             known = timed_eagers[id(eager)] = (eager, timed_eager)
         return known[1]
 
-    def timed_forward_backward(self: Any, eager: Any, kwargs: dict[str, Any]) -> Any:
-        inner_ns[0] = 0
-        start = time.perf_counter_ns()
-        result = forward_backward(self, timed_eager_for(eager), kwargs)
-        clock.add("forward_backward", time.perf_counter_ns() - start - inner_ns[0])
+    def around_inner(piece: str, call: Any, *args: Any) -> Any:
+        # ``call``'s time minus megatron-core's inside it
+        inner["ns"] = inner["cpu_ns"] = 0
+        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
+        result = call(*args)
+        cpu = time.thread_time_ns() - start_cpu - inner["cpu_ns"]
+        clock.add(piece, time.perf_counter_ns() - start - inner["ns"], cpu)
         return result
+
+    def timed_forward_backward(self: Any, eager: Any, kwargs: dict[str, Any]) -> Any:
+        return around_inner(
+            "forward_backward", forward_backward, self, timed_eager_for(eager), kwargs
+        )
 
     patch(interceptor.ForwardBackwardInterceptor, "call", timed_forward_backward)
 
@@ -173,25 +230,23 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack) -> None:
     see = guard.ShapeGuard._see
 
     def timed_see(self: Any, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter_ns()
+        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
         try:
             return see(self, *args, **kwargs)
         finally:
+            cpu = time.thread_time_ns() - start_cpu
             spent = time.perf_counter_ns() - start
-            clock.add("guard", spent)
-            inner_ns[0] -= spent  # it ran inside megatron-core's call: count it as the guard
+            clock.add("guard", spent, cpu)
+            # it ran inside megatron-core's call: count it as the guard
+            inner["ns"] -= spent
+            inner["cpu_ns"] -= cpu
 
     patch(guard.ShapeGuard, "_see", timed_see)
 
     optimizer_step = interceptor.OptimizerStep.__call__
-    optimizer_inner_ns = [0]
 
     def timed_optimizer_step(self: Any) -> Any:
-        optimizer_inner_ns[0] = 0
-        start = time.perf_counter_ns()
-        result = optimizer_step(self)
-        clock.add("optimizer", time.perf_counter_ns() - start - optimizer_inner_ns[0])
-        return result
+        return around_inner("optimizer", optimizer_step, self)
 
     patch(interceptor.OptimizerStep, "__call__", timed_optimizer_step)
     try:  # megatron-core 0.17+
@@ -201,13 +256,49 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack) -> None:
     mcore_optimizer_call = OptimizerCudaGraphWrapper.__call__
 
     def timed_mcore_optimizer_call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter_ns()
-        try:
-            return mcore_optimizer_call(self, *args, **kwargs)
-        finally:
-            optimizer_inner_ns[0] += time.perf_counter_ns() - start
+        return timed_inner(mcore_optimizer_call, self, *args, **kwargs)
 
     patch(OptimizerCudaGraphWrapper, "__call__", timed_mcore_optimizer_call)
+
+
+PIECES = ("hooks", "plugin_hooks", "timer", "forward_backward", "guard", "optimizer")
+
+
+def _median_us(values: list[int]) -> float | None:
+    return statistics.median(values) / 1000.0 if values else None
+
+
+def summarise(clock: StepClock, first: int) -> dict[str, Any]:
+    """Medians per piece and per step over the steps from ``first`` on: wall-clock and CPU
+    time, and the total apart for the steps the plugin's step timer timed and those it did
+    not."""
+    steps = sorted(step for step in clock.ns if step >= first)
+    ns, cpu_ns = clock.ns, clock.cpu_ns
+
+    def total(pieces: collections.Counter[str]) -> int:
+        # the guard runs inside megatron-core's call and is already part of forward_backward
+        return pieces["hooks"] + pieces["forward_backward"] + pieces["optimizer"]
+
+    def own(pieces: collections.Counter[str]) -> int:
+        # what the plugin's own code costs per step, the hook dispatch left out
+        return pieces["plugin_hooks"] + pieces["forward_backward"] + pieces["optimizer"]
+
+    totals = sorted(total(ns[step]) for step in steps)
+    timed = [total(ns[step]) for step in steps if step in clock.timed]
+    untimed = [total(ns[step]) for step in steps if step not in clock.timed]
+    return {
+        "steady_steps": len(steps),
+        "us_per_step": {piece: _median_us([ns[s][piece] for s in steps]) for piece in PIECES},
+        "cpu_us_per_step": {
+            piece: _median_us([cpu_ns[s][piece] for s in steps]) for piece in PIECES
+        },
+        "total_us_per_step": _median_us(totals),
+        "total_us_p90": totals[int(0.9 * (len(totals) - 1))] / 1000.0 if totals else None,
+        "total_cpu_us_per_step": _median_us([total(cpu_ns[s]) for s in steps]),
+        "plugin_code_us_per_step": _median_us([own(ns[s]) for s in steps]),
+        "timed_steps": {"count": len(timed), "total_us_per_step": _median_us(timed)},
+        "untimed_steps": {"count": len(untimed), "total_us_per_step": _median_us(untimed)},
+    }
 
 
 def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -223,48 +314,36 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
     capture = Capture()
     clock = StepClock()
+    size = SIZE if getattr(args, "size", None) is None else SIZES[args.size]
+    seq_length = getattr(args, "seq_length", None) or (32 if args.cpu else 512)
     settings = gpu_modes.Settings(
         steps=args.steps,
         warmup=args.warmup,
         repeats=1,
-        seq_length=32 if args.cpu else 512,
+        seq_length=seq_length,
         micro_batch_size=2,
         vocab_size=128,
         bf16=not args.cpu,
         cpu=args.cpu,
         smoke=False,
     )
-    argv = gpu_modes.plugin_argv(SIZE, gpu_limit.MODES[mode], settings, use_cuda=not args.cpu)
+    argv = gpu_modes.plugin_argv(size, gpu_limit.MODES[mode], settings, use_cuda=not args.cpu)
+    sync = bool(getattr(args, "sync_between_steps", False)) and not args.cpu
     with contextlib.ExitStack() as stack:
-        instrument(clock, stack)
+        instrument(clock, stack, sync_between_steps=sync)
         train_gpt.run(argv, plugins=[capture])
     first = (capture.step if capture.step is not None else args.warmup) + 1
-    steady = {step: pieces for step, pieces in clock.ns.items() if step >= first}
-    pieces = ("hooks", "plugin_hooks", "forward_backward", "guard", "optimizer")
-    per_piece = {
-        piece: statistics.median(p[piece] for p in steady.values()) / 1000.0 if steady else None
-        for piece in pieces
-    }
-    # the guard runs inside megatron-core's call and is already part of forward_backward
-    totals = [
-        (p["hooks"] + p["forward_backward"] + p["optimizer"]) / 1000.0 for p in steady.values()
-    ]
-    total = statistics.median(totals) if totals else None
-    # what the plugin's own code costs per step, the hook dispatch left out
-    own = [
-        (p["plugin_hooks"] + p["forward_backward"] + p["optimizer"]) / 1000.0
-        for p in steady.values()
-    ]
+    total = summarise(clock, first)
     return {
         "mode": mode,
+        "size": size.name,
+        "seq_length": seq_length,
+        "sync_between_steps": sync,
         "capture_step": capture.step,
-        "steady_steps": len(steady),
-        "us_per_step": per_piece,
-        "total_us_per_step": total,
-        "total_us_p90": sorted(totals)[int(0.9 * (len(totals) - 1))] if totals else None,
-        "plugin_code_us_per_step": statistics.median(own) if own else None,
+        **total,
         "target_us": TARGET_US,
-        "within_target": total is not None and total <= TARGET_US,
+        "within_target": total["total_us_per_step"] is not None
+        and total["total_us_per_step"] <= TARGET_US,
     }
 
 
@@ -274,6 +353,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--size", choices=SIZES, default=None, help="default: 4L-512H")
+    parser.add_argument(
+        "--seq-length", type=int, default=None, help="512 on the GPU, 32 on the CPU"
+    )
+    parser.add_argument(
+        "--sync-between-steps",
+        action="store_true",
+        help="synchronise the device before each step (outside every timed piece)",
+    )
     parser.add_argument("--out", help="write the result as JSON here")
     args = parser.parse_args(argv)
     import torch

@@ -34,6 +34,12 @@ def test_the_instrumented_run_builds_one_wrapper_and_reports_each_piece(fake_gra
 
     monkeypatch.setattr(FullCudaGraphWrapper, "__init__", counting_init)
     monkeypatch.setattr(plugin_host_time, "SIZE", plugin_host_time.gpu_modes.Size("t", 1, 16, 2))
+    # the plugin's step timer: dense for 2 steps after the capture, then every 2nd step
+    from cudagraph_plugin.runtime import measurement, timing
+
+    monkeypatch.setattr(measurement, "DENSE_REPLAY_STEPS", 2)
+    monkeypatch.setattr(measurement, "SAMPLE_EVERY", 2)
+    timer_start = timing.StepTimer.start
     args = argparse.Namespace(steps=8, warmup=2, cpu=True)
     result = plugin_host_time.measure("full_iteration", args)
     assert len(built) == 1
@@ -44,4 +50,38 @@ def test_the_instrumented_run_builds_one_wrapper_and_reports_each_piece(fake_gra
     # the plugin's step hooks are timed inside the dispatch, so part of it
     assert 0 < pieces["plugin_hooks"] < pieces["hooks"]
     assert result["plugin_code_us_per_step"] < result["total_us_per_step"]
+    # steps 3-7 after the capture at 2: 3, 4 and 6 timed by the plugin, 5 and 7 not
+    assert result["timed_steps"]["count"] == 3 and result["untimed_steps"]["count"] == 2
+    assert result["untimed_steps"]["total_us_per_step"] > 0
+    # the median step's timer share: 3 of 5 steps ran it
+    assert 0 < pieces["timer"] < pieces["plugin_hooks"]
+    assert all(result["cpu_us_per_step"][piece] is not None for piece in pieces)
     assert FullCudaGraphWrapper.__call__ is call  # the benchmark's patches are undone
+    assert timing.StepTimer.start is timer_start
+
+
+def test_summary_splits_timed_steps_and_keeps_cpu_time_apart():
+    clock = plugin_host_time.StepClock()
+    rows = {  # step: (hooks, plugin_hooks, timer, forward_backward, guard, optimizer) in ns
+        3: (9_000, 5_000, 2_000, 4_000, 1_000, 0),
+        4: (50_000, 9_000, 3_000, 6_000, 2_000, 0),
+        5: (7_000, 3_000, 0, 4_000, 1_000, 0),
+        6: (8_000, 4_000, 0, 5_000, 1_000, 1_000),
+        2: (1_000_000, 0, 0, 0, 0, 0),  # before the first steady step: left out
+    }
+    for step, row in rows.items():
+        clock.step = step
+        for piece, ns in zip(plugin_host_time.PIECES, row, strict=True):
+            clock.add(piece, ns, ns // 2)
+    clock.timed.update({2, 3, 4})
+    summary = plugin_host_time.summarise(clock, first=3)
+    assert summary["steady_steps"] == 4
+    # totals (hooks + forward_backward + optimizer; the guard is inside forward_backward):
+    # 13, 56, 11 and 14 µs
+    assert summary["total_us_per_step"] == 13.5
+    assert summary["timed_steps"] == {"count": 2, "total_us_per_step": 34.5}
+    assert summary["untimed_steps"] == {"count": 2, "total_us_per_step": 12.5}
+    assert summary["total_cpu_us_per_step"] == 6.75
+    assert summary["us_per_step"]["timer"] == 1.0
+    assert summary["cpu_us_per_step"]["hooks"] == 4.25
+    assert summary["total_us_p90"] == 14.0

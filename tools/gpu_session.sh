@@ -7,7 +7,10 @@
 #   bash tools/gpu_session.sh suite 16|19 single|multi [pytest args]   # tests/gpu_suite.sh
 #   bash tools/gpu_session.sh host 16|19 [modes]  # benchmarks/plugin_host_time.py, one
 #                                            # process per mode (default: full_iteration
-#                                            # full_iteration_optimizer), $OUT/host-v.tgz
+#                                            # full_iteration_optimizer), $OUT/host-v.tgz;
+#                                            # HOST_ARGS: more of its arguments for each
+#                                            # (e.g. "--steps 200 --size host-bound"),
+#                                            # HOST_TAG: a suffix for the files of that set
 #
 # After `install`, /tmp/gpu/env.sh is megatron-core 0.19.2's (installed last), which is what
 # `bash benchmarks/pairs_gpu.sh $OUT TAG` (issue 21's pairs, two calls with the same TAG) and
@@ -44,8 +47,10 @@ host)
   export PYTHONPATH=/tmp/proj:$PWD:$PWD/examples:$PYTHONPATH
   mkdir -p /tmp/host-$v
   for mode in ${*:-full_iteration full_iteration_optimizer}; do
-    timeout 90 python3 benchmarks/plugin_host_time.py --mode "$mode" --out /tmp/host-$v/$mode.json > /tmp/host-$v/$mode.log 2>&1
-    echo "$mode rc=$?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['us_per_step'], d['total_us_per_step'], d['total_us_p90'])" /tmp/host-$v/$mode.json 2>&1 | tail -1
+    name=$mode${HOST_TAG:+_$HOST_TAG}
+    # shellcheck disable=SC2086
+    timeout 120 python3 benchmarks/plugin_host_time.py --mode "$mode" ${HOST_ARGS:-} --out /tmp/host-$v/$name.json > /tmp/host-$v/$name.log 2>&1
+    echo "$name rc=$?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: round(x or 0, 1) for k, x in d['us_per_step'].items()}, 'cpu', {k: round(x or 0, 1) for k, x in d['cpu_us_per_step'].items()}, 'total', d['total_us_per_step'], 'p90', d['total_us_p90'], 'timed', d['timed_steps'], 'untimed', d['untimed_steps'])" /tmp/host-$v/$name.json 2>&1 | tail -1
   done
   tar czf "$OUT/host-$v.tgz" -C /tmp host-$v
   ;;
