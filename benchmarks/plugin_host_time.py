@@ -8,10 +8,12 @@ step:
 
 * ``hooks``: ``TrainingRun.train_step`` entering and leaving (every ``mcgraph_*`` step hook:
   dispatch by pluggy, the plugin's step timer, post-warmup);
-* ``plugin_hooks``: of which the CUDA graph plugin's own step-hook implementations (their
-  bodies: the step timer, the capture-step and fallback checks), without the dispatch;
-* ``timer``: of which the plugin's step timer (two CUDA event records and a query on the
-  steps it times; ``timed_steps`` / ``untimed_steps`` give the step total apart for both);
+* ``plugin_hooks`` (``--breakdown``): of which the CUDA graph plugin's own step-hook
+  implementations (their bodies: the step timer, the capture-step and fallback checks),
+  without the dispatch;
+* ``timer`` (``--breakdown``): of which the plugin's step timer (two CUDA event records and a
+  query on the steps it times; ``timed_steps`` / ``untimed_steps`` give the step total apart
+  for the steps it times and the others);
 * ``forward_backward``: the plugin's forward/backward wrapper minus the megatron-core call it
   wraps (the capture decision, the input-copy ordering, the guard's set-up), guard included;
 * ``guard``: of which checking each micro-batch against the captured one (the static-shape
@@ -21,9 +23,12 @@ step:
   capture decision, the hyperparameter check before each replay).
 
 Timed with ``time.perf_counter_ns`` around each piece on the steady-state steps (after the
-capture step); medians over those steps, in microseconds. The main thread's CPU time
-(``time.thread_time_ns``) is kept beside each: a piece whose CPU time is far below its
-wall-clock time waited (slept in the driver, was descheduled). Two ways to take the device
+capture step); medians over those steps, in microseconds. Every timer costs host time
+too, and a timed piece inside another adds its timers' cost to the outer one: by default
+only the pieces the total is made of are timed; ``--breakdown`` adds the nested pieces and
+the main thread's CPU time (``time.thread_time_ns``) beside each (a piece whose CPU time is
+far below its wall-clock time waited: slept in the driver, was descheduled), at the price
+of larger totals. Two ways to take the device
 out of the figures: ``--sync-between-steps`` (the device idle at each step's start) and
 ``--size host-bound`` (a model whose GPU work is far below the host's). The target is
 <= 30 µs per step (issue 21).
@@ -87,23 +92,42 @@ class StepClock:
             self.cpu_ns[self.step][piece] += cpu_ns
 
 
+def _no_cpu_clock() -> int:
+    return 0
+
+
 class _Span:
-    """Wall-clock and thread CPU time of one piece, added to ``clock`` on exit."""
+    """Wall-clock (and, with ``--breakdown``, thread CPU) time of one piece, added to
+    ``clock`` by :meth:`end`."""
 
     __slots__ = ("clock", "cpu", "piece", "wall")
+    cpu_clock = staticmethod(_no_cpu_clock)  # time.thread_time_ns with --breakdown
 
     def __init__(self, clock: StepClock, piece: str) -> None:
         self.clock, self.piece = clock, piece
         self.wall = time.perf_counter_ns()
-        self.cpu = time.thread_time_ns()
+        self.cpu = self.cpu_clock()
 
-    def end(self, minus_ns: int = 0) -> None:
-        cpu = time.thread_time_ns() - self.cpu
-        self.clock.add(self.piece, time.perf_counter_ns() - self.wall - minus_ns, cpu)
+    def end(self) -> None:
+        cpu = self.cpu_clock() - self.cpu
+        self.clock.add(self.piece, time.perf_counter_ns() - self.wall, cpu)
 
 
-def instrument(clock: StepClock, stack: contextlib.ExitStack, sync_between_steps: bool) -> None:
-    """Wrap the pieces the plugin adds to a step (undone when ``stack`` closes)."""
+def instrument(
+    clock: StepClock,
+    stack: contextlib.ExitStack,
+    sync_between_steps: bool = False,
+    breakdown: bool = False,
+) -> None:
+    """Wrap the pieces the plugin adds to a step (undone when ``stack`` closes).
+
+    The timers themselves cost the host time, and each timed piece nested inside another
+    adds its own cost to the outer one. By default only the pieces the total is made of are
+    timed (``hooks``, ``forward_backward`` with the ``guard`` inside megatron-core's call,
+    ``optimizer``), wall-clock only; ``breakdown`` adds the plugin's step hooks and its step
+    timer inside ``hooks``, and the CPU time of every piece, which makes the totals larger
+    by what those timers cost.
+    """
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
     from cudagraph_plugin.runtime import guard, interceptor, timing
@@ -147,13 +171,11 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack, sync_between_steps
     # the run registers its instance; functools.wraps keeps pluggy's hookimpl marker).
     from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
 
-    def timed_method(owner: Any, name: str, piece: str, mark: Any = None) -> None:
+    def timed_method(owner: Any, name: str, piece: str) -> None:
         method = getattr(owner, name)
 
         @functools.wraps(method)
         def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if mark is not None:
-                mark(*args, **kwargs)
             span = _Span(clock, piece)
             try:
                 return method(self, *args, **kwargs)
@@ -162,15 +184,15 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack, sync_between_steps
 
         patch(owner, name, timed)
 
-    for name in ("mcgraph_train_step_start", "mcgraph_train_step_end"):
-        timed_method(CudaGraphPlugin, name, "plugin_hooks")
-
-    # of which the plugin's step timer (two CUDA event records and a query per timed step)
-    def mark_timed(step: int) -> None:
-        clock.timed.add(step)
-
-    timed_method(timing.StepTimer, "start", "timer", mark=mark_timed)
-    timed_method(timing.StepTimer, "stop", "timer")
+    if breakdown:
+        stack.callback(setattr, _Span, "cpu_clock", _Span.__dict__["cpu_clock"])
+        _Span.cpu_clock = staticmethod(time.thread_time_ns)
+        for name in ("mcgraph_train_step_start", "mcgraph_train_step_end"):
+            timed_method(CudaGraphPlugin, name, "plugin_hooks")
+        # of which the plugin's step timer (two CUDA event records and a query per timed step)
+        timed_method(timing.StepTimer, "start", "timer")
+        timed_method(timing.StepTimer, "stop", "timer")
+    cpu_clock = _Span.cpu_clock
 
     forward_backward = interceptor.ForwardBackwardInterceptor.call
     inner = {"depth": 0, "ns": 0, "cpu_ns": 0}
@@ -180,13 +202,13 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack, sync_between_steps
         # A plain function, not a context manager: what the harness itself costs around the
         # call lands in the plugin's share.
         inner["depth"] += 1
-        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
+        start, start_cpu = time.perf_counter_ns(), cpu_clock()
         try:
             return call(*args, **kwargs)
         finally:
             inner["depth"] -= 1
             if not inner["depth"]:
-                inner["cpu_ns"] += time.thread_time_ns() - start_cpu
+                inner["cpu_ns"] += cpu_clock() - start_cpu
                 inner["ns"] += time.perf_counter_ns() - start
 
     # One timed stand-in per host function, made once: the plugin keys its megatron-core
@@ -207,9 +229,9 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack, sync_between_steps
     def around_inner(piece: str, call: Any, *args: Any) -> Any:
         # ``call``'s time minus megatron-core's inside it
         inner["ns"] = inner["cpu_ns"] = 0
-        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
+        start, start_cpu = time.perf_counter_ns(), cpu_clock()
         result = call(*args)
-        cpu = time.thread_time_ns() - start_cpu - inner["cpu_ns"]
+        cpu = cpu_clock() - start_cpu - inner["cpu_ns"]
         clock.add(piece, time.perf_counter_ns() - start - inner["ns"], cpu)
         return result
 
@@ -230,11 +252,11 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack, sync_between_steps
     see = guard.ShapeGuard._see
 
     def timed_see(self: Any, *args: Any, **kwargs: Any) -> Any:
-        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
+        start, start_cpu = time.perf_counter_ns(), cpu_clock()
         try:
             return see(self, *args, **kwargs)
         finally:
-            cpu = time.thread_time_ns() - start_cpu
+            cpu = cpu_clock() - start_cpu
             spent = time.perf_counter_ns() - start
             clock.add("guard", spent, cpu)
             # it ran inside megatron-core's call: count it as the guard
@@ -261,6 +283,22 @@ def instrument(clock: StepClock, stack: contextlib.ExitStack, sync_between_steps
     patch(OptimizerCudaGraphWrapper, "__call__", timed_mcore_optimizer_call)
 
 
+def timed_by_the_plugin(steps: Any, capture_step: int | None) -> set[int]:
+    """The steps the plugin's step timer times (runtime/measurement.py's rule for a run
+    without buckets), worked out here rather than watched: watching would cost a call per
+    step inside the timed hooks."""
+    from cudagraph_plugin.runtime import measurement
+
+    if capture_step is None:
+        return set(steps)
+    return {
+        step
+        for step in steps
+        if step - capture_step <= measurement.DENSE_REPLAY_STEPS
+        or (step - capture_step) % measurement.SAMPLE_EVERY == 0
+    }
+
+
 PIECES = ("hooks", "plugin_hooks", "timer", "forward_backward", "guard", "optimizer")
 
 
@@ -268,7 +306,7 @@ def _median_us(values: list[int]) -> float | None:
     return statistics.median(values) / 1000.0 if values else None
 
 
-def summarise(clock: StepClock, first: int) -> dict[str, Any]:
+def summarise(clock: StepClock, first: int, breakdown: bool = True) -> dict[str, Any]:
     """Medians per piece and per step over the steps from ``first`` on: wall-clock and CPU
     time, and the total apart for the steps the plugin's step timer timed and those it did
     not."""
@@ -295,7 +333,8 @@ def summarise(clock: StepClock, first: int) -> dict[str, Any]:
         "total_us_per_step": _median_us(totals),
         "total_us_p90": totals[int(0.9 * (len(totals) - 1))] / 1000.0 if totals else None,
         "total_cpu_us_per_step": _median_us([total(cpu_ns[s]) for s in steps]),
-        "plugin_code_us_per_step": _median_us([own(ns[s]) for s in steps]),
+        # (the plugin's hook bodies are timed apart only with --breakdown)
+        "plugin_code_us_per_step": _median_us([own(ns[s]) for s in steps]) if breakdown else None,
         "timed_steps": {"count": len(timed), "total_us_per_step": _median_us(timed)},
         "untimed_steps": {"count": len(untimed), "total_us_per_step": _median_us(untimed)},
     }
@@ -329,16 +368,19 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     )
     argv = gpu_modes.plugin_argv(size, gpu_limit.MODES[mode], settings, use_cuda=not args.cpu)
     sync = bool(getattr(args, "sync_between_steps", False)) and not args.cpu
+    breakdown = bool(getattr(args, "breakdown", False))
     with contextlib.ExitStack() as stack:
-        instrument(clock, stack, sync_between_steps=sync)
+        instrument(clock, stack, sync_between_steps=sync, breakdown=breakdown)
         train_gpt.run(argv, plugins=[capture])
     first = (capture.step if capture.step is not None else args.warmup) + 1
-    total = summarise(clock, first)
+    clock.timed.update(timed_by_the_plugin(clock.ns, capture.step))
+    total = summarise(clock, first, breakdown)
     return {
         "mode": mode,
         "size": size.name,
         "seq_length": seq_length,
         "sync_between_steps": sync,
+        "breakdown": breakdown,
         "capture_step": capture.step,
         **total,
         "target_us": TARGET_US,
@@ -356,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=SIZES, default=None, help="default: 4L-512H")
     parser.add_argument(
         "--seq-length", type=int, default=None, help="512 on the GPU, 32 on the CPU"
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time the plugin's step hooks and step timer, and CPU time (costs time)",
     )
     parser.add_argument(
         "--sync-between-steps",

@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import pytest
 from cpu_only import needs_mcore_on_cpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -22,7 +23,10 @@ import plugin_host_time
 pytestmark = needs_mcore_on_cpu
 
 
-def test_the_instrumented_run_builds_one_wrapper_and_reports_each_piece(fake_graphs, monkeypatch):
+@pytest.mark.parametrize("breakdown", [False, True], ids=["lean", "breakdown"])
+def test_the_instrumented_run_builds_one_wrapper_and_reports_each_piece(
+    fake_graphs, monkeypatch, breakdown
+):
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
     built = []
@@ -40,24 +44,33 @@ def test_the_instrumented_run_builds_one_wrapper_and_reports_each_piece(fake_gra
     monkeypatch.setattr(measurement, "DENSE_REPLAY_STEPS", 2)
     monkeypatch.setattr(measurement, "SAMPLE_EVERY", 2)
     timer_start = timing.StepTimer.start
-    args = argparse.Namespace(steps=8, warmup=2, cpu=True)
+    span_clock = plugin_host_time._Span.__dict__["cpu_clock"]
+    args = argparse.Namespace(steps=8, warmup=2, cpu=True, breakdown=breakdown)
     result = plugin_host_time.measure("full_iteration", args)
     assert len(built) == 1
     assert result["capture_step"] == 2 and result["steady_steps"] == 5
     pieces = result["us_per_step"]
     assert pieces["hooks"] > 0 and pieces["forward_backward"] > 0 and pieces["guard"] > 0
     assert pieces["optimizer"] == 0  # no optimizer graph in this mode
-    # the plugin's step hooks are timed inside the dispatch, so part of it
-    assert 0 < pieces["plugin_hooks"] < pieces["hooks"]
-    assert result["plugin_code_us_per_step"] < result["total_us_per_step"]
     # steps 3-7 after the capture at 2: 3, 4 and 6 timed by the plugin, 5 and 7 not
     assert result["timed_steps"]["count"] == 3 and result["untimed_steps"]["count"] == 2
     assert result["untimed_steps"]["total_us_per_step"] > 0
-    # the median step's timer share: 3 of 5 steps ran it
-    assert 0 < pieces["timer"] < pieces["plugin_hooks"]
-    assert all(result["cpu_us_per_step"][piece] is not None for piece in pieces)
+    cpu = result["cpu_us_per_step"]
+    if breakdown:
+        # the plugin's step hooks are timed inside the dispatch, so part of it
+        assert 0 < pieces["plugin_hooks"] < pieces["hooks"]
+        assert result["plugin_code_us_per_step"] < result["total_us_per_step"]
+        # the median step's timer share: 3 of 5 steps ran it
+        assert 0 < pieces["timer"] < pieces["plugin_hooks"]
+        assert cpu["hooks"] > 0 and cpu["forward_backward"] > 0
+    else:
+        # nothing timed inside the hooks, no CPU clock read: the totals carry no such cost
+        assert pieces["plugin_hooks"] == pieces["timer"] == 0
+        assert result["plugin_code_us_per_step"] is None
+        assert all(value == 0 for value in cpu.values())
     assert FullCudaGraphWrapper.__call__ is call  # the benchmark's patches are undone
     assert timing.StepTimer.start is timer_start
+    assert plugin_host_time._Span.__dict__["cpu_clock"] is span_clock
 
 
 def test_summary_splits_timed_steps_and_keeps_cpu_time_apart():
