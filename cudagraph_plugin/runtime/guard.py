@@ -105,18 +105,25 @@ def fingerprint(batch: Any, depth: int = 0) -> Any:
 
 
 def _dict_fingerprint(batch: dict[Any, Any], depth: int) -> Any:
-    """:func:`fingerprint` of a plain dict, the usual micro-batch, on the fast path: torch
-    tensors described in place (their ``torch.Size`` and dtype), other values through
-    :func:`fingerprint`."""
+    """:func:`fingerprint` of a plain dict, the usual micro-batch, on the fast path (one
+    comprehension; it runs for every micro-batch of every replayed step): torch tensors
+    described in place (their ``torch.Size`` and dtype), ``None`` as itself, other values
+    through :func:`fingerprint`."""
     torch = sys.modules.get("torch")
     tensor = torch.Tensor if torch is not None else ()
-    items = []
-    for key, value in batch.items():
-        if isinstance(value, tensor):
-            items.append((key, _TENSOR, value.shape, value.dtype))
-        else:
-            items.append((key, fingerprint(value, depth + 1)))
-    return (dict, tuple(items))
+    return (
+        dict,
+        tuple(
+            [
+                (key, _TENSOR, value.shape, value.dtype)
+                if isinstance(value, tensor)
+                else (key, None)
+                if value is None
+                else (key, fingerprint(value, depth + 1))
+                for key, value in batch.items()
+            ]
+        ),
+    )
 
 
 def _difference(expected: tuple, actual: tuple) -> str:
@@ -132,6 +139,10 @@ class _Reference:
     step: int | None
     call: dict[str, Any]
     batches: dict[tuple[int, int], tuple] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # the call's values in ShapeGuard.CALL_KEYS order: checked as one tuple per call
+        self.values = tuple(self.call.values())
 
 
 class ShapeGuard:
@@ -163,15 +174,18 @@ class ShapeGuard:
         ref = self._reference.get(stage)
         if ref is None:
             return data_iterator
-        for key in self.CALL_KEYS:
-            value = kwargs.get(key)
-            if value != ref.call[key]:
-                raise StaticShapeError(
-                    f"{stage} forward_backward_func called with {key}={value!r} after "
-                    f"CUDA graph capture (step {ref.step}) with {key}={ref.call[key]!r}; "
-                    f"replaying the graph would use stale buffers. Fix: {FIX}"
-                )
-        return self._wrap(stage, data_iterator, False)
+        if tuple(map(kwargs.get, self.CALL_KEYS)) != ref.values:
+            for key in self.CALL_KEYS:
+                value = kwargs.get(key)
+                if value != ref.call[key]:
+                    raise StaticShapeError(
+                        f"{stage} forward_backward_func called with {key}={value!r} after "
+                        f"CUDA graph capture (step {ref.step}) with {key}={ref.call[key]!r}; "
+                        f"replaying the graph would use stale buffers. Fix: {FIX}"
+                    )
+        if isinstance(data_iterator, list):
+            return self._wrap(stage, data_iterator, False)
+        return self._wrap_one(stage, data_iterator, False, 0)
 
     def commit(self, stage: str) -> None:
         """Make the recorded call the reference for ``stage``."""
@@ -194,17 +208,18 @@ class ShapeGuard:
             self._recording[stage].batches[(chunk, index)] = (fingerprint(batch), signature(batch))
             return
         ref = self._reference[stage]
-        if (chunk, index) not in ref.batches:
+        known = ref.batches.get((chunk, index))
+        if known is None:
             raise StaticShapeError(
                 f"{stage} micro-batch {index} (model chunk {chunk}) drawn after CUDA graph "
                 f"capture (step {ref.step}), which saw {len(ref.batches)} micro-batch(es); "
                 f"replaying the graph would use stale buffers. Fix: {FIX}"
             )
-        expected, described = ref.batches[(chunk, index)]
-        if fingerprint(batch) != expected:
+        seen = _dict_fingerprint(batch, 0) if type(batch) is dict else fingerprint(batch)
+        if seen != known[0]:
             raise StaticShapeError(
                 f"{stage} micro-batch {index} (model chunk {chunk}) changed after CUDA graph "
-                f"capture (step {ref.step}): {_difference(described, signature(batch))}; "
+                f"capture (step {ref.step}): {_difference(known[1], signature(batch))}; "
                 f"replaying the graph would use stale buffers. Fix: {FIX}"
             )
 
