@@ -4,6 +4,9 @@
 #   bash tools/gpu_session.sh install        # after the TE parts were staged (device_stage.sh):
 #                                            # megatron-core 0.16.1 and 0.19.2 (one TE build),
 #                                            # pytest from .gpu/wheels/test
+#   bash tools/gpu_session.sh quick 16|19    # instead of install, in one call and ~20 s: that
+#                                            # megatron-core without TE (no staging; enough
+#                                            # for `host` and the full-iteration modes)
 #   bash tools/gpu_session.sh suite 16|19 single|multi [pytest args]   # tests/gpu_suite.sh
 #   bash tools/gpu_session.sh host 16|19 [modes]  # benchmarks/plugin_host_time.py, one
 #                                            # process per mode (default: full_iteration
@@ -19,7 +22,7 @@
 #
 # Results go to $OUT (the device tool's folder), at most 8 files per call.
 set -uo pipefail
-cmd=${1:?install|suite}; shift
+cmd=${1:?install|quick|suite|host}; shift
 case $cmd in
 install)
   set -e
@@ -32,6 +35,12 @@ install)
   done
   for log in /tmp/gpu/install16.log /tmp/gpu/install19.log; do tail -n 3 "$log"; done
   nvidia-smi --query-gpu=name,memory.used --format=csv
+  ;;
+quick)
+  v=${1:?16|19}
+  TE=0 MCORE=$v bash .gpu/bin/device_install.sh > /tmp/gpu_quick$v.log 2>&1 || { tail -30 /tmp/gpu_quick$v.log; exit 1; }
+  printf 'export PYTHONPATH=/tmp/gpu/site%s${PYTHONPATH:+:$PYTHONPATH}\nexport NVTE_FRAMEWORK=pytorch\n' "$v" > /tmp/gpu/env$v.sh
+  tail -n 3 /tmp/gpu_quick$v.log
   ;;
 suite)
   v=${1:?16|19}; part=${2:?single|multi}; shift 2
