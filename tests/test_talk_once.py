@@ -6,6 +6,7 @@ one and two ranks (torchrun over gloo) on the CPU."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -78,6 +79,29 @@ def test_one_process_is_left_as_it_was(records, monkeypatch):
     ]
 
 
+@pytest.mark.parametrize(
+    "rank,world_size,said,waited",
+    [("0", "2", True, []), ("1", "2", False, [7.5]), ("1", "1", False, []), (None, None, True, [])],
+)
+def test_print_refusal_rank_0_says_it_and_the_other_ranks_wait_before_exiting(
+    monkeypatch, capsys, rank, world_size, said, waited
+):
+    from hookspecs import errors
+
+    for name, value in (("RANK", rank), ("WORLD_SIZE", world_size)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    slept: list[float] = []
+    monkeypatch.setattr(errors.time, "sleep", slept.append)
+    refused = errors.ConfigurationError("1 problem(s): scope attn needs impl transformer_engine")
+    assert errors.print_refusal(refused, grace_s=7.5) == 2
+    assert ("error: 1 problem(s): scope attn" in capsys.readouterr().err) is said
+    assert slept == waited
+    assert errors.REFUSAL_GRACE_S >= 10  # a loaded machine starts ranks seconds apart
+
+
 @pytest.fixture
 def job_env(subprocess_env):
     return {**subprocess_env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -118,3 +142,29 @@ def test_a_refused_configuration_is_said_once_without_a_traceback(tmp_path, job_
     assert two.rc != 0 and not two.leftovers, two.tail()
     assert two.output().count("1 problem(s) with the CUDA graph configuration") == 1, two.tail()
     assert "exitcode  : 2" in two.output()  # torchrun's summary of the failed workers
+
+
+@pytest.mark.slow
+def test_a_refusal_is_said_even_when_rank_0_gets_there_last(tmp_path, job_env):
+    # torchrun ends the whole job at the first worker that exits non-zero. A rank other than
+    # 0, which has nothing to print, must not be that worker: rank 0 (slowed down here by
+    # 3 s at start-up, as a loaded machine does) would be stopped before it says anything.
+    slow_start = tmp_path / "slow_start"
+    slow_start.mkdir()
+    (slow_start / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(3)\n"
+    )
+    paths = [str(slow_start), *filter(None, [job_env.get("PYTHONPATH")])]
+    env = {**job_env, "PYTHONPATH": os.pathsep.join(paths)}
+    bad = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "attn", "--train-iters", "3"]
+    job = run_job(
+        torchrun_command(2, EXAMPLE, *bad), log_dir=tmp_path / "job", timeout_s=180, env=env
+    )
+    assert job.rc != 0 and not job.leftovers, job.tail()
+    assert job.output().count("1 problem(s) with the CUDA graph configuration") == 1, job.tail()
+    # the one traceback is torchrun's own ChildFailedError; none from a worker
+    output = job.output()
+    assert output.count("Traceback") == 1 and "ChildFailedError" in output, job.tail()
+    assert "pluggy" not in output and 'train_gpt.py", line' not in output, job.tail()
+    # rank 0 said it and exited first; torchrun then ended rank 1, still waiting
+    assert "exitcode  : 2" in output and "local_rank: 0" in output, job.tail()
