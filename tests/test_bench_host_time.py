@@ -98,3 +98,40 @@ def test_summary_splits_timed_steps_and_keeps_cpu_time_apart():
     assert summary["us_per_step"]["timer"] == 1.0
     assert summary["cpu_us_per_step"]["hooks"] == 4.25
     assert summary["total_us_p90"] == 14.0
+
+
+def test_the_steps_the_plugin_times_follow_its_sampling_rule(monkeypatch):
+    from cudagraph_plugin.runtime import measurement
+
+    monkeypatch.setattr(measurement, "DENSE_REPLAY_STEPS", 1)
+    monkeypatch.setattr(measurement, "SAMPLE_EVERY", 3)
+    # capture at 2: every step up to 1 after it, then every 3rd; before the capture, all
+    assert plugin_host_time.timed_by_the_plugin(range(10), 2) == {0, 1, 2, 3, 5, 8}
+    assert plugin_host_time.timed_by_the_plugin(range(4), None) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("breakdown", [False, True], ids=["lean", "breakdown"])
+def test_megatron_cores_time_is_left_out_and_the_guard_counted(fake_graphs, monkeypatch, breakdown):
+    import time
+
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    from cudagraph_plugin.runtime import guard
+
+    call, see = FullCudaGraphWrapper.__call__, guard.ShapeGuard._see
+
+    def slow_call(self, *args, **kwargs):
+        time.sleep(0.05)  # megatron-core's share: never the plugin's
+        return call(self, *args, **kwargs)
+
+    def slow_see(self, *args, **kwargs):
+        time.sleep(0.01)  # the guard runs inside megatron-core's call and is the plugin's
+        return see(self, *args, **kwargs)
+
+    monkeypatch.setattr(FullCudaGraphWrapper, "__call__", slow_call)
+    monkeypatch.setattr(guard.ShapeGuard, "_see", slow_see)
+    monkeypatch.setattr(plugin_host_time, "SIZE", plugin_host_time.gpu_modes.Size("t", 1, 16, 2))
+    args = argparse.Namespace(steps=6, warmup=2, cpu=True, breakdown=breakdown)
+    pieces = plugin_host_time.measure("full_iteration", args)["us_per_step"]
+    assert pieces["guard"] >= 10_000
+    assert 10_000 <= pieces["forward_backward"] < 50_000

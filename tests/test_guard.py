@@ -263,3 +263,30 @@ def test_a_changed_tensor_in_a_nested_dict_or_an_array_like_value_is_caught():
         check(batch(5, 4))
     with pytest.raises(StaticShapeError, match="array"):
         check(batch(3, 6))
+
+
+@pytest.mark.parametrize("first,later", [("dict", "OrderedDict"), ("OrderedDict", "dict")])
+def test_a_dict_subclass_and_a_plain_dict_with_the_same_values_are_the_same_batch(first, later):
+    # signature() describes a dict subclass as a dict; the fingerprint must agree, for tensor
+    # and None values alike (each has its own fast path)
+    import collections
+
+    kinds = {"dict": dict, "OrderedDict": collections.OrderedDict}
+    batch = {"tokens": torch.zeros(2, 8, dtype=torch.int64), "mask": None, "scale": 1.0}
+    kwargs = {"num_microbatches": 1, "seq_length": 8, "micro_batch_size": 2}
+    guard = ShapeGuard()
+    drawn = guard.check_call(
+        "training", 3, {**kwargs, "data_iterator": iter([kinds[first](batch)])}, record=True
+    )
+    next(drawn)
+    guard.commit("training")
+    replayed = guard.check_call(
+        "training", 4, {**kwargs, "data_iterator": iter([kinds[later](batch)] * 2)}, record=False
+    )
+    assert next(replayed)["scale"] == 1.0
+    changed = kinds[later]({**batch, "mask": torch.ones(2, 8)})
+    replayed = guard.check_call(
+        "training", 5, {**kwargs, "data_iterator": iter([changed])}, record=False
+    )
+    with pytest.raises(StaticShapeError, match="mask"):
+        next(replayed)

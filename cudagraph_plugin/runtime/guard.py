@@ -81,7 +81,8 @@ def fingerprint(batch: Any, depth: int = 0) -> Any:
     """What :func:`signature` describes, as a cheap comparable value (no strings): the
     guard compares every micro-batch of every replayed step with it, and builds the readable
     :func:`signature` only to say what changed."""
-    if type(batch) is dict and depth < _MAX_DEPTH:
+    if isinstance(batch, dict) and depth < _MAX_DEPTH:
+        # dict subclasses too: signature() describes them as dicts, so must this
         return _dict_fingerprint(batch, depth)
     shape = getattr(batch, "shape", None)
     if shape is not None:
@@ -94,8 +95,6 @@ def fingerprint(batch: Any, depth: int = 0) -> Any:
         return (type(batch), batch)
     if depth >= _MAX_DEPTH:
         return (type(batch), repr(batch))
-    if isinstance(batch, dict):
-        return (dict, tuple((key, fingerprint(batch[key], depth + 1)) for key in batch))
     if isinstance(batch, (list, tuple)):
         return (type(batch), tuple(fingerprint(v, depth + 1) for v in batch))
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
@@ -105,8 +104,8 @@ def fingerprint(batch: Any, depth: int = 0) -> Any:
 
 
 def _dict_fingerprint(batch: dict[Any, Any], depth: int) -> Any:
-    """:func:`fingerprint` of a plain dict, the usual micro-batch, on the fast path (one
-    comprehension; it runs for every micro-batch of every replayed step): torch tensors
+    """:func:`fingerprint` of a dict (plain or a subclass), the usual micro-batch, in one
+    comprehension (it runs for every micro-batch of every replayed step): torch tensors
     described in place (their ``torch.Size`` and dtype), ``None`` as itself, other values
     through :func:`fingerprint`."""
     torch = sys.modules.get("torch")
@@ -140,10 +139,6 @@ class _Reference:
     call: dict[str, Any]
     batches: dict[tuple[int, int], tuple] = dataclasses.field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        # the call's values in ShapeGuard.CALL_KEYS order: checked as one tuple per call
-        self.values = tuple(self.call.values())
-
 
 class ShapeGuard:
     """Per stage (``training``/``validation``): record a reference call, check later calls."""
@@ -174,18 +169,15 @@ class ShapeGuard:
         ref = self._reference.get(stage)
         if ref is None:
             return data_iterator
-        if tuple(map(kwargs.get, self.CALL_KEYS)) != ref.values:
-            for key in self.CALL_KEYS:
-                value = kwargs.get(key)
-                if value != ref.call[key]:
-                    raise StaticShapeError(
-                        f"{stage} forward_backward_func called with {key}={value!r} after "
-                        f"CUDA graph capture (step {ref.step}) with {key}={ref.call[key]!r}; "
-                        f"replaying the graph would use stale buffers. Fix: {FIX}"
-                    )
-        if isinstance(data_iterator, list):
-            return self._wrap(stage, data_iterator, False)
-        return self._wrap_one(stage, data_iterator, False, 0)
+        for key in self.CALL_KEYS:
+            value = kwargs.get(key)
+            if value != ref.call[key]:
+                raise StaticShapeError(
+                    f"{stage} forward_backward_func called with {key}={value!r} after "
+                    f"CUDA graph capture (step {ref.step}) with {key}={ref.call[key]!r}; "
+                    f"replaying the graph would use stale buffers. Fix: {FIX}"
+                )
+        return self._wrap(stage, data_iterator, False)
 
     def commit(self, stage: str) -> None:
         """Make the recorded call the reference for ``stage``."""
@@ -215,8 +207,7 @@ class ShapeGuard:
                 f"capture (step {ref.step}), which saw {len(ref.batches)} micro-batch(es); "
                 f"replaying the graph would use stale buffers. Fix: {FIX}"
             )
-        seen = _dict_fingerprint(batch, 0) if type(batch) is dict else fingerprint(batch)
-        if seen != known[0]:
+        if fingerprint(batch) != known[0]:
             raise StaticShapeError(
                 f"{stage} micro-batch {index} (model chunk {chunk}) changed after CUDA graph "
                 f"capture (step {ref.step}): {_difference(known[1], signature(batch))}; "
