@@ -70,7 +70,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
-# The example host's own step clock (torch only, no plugin): both sides time alike.
+# The example host's own step clock and learning-rate schedule (no plugin): both sides
+# time and train alike.
+from lr_schedule import lr_scheduler  # noqa: E402
 from step_clock import StepClock  # noqa: E402
 
 logger = logging.getLogger("handwritten")
@@ -343,29 +345,6 @@ def _build_optimizer(cfg: BaselineConfig, model: list[Any]) -> Any:
     return get_megatron_optimizer(optimizer_config, model)
 
 
-def _lr_scheduler(cfg: BaselineConfig, optimizer: Any) -> Any:
-    """megatron-core's schedule, set up as ``train_gpt.py`` (and Megatron-LM) set it up."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    decay_iters = cfg.lr_decay_iters or cfg.train_iters
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=cfg.lr,
-        min_lr=min(cfg.min_lr, cfg.lr),
-        lr_warmup_steps=min(cfg.lr_warmup_iters, max(decay_iters - 1, 0)),
-        lr_decay_steps=max(decay_iters, 1),
-        lr_decay_style=cfg.lr_decay_style,
-        start_wd=0.01,
-        end_wd=0.01,
-        wd_incr_steps=max(cfg.train_iters, 1),
-        wd_incr_style="constant",
-    )
-    if cfg.start_step:
-        scheduler.step(increment=cfg.start_step)
-    return scheduler
-
-
 def _wire_grad_sync(cfg: BaselineConfig, config: Any, model: list[Any], optimizer: Any) -> None:
     from megatron.core.distributed import finalize_model_grads
 
@@ -595,7 +574,7 @@ def _train(cfg: BaselineConfig, use_cuda: bool, out: dict[str, Any]) -> None:
     model = _build_model(cfg, config, ddp_stream)
     optimizer = _build_optimizer(cfg, model)
     _wire_grad_sync(cfg, config, model, optimizer)
-    scheduler = _lr_scheduler(cfg, optimizer)
+    scheduler = lr_scheduler(cfg, optimizer)
 
     forward_backward_func = get_forward_backward_func()
     if full_iteration:

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from lr_schedule import lr_scheduler
 from step_clock import StepClock
 
 from cpu_redirect import cpu_redirect, cpu_run_blocker, mcore_without_te_fixes
@@ -485,30 +486,6 @@ def _build_optimizer(args: argparse.Namespace, model: list[Any]) -> Any:
     return get_megatron_optimizer(optimizer_config, model)
 
 
-def _lr_scheduler(args: argparse.Namespace, optimizer: Any) -> Any:
-    """megatron-core's learning-rate schedule, stepped once per training step as Megatron-LM
-    steps it (after ``optimizer.step()``); a resumed run starts at its ``--start-step``."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    decay_iters = args.lr_decay_iters or args.train_iters
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=args.lr,
-        min_lr=min(args.min_lr, args.lr),
-        lr_warmup_steps=min(args.lr_warmup_iters, max(decay_iters - 1, 0)),
-        lr_decay_steps=max(decay_iters, 1),
-        lr_decay_style=args.lr_decay_style,
-        start_wd=0.01,
-        end_wd=0.01,
-        wd_incr_steps=max(args.train_iters, 1),
-        wd_incr_style="constant",
-    )
-    if args.start_step:
-        scheduler.step(increment=args.start_step)
-    return scheduler
-
-
 def _wire_grad_sync(
     args: argparse.Namespace, config: Any, model: list[Any], optimizer: Any
 ) -> None:
@@ -634,7 +611,7 @@ def set_up(training: TrainingRun, args: argparse.Namespace, use_cuda: bool) -> S
         optimizer=optimizer,
         config=config,
         fwd_bwd=fwd_bwd,
-        scheduler=_lr_scheduler(args, optimizer),
+        scheduler=lr_scheduler(args, optimizer),
         device=device,
         log_here=log_here,
         dp_rank=parallel_state.get_data_parallel_rank(),
