@@ -678,6 +678,17 @@ def _default_out() -> str:
     return str(Path(out_dir) / "bench.json") if out_dir else "bench.json"
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The warm-up, sequence, batch, vocabulary and precision arguments of every GPU
+    benchmark (gpu_modes, gpu_limit, pairs), with one set of defaults, so that their runs
+    of one size line up."""
+    parser.add_argument("--warmup", type=int, default=3, help="cuda_graph_warmup_steps")
+    parser.add_argument("--seq-length", type=int, default=512)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=128, help="train_gpt's default")
+    parser.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 instead")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="CUDA-graph modes: plugin vs hand-written loop, per model size.",
@@ -687,12 +698,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"from {', '.join(SIZES)}")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"from {', '.join(MODES)}")
     parser.add_argument("--steps", type=int, default=60, help="training steps per run")
-    parser.add_argument("--warmup", type=int, default=3, help="cuda_graph_warmup_steps")
     parser.add_argument("--repeats", type=int, default=3, help="plugin/baseline pairs per mode")
-    parser.add_argument("--seq-length", type=int, default=512)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=128, help="train_gpt's default")
-    parser.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 instead")
+    add_shape_arguments(parser)
     parser.add_argument(
         "--resume",
         metavar="JSON",

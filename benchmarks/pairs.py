@@ -761,11 +761,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--pairs", type=int, default=5, help="plugin/hand-written pairs per mode")
     parser.add_argument("--size", default="4L-512H", help=f"from {', '.join(gpu_modes.SIZES)}")
     parser.add_argument("--steps", type=int, default=60, help="training steps per timed run")
-    parser.add_argument("--warmup", type=int, default=3, help="cuda_graph_warmup_steps")
-    parser.add_argument("--seq-length", type=int, default=512)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=128, help="train_gpt's default")
-    parser.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 instead")
+    gpu_modes.add_shape_arguments(parser)
     parser.add_argument(
         "--profile-steps", type=int, default=10, help="profiled steps per profiled run (0: none)"
     )
