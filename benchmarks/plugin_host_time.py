@@ -284,19 +284,14 @@ def instrument(
 
 
 def timed_by_the_plugin(steps: Any, capture_step: int | None) -> set[int]:
-    """The steps the plugin's step timer times (runtime/measurement.py's rule for a run
-    without buckets), worked out here rather than watched: watching would cost a call per
-    step inside the timed hooks."""
+    """The steps the plugin's step timer times (its own rule for a run without buckets,
+    ``measurement.timed_after_capture``), worked out here rather than watched: watching
+    would cost a call per step inside the timed hooks."""
     from cudagraph_plugin.runtime import measurement
 
     if capture_step is None:
         return set(steps)
-    return {
-        step
-        for step in steps
-        if step - capture_step <= measurement.DENSE_REPLAY_STEPS
-        or (step - capture_step) % measurement.SAMPLE_EVERY == 0
-    }
+    return {step for step in steps if measurement.timed_after_capture(step, capture_step)}
 
 
 PIECES = ("hooks", "plugin_hooks", "timer", "forward_backward", "guard", "optimizer")

@@ -22,6 +22,13 @@ DENSE_REPLAY_STEPS = 50
 SAMPLE_EVERY = 10
 
 
+def timed_after_capture(step: int, capture_step: int) -> bool:
+    """The sampling rule of the module's docstring for a run whose graphs were captured at
+    ``capture_step`` (without buckets)."""
+    after = step - capture_step
+    return after <= DENSE_REPLAY_STEPS or after % SAMPLE_EVERY == 0
+
+
 class Measurement:
     def __init__(self, state: RunState, captures: Captures) -> None:
         self.state = state
@@ -39,8 +46,7 @@ class Measurement:
             capture = self._capture_step = self.captures.training_capture_step()
             if capture is None:
                 return True
-        after = step - capture
-        return after <= DENSE_REPLAY_STEPS or after % SAMPLE_EVERY == 0
+        return timed_after_capture(step, capture)
 
     def samples(self, sync: bool = True) -> tuple[list[int], list[int], dict[int, float]]:
         """(eager steps, replayed steps, milliseconds per timed step); ``sync=False`` leaves
