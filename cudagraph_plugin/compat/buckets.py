@@ -22,6 +22,9 @@ from typing import Any
 
 from cudagraph_plugin import compat
 
+# each step's bucket is agreed across ranks with the same all-reduce as any_rank's
+from cudagraph_plugin.compat.device import max_across_ranks as max_across_ranks
+
 
 def static_input_reader(forward_backward_func: Any) -> Any:
     """A megatron-core ``FullCudaGraphWrapper`` used only for its static-input handling
@@ -151,21 +154,6 @@ def barrier() -> None:
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-
-
-def max_across_ranks(values: list[int]) -> list[int]:
-    """The element-wise maximum of ``values`` over every rank (one small all-reduce and a
-    host read); ``values`` itself in a single-rank job."""
-    import torch
-
-    if compat.distributed_world()[1] == 1:
-        return list(values)
-    dist = torch.distributed
-    on_gpu = "nccl" in str(dist.get_backend()).lower()
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    tensor = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return [int(v) for v in tensor.tolist()]
 
 
 @contextlib.contextmanager

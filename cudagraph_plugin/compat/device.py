@@ -76,16 +76,22 @@ def distributed_world() -> tuple[int, int]:
 def any_rank(flag: bool) -> bool:
     """True on every rank if ``flag`` is true on any rank: one all-reduce over the default
     group, so that a decision that changes what a rank executes is the same everywhere."""
+    return bool(max_across_ranks([int(flag)])[0])
+
+
+def max_across_ranks(values: list[int]) -> list[int]:
+    """The element-wise maximum of ``values`` over every rank of the default group (one
+    small all-reduce and a host read); ``values`` itself in a single-rank job."""
     import torch
     import torch.distributed as dist
 
     if distributed_world()[1] == 1:
-        return flag
+        return list(values)
     on_gpu = "nccl" in str(dist.get_backend()).lower()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    value = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    tensor = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]
 
 
 def rng_tracker_state() -> tuple[bool, str]:
