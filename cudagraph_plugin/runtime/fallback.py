@@ -13,7 +13,7 @@ from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.guard import ShapeGuard
 from cudagraph_plugin.runtime.measurement import Measurement
-from cudagraph_plugin.runtime.release import release_each
+from cudagraph_plugin.runtime.release import ReleaseStep, release_each
 from cudagraph_plugin.runtime.report import verdict
 from cudagraph_plugin.runtime.state import Phase, RunState
 
@@ -21,6 +21,20 @@ logger = logging.getLogger("cudagraph_plugin")
 
 FALLBACK_REPLAY_STEPS = 5
 """Replay steps measured before the opt-in fallback policy decides."""
+
+
+def go_eager(
+    state: RunState, captures: Captures, guard: ShapeGuard, steps: list[ReleaseStep]
+) -> int:
+    """Free the captured graphs (``steps``) and go on eagerly for the rest of the run (the
+    fallback, or the host's invalidation of megatron-core's graphs); returns how many graphs
+    were freed."""
+    freed = release_each(steps).graphs_freed
+    gc.collect()
+    guard.disarm()
+    captures.graph_count = 0
+    state.advance((Phase.CAPTURED,), Phase.FALLEN_BACK)
+    return freed
 
 
 class Fallback:
@@ -67,9 +81,7 @@ class Fallback:
             extra=JOB_WIDE,
         )
         assert state.full is not None
-        self.graphs_freed += release_each(state.full.graph_release_steps()).graphs_freed
-        gc.collect()
-        self.guard.disarm()
-        self.captures.graph_count = 0
+        self.graphs_freed += go_eager(
+            state, self.captures, self.guard, state.full.graph_release_steps()
+        )
         self.measurement.fallback_step = step
-        state.advance((Phase.CAPTURED,), Phase.FALLEN_BACK)

@@ -10,12 +10,12 @@ never a replay onto moved memory.
 
 from __future__ import annotations
 
-import gc
 import logging
 
 from cudagraph_plugin.runtime.capture import Captures
+from cudagraph_plugin.runtime.fallback import go_eager
 from cudagraph_plugin.runtime.guard import ShapeGuard
-from cudagraph_plugin.runtime.release import ReleaseStep, release_each
+from cudagraph_plugin.runtime.release import ReleaseStep
 from cudagraph_plugin.runtime.state import Phase, RunState
 
 logger = logging.getLogger("cudagraph_plugin")
@@ -46,11 +46,7 @@ class Invalidation:
         if state.optim is not None:
             steps += state.optim.release_steps()
             state.optim = None
-        freed = release_each(steps).graphs_freed
-        gc.collect()
-        self.guard.disarm()
-        self.captures.graph_count = 0
-        state.advance((Phase.CAPTURED,), Phase.FALLEN_BACK)
+        freed = go_eager(state, self.captures, self.guard, steps)
         logger.warning(
             "the host invalidated the CUDA graphs at step %s (%s): %d graph(s) freed; "
             "megatron-core's graphs are captured once per run, so the run goes on eagerly "
