@@ -98,19 +98,21 @@ def _no_cpu_clock() -> int:
 
 class _Span:
     """Wall-clock (and, with ``--breakdown``, thread CPU) time of one piece, added to
-    ``clock`` by :meth:`end`."""
+    ``clock`` by :meth:`end`. The wall clock is read last on the way in and first on the
+    way out, so the span's own bookkeeping stays outside it."""
 
     __slots__ = ("clock", "cpu", "piece", "wall")
-    cpu_clock = staticmethod(_no_cpu_clock)  # time.thread_time_ns with --breakdown
+    cpu_clock: Any = None  # time.thread_time_ns with --breakdown
 
     def __init__(self, clock: StepClock, piece: str) -> None:
         self.clock, self.piece = clock, piece
+        self.cpu = 0 if self.cpu_clock is None else self.cpu_clock()
         self.wall = time.perf_counter_ns()
-        self.cpu = self.cpu_clock()
 
     def end(self) -> None:
-        cpu = self.cpu_clock() - self.cpu
-        self.clock.add(self.piece, time.perf_counter_ns() - self.wall, cpu)
+        wall = time.perf_counter_ns() - self.wall
+        cpu = 0 if self.cpu_clock is None else self.cpu_clock() - self.cpu
+        self.clock.add(self.piece, wall, cpu)
 
 
 def instrument(
@@ -185,14 +187,14 @@ def instrument(
         patch(owner, name, timed)
 
     if breakdown:
-        stack.callback(setattr, _Span, "cpu_clock", _Span.__dict__["cpu_clock"])
+        stack.callback(setattr, _Span, "cpu_clock", None)
         _Span.cpu_clock = staticmethod(time.thread_time_ns)
         for name in ("mcgraph_train_step_start", "mcgraph_train_step_end"):
             timed_method(CudaGraphPlugin, name, "plugin_hooks")
         # of which the plugin's step timer (two CUDA event records and a query per timed step)
         timed_method(timing.StepTimer, "start", "timer")
         timed_method(timing.StepTimer, "stop", "timer")
-    cpu_clock = _Span.cpu_clock
+    cpu_clock = _Span.cpu_clock or _no_cpu_clock
 
     forward_backward = interceptor.ForwardBackwardInterceptor.call
     inner = {"depth": 0, "ns": 0, "cpu_ns": 0}
@@ -202,14 +204,16 @@ def instrument(
         # A plain function, not a context manager: what the harness itself costs around the
         # call lands in the plugin's share.
         inner["depth"] += 1
-        start, start_cpu = time.perf_counter_ns(), cpu_clock()
+        start_cpu = cpu_clock()
+        start = time.perf_counter_ns()
         try:
             return call(*args, **kwargs)
         finally:
+            end = time.perf_counter_ns()
             inner["depth"] -= 1
             if not inner["depth"]:
                 inner["cpu_ns"] += cpu_clock() - start_cpu
-                inner["ns"] += time.perf_counter_ns() - start
+                inner["ns"] += end - start
 
     # One timed stand-in per host function, made once: the plugin keys its megatron-core
     # wrapper by the function it is given, so a new stand-in per call would make it build a
@@ -229,10 +233,11 @@ def instrument(
     def around_inner(piece: str, call: Any, *args: Any) -> Any:
         # ``call``'s time minus megatron-core's inside it
         inner["ns"] = inner["cpu_ns"] = 0
-        start, start_cpu = time.perf_counter_ns(), cpu_clock()
+        start_cpu = cpu_clock()
+        start = time.perf_counter_ns()
         result = call(*args)
-        cpu = cpu_clock() - start_cpu - inner["cpu_ns"]
-        clock.add(piece, time.perf_counter_ns() - start - inner["ns"], cpu)
+        wall = time.perf_counter_ns() - start - inner["ns"]
+        clock.add(piece, wall, cpu_clock() - start_cpu - inner["cpu_ns"])
         return result
 
     def timed_forward_backward(self: Any, eager: Any, kwargs: dict[str, Any]) -> Any:
@@ -252,12 +257,13 @@ def instrument(
     see = guard.ShapeGuard._see
 
     def timed_see(self: Any, *args: Any, **kwargs: Any) -> Any:
-        start, start_cpu = time.perf_counter_ns(), cpu_clock()
+        start_cpu = cpu_clock()
+        start = time.perf_counter_ns()
         try:
             return see(self, *args, **kwargs)
         finally:
-            cpu = cpu_clock() - start_cpu
             spent = time.perf_counter_ns() - start
+            cpu = cpu_clock() - start_cpu
             clock.add("guard", spent, cpu)
             # it ran inside megatron-core's call: count it as the guard
             inner["ns"] -= spent

@@ -290,7 +290,8 @@ class TrainingRun:
         return _TrainStep(self, step)
 
     def _step_started(self, step: int) -> dict[str, Any]:
-        self._check_active()
+        if not self._entered or self.shutdown_reason is not None:
+            self._check_active()  # raises; inline otherwise, as this runs on every step
         if step != self._next_step:
             raise ValueError(
                 f"TrainingRun.train_step(step={step}): the next step is {self._next_step}; "

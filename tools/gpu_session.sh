@@ -13,7 +13,10 @@
 #                                            # full_iteration_optimizer), $OUT/host-v.tgz;
 #                                            # HOST_ARGS: more of its arguments for each
 #                                            # (e.g. "--steps 200 --size host-bound"),
-#                                            # HOST_TAG: a suffix for the files of that set
+#                                            # HOST_TAG: a suffix for the files of that set,
+#                                            # HOST_ROOT: another copy of the project to
+#                                            # measure (e.g. the commit before a change,
+#                                            # `bash tools/host_baseline.sh REV`)
 #
 # After `install`, /tmp/gpu/env.sh is megatron-core 0.19.2's (installed last), which is what
 # `bash benchmarks/pairs_gpu.sh $OUT TAG` (issue 21's pairs, two calls with the same TAG) and
@@ -52,13 +55,14 @@ suite)
 host)
   v=${1:?16|19}; shift
   source /tmp/gpu/env$v.sh
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/proj ./hookspecs . > /tmp/gpu/proj.log 2>&1 || { tail -5 /tmp/gpu/proj.log; exit 1; }
-  export PYTHONPATH=/tmp/proj:$PWD:$PWD/examples:$PYTHONPATH
+  root=$(cd "${HOST_ROOT:-.}" && pwd); proj=/tmp/proj$(echo "$root" | md5sum | cut -c1-8)
+  rm -rf "$proj"; python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$proj" "$root/hookspecs" "$root" > /tmp/gpu/proj.log 2>&1 || { tail -5 /tmp/gpu/proj.log; exit 1; }
+  export PYTHONPATH=$proj:$root:$root/examples:$PYTHONPATH
   mkdir -p /tmp/host-$v
   for mode in ${*:-full_iteration full_iteration_optimizer}; do
     name=$mode${HOST_TAG:+_$HOST_TAG}
     # shellcheck disable=SC2086
-    timeout 120 python3 benchmarks/plugin_host_time.py --mode "$mode" ${HOST_ARGS:-} --out /tmp/host-$v/$name.json > /tmp/host-$v/$name.log 2>&1
+    timeout 120 python3 "$root/benchmarks/plugin_host_time.py" --mode "$mode" ${HOST_ARGS:-} --out /tmp/host-$v/$name.json > /tmp/host-$v/$name.log 2>&1
     echo "$name rc=$?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: round(x or 0, 1) for k, x in d['us_per_step'].items()}, 'cpu', {k: round(x or 0, 1) for k, x in d['cpu_us_per_step'].items()}, 'total', d['total_us_per_step'], 'p90', d['total_us_p90'], 'timed', d['timed_steps'], 'untimed', d['untimed_steps'])" /tmp/host-$v/$name.json 2>&1 | tail -1
   done
   tar czf "$OUT/host-$v.tgz" -C /tmp host-$v

@@ -76,6 +76,12 @@ def _wrapper_class() -> Any:
     return module.FullCudaGraphWrapper
 
 
+def full_iteration_graphs() -> dict[str, Any]:
+    """megatron-core's graphs per stage, the wrapper class's own dict (``None`` where none is
+    held): whoever keeps it sees captures and frees as they happen."""
+    return _wrapper_class().cuda_graph
+
+
 def full_iteration_captured(stage: str) -> bool:
     return _wrapper_class().cuda_graph[stage] is not None
 

@@ -29,6 +29,11 @@ def _optimizer_graph_class() -> Any:
     return module.OptimizerCudaGraphWrapper
 
 
+def optimizer_graph_holder() -> Any:
+    """The class that holds megatron-core's optimizer graph (``cuda_graph``, class level)."""
+    return _optimizer_graph_class()
+
+
 def optimizer_graph_captured() -> bool:
     return _optimizer_graph_class().cuda_graph is not None
 

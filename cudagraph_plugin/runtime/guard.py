@@ -108,8 +108,7 @@ def _dict_fingerprint(batch: dict[Any, Any], depth: int) -> Any:
     comprehension (it runs for every micro-batch of every replayed step): torch tensors
     described in place (their ``torch.Size`` and dtype), ``None`` as itself, other values
     through :func:`fingerprint`."""
-    torch = sys.modules.get("torch")
-    tensor = torch.Tensor if torch is not None else ()
+    tensor = _TENSOR_TYPE or _tensor_type()
     return (
         dict,
         tuple(
@@ -123,6 +122,21 @@ def _dict_fingerprint(batch: dict[Any, Any], depth: int) -> Any:
             ]
         ),
     )
+
+
+def _tensor_type() -> Any:
+    """``torch.Tensor``, or ``()`` (which nothing is an instance of) before torch is imported:
+    the guard never imports torch itself."""
+    global _TENSOR_TYPE
+    if _TENSOR_TYPE is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return ()
+        _TENSOR_TYPE = torch.Tensor
+    return _TENSOR_TYPE
+
+
+_TENSOR_TYPE: Any = None
 
 
 def _difference(expected: tuple, actual: tuple) -> str:
@@ -148,6 +162,9 @@ class ShapeGuard:
     def __init__(self) -> None:
         self._reference: dict[str, _Reference] = {}
         self._recording: dict[str, _Reference] = {}
+        # changes whenever a reference is made or dropped: a caller that remembered a
+        # check's outcome (the interceptor's replay fast path) knows when to forget it
+        self.generation = 0
 
     def is_armed(self, stage: str) -> bool:
         return stage in self._reference
@@ -155,6 +172,7 @@ class ShapeGuard:
     def disarm(self) -> None:
         self._reference.clear()
         self._recording.clear()
+        self.generation += 1
 
     def check_call(
         self, stage: str, step: int | None, kwargs: dict[str, Any], *, record: bool
@@ -177,11 +195,14 @@ class ShapeGuard:
                     f"CUDA graph capture (step {ref.step}) with {key}={ref.call[key]!r}; "
                     f"replaying the graph would use stale buffers. Fix: {FIX}"
                 )
-        return self._wrap(stage, data_iterator, False)
+        if data_iterator is None or isinstance(data_iterator, list):
+            return self._wrap(stage, data_iterator, False)
+        return _CheckedIterator(self, stage, data_iterator, False, 0)  # (_wrap's usual case)
 
     def commit(self, stage: str) -> None:
         """Make the recorded call the reference for ``stage``."""
         self._reference[stage] = self._recording.pop(stage)
+        self.generation += 1
 
     def _wrap(self, stage: str, data_iterator: Any, record: bool) -> Any:
         if isinstance(data_iterator, list):
@@ -207,7 +228,9 @@ class ShapeGuard:
                 f"capture (step {ref.step}), which saw {len(ref.batches)} micro-batch(es); "
                 f"replaying the graph would use stale buffers. Fix: {FIX}"
             )
-        if fingerprint(batch) != known[0]:
+        # a plain dict, the usual micro-batch, straight to its fingerprint (one call less)
+        seen = _dict_fingerprint(batch, 0) if type(batch) is dict else fingerprint(batch)
+        if seen != known[0]:
             raise StaticShapeError(
                 f"{stage} micro-batch {index} (model chunk {chunk}) changed after CUDA graph "
                 f"capture (step {ref.step}): {_difference(known[1], signature(batch))}; "

@@ -5,10 +5,17 @@ For each forward/backward call it decides what runs: after shutdown, the plain f
 with full-iteration graphs, megatron-core's wrapper (capture on its capture call, replay
 after), every call checked by the static-shape guard; after a TE capture, the plain function
 with its micro-batches checked against the captured shapes; otherwise the plain function.
+
+The steady state (a training replay, a replayed optimizer step) runs on every step, so after
+the first replay each callable remembers what it needs (:class:`_Replay`,
+:class:`_OptimizerReplay`) and checks only what could have changed since: that megatron-core
+still holds the same graph, the phase, the guard's reference. Anything else takes the full
+path, which decides afresh.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -17,6 +24,7 @@ from cudagraph_plugin.runtime.buckets import Action, BucketGraphs
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.guard import FIX, ShapeGuard, StaticShapeError
 from cudagraph_plugin.runtime.mechanisms import FullIterationGraphs, OptimizerGraphs
+from cudagraph_plugin.runtime.optimizer_sync import HyperparameterSync
 from cudagraph_plugin.runtime.state import Phase, RunState
 from cudagraph_plugin.runtime.te_capture import TECapture
 from cudagraph_plugin.runtime.wiring import Wiring
@@ -40,6 +48,7 @@ class ForwardBackwardInterceptor:
         self.wiring = wiring
         self.wrapped: dict[int, tuple[Any, ForwardBackward]] = {}
         self._eager_after_shutdown_logged = False
+        self._replay: _Replay | None = None
 
     def wrap(self, func: Any) -> Any:
         """The callable the host gets for ``func``. Idempotent: asking again for the same
@@ -59,9 +68,28 @@ class ForwardBackwardInterceptor:
 
     def forget(self) -> None:
         self.wrapped.clear()
+        self._replay = None
 
     def call(self, eager: Any, kwargs: dict[str, Any]) -> Any:
         state = self.state
+        replay = self._replay
+        if (
+            replay is not None
+            and replay.eager is eager
+            and replay.graphs["training"] is replay.graph
+            and state.phase is Phase.CAPTURED
+            and self.guard.generation == replay.guard_generation
+            and not kwargs.get("forward_only")
+        ):
+            # a training replay like the last one: what _full_iteration would do, without
+            # deciding again what cannot have changed
+            kwargs["data_iterator"] = self.guard.check_call(
+                "training", state.step, kwargs, record=False
+            )
+            self.captures.replays["training"] += 1
+            if replay.order_copy:
+                compat.order_input_copy_after_replay(replay.wrapper)
+            return replay.wrapper(**kwargs)
         if state.phase is Phase.SHUT_DOWN:
             # Graphs are gone (e.g. Megatron-LM-style evaluation after training): eager.
             if not self._eager_after_shutdown_logged:
@@ -98,11 +126,29 @@ class ForwardBackwardInterceptor:
         )
         if not capturing:
             self.captures.replayed(stage)
+            if stage == "training":
+                self._remember_replay(eager, wrapper)
             return full.call(wrapper, kwargs)
         self.wiring.full_iteration_capture(stage)
         result = self.captures.bracket(stage, lambda: full.call(wrapper, kwargs))
         self.guard.commit(stage)
         return result
+
+    def _remember_replay(self, eager: Any, wrapper: Any) -> None:
+        """After a training call that replays (not a warm-up call), the fast path of
+        :meth:`call` may take the next ones."""
+        graphs = compat.full_iteration_graphs()
+        graph = graphs["training"]
+        if graph is None or not self.guard.is_armed("training"):
+            return
+        self._replay = _Replay(
+            eager=eager,
+            wrapper=wrapper,
+            graphs=graphs,
+            graph=graph,
+            guard_generation=self.guard.generation,
+            order_copy=not compat.loader_orders_its_copy(),
+        )
 
     def _bucketed(self, buckets: BucketGraphs, eager: Any, kwargs: dict[str, Any]) -> Any:
         """Bucketed full-iteration graphs: their own routing, guard and capture sequence;
@@ -130,6 +176,20 @@ class ForwardBackwardInterceptor:
                 )
 
 
+@dataclasses.dataclass(frozen=True, eq=False, slots=True)
+class _Replay:
+    """A training replay's fixed parts: valid while megatron-core holds ``graph`` in
+    ``graphs`` (its class-level dict), the run is CAPTURED and the guard keeps the reference
+    of ``guard_generation``."""
+
+    eager: Any
+    wrapper: Any
+    graphs: dict[str, Any]
+    graph: Any
+    guard_generation: int
+    order_copy: bool  # megatron-core's loader does not order its copy itself (0.16)
+
+
 class ForwardBackward:
     """The forward/backward callable the host gets: keyword-only, like megatron-core's."""
 
@@ -148,12 +208,33 @@ class OptimizerStep:
     def __init__(self, captures: Captures, graphs: OptimizerGraphs) -> None:
         self._captures = captures
         self._graphs = graphs
+        self._replay: _OptimizerReplay | None = None
 
     def __call__(self) -> Any:
+        replay = self._replay
+        if replay is not None and replay.holder.cuda_graph is replay.graph:
+            # a replay like the last one (megatron-core holds the same graph)
+            replay.sync.before_replay()
+            self._captures.replays["optimizer"] += 1
+            return replay.wrapper()
         graphs = self._graphs
         if graphs.due():
             graphs.watch_hyperparameters()
             return self._captures.bracket("optimizer", graphs.call)
         graphs.before_replay()
         self._captures.replayed("optimizer")
+        holder = compat.optimizer_graph_holder()
+        if holder.cuda_graph is not None and graphs.sync is not None:
+            self._replay = _OptimizerReplay(holder, holder.cuda_graph, graphs.sync, graphs.wrapper)
         return graphs.call()
+
+
+@dataclasses.dataclass(frozen=True, eq=False, slots=True)
+class _OptimizerReplay:
+    """A replayed optimizer step's fixed parts, valid while ``holder`` (megatron-core's
+    wrapper class) holds ``graph``."""
+
+    holder: Any
+    graph: Any
+    sync: HyperparameterSync
+    wrapper: Any

@@ -180,7 +180,10 @@ class HyperparameterSync:
                 "HyperparameterSync.before_replay() after release(): the optimizer graph it "
                 "watched was freed; watch() the optimizer again before a new capture"
             )
-        current = list(self.optimizer.param_groups)
+        current = self.optimizer.param_groups
+        if self._unchanged(current):
+            return
+        current = list(current)
         if len(current) != len(self._groups):
             raise HyperparameterChangedError(
                 [
@@ -235,6 +238,27 @@ class HyperparameterSync:
                     key,
                     _show(value),
                 )
+
+    def _unchanged(self, current: Any) -> bool:
+        """Every watched value is what the captured step reads: the captured tensor itself,
+        or a number, string or the same object equal to the captured value (the usual case
+        before a replay, e.g. megatron-core's scheduler rewriting an unchanged weight decay).
+        False sends :meth:`before_replay` the long way, which decides and explains."""
+        if len(current) != len(self._groups):
+            return False
+        for watched, group in zip(self._groups, current, strict=True):
+            if watched is None:
+                continue
+            for key, captured in watched.tensors.items():
+                if group.get(key, _MISSING) is not captured:
+                    return False
+            for key, captured in watched.baked.items():
+                value = group.get(key, _MISSING)
+                if value is not captured and not (
+                    type(value) is type(captured) and type(value) in _PLAIN and value == captured
+                ):
+                    return False
+        return True
 
     @staticmethod
     def _copy_problem(captured: Any, value: Any) -> str | None:

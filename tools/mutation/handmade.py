@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LIFECYCLE = "tests/test_plugin_lifecycle.py::"
+FAST_PATH = "tests/test_replay_fast_path.py::"
 BUCKETS = "tests/test_buckets.py::"
 BUCKETS_PY = "cudagraph_plugin/runtime/buckets.py"
 RL = "tests/test_rl_loop.py::"
@@ -157,8 +158,52 @@ MUTANTS = [
         '            kwargs["data_iterator"] = self.guard.check_call(\n'
         "                stage, self.state.step, kwargs, record=capturing\n            )\n",
         (
-            LIFECYCLE + "test_shape_change_after_capture_raises_instead_of_replaying[full]",
+            FAST_PATH
+            + "test_a_shape_change_is_refused_on_the_first_replay_and_on_remembered_ones"
+            + "[first-replay]",
             LIFECYCLE + "test_microbatch_count_change_after_capture_raises",
+        ),
+    ),
+    Mutant(
+        "guard-skipped-on-remembered-replays",
+        "full-iteration replays after the first (the interceptor's remembered path) skip the "
+        "static-shape guard",
+        "cudagraph_plugin/runtime/interceptor.py",
+        '            kwargs["data_iterator"] = self.guard.check_call(\n'
+        '                "training", state.step, kwargs, record=False\n            )\n',
+        "            pass\n",
+        (
+            LIFECYCLE + "test_shape_change_after_capture_raises_instead_of_replaying[full]",
+            FAST_PATH
+            + "test_a_shape_change_is_refused_on_the_first_replay_and_on_remembered_ones"
+            + "[many-replays-after-the-capture]",
+        ),
+    ),
+    Mutant(
+        "optimizer-replay-unchecked",
+        "the optimizer step's remembered replays skip the param-group check (a host write "
+        "after the first replay goes stale)",
+        "cudagraph_plugin/runtime/interceptor.py",
+        "            replay.sync.before_replay()\n",
+        "",
+        (
+            FAST_PATH
+            + "test_a_hyperparameter_write_is_seen_before_any_optimizer_replay"
+            + "[remembered-replay]",
+        ),
+    ),
+    Mutant(
+        "remembered-replay-survives-invalidation",
+        "the interceptor's remembered replay ignores the phase, megatron-core's graph and the "
+        "guard's reference: it outlives the host's invalidation",
+        "cudagraph_plugin/runtime/interceptor.py",
+        '            and replay.graphs["training"] is replay.graph\n'
+        "            and state.phase is Phase.CAPTURED\n"
+        "            and self.guard.generation == replay.guard_generation\n",
+        "",
+        (
+            FAST_PATH
+            + "test_invalidation_after_replays_runs_the_plain_function_from_the_next_step[4]",
         ),
     ),
     Mutant(
