@@ -528,11 +528,14 @@ def test_shape_change_after_capture_raises_instead_of_replaying(fake_graphs, mod
 
 
 def test_microbatch_count_change_after_capture_raises(fake_graphs):
+    """Refused at the step whose count changed (4), before that step replays."""
     with pytest.raises(StaticShapeError, match="num_microbatches=2"):
         train_gpt.run(
-            ["--train-iters", "6", "--log-interval", "0", *FULL],
+            ["--train-iters", "6", "--log-interval", "0", *FULL, "--cuda-graph-warmup-steps", "3"],
             plugins=[ChangeInputs(4, microbatches=2)],
         )
+    [graph] = fake_graphs.graphs
+    assert graph.replays == 1  # the capture call's own replay (step 3); step 4 never replayed
 
 
 def test_te_graphs_leave_evaluation_free_to_change_shape(fake_graphs):
