@@ -177,3 +177,96 @@ def test_a_hyperparameter_write_is_seen_before_any_optimizer_replay(written_at):
         )
     [step_graph] = fake_optimizer_graph.StepGraph.made
     assert step_graph.replays == written_at - 1  # the capture call's, then steps 2..written_at-1
+
+
+class ResetMegatronCoreAt:
+    """At the start of ``step``, drops megatron-core's class-level graph and step counters
+    the way megatron-core 0.18+'s ``FullCudaGraphWrapper.reset_cuda_graph()`` does (``del``,
+    then ``None``; no ``reset()``), or the optimizer graph's, behind the plugin's back; then
+    megatron-core warms up and captures again. ``remembered`` records, at the start of each
+    later step, whether the plugin's remembered replay still refers to the dropped graph."""
+
+    def __init__(self, step: int, *, optimizer: bool = False) -> None:
+        self.step, self.optimizer = step, optimizer
+        self.dropped = None
+        self.remembered: dict[int, bool] = {}
+
+    @hookimpl
+    def mcgraph_configure(self, config, pluginmanager):
+        self.pm = pluginmanager
+
+    @hookimpl
+    def mcgraph_train_step_start(self, step):
+        from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+        from cudagraph_plugin.entry import RUN_PLUGIN_NAME
+
+        plugin = self.pm.get_plugin(RUN_PLUGIN_NAME)
+        if step == self.step:
+            if self.optimizer:
+                holder = compat.optimizer_graph_holder()
+                self.dropped, holder.cuda_graph = holder.cuda_graph, None
+                holder.curr_iteration = 0
+            else:
+                self.dropped = FullCudaGraphWrapper.cuda_graph["training"]
+                del FullCudaGraphWrapper.cuda_graph["training"]
+                FullCudaGraphWrapper.cuda_graph["training"] = None
+                FullCudaGraphWrapper.curr_iteration["training"] = 0
+                FullCudaGraphWrapper.result["training"] = None
+        if self.dropped is not None and step > self.step:
+            step_hook = vars(plugin.state.optim.optimizer)["step"] if self.optimizer else None
+            replay = step_hook._replay if self.optimizer else plugin.interceptor._replay
+            self.remembered[step] = replay is not None and replay.graph is self.dropped
+
+
+def test_a_graph_megatron_core_drops_is_forgotten_and_its_recapture_bracketed(fake_graphs):
+    """megatron-core drops its graph and counters mid-run: the next call goes the full way
+    (megatron-core warms up, then captures again, bracketed by the plugin's capture hooks
+    and guard), and from then on nothing of the plugin's keeps the dropped graph alive."""
+    reset = ResetMegatronCoreAt(6)
+    _, rec = run(*FULL, "--cuda-graph-warmup-steps", "2", plugins=[reset], steps=12)
+    captures = [e[1] for e in rec.events if e[0] == "before_capture"]
+    assert captures == [2, 8]  # 6 and 7 warm megatron-core's counter up again
+    assert len(fake_graphs.graphs) == 2
+    assert reset.remembered == {s: False for s in range(7, 12)}
+
+
+@pytest.mark.usefixtures("graphs", "capturable")
+def test_an_optimizer_graph_megatron_core_drops_is_forgotten_and_its_recapture_bracketed():
+    import fake_optimizer_graph
+
+    reset = ResetMegatronCoreAt(6, optimizer=True)
+    _, rec = run(
+        *FULL,
+        *OPTIM,
+        "--cuda-graph-warmup-steps",
+        "1",
+        "--lr-decay-style",
+        "constant",
+        plugins=[reset],
+        steps=10,
+    )
+    optimizer_captures = [
+        e[1] for e in rec.events if e[0] == "before_capture" and e[3] == ("optimizer",)
+    ]
+    assert optimizer_captures == [1, 7]
+    assert len(fake_optimizer_graph.StepGraph.made) == 2
+    assert reset.remembered == {s: False for s in range(7, 10)}
+
+
+@pytest.mark.usefixtures("graphs", "capturable")
+def test_every_remembered_optimizer_replay_is_counted():
+    _, rec = run(
+        *FULL, *OPTIM, "--cuda-graph-warmup-steps", "1", "--lr-decay-style", "constant", steps=10
+    )
+    assert rec.report.replays == {"training": 8, "optimizer": 8}  # steps 2-9
+
+
+def test_every_call_orders_the_input_copy_after_the_previous_replay(fake_graphs, monkeypatch):
+    """megatron-core 0.16's loader copies the next micro-batch into the static buffers
+    without waiting for the previous replay, which reads them: every call, the remembered
+    replays too, orders the copy first (tests/test_compat.py checks what the ordering does)."""
+    ordered = []
+    monkeypatch.setattr(compat, "order_input_copy_after_replay", ordered.append)
+    run(*FULL, "--cuda-graph-warmup-steps", "2", steps=9)
+    assert len(ordered) == 9 and len(set(map(id, ordered))) == 1

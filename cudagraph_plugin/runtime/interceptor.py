@@ -24,7 +24,6 @@ from cudagraph_plugin.runtime.buckets import Action, BucketGraphs
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.guard import FIX, ShapeGuard, StaticShapeError
 from cudagraph_plugin.runtime.mechanisms import FullIterationGraphs, OptimizerGraphs
-from cudagraph_plugin.runtime.optimizer_sync import HyperparameterSync
 from cudagraph_plugin.runtime.state import Phase, RunState
 from cudagraph_plugin.runtime.te_capture import TECapture
 from cudagraph_plugin.runtime.wiring import Wiring
@@ -73,23 +72,25 @@ class ForwardBackwardInterceptor:
     def call(self, eager: Any, kwargs: dict[str, Any]) -> Any:
         state = self.state
         replay = self._replay
-        if (
-            replay is not None
-            and replay.eager is eager
-            and replay.graphs["training"] is replay.graph
-            and state.phase is Phase.CAPTURED
-            and self.guard.generation == replay.guard_generation
-            and not kwargs.get("forward_only")
-        ):
-            # a training replay like the last one: what _full_iteration would do, without
-            # deciding again what cannot have changed
-            kwargs["data_iterator"] = self.guard.check_call(
-                "training", state.step, kwargs, record=False
-            )
-            self.captures.replays["training"] += 1
-            if replay.order_copy:
-                compat.order_input_copy_after_replay(replay.wrapper)
-            return replay.wrapper(**kwargs)
+        if replay is not None:
+            if (
+                replay.graphs["training"] is not replay.graph
+                or state.phase is not Phase.CAPTURED
+                or self.guard.generation != replay.guard_generation
+            ):
+                # stale: forgotten at once, so that it never keeps a graph megatron-core
+                # dropped alive (megatron-core 0.18+'s reset_cuda_graph frees by refcount)
+                replay = self._replay = None
+            elif replay.eager is eager and not kwargs.get("forward_only"):
+                # a training replay like the last one: what _full_iteration would do,
+                # without deciding again what cannot have changed
+                kwargs["data_iterator"] = self.guard.check_call(
+                    "training", state.step, kwargs, record=False
+                )
+                self.captures.replays["training"] += 1
+                if replay.order_copy:
+                    compat.order_input_copy_after_replay(replay.wrapper)
+                return replay.wrapper(**kwargs)
         if state.phase is Phase.SHUT_DOWN:
             # Graphs are gone (e.g. Megatron-LM-style evaluation after training): eager.
             if not self._eager_after_shutdown_logged:
@@ -140,6 +141,7 @@ class ForwardBackwardInterceptor:
         graphs = compat.full_iteration_graphs()
         graph = graphs["training"]
         if graph is None or not self.guard.is_armed("training"):
+            self._replay = None
             return
         self._replay = _Replay(
             eager=eager,
@@ -179,8 +181,9 @@ class ForwardBackwardInterceptor:
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class _Replay:
     """A training replay's fixed parts: valid while megatron-core holds ``graph`` in
-    ``graphs`` (its class-level dict), the run is CAPTURED and the guard keeps the reference
-    of ``guard_generation``."""
+    ``graphs`` (the class-level dict of the wrapper class this run's wrapper was made from,
+    which is the one its replays read), the run is CAPTURED and the guard keeps the
+    reference of ``guard_generation``. Forgotten as soon as any of that changes."""
 
     eager: Any
     wrapper: Any
@@ -211,30 +214,36 @@ class OptimizerStep:
         self._replay: _OptimizerReplay | None = None
 
     def __call__(self) -> Any:
-        replay = self._replay
-        if replay is not None and replay.holder.cuda_graph is replay.graph:
-            # a replay like the last one (megatron-core holds the same graph)
-            replay.sync.before_replay()
-            self._captures.replays["optimizer"] += 1
-            return replay.wrapper()
         graphs = self._graphs
+        replay = self._replay
+        if replay is not None:
+            if replay.holder.cuda_graph is replay.graph:
+                # a replay like the last one (megatron-core holds the same graph)
+                graphs.before_replay()
+                self._captures.replays["optimizer"] += 1
+                return graphs.wrapper()
+            self._replay = None  # stale: never keeps a graph megatron-core dropped alive
         if graphs.due():
             graphs.watch_hyperparameters()
             return self._captures.bracket("optimizer", graphs.call)
         graphs.before_replay()
         self._captures.replayed("optimizer")
         holder = compat.optimizer_graph_holder()
-        if holder.cuda_graph is not None and graphs.sync is not None:
-            self._replay = _OptimizerReplay(holder, holder.cuda_graph, graphs.sync, graphs.wrapper)
+        # remembered only after a capture the plugin bracketed to its end, with the sync made
+        if (
+            holder.cuda_graph is not None
+            and graphs.sync is not None
+            and "optimizer" in self._captures.replays
+        ):
+            self._replay = _OptimizerReplay(holder, holder.cuda_graph)
         return graphs.call()
 
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class _OptimizerReplay:
-    """A replayed optimizer step's fixed parts, valid while ``holder`` (megatron-core's
-    wrapper class) holds ``graph``."""
+    """Valid while ``holder`` (megatron-core's wrapper class) holds ``graph``: the wrapper
+    and the hyperparameter sync are read from the mechanism on each call, never kept here
+    (megatron-core 0.19's wrapper frees the class-level graph when it is collected)."""
 
     holder: Any
     graph: Any
-    sync: HyperparameterSync
-    wrapper: Any

@@ -181,6 +181,8 @@ class HyperparameterSync:
                 "watched was freed; watch() the optimizer again before a new capture"
             )
         current = self.optimizer.param_groups
+        if type(current) is not list:
+            current = list(current)
         if self._unchanged(current):
             return
         current = list(current)

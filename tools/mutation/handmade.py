@@ -169,9 +169,9 @@ MUTANTS = [
         "full-iteration replays after the first (the interceptor's remembered path) skip the "
         "static-shape guard",
         "cudagraph_plugin/runtime/interceptor.py",
-        '            kwargs["data_iterator"] = self.guard.check_call(\n'
-        '                "training", state.step, kwargs, record=False\n            )\n',
-        "            pass\n",
+        '                kwargs["data_iterator"] = self.guard.check_call(\n'
+        '                    "training", state.step, kwargs, record=False\n                )\n',
+        "                pass\n",
         (
             LIFECYCLE + "test_shape_change_after_capture_raises_instead_of_replaying[full]",
             FAST_PATH
@@ -180,11 +180,32 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "remembered-replay-outlives-megatron-cores-graph",
+        "the interceptor's remembered replay is not tied to the graph megatron-core holds: a "
+        "recapture after megatron-core dropped its graph runs unbracketed",
+        "cudagraph_plugin/runtime/interceptor.py",
+        '                replay.graphs["training"] is not replay.graph\n                or ',
+        "                ",
+        (FAST_PATH + "test_a_graph_megatron_core_drops_is_forgotten_and_its_recapture_bracketed",),
+    ),
+    Mutant(
+        "optimizer-replay-outlives-megatron-cores-graph",
+        "the optimizer step's remembered replay is not tied to the graph megatron-core holds",
+        "cudagraph_plugin/runtime/interceptor.py",
+        "            if replay.holder.cuda_graph is replay.graph:\n",
+        "            if True:\n",
+        (
+            FAST_PATH
+            + "test_an_optimizer_graph_megatron_core_drops_is_forgotten_and_its_"
+            + "recapture_bracketed",
+        ),
+    ),
+    Mutant(
         "optimizer-replay-unchecked",
         "the optimizer step's remembered replays skip the param-group check (a host write "
         "after the first replay goes stale)",
         "cudagraph_plugin/runtime/interceptor.py",
-        "            replay.sync.before_replay()\n",
+        "                graphs.before_replay()\n",
         "",
         (
             FAST_PATH
@@ -197,10 +218,12 @@ MUTANTS = [
         "the interceptor's remembered replay ignores the phase, megatron-core's graph and the "
         "guard's reference: it outlives the host's invalidation",
         "cudagraph_plugin/runtime/interceptor.py",
-        '            and replay.graphs["training"] is replay.graph\n'
-        "            and state.phase is Phase.CAPTURED\n"
-        "            and self.guard.generation == replay.guard_generation\n",
-        "",
+        "            if (\n"
+        '                replay.graphs["training"] is not replay.graph\n'
+        "                or state.phase is not Phase.CAPTURED\n"
+        "                or self.guard.generation != replay.guard_generation\n"
+        "            ):\n",
+        "            if False:\n",
         (
             FAST_PATH
             + "test_invalidation_after_replays_runs_the_plain_function_from_the_next_step[4]",

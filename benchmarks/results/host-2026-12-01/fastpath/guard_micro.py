@@ -11,9 +11,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
-import torch  # noqa: E402
+import torch
 
-from cudagraph_plugin.runtime.guard import ShapeGuard  # noqa: E402
+from cudagraph_plugin.runtime.guard import ShapeGuard
 
 batch = {k: torch.zeros(2, 512, dtype=torch.int64) for k in ("tokens", "labels", "position_ids")}
 batch["loss_mask"] = torch.zeros(2, 512)

@@ -33,4 +33,6 @@ for (mode, side), group in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][
         statistics.median(r["untimed_steps"]["total_us_per_step"] for r in group),
         statistics.median(r["timed_steps"]["total_us_per_step"] for r in group),
     ]
-    out.write(f"| {mode} | {side} | {len(group)} | " + " | ".join(f"{c:.1f}" for c in cells) + " |\n")
+    out.write(
+        f"| {mode} | {side} | {len(group)} | " + " | ".join(f"{c:.1f}" for c in cells) + " |\n"
+    )
