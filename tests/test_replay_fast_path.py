@@ -107,9 +107,9 @@ def test_a_shape_change_is_refused_on_the_first_replay_and_on_remembered_ones(
     assert graph.replays == changed_at - 1  # the capture call's replay, steps 2 to changed_at-1
 
 
-def test_the_inline_sampling_rule_is_timed_after_capture(fake_graphs):
-    """``Measurement.times`` inlines ``timed_after_capture`` (it runs on every step): both
-    give the same answer for every step of a long run."""
+def test_the_steps_timed_follow_timed_after_capture(fake_graphs):
+    """``Measurement.times`` applies ``timed_after_capture`` once the capture step is known:
+    both give the same answer for every step of a long run."""
     _, rec = run(*FULL, "--cuda-graph-warmup-steps", "2", steps=4)
     timing = rec.graph_plugin.measurement
     assert timing.times(3) and timing._capture_step == 2

@@ -20,7 +20,8 @@ def make_optimizer_graph_wrapper(step: Any, warmup_steps: int, use_single_mempoo
     return OptimizerCudaGraphWrapper(step, cuda_graph_warmup_steps=warmup_steps)
 
 
-def _optimizer_graph_class() -> Any:
+def optimizer_graph_holder() -> Any:
+    """The class that holds megatron-core's optimizer graph (``cuda_graph``, class level)."""
     # read on every optimizer step: the module from sys.modules rather than an import
     # statement each time (the class itself is read each time: tests replace it)
     module = sys.modules.get("megatron.core.optimizer.optimizer_cuda_graph")
@@ -29,27 +30,22 @@ def _optimizer_graph_class() -> Any:
     return module.OptimizerCudaGraphWrapper
 
 
-def optimizer_graph_holder() -> Any:
-    """The class that holds megatron-core's optimizer graph (``cuda_graph``, class level)."""
-    return _optimizer_graph_class()
-
-
 def optimizer_graph_captured() -> bool:
-    return _optimizer_graph_class().cuda_graph is not None
+    return optimizer_graph_holder().cuda_graph is not None
 
 
 def optimizer_graph_calls() -> int:
-    return _optimizer_graph_class().curr_iteration
+    return optimizer_graph_holder().curr_iteration
 
 
 def optimizer_graph_state_dirty() -> bool:
-    cls = _optimizer_graph_class()
+    cls = optimizer_graph_holder()
     return cls.cuda_graph is not None or cls.curr_iteration != 0 or cls.result is not None
 
 
 def free_optimizer_graph() -> int:
     """Free the class-level optimizer graph (``reset()``) and forget it; 1 if one was held."""
-    cls = _optimizer_graph_class()
+    cls = optimizer_graph_holder()
     graph, cls.cuda_graph = cls.cuda_graph, None
     if graph is None:
         return 0
@@ -58,7 +54,7 @@ def free_optimizer_graph() -> int:
 
 
 def reset_optimizer_graph_counters() -> None:
-    cls = _optimizer_graph_class()
+    cls = optimizer_graph_holder()
     cls.result = None
     cls.curr_iteration = 0
 

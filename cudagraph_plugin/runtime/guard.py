@@ -195,26 +195,22 @@ class ShapeGuard:
                     f"CUDA graph capture (step {ref.step}) with {key}={ref.call[key]!r}; "
                     f"replaying the graph would use stale buffers. Fix: {FIX}"
                 )
-        if data_iterator is None or isinstance(data_iterator, list):
-            return self._wrap(stage, data_iterator, False)
-        return _CheckedIterator(self, stage, data_iterator, False, 0)  # (_wrap's usual case)
+        return self._wrap(stage, data_iterator, False)
 
     def commit(self, stage: str) -> None:
         """Make the recorded call the reference for ``stage``."""
         self._reference[stage] = self._recording.pop(stage)
         self.generation += 1
 
-    def _wrap(self, stage: str, data_iterator: Any, record: bool) -> Any:
+    def _wrap(self, stage: str, data_iterator: Any, record: bool, chunk: int = 0) -> Any:
+        """The data iterator, checked as it is drawn: one model chunk's (the usual case, on
+        every replayed step: wrapped directly), or a list of them (virtual pipeline stages),
+        each wrapped as its chunk; ``None`` (a stage that reads no data) stays ``None``."""
         if isinstance(data_iterator, list):
-            return [
-                self._wrap_one(stage, it, record, chunk) for chunk, it in enumerate(data_iterator)
-            ]
-        return self._wrap_one(stage, data_iterator, record, 0)
-
-    def _wrap_one(self, stage: str, iterator: Any, record: bool, chunk: int) -> Any:
-        if iterator is None:
+            return [self._wrap(stage, it, record, c) for c, it in enumerate(data_iterator)]
+        if data_iterator is None:
             return None
-        return _CheckedIterator(self, stage, iterator, record, chunk)
+        return _CheckedIterator(self, stage, data_iterator, record, chunk)
 
     def _see(self, stage: str, index: int, chunk: int, batch: Any, record: bool) -> None:
         if record:

@@ -46,9 +46,7 @@ class Measurement:
             capture = self._capture_step = self.captures.training_capture_step()
             if capture is None:
                 return True
-        # timed_after_capture(step, capture), inline: this runs on every step
-        after = step - capture
-        return after <= DENSE_REPLAY_STEPS or after % SAMPLE_EVERY == 0
+        return timed_after_capture(step, capture)
 
     def samples(self, sync: bool = True) -> tuple[list[int], list[int], dict[int, float]]:
         """(eager steps, replayed steps, milliseconds per timed step); ``sync=False`` leaves

@@ -185,7 +185,6 @@ class HyperparameterSync:
             current = list(current)
         if self._unchanged(current):
             return
-        current = list(current)
         if len(current) != len(self._groups):
             raise HyperparameterChangedError(
                 [

@@ -72,8 +72,6 @@ class CudaGraphPlugin:
         self.shutdown = Shutdown(state, self.reporter, self._release_all)
         self.log_filter: ranklog.RankFilter | None = None
         self.job = peers.JobWatch(state)
-        # the last step whose end the wiring checks (the capture step; None: not known yet)
-        self._capture_check_step: int | None = None
 
     @classmethod
     def configure(cls, config: Any, pluginmanager: Any) -> CudaGraphPlugin:
@@ -195,7 +193,6 @@ class CudaGraphPlugin:
     @hookimpl
     def mcgraph_train_start(self, start_step: int, train_iters: int) -> None:
         self.state.start_step, self.state.train_iters = start_step, train_iters
-        self._capture_check_step = start_step + self.settings.warmup_steps
         self.job.watch()
         self.wiring.training_starts()
         warning = warmup_warning(self.settings, start_step, train_iters)
@@ -234,9 +231,10 @@ class CudaGraphPlugin:
     @hookimpl
     def mcgraph_train_step_end(self, step: int, metrics: dict[str, Any]) -> None:
         self.measurement.timer.stop(step)
-        # (the two checks below have nothing left to do on most steps: not called then)
-        last = self._capture_check_step
-        if last is None or step <= last:
+        # (the two checks below have nothing left to do after the capture step, or once
+        # the fallback decided: not called then)
+        start = self.state.start_step
+        if start is None or step - start <= self.settings.warmup_steps:
             self.wiring.capture_step_ended(step)
         if self.settings.fallback_on_slowdown and not self.fallback.decided:
             self.fallback.step_ended(step)
