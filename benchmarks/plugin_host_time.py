@@ -170,8 +170,12 @@ def instrument(
     patch(run.TrainingRun, "train_step", timed_train_step)
 
     # The plugin's own step hooks, timed inside the dispatch (patched on the class before
-    # the run registers its instance; functools.wraps keeps pluggy's hookimpl marker).
-    from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
+    # the run registers its instance; functools.wraps keeps pluggy's hookimpl marker). They
+    # are on the plugin itself before the step listener (a baseline, tools/host_baseline.sh).
+    try:
+        from cudagraph_plugin.runtime.steps import StepListener as step_hooks
+    except ImportError:
+        from cudagraph_plugin.runtime.plugin import CudaGraphPlugin as step_hooks
 
     def timed_method(owner: Any, name: str, piece: str) -> None:
         method = getattr(owner, name)
@@ -190,7 +194,7 @@ def instrument(
         stack.callback(setattr, _Span, "cpu_clock", None)
         _Span.cpu_clock = staticmethod(time.thread_time_ns)
         for name in ("mcgraph_train_step_start", "mcgraph_train_step_end"):
-            timed_method(CudaGraphPlugin, name, "plugin_hooks")
+            timed_method(step_hooks, name, "plugin_hooks")
         # of which the plugin's step timer (two CUDA event records and a query per timed step)
         timed_method(timing.StepTimer, "start", "timer")
         timed_method(timing.StepTimer, "stop", "timer")

@@ -29,6 +29,7 @@ from hookspecs.manager import (
     plugin_name,
 )
 from hookspecs.markers import PROJECT_NAME, hookimpl, hookspec
+from hookspecs.progress import StepProgress
 from hookspecs.reasons import PeerFailed, ShutdownReason, SignalReceived
 from hookspecs.report_schema import REPORT_SCHEMA_VERSION, Report
 from hookspecs.run import TrainingRun, call_hook, merge_kwargs
@@ -47,6 +48,7 @@ __all__ = [
     "Report",
     "ShutdownReason",
     "SignalReceived",
+    "StepProgress",
     "TrainingRun",
     "call_hook",
     "get_plugin_manager",

@@ -58,6 +58,9 @@ class McgraphPluginManager(pluggy.PluginManager):
     def __init__(self) -> None:
         super().__init__(PROJECT_NAME)
         self._owners: dict[str, str] = {}
+        # Bumped by every register and unregister: TrainingRun looks again which per-step
+        # hooks have implementations only when it moved (see TrainingRun.train_step).
+        self.registrations = 0
 
     def register(self, plugin: Any, name: str | None = None) -> str | None:
         """Register ``plugin``; an object registered from a plugin's hook implementation
@@ -67,6 +70,7 @@ class McgraphPluginManager(pluggy.PluginManager):
             kind = _kind(plugin)
             name = self._free_name(f"{owner}:{kind}" if owner is not None else kind)
         registered = super().register(plugin, name)
+        self.registrations += 1
         if registered is not None and owner is not None:
             self._owners[registered] = owner
         return registered
@@ -74,6 +78,7 @@ class McgraphPluginManager(pluggy.PluginManager):
     def unregister(self, plugin: Any | None = None, name: str | None = None) -> Any | None:
         removed_name = name if name is not None else self.get_name(plugin)
         removed = super().unregister(plugin, name)
+        self.registrations += 1
         self._owners.pop(removed_name or "", None)
         return removed
 

@@ -26,6 +26,7 @@ from typing import Any
 import pluggy
 
 from hookspecs.manager import describe_plugin
+from hookspecs.progress import StepProgress
 from hookspecs.reasons import PeerFailed, ShutdownReason, SignalReceived
 
 logger = logging.getLogger(__name__)
@@ -172,6 +173,13 @@ class TrainingRun:
         self._warmup_steps: int | None = None
         self._post_warmup_fired = False
         self._next_step = start_step
+        self.progress = StepProgress()
+        # Which per-step hooks have an implementation (start, end), as of the manager's
+        # registration count ``_seen`` (McgraphPluginManager.registrations); a manager
+        # without that count is asked nothing and every step hook is dispatched.
+        self._counts_registrations = hasattr(pluginmanager, "registrations")
+        self._seen = -1
+        self._listened = (True, True)
 
     def _call(self, hook_name: str, **kwargs: Any) -> Any:
         return call_hook(self.pluginmanager, hook_name, **kwargs)
@@ -284,10 +292,27 @@ class TrainingRun:
 
         A context manager whose value is a dict the host fills with the step's metrics for
         ``mcgraph_train_step_end``. Steps must be consecutive from ``start_step``: the
-        capture step depends on it. (A small class rather than a generator: it runs on
-        every step.)
+        capture step depends on it. ``progress.step`` is the step on entry, before any hook.
+
+        It runs on every step, so it costs what it must and no more: a small class rather
+        than a generator, and a step hook that no registered plugin implements is not
+        dispatched at all (with a manager from :func:`hookspecs.get_plugin_manager`, which
+        counts registrations; the check is redone only when that count moved, so a plugin
+        registered or unregistered mid-run is heard, or left alone, from the next hook on).
         """
         return _TrainStep(self, step)
+
+    def _step_listeners(self) -> tuple[bool, bool]:
+        """(start, end): whether ``mcgraph_train_step_start``/``_end`` have an implementation."""
+        if self._counts_registrations:
+            seen = self.pluginmanager.registrations  # type: ignore[attr-defined]
+            if seen != self._seen:
+                self._seen = seen
+                self._listened = (
+                    bool(self.hook.mcgraph_train_step_start.get_hookimpls()),
+                    bool(self.hook.mcgraph_train_step_end.get_hookimpls()),
+                )
+        return self._listened
 
     def _step_started(self, step: int) -> dict[str, Any]:
         if not self._entered or self.shutdown_reason is not None:
@@ -298,14 +323,16 @@ class TrainingRun:
                 "steps must run consecutively from start_step (resume with a new TrainingRun "
                 "and start_step instead)"
             )
+        self.progress.step = step
         if not self._train_started:
             self._start_training()
         # Called directly rather than through call_hook: this runs on every step.
-        try:
-            self.hook.mcgraph_train_step_start(step=step)
-        except BaseException as exc:
-            blame(self.pluginmanager, "mcgraph_train_step_start", exc)
-            raise
+        if self._step_listeners()[0]:
+            try:
+                self.hook.mcgraph_train_step_start(step=step)
+            except BaseException as exc:
+                blame(self.pluginmanager, "mcgraph_train_step_start", exc)
+                raise
         if (
             self._warmup_steps is not None
             and step - self.start_step == self._warmup_steps
@@ -319,11 +346,12 @@ class TrainingRun:
 
     def _step_ended(self, step: int, metrics: dict[str, Any]) -> None:
         self._next_step = step + 1
-        try:
-            self.hook.mcgraph_train_step_end(step=step, metrics=metrics)
-        except BaseException as exc:
-            blame(self.pluginmanager, "mcgraph_train_step_end", exc)
-            raise
+        if self._step_listeners()[1]:
+            try:
+                self.hook.mcgraph_train_step_end(step=step, metrics=metrics)
+            except BaseException as exc:
+                blame(self.pluginmanager, "mcgraph_train_step_end", exc)
+                raise
 
     def step_padded(self, *, seq_length: int, real_tokens: int, padded_tokens: int) -> None:
         """Tell the plugins this step's micro-batches were padded to ``seq_length`` (call it
@@ -375,7 +403,12 @@ class TrainingRun:
             )
         self._warmup_steps = warmup
         self._train_started = True
-        self._call("mcgraph_train_start", start_step=self.start_step, train_iters=self.train_iters)
+        self._call(
+            "mcgraph_train_start",
+            start_step=self.start_step,
+            train_iters=self.train_iters,
+            progress=self.progress,
+        )
 
     def _check_active(self) -> None:
         if not self._entered:

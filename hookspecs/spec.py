@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
     import pluggy
 
+    from hookspecs.progress import StepProgress
     from hookspecs.reasons import ShutdownReason
     from hookspecs.report_schema import Report
 
@@ -206,11 +207,15 @@ def mcgraph_warmup_steps(config: Any) -> int | None:
 
 
 @hookspec
-def mcgraph_train_start(start_step: int, train_iters: int) -> None:
+def mcgraph_train_start(start_step: int, train_iters: int, progress: StepProgress) -> None:
     """Training begins (first call of :meth:`TrainingRun.train_step`).
 
     :param start_step: The first step of this run (greater than 0 when resuming).
     :param train_iters: The step at which training completes (exclusive).
+    :param progress: The run's :class:`hookspecs.StepProgress`: ``progress.step`` is the
+        step running now, read live, so a plugin that needs the step only now and then
+        need not implement the per-step hooks (each implemented per-step hook is a dispatch
+        on every step).
 
     Result: notification.
     """
@@ -219,6 +224,12 @@ def mcgraph_train_start(start_step: int, train_iters: int) -> None:
 @hookspec
 def mcgraph_train_step_start(step: int) -> None:
     """A training step begins, before its forward/backward.
+
+    :class:`TrainingRun` dispatches this hook and :func:`mcgraph_train_step_end` only while
+    some registered plugin implements them (it looks again whenever a plugin is registered
+    or unregistered): a plugin that needs them for part of a run can register an object
+    implementing them and unregister it when done, and the steps after cost nothing. Hook
+    call monitoring (``pm.add_hookcall_monitoring``) sees no call that was not dispatched.
 
     :param step: The step about to run.
 

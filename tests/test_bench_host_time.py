@@ -38,11 +38,10 @@ def test_the_instrumented_run_builds_one_wrapper_and_reports_each_piece(
 
     monkeypatch.setattr(FullCudaGraphWrapper, "__init__", counting_init)
     monkeypatch.setattr(plugin_host_time, "SIZE", plugin_host_time.gpu_modes.Size("t", 1, 16, 2))
-    # the plugin's step timer: dense for 2 steps after the capture, then every 2nd step
+    # the plugin's step timer: every step up to 3 after the capture, none after
     from cudagraph_plugin.runtime import measurement, timing
 
-    monkeypatch.setattr(measurement, "DENSE_REPLAY_STEPS", 2)
-    monkeypatch.setattr(measurement, "SAMPLE_EVERY", 2)
+    monkeypatch.setattr(measurement, "DENSE_REPLAY_STEPS", 3)
     timer_start = timing.StepTimer.start
     span_clock = plugin_host_time._Span.__dict__["cpu_clock"]
     args = argparse.Namespace(steps=8, warmup=2, cpu=True, breakdown=breakdown)
@@ -52,7 +51,7 @@ def test_the_instrumented_run_builds_one_wrapper_and_reports_each_piece(
     pieces = result["us_per_step"]
     assert pieces["hooks"] > 0 and pieces["forward_backward"] > 0 and pieces["guard"] > 0
     assert pieces["optimizer"] == 0  # no optimizer graph in this mode
-    # steps 3-7 after the capture at 2: 3, 4 and 6 timed by the plugin, 5 and 7 not
+    # steps 3-7 after the capture at 2: 3, 4 and 5 timed by the plugin, 6 and 7 not
     assert result["timed_steps"]["count"] == 3 and result["untimed_steps"]["count"] == 2
     assert result["untimed_steps"]["total_us_per_step"] > 0
     cpu = result["cpu_us_per_step"]
@@ -104,9 +103,8 @@ def test_the_steps_the_plugin_times_follow_its_sampling_rule(monkeypatch):
     from cudagraph_plugin.runtime import measurement
 
     monkeypatch.setattr(measurement, "DENSE_REPLAY_STEPS", 1)
-    monkeypatch.setattr(measurement, "SAMPLE_EVERY", 3)
-    # capture at 2: every step up to 1 after it, then every 3rd; before the capture, all
-    assert plugin_host_time.timed_by_the_plugin(range(10), 2) == {0, 1, 2, 3, 5, 8}
+    # capture at 2: every step up to 1 after it, none after; before the capture, all
+    assert plugin_host_time.timed_by_the_plugin(range(10), 2) == {0, 1, 2, 3}
     assert plugin_host_time.timed_by_the_plugin(range(4), None) == {0, 1, 2, 3}
 
 

@@ -69,31 +69,26 @@ def test_full_iteration_captures_after_warmup_counted_from_the_start_step(
     assert rec.graph_plugin.graphs_freed == 1
 
 
-def test_steps_long_after_the_capture_are_timed_one_in_n(fake_graphs, monkeypatch):
-    """Every step up to DENSE_REPLAY_STEPS after the capture is timed, then one in
-    SAMPLE_EVERY (each timed step costs the host event records and a query)."""
+def test_steps_long_after_the_capture_are_not_timed(fake_graphs, monkeypatch):
+    """Every step up to DENSE_REPLAY_STEPS after the capture is timed, then none (the
+    plugin stops listening to the step hooks: tests/test_step_listener.py)."""
     from cudagraph_plugin.runtime import measurement
 
     monkeypatch.setattr(measurement, "DENSE_REPLAY_STEPS", 4)
-    monkeypatch.setattr(measurement, "SAMPLE_EVERY", 3)
     _, rec = run(*FULL, "--cuda-graph-warmup-steps", "2", steps=20)
     report = rec.report
     assert report.capture_step == 2
     assert report.eager_steps == [1]
-    # dense through step 2 + 4, then every third step after the capture
-    assert report.replay_steps == [3, 4, 5, 6, 8, 11, 14, 17]
+    assert report.replay_steps == [3, 4, 5, 6]
     assert report.steps_timed == 3 + len(report.replay_steps)
-    assert "(median of 8, sampled from steps 3-17)" in report.format_table()
-    assert sorted(rec.graph_plugin.measurement.timer.durations_ms()) == [
-        0, 1, 2, *report.replay_steps
-    ]  # fmt: skip
+    assert "(median of 4, steps 3-6)" in report.format_table()
+    assert sorted(rec.graph_plugin.measurement.timer.durations_ms()) == list(range(7))
 
 
 def test_bucketed_runs_time_every_step(bucket_fakes, monkeypatch):
     from cudagraph_plugin.runtime import measurement
 
     monkeypatch.setattr(measurement, "DENSE_REPLAY_STEPS", 1)
-    monkeypatch.setattr(measurement, "SAMPLE_EVERY", 100)
     _, rec = run(*FULL, "--cuda-graph-warmup-steps", "1", "--cuda-graph-buckets", "32", steps=8)
     assert rec.report.buckets  # the run was bucketed
     assert sorted(rec.graph_plugin.measurement.timer.durations_ms()) == list(range(8))

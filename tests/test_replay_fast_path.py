@@ -117,7 +117,8 @@ def test_the_steps_timed_follow_timed_after_capture(fake_graphs):
     assert [timing.times(s) for s in steps] == [
         measurement.timed_after_capture(s, 2) for s in steps
     ]
-    assert sum(timing.times(s) for s in steps) == measurement.DENSE_REPLAY_STEPS + 34
+    assert sum(timing.times(s) for s in steps) == measurement.DENSE_REPLAY_STEPS
+    assert timing.timed_until() == 2 + measurement.DENSE_REPLAY_STEPS
 
 
 def test_the_wiring_check_still_runs_up_to_the_capture_step(fake_graphs, monkeypatch):

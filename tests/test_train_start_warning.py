@@ -13,7 +13,7 @@ from cudagraph_plugin import compat
 from cudagraph_plugin.runtime import ranklog
 from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
 from cudagraph_plugin.runtime.state import Phase
-from hookspecs import hookimpl
+from hookspecs import StepProgress, get_plugin_manager, hookimpl
 
 LOGGER = "cudagraph_plugin"
 
@@ -36,12 +36,12 @@ def test_train_start_warns_with_the_numbers(monkeypatch, caplog, cuda):
         cuda_graph_warmup_steps=1000,
         use_te_rng_tracker=True,
     )
-    plugin = CudaGraphPlugin.configure(config, None)
+    plugin = CudaGraphPlugin.configure(config, get_plugin_manager(load_entrypoints=False))
     # as if the host had called run.model_built(): training before it is refused on a GPU
     plugin.state.advance((Phase.CONFIGURED,), Phase.BUILT)
     try:
         with caplog.at_level(logging.WARNING, logger=LOGGER):
-            plugin.mcgraph_train_start(start_step=0, train_iters=10)
+            plugin.mcgraph_train_start(start_step=0, train_iters=10, progress=StepProgress())
     finally:
         # a plugin outside a run is never shut down: take its rank filter off the logger
         ranklog.remove(plugin.log_filter)

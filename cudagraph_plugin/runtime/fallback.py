@@ -48,16 +48,22 @@ class Fallback:
         self.decided = False
         self.graphs_freed = 0
 
-    def step_ended(self, step: int) -> None:
-        """Decide once, :data:`FALLBACK_REPLAY_STEPS` after the capture, if the policy is on."""
+    @property
+    def pending(self) -> bool:
+        """The policy is on and has a graph to decide about, and has not decided yet."""
         state = self.state
-        if not (
+        return (
             state.settings.fallback_on_slowdown
             and state.full_iteration_mode
             and state.phase is Phase.CAPTURED
             and not self.decided
-        ):
+        )
+
+    def step_ended(self, step: int) -> None:
+        """Decide once, :data:`FALLBACK_REPLAY_STEPS` after the capture, if the policy is on."""
+        if not self.pending:
             return
+        state = self.state
         # Counted from the step numbers: reading the timings synchronises the device, which
         # must happen once, at the decision, not on every replay step before it.
         capture_step = self.captures.training_capture_step()

@@ -84,8 +84,9 @@ class ForwardBackwardInterceptor:
             elif replay.eager is eager and not kwargs.get("forward_only"):
                 # a training replay like the last one: what _full_iteration would do,
                 # without deciding again what cannot have changed
+                # (the step: recorded with a reference only, never needed here)
                 kwargs["data_iterator"] = self.guard.check_call(
-                    "training", state.step, kwargs, record=False
+                    "training", None, kwargs, record=False
                 )
                 self.captures.replays["training"] += 1
                 if replay.order_copy:

@@ -6,10 +6,12 @@ fallback freed the graph.
 
 Which steps are timed (:meth:`Measurement.times`): every step up to
 :data:`DENSE_REPLAY_STEPS` steps after the capture (the warm-up, the capture, and the
-replays the report's first figures and the fallback decision rest on), then one step in
-:data:`SAMPLE_EVERY`: a median over a long run needs no more, and a timed step costs the
-host two event records and a query. Bucketed runs time every step (each bucket's figures
-come from its own steps, whatever order the host runs them in).
+replays the report's figures and the fallback decision rest on), and none after
+(:meth:`Measurement.timed_until`): a median needs no more, and after them the plugin stops
+listening to the step hooks altogether (``runtime/steps.py``), so the steady state costs the
+host neither event records nor a hook dispatch. Runs without a capture time every step;
+bucketed runs too (each bucket's figures come from its own steps, whatever order the host
+runs them in, and a bucket may be captured late).
 """
 
 from __future__ import annotations
@@ -19,14 +21,12 @@ from cudagraph_plugin.runtime.state import RunState
 from cudagraph_plugin.runtime.timing import StepTimer, split_samples
 
 DENSE_REPLAY_STEPS = 50
-SAMPLE_EVERY = 10
 
 
 def timed_after_capture(step: int, capture_step: int) -> bool:
-    """The sampling rule of the module's docstring for a run whose graphs were captured at
+    """The rule of the module's docstring for a run whose graphs were captured at
     ``capture_step`` (without buckets)."""
-    after = step - capture_step
-    return after <= DENSE_REPLAY_STEPS or after % SAMPLE_EVERY == 0
+    return step - capture_step <= DENSE_REPLAY_STEPS
 
 
 class Measurement:
@@ -47,6 +47,14 @@ class Measurement:
             if capture is None:
                 return True
         return timed_after_capture(step, capture)
+
+    def timed_until(self) -> int | None:
+        """The last step timed, once known (the capture made); None while every step may
+        still be timed (no capture yet, buckets)."""
+        if self.state.buckets is not None:
+            return None
+        capture = self.captures.training_capture_step()
+        return None if capture is None else capture + DENSE_REPLAY_STEPS
 
     def samples(self, sync: bool = True) -> tuple[list[int], list[int], dict[int, float]]:
         """(eager steps, replayed steps, milliseconds per timed step); ``sync=False`` leaves

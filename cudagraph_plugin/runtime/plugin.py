@@ -11,6 +11,7 @@ is a few lines that hand the work to a small object:
 * ``capture``      — the capture bracket (hooks, timing, memory) and its records;
 * ``guard``        — the static-shape guard;
 * ``measurement``  — step timing, eager vs replay;
+* ``steps``        — the per-step hooks, listened to only while a step needs them;
 * ``fallback``     — the opt-in fallback when replay is slower;
 * ``report``       — the run report; ``release`` — freeing everything exactly once.
 
@@ -42,6 +43,7 @@ from cudagraph_plugin.runtime.release_plan import ReleasePlan
 from cudagraph_plugin.runtime.report import Reporter, RunReport
 from cudagraph_plugin.runtime.shutdown import Shutdown
 from cudagraph_plugin.runtime.state import Phase, RunState
+from cudagraph_plugin.runtime.steps import StepListener
 from cudagraph_plugin.runtime.te_capture import TECapture
 from cudagraph_plugin.runtime.wiring import Wiring
 from hookspecs import hookimpl
@@ -67,6 +69,7 @@ class CudaGraphPlugin:
         self.measurement = Measurement(state, self.capture)
         self.fallback = Fallback(state, self.capture, self.measurement, self.guard)
         self.invalidation = Invalidation(state, self.capture, self.guard)
+        self.steps = StepListener(state, self.measurement, self.wiring, self.fallback)
         self.reporter = Reporter(state, self.measurement, self.capture, self.invalidation.events)
         self.release = ReleasePlan(state, self.capture)
         self.shutdown = Shutdown(state, self.reporter, self._release_all)
@@ -191,19 +194,15 @@ class CudaGraphPlugin:
         return self.settings.warmup_steps
 
     @hookimpl
-    def mcgraph_train_start(self, start_step: int, train_iters: int) -> None:
+    def mcgraph_train_start(self, start_step: int, train_iters: int, progress: Any) -> None:
         self.state.start_step, self.state.train_iters = start_step, train_iters
+        self.state.progress = progress
+        self.steps.start()
         self.job.watch()
         self.wiring.training_starts()
         warning = warmup_warning(self.settings, start_step, train_iters)
         if warning:
             logger.warning("%s", warning, extra=JOB_WIDE)
-
-    @hookimpl
-    def mcgraph_train_step_start(self, step: int) -> None:
-        self.state.step = step
-        if self.measurement.times(step):
-            self.measurement.timer.start(step)
 
     @hookimpl
     def mcgraph_post_warmup_step(self, step: int, start_step: int) -> None:
@@ -227,17 +226,6 @@ class CudaGraphPlugin:
         result = yield
         self.te_capture.pre_hooks_enabled("forward pre-hooks enabled")
         return result
-
-    @hookimpl
-    def mcgraph_train_step_end(self, step: int, metrics: dict[str, Any]) -> None:
-        self.measurement.timer.stop(step)
-        # (the two checks below have nothing left to do after the capture step, or once
-        # the fallback decided: not called then)
-        start = self.state.start_step
-        if start is None or step - start <= self.settings.warmup_steps:
-            self.wiring.capture_step_ended(step)
-        if self.settings.fallback_on_slowdown and not self.fallback.decided:
-            self.fallback.step_ended(step)
 
     # -- shutdown -------------------------------------------------------------------------
 

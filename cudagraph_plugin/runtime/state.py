@@ -42,7 +42,9 @@ class RunState:
     pm: Any
     cuda: bool
     phase: Phase = Phase.CONFIGURED
-    step: int | None = None
+    # The run's hookspecs.StepProgress (from mcgraph_train_start): the step, read live, also
+    # on the steps the plugin no longer listens to (runtime/steps.py); ``step`` reads it.
+    progress: Any = None
     start_step: int | None = None
     model: list[Any] | None = None
     model_config: Any = None
@@ -57,6 +59,20 @@ class RunState:
     kernels: Any = None
     # (rank, world size) as seen while the process group lived: an aborted group forgets them
     ranks: tuple[int, int] | None = None
+
+    # the step as the step hooks last said it, for a host that fires them without a
+    # TrainingRun (no progress)
+    _step: int | None = None
+
+    @property
+    def step(self) -> int | None:
+        """The training step running now (or the last one); None before the first."""
+        progress = self.progress
+        return self._step if progress is None else progress.step
+
+    @step.setter
+    def step(self, value: int | None) -> None:
+        self._step = value
 
     @property
     def active(self) -> bool:

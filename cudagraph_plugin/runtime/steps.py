@@ -1,0 +1,79 @@
+"""The plugin's per-step hooks, on an object of their own; owns when the plugin listens to
+every step.
+
+:class:`hookspecs.TrainingRun` dispatches ``mcgraph_train_step_start``/``_end`` only while
+some registered plugin implements them. So the CUDA graph plugin keeps them here, on a
+:class:`StepListener` registered when training starts and unregistered at the end of the
+first step after which no step needs them:
+
+* the capture step's wiring check (``Wiring.capture_step_ended``) is behind it;
+* the measurement's window of timed steps is over (:meth:`Measurement.timed_until`:
+  :data:`~cudagraph_plugin.runtime.measurement.DENSE_REPLAY_STEPS` after the capture;
+  never for a run without a capture, or with buckets, which time every step);
+* the opt-in fallback has nothing left to decide (:attr:`Fallback.pending`).
+
+From then on a step costs the host no hook dispatch for the plugin. Whatever else needs
+the step reads it from the run's :class:`hookspecs.StepProgress` (``RunState.step``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from cudagraph_plugin.runtime.fallback import Fallback
+from cudagraph_plugin.runtime.measurement import Measurement
+from cudagraph_plugin.runtime.state import RunState
+from cudagraph_plugin.runtime.wiring import Wiring
+from hookspecs import hookimpl
+
+logger = logging.getLogger("cudagraph_plugin")
+
+
+class StepListener:
+    def __init__(
+        self, state: RunState, measurement: Measurement, wiring: Wiring, fallback: Fallback
+    ) -> None:
+        self.state = state
+        self.measurement = measurement
+        self.wiring = wiring
+        self.fallback = fallback
+        self.registered = False
+        # the last step it heard: the steps after it are the steady state (the report says)
+        self.stopped_after: int | None = None
+
+    def start(self) -> None:
+        """Listen to every step from the next one (at ``mcgraph_train_start``)."""
+        if not self.registered:
+            self.state.pm.register(self)
+            self.registered = True
+
+    def stop(self) -> None:
+        if self.registered:
+            self.registered = False
+            self.state.pm.unregister(self)
+
+    @hookimpl
+    def mcgraph_train_step_start(self, step: int) -> None:
+        self.state.step = step  # (for a host without TrainingRun; its progress says it too)
+        if self.measurement.times(step):
+            self.measurement.timer.start(step)
+
+    @hookimpl
+    def mcgraph_train_step_end(self, step: int, metrics: dict[str, Any]) -> None:
+        self.measurement.timer.stop(step)
+        start = self.state.start_step
+        if start is None or step - start <= self.state.settings.warmup_steps:
+            self.wiring.capture_step_ended(step)  # (nothing to check after the capture step)
+        fallback = self.fallback
+        if fallback.pending:
+            fallback.step_ended(step)
+        until = self.measurement.timed_until()
+        if until is not None and step >= until and not fallback.pending:
+            self.stop()
+            self.stopped_after = step
+            logger.debug(
+                "cudagraph plugin: the step hooks have nothing left to do after step %d: "
+                "no longer listening to them",
+                step,
+            )
