@@ -200,63 +200,55 @@ def instrument(
         timed_method(timing.StepTimer, "stop", "timer")
     cpu_clock = _Span.cpu_clock or _no_cpu_clock
 
-    forward_backward = interceptor.ForwardBackwardInterceptor.call
     inner = {"depth": 0, "ns": 0, "cpu_ns": 0}
 
-    def timed_inner(call: Any, *args: Any, **kwargs: Any) -> Any:
-        # megatron-core's time (its wrapper, the host's function): the outermost one counts.
-        # A plain function, not a context manager: what the harness itself costs around the
-        # call lands in the plugin's share.
-        inner["depth"] += 1
-        start_cpu = cpu_clock()
-        start = time.perf_counter_ns()
-        try:
-            return call(*args, **kwargs)
-        finally:
-            end = time.perf_counter_ns()
-            inner["depth"] -= 1
-            if not inner["depth"]:
-                inner["cpu_ns"] += cpu_clock() - start_cpu
-                inner["ns"] += end - start
+    def timed_inner(call: Any) -> Any:
+        """``call`` timed as megatron-core's time (its wrapper, the host's function; the
+        outermost one counts), in one frame: what the harness costs around the call lands
+        in the plugin's share, so it adds as little as it can."""
 
-    # One timed stand-in per host function, made once: the plugin keys its megatron-core
-    # wrapper by the function it is given, so a new stand-in per call would make it build a
-    # new FullCudaGraphWrapper (and CUDA stream) on every step, which the plugin never does.
-    timed_eagers: dict[int, tuple[Any, Any]] = {}
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            inner["depth"] += 1
+            start_cpu = cpu_clock()
+            start = time.perf_counter_ns()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                end = time.perf_counter_ns()
+                inner["depth"] -= 1
+                if not inner["depth"]:
+                    inner["cpu_ns"] += cpu_clock() - start_cpu
+                    inner["ns"] += end - start
 
-    def timed_eager_for(eager: Any) -> Any:
-        known = timed_eagers.get(id(eager))
-        if known is None:
+        return timed
 
-            def timed_eager(**inner_kwargs: Any) -> Any:
-                return timed_inner(eager, **inner_kwargs)
-
-            known = timed_eagers[id(eager)] = (eager, timed_eager)
-        return known[1]
-
-    def around_inner(piece: str, call: Any, *args: Any) -> Any:
+    def around_inner(piece: str, call: Any, *args: Any, **kwargs: Any) -> Any:
         # ``call``'s time minus megatron-core's inside it
         inner["ns"] = inner["cpu_ns"] = 0
         start_cpu = cpu_clock()
         start = time.perf_counter_ns()
-        result = call(*args)
+        result = call(*args, **kwargs)
         wall = time.perf_counter_ns() - start - inner["ns"]
         clock.add(piece, wall, cpu_clock() - start_cpu - inner["cpu_ns"])
         return result
 
-    def timed_forward_backward(self: Any, eager: Any, kwargs: dict[str, Any]) -> Any:
-        return around_inner(
-            "forward_backward", forward_backward, self, timed_eager_for(eager), kwargs
-        )
+    # The forward/backward callable the host gets (the remembered replay's shortcut is in
+    # it), timed whole; the host function it is made for is swapped for a timed stand-in
+    # once, when it is made (the plugin keys megatron-core's wrapper by that function, so
+    # a new stand-in per call would make it build a new FullCudaGraphWrapper, and CUDA
+    # stream, on every step, which the plugin never does).
+    forward_backward_init = interceptor.ForwardBackward.__init__
+    forward_backward_call = interceptor.ForwardBackward.__call__
 
-    patch(interceptor.ForwardBackwardInterceptor, "call", timed_forward_backward)
+    def timed_forward_backward_init(self: Any, owner: Any, eager: Any) -> None:
+        forward_backward_init(self, owner, timed_inner(eager))
 
-    mcore_call = FullCudaGraphWrapper.__call__
+    def timed_forward_backward(self: Any, **kwargs: Any) -> Any:
+        return around_inner("forward_backward", forward_backward_call, self, **kwargs)
 
-    def timed_mcore_call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return timed_inner(mcore_call, self, *args, **kwargs)
-
-    patch(FullCudaGraphWrapper, "__call__", timed_mcore_call)
+    patch(interceptor.ForwardBackward, "__init__", timed_forward_backward_init)
+    patch(interceptor.ForwardBackward, "__call__", timed_forward_backward)
+    patch(FullCudaGraphWrapper, "__call__", timed_inner(FullCudaGraphWrapper.__call__))
 
     see = guard.ShapeGuard._see
 
@@ -285,12 +277,7 @@ def instrument(
         from megatron.core.optimizer.optimizer_cuda_graph import OptimizerCudaGraphWrapper
     except ImportError:
         return
-    mcore_optimizer_call = OptimizerCudaGraphWrapper.__call__
-
-    def timed_mcore_optimizer_call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return timed_inner(mcore_optimizer_call, self, *args, **kwargs)
-
-    patch(OptimizerCudaGraphWrapper, "__call__", timed_mcore_optimizer_call)
+    patch(OptimizerCudaGraphWrapper, "__call__", timed_inner(OptimizerCudaGraphWrapper.__call__))
 
 
 def timed_by_the_plugin(steps: Any, capture_step: int | None) -> set[int]:

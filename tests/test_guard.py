@@ -290,3 +290,62 @@ def test_a_dict_subclass_and_a_plain_dict_with_the_same_values_are_the_same_batc
     )
     with pytest.raises(StaticShapeError, match="mask"):
         next(replayed)
+
+
+# -- check_replay: check_call's shortcut for the interceptor's remembered training replay ------
+
+
+def _replay_kwargs(**overrides):
+    kwargs = {"num_microbatches": 2, "seq_length": 8, "micro_batch_size": 2}
+    kwargs["data_iterator"] = batches(kwargs["num_microbatches"])
+    kwargs.update(overrides)
+    return kwargs
+
+
+@pytest.mark.parametrize(
+    "key,value", [("num_microbatches", 3), ("seq_length", 16), ("micro_batch_size", 4)]
+)
+def test_check_replay_refuses_a_changed_call_as_check_call_does(key, value):
+    guard = armed()
+    with pytest.raises(StaticShapeError) as by_call:
+        guard.check_call("training", None, _replay_kwargs(**{key: value}), record=False)
+    with pytest.raises(StaticShapeError) as by_replay:
+        guard.check_replay(_replay_kwargs(**{key: value}))
+    assert str(by_replay.value) == str(by_call.value)
+    assert f"{key}={value}" in str(by_replay.value)
+
+
+def test_check_replay_checks_every_micro_batch_as_it_is_drawn():
+    guard = armed()
+    same = guard.check_replay(_replay_kwargs())
+    assert [next(same)["tokens"].shape for _ in range(2)] == [(2, 8), (2, 8)]
+    changed = guard.check_replay(_replay_kwargs(data_iterator=batches(2, seq=4)))
+    with pytest.raises(StaticShapeError, match="tokens"):
+        next(changed)
+    extra = guard.check_replay(_replay_kwargs(data_iterator=batches(3)))
+    next(extra), next(extra)
+    with pytest.raises(StaticShapeError, match="saw 2 micro-batch"):
+        next(extra)
+
+
+def test_check_replay_wraps_chunk_lists_and_passes_none():
+    guard = ShapeGuard()
+    kwargs = {"num_microbatches": 1, "data_iterator": [batches(1), None, batches(1, seq=4)]}
+    its = guard.check_call("training", 0, kwargs, record=True)
+    next(its[0]), next(its[2])
+    guard.commit("training")
+    its = guard.check_replay(
+        {"num_microbatches": 1, "data_iterator": [batches(1), None, batches(1, seq=8)]}
+    )
+    assert its[1] is None
+    next(its[0])
+    with pytest.raises(StaticShapeError, match="model chunk 2"):
+        next(its[2])
+    assert guard.check_replay({"num_microbatches": 1, "data_iterator": None}) is None
+
+
+def test_check_replay_after_disarm_checks_nothing():
+    guard = armed()
+    guard.disarm()
+    iterator = batches(1, seq=99)
+    assert guard.check_replay(_replay_kwargs(data_iterator=iterator)) is iterator

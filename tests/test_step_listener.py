@@ -135,17 +135,25 @@ class _Watch:
     def spy_on_steps(self, monkeypatch: pytest.MonkeyPatch) -> None:
         from cudagraph_plugin.runtime.guard import ShapeGuard
 
-        check_call = ShapeGuard.check_call
+        check_call, check_replay = ShapeGuard.check_call, ShapeGuard.check_replay
         watch = self
 
-        def spy(guard: Any, stage: str, *args: Any, **kwargs: Any) -> Any:
+        def see() -> None:
+            plugin = watch.plugin
+            watch.steps_seen_by_plugin.append(plugin.state.step)
+            watch.listening.append(plugin.steps.registered)
+
+        def spy_call(guard: Any, stage: str, *args: Any, **kwargs: Any) -> Any:
             if stage == "training":
-                plugin = watch.plugin
-                watch.steps_seen_by_plugin.append(plugin.state.step)
-                watch.listening.append(plugin.steps.registered)
+                see()
             return check_call(guard, stage, *args, **kwargs)
 
-        monkeypatch.setattr(ShapeGuard, "check_call", spy)
+        def spy_replay(guard: Any, kwargs: dict[str, Any]) -> Any:
+            see()
+            return check_replay(guard, kwargs)
+
+        monkeypatch.setattr(ShapeGuard, "check_call", spy_call)
+        monkeypatch.setattr(ShapeGuard, "check_replay", spy_replay)
 
 
 @needs_mcore_on_cpu

@@ -165,6 +165,8 @@ class ShapeGuard:
         # changes whenever a reference is made or dropped: a caller that remembered a
         # check's outcome (the interceptor's replay fast path) knows when to forget it
         self.generation = 0
+        # the training reference's call values (check_replay); None matches no call
+        self._replay_values: tuple[Any, ...] | None = None
 
     def is_armed(self, stage: str) -> bool:
         return stage in self._reference
@@ -172,6 +174,7 @@ class ShapeGuard:
     def disarm(self) -> None:
         self._reference.clear()
         self._recording.clear()
+        self._replay_values = None
         self.generation += 1
 
     def check_call(
@@ -197,9 +200,21 @@ class ShapeGuard:
                 )
         return self._wrap(stage, data_iterator, False)
 
+    def check_replay(self, kwargs: dict[str, Any]) -> Any:
+        """:meth:`check_call` of a training call the interceptor replays directly (its
+        reference exists): the same checks, in fewer calls, as it runs on every step."""
+        if tuple(map(kwargs.get, self.CALL_KEYS)) != self._replay_values:
+            return self.check_call("training", None, kwargs, record=False)  # says what changed
+        data_iterator = kwargs.get("data_iterator")
+        if data_iterator is None or type(data_iterator) is list:
+            return self._wrap("training", data_iterator, False)
+        return _CheckedIterator(self, "training", data_iterator, False, 0)
+
     def commit(self, stage: str) -> None:
         """Make the recorded call the reference for ``stage``."""
-        self._reference[stage] = self._recording.pop(stage)
+        ref = self._reference[stage] = self._recording.pop(stage)
+        if stage == "training":
+            self._replay_values = tuple(ref.call.values())  # in CALL_KEYS order
         self.generation += 1
 
     def _wrap(self, stage: str, data_iterator: Any, record: bool, chunk: int = 0) -> Any:

@@ -70,28 +70,13 @@ class ForwardBackwardInterceptor:
         self._replay = None
 
     def call(self, eager: Any, kwargs: dict[str, Any]) -> Any:
+        """One call of the host's forward/backward; :meth:`ForwardBackward.__call__` takes
+        the remembered replay's shortcut first, when it holds."""
         state = self.state
-        replay = self._replay
-        if replay is not None:
-            if (
-                replay.graphs["training"] is not replay.graph
-                or state.phase is not Phase.CAPTURED
-                or self.guard.generation != replay.guard_generation
-            ):
-                # stale: forgotten at once, so that it never keeps a graph megatron-core
-                # dropped alive (megatron-core 0.18+'s reset_cuda_graph frees by refcount)
-                replay = self._replay = None
-            elif replay.eager is eager and not kwargs.get("forward_only"):
-                # a training replay like the last one: what _full_iteration would do,
-                # without deciding again what cannot have changed
-                # (the step: recorded with a reference only, never needed here)
-                kwargs["data_iterator"] = self.guard.check_call(
-                    "training", None, kwargs, record=False
-                )
-                self.captures.replays["training"] += 1
-                if replay.order_copy:
-                    compat.order_input_copy_after_replay(replay.wrapper)
-                return replay.wrapper(**kwargs)
+        if self._replay is not None and not self._replay.holds(state, self.guard):
+            # stale: forgotten at once, so that it never keeps a graph megatron-core dropped
+            # alive (megatron-core 0.18+'s reset_cuda_graph frees by refcount)
+            self._replay = None
         if state.phase is Phase.SHUT_DOWN:
             # Graphs are gone (e.g. Megatron-LM-style evaluation after training): eager.
             if not self._eager_after_shutdown_logged:
@@ -193,16 +178,45 @@ class _Replay:
     guard_generation: int
     order_copy: bool  # megatron-core's loader does not order its copy itself (0.16)
 
+    def holds(self, state: RunState, guard: ShapeGuard) -> bool:
+        return (
+            self.graphs["training"] is self.graph
+            and state.phase is Phase.CAPTURED
+            and guard.generation == self.guard_generation
+        )
+
 
 class ForwardBackward:
-    """The forward/backward callable the host gets: keyword-only, like megatron-core's."""
+    """The forward/backward callable the host gets: keyword-only, like megatron-core's.
+
+    A training call like the last replayed one (:class:`_Replay` still holds, same host
+    function) replays here directly: what :meth:`ForwardBackwardInterceptor.call` would do,
+    without deciding again what cannot have changed. Anything else goes there.
+    """
 
     def __init__(self, interceptor: ForwardBackwardInterceptor, eager: Any) -> None:
         self._interceptor = interceptor
         self._eager = eager
 
     def __call__(self, **kwargs: Any) -> Any:
-        return self._interceptor.call(self._eager, kwargs)
+        interceptor = self._interceptor
+        replay = interceptor._replay
+        guard = interceptor.guard
+        if (
+            replay is not None
+            and replay.eager is self._eager
+            and not kwargs.get("forward_only")
+            # _Replay.holds, inline: this runs on every step
+            and replay.graphs["training"] is replay.graph
+            and interceptor.state.phase is Phase.CAPTURED
+            and guard.generation == replay.guard_generation
+        ):
+            kwargs["data_iterator"] = guard.check_replay(kwargs)
+            interceptor.captures.replays["training"] += 1
+            if replay.order_copy:
+                compat.order_input_copy_after_replay(replay.wrapper)
+            return replay.wrapper(**kwargs)
+        return interceptor.call(self._eager, kwargs)
 
 
 class OptimizerStep:
@@ -218,9 +232,11 @@ class OptimizerStep:
         graphs = self._graphs
         replay = self._replay
         if replay is not None:
-            if replay.holder.cuda_graph is replay.graph:
-                # a replay like the last one (megatron-core holds the same graph)
-                graphs.before_replay()
+            sync = graphs.sync
+            if replay.holder.cuda_graph is replay.graph and sync is not None:
+                # a replay like the last one (megatron-core holds the same graph):
+                # graphs.before_replay(), one call less
+                sync.before_replay()
                 self._captures.replays["optimizer"] += 1
                 return graphs.wrapper()
             self._replay = None  # stale: never keeps a graph megatron-core dropped alive
