@@ -302,19 +302,17 @@ class TrainingRun:
         """
         return _TrainStep(self, step)
 
-    def _step_listeners(self) -> tuple[bool, bool]:
-        """(start, end): whether ``mcgraph_train_step_start``/``_end`` have an implementation."""
-        if self._counts_registrations:
-            seen = self.pluginmanager.registrations  # type: ignore[attr-defined]
-            if seen != self._seen:
-                self._seen = seen
-                self._listened = (
-                    bool(self.hook.mcgraph_train_step_start.get_hookimpls()),
-                    bool(self.hook.mcgraph_train_step_end.get_hookimpls()),
-                )
-        return self._listened
+    def _look_for_step_listeners(self) -> None:
+        """Which of ``mcgraph_train_step_start``/``_end`` have an implementation, as of the
+        manager's registration count now (called when it moved)."""
+        self._seen = self.pluginmanager.registrations  # type: ignore[attr-defined]
+        self._listened = (
+            bool(self.hook.mcgraph_train_step_start.get_hookimpls()),
+            bool(self.hook.mcgraph_train_step_end.get_hookimpls()),
+        )
 
     def _step_started(self, step: int) -> dict[str, Any]:
+        """:class:`_TrainStep`'s entry (what ``with run.train_step(step)`` runs first)."""
         if not self._entered or self.shutdown_reason is not None:
             self._check_active()  # raises; inline otherwise, as this runs on every step
         if step != self._next_step:
@@ -326,8 +324,13 @@ class TrainingRun:
         self.progress.step = step
         if not self._train_started:
             self._start_training()
+        if (
+            self._counts_registrations
+            and self.pluginmanager.registrations != self._seen  # type: ignore[attr-defined]
+        ):
+            self._look_for_step_listeners()
         # Called directly rather than through call_hook: this runs on every step.
-        if self._step_listeners()[0]:
+        if self._listened[0]:
             try:
                 self.hook.mcgraph_train_step_start(step=step)
             except BaseException as exc:
@@ -343,15 +346,6 @@ class TrainingRun:
             self._post_warmup_fired = True
             self._call("mcgraph_post_warmup_step", step=step, start_step=self.start_step)
         return {}
-
-    def _step_ended(self, step: int, metrics: dict[str, Any]) -> None:
-        self._next_step = step + 1
-        if self._step_listeners()[1]:
-            try:
-                self.hook.mcgraph_train_step_end(step=step, metrics=metrics)
-            except BaseException as exc:
-                blame(self.pluginmanager, "mcgraph_train_step_end", exc)
-                raise
 
     def step_padded(self, *, seq_length: int, real_tokens: int, padded_tokens: int) -> None:
         """Tell the plugins this step's micro-batches were padded to ``seq_length`` (call it
@@ -541,9 +535,22 @@ class _TrainStep:
         return self._metrics
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        # TrainingRun's step end, here: it runs on every step, one call less
         if exc_type is None:
-            assert self._metrics is not None
-            self._run._step_ended(self._step, self._metrics)
+            run = self._run
+            step = self._step
+            run._next_step = step + 1
+            if (
+                run._counts_registrations
+                and run.pluginmanager.registrations != run._seen  # type: ignore[attr-defined]
+            ):
+                run._look_for_step_listeners()
+            if run._listened[1]:
+                try:
+                    run.hook.mcgraph_train_step_end(step=step, metrics=self._metrics)
+                except BaseException as exc_in_hook:
+                    blame(run.pluginmanager, "mcgraph_train_step_end", exc_in_hook)
+                    raise
         return False
 
 
