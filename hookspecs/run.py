@@ -25,7 +25,7 @@ from typing import Any
 
 import pluggy
 
-from hookspecs.manager import describe_plugin
+from hookspecs.manager import McgraphPluginManager, describe_plugin
 from hookspecs.progress import StepProgress
 from hookspecs.reasons import PeerFailed, ShutdownReason, SignalReceived
 
@@ -177,7 +177,7 @@ class TrainingRun:
         # Which per-step hooks have an implementation (start, end), as of the manager's
         # registration count ``_seen`` (McgraphPluginManager.registrations); a manager
         # without that count is asked nothing and every step hook is dispatched.
-        self._counts_registrations = hasattr(pluginmanager, "registrations")
+        self._counted = pluginmanager if isinstance(pluginmanager, McgraphPluginManager) else None
         self._seen = -1
         self._listened = (True, True)
 
@@ -302,10 +302,10 @@ class TrainingRun:
         """
         return _TrainStep(self, step)
 
-    def _look_for_step_listeners(self) -> None:
+    def _look_for_step_listeners(self, counted: McgraphPluginManager) -> None:
         """Which of ``mcgraph_train_step_start``/``_end`` have an implementation, as of the
         manager's registration count now (called when it moved)."""
-        self._seen = self.pluginmanager.registrations  # type: ignore[attr-defined]
+        self._seen = counted.registrations
         self._listened = (
             bool(self.hook.mcgraph_train_step_start.get_hookimpls()),
             bool(self.hook.mcgraph_train_step_end.get_hookimpls()),
@@ -324,11 +324,9 @@ class TrainingRun:
         self.progress.step = step
         if not self._train_started:
             self._start_training()
-        if (
-            self._counts_registrations
-            and self.pluginmanager.registrations != self._seen  # type: ignore[attr-defined]
-        ):
-            self._look_for_step_listeners()
+        counted = self._counted
+        if counted is not None and counted.registrations != self._seen:
+            self._look_for_step_listeners(counted)
         # Called directly rather than through call_hook: this runs on every step.
         if self._listened[0]:
             try:
@@ -540,11 +538,9 @@ class _TrainStep:
             run = self._run
             step = self._step
             run._next_step = step + 1
-            if (
-                run._counts_registrations
-                and run.pluginmanager.registrations != run._seen  # type: ignore[attr-defined]
-            ):
-                run._look_for_step_listeners()
+            counted = run._counted
+            if counted is not None and counted.registrations != run._seen:
+                run._look_for_step_listeners(counted)
             if run._listened[1]:
                 try:
                     run.hook.mcgraph_train_step_end(step=step, metrics=self._metrics)

@@ -49,12 +49,13 @@ class Measurement:
         return timed_after_capture(step, capture)
 
     def timed_until(self) -> int | None:
-        """The last step timed, once known (the capture made); None while every step may
-        still be timed (no capture yet, buckets)."""
-        if self.state.buckets is not None:
+        """The last step timed, once :meth:`times` knows the capture step (from the step
+        after the capture on); None while every step may still be timed (no capture yet,
+        buckets)."""
+        capture = self._capture_step
+        if capture is None or self.state.buckets is not None:
             return None
-        capture = self.captures.training_capture_step()
-        return None if capture is None else capture + DENSE_REPLAY_STEPS
+        return capture + DENSE_REPLAY_STEPS
 
     def samples(self, sync: bool = True) -> tuple[list[int], list[int], dict[int, float]]:
         """(eager steps, replayed steps, milliseconds per timed step); ``sync=False`` leaves

@@ -53,23 +53,31 @@ class StepListener:
             self.registered = False
             self.state.pm.unregister(self)
 
+    # (Both run on every step of a run without a capture: kept to a few calls.)
+
     @hookimpl
     def mcgraph_train_step_start(self, step: int) -> None:
-        self.state.step = step  # (for a host without TrainingRun; its progress says it too)
+        state = self.state
+        if state.progress is None:  # a host firing the hooks itself (no TrainingRun)
+            state.step = step
         if self.measurement.times(step):
             self.measurement.timer.start(step)
 
     @hookimpl
     def mcgraph_train_step_end(self, step: int, metrics: dict[str, Any]) -> None:
-        self.measurement.timer.stop(step)
-        start = self.state.start_step
-        if start is None or step - start <= self.state.settings.warmup_steps:
+        measurement = self.measurement
+        measurement.timer.stop(step)
+        state = self.state
+        start = state.start_step
+        if start is None or step - start <= state.settings.warmup_steps:
             self.wiring.capture_step_ended(step)  # (nothing to check after the capture step)
         fallback = self.fallback
-        if fallback.pending:
+        deciding = state.settings.fallback_on_slowdown and fallback.pending
+        if deciding:
             fallback.step_ended(step)
-        until = self.measurement.timed_until()
-        if until is not None and step >= until and not fallback.pending:
+            deciding = fallback.pending
+        until = measurement.timed_until()
+        if until is not None and step >= until and not deciding:
             self.stop()
             self.stopped_after = step
             logger.debug(
