@@ -210,6 +210,7 @@ def instrument(
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             inner["depth"] += 1
+            start_cpu = cpu_clock() if breakdown else 0
             start = time.perf_counter_ns()
             try:
                 return call(*args, **kwargs)
@@ -217,22 +218,11 @@ def instrument(
                 end = time.perf_counter_ns()
                 inner["depth"] -= 1
                 if not inner["depth"]:
+                    if breakdown:
+                        inner["cpu_ns"] += cpu_clock() - start_cpu
                     inner["ns"] += end - start
 
-        def timed_with_cpu(*args: Any, **kwargs: Any) -> Any:
-            inner["depth"] += 1
-            start_cpu = cpu_clock()
-            start = time.perf_counter_ns()
-            try:
-                return call(*args, **kwargs)
-            finally:
-                end = time.perf_counter_ns()
-                inner["depth"] -= 1
-                if not inner["depth"]:
-                    inner["cpu_ns"] += cpu_clock() - start_cpu
-                    inner["ns"] += end - start
-
-        return timed_with_cpu if breakdown else timed
+        return timed
 
     def around_inner(piece: str, call: Any, *args: Any, **kwargs: Any) -> Any:
         # ``call``'s time minus megatron-core's inside it

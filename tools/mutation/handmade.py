@@ -30,6 +30,8 @@ FAST_PATH = "tests/test_replay_fast_path.py::"
 BUCKETS = "tests/test_buckets.py::"
 BUCKETS_PY = "cudagraph_plugin/runtime/buckets.py"
 RL = "tests/test_rl_loop.py::"
+STEPS = "tests/test_step_listener.py::"
+GUARD = "tests/test_guard.py::"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +171,8 @@ MUTANTS = [
         "full-iteration replays after the first (the interceptor's remembered path) skip the "
         "static-shape guard",
         "cudagraph_plugin/runtime/interceptor.py",
-        '                kwargs["data_iterator"] = self.guard.check_call(\n'
-        '                    "training", state.step, kwargs, record=False\n                )\n',
-        "                pass\n",
+        '            kwargs["data_iterator"] = guard.check_replay(kwargs)\n',
+        "            pass\n",
         (
             LIFECYCLE + "test_shape_change_after_capture_raises_instead_of_replaying[full]",
             FAST_PATH
@@ -184,16 +185,16 @@ MUTANTS = [
         "the interceptor's remembered replay is not tied to the graph megatron-core holds: a "
         "recapture after megatron-core dropped its graph runs unbracketed",
         "cudagraph_plugin/runtime/interceptor.py",
-        '                replay.graphs["training"] is not replay.graph\n                or ',
-        "                ",
+        '            and replay.graphs["training"] is replay.graph\n',
+        "",
         (FAST_PATH + "test_a_graph_megatron_core_drops_is_forgotten_and_its_recapture_bracketed",),
     ),
     Mutant(
         "optimizer-replay-outlives-megatron-cores-graph",
         "the optimizer step's remembered replay is not tied to the graph megatron-core holds",
         "cudagraph_plugin/runtime/interceptor.py",
-        "            if replay.holder.cuda_graph is replay.graph:\n",
-        "            if True:\n",
+        "            if replay.holder.cuda_graph is replay.graph and sync is not None:\n",
+        "            if sync is not None:\n",
         (
             FAST_PATH
             + "test_an_optimizer_graph_megatron_core_drops_is_forgotten_and_its_"
@@ -205,7 +206,7 @@ MUTANTS = [
         "the optimizer step's remembered replays skip the param-group check (a host write "
         "after the first replay goes stale)",
         "cudagraph_plugin/runtime/interceptor.py",
-        "                graphs.before_replay()\n",
+        "                sync.before_replay()\n",
         "",
         (
             FAST_PATH
@@ -218,12 +219,10 @@ MUTANTS = [
         "the interceptor's remembered replay ignores the phase, megatron-core's graph and the "
         "guard's reference: it outlives the host's invalidation",
         "cudagraph_plugin/runtime/interceptor.py",
-        "            if (\n"
-        '                replay.graphs["training"] is not replay.graph\n'
-        "                or state.phase is not Phase.CAPTURED\n"
-        "                or self.guard.generation != replay.guard_generation\n"
-        "            ):\n",
-        "            if False:\n",
+        '            and replay.graphs["training"] is replay.graph\n'
+        "            and interceptor.state.phase is Phase.CAPTURED\n"
+        "            and guard.generation == replay.guard_generation\n",
+        "",
         (
             FAST_PATH
             + "test_invalidation_after_replays_runs_the_plain_function_from_the_next_step[4]",
@@ -399,6 +398,50 @@ MUTANTS = [
             "tests/test_padding.py::"
             "test_pads_each_sequence_key_to_the_smallest_bucket_at_least_its_length",
         ),
+    ),
+    Mutant(
+        "step-listeners-never-looked-up",
+        "TrainingRun never looks again which step hooks have implementations: it dispatches "
+        "them on every step whether anyone listens or not",
+        "hookspecs/run.py",
+        "        if counted is not None and counted.registrations != self._seen:\n",
+        "        if False:\n",
+        (
+            STEPS + "test_step_hooks_that_nobody_implements_are_not_dispatched_and_a_late_"
+            "plugin_is_heard",
+        ),
+    ),
+    Mutant(
+        "step-listener-never-stops",
+        "the plugin's step listener stays registered for the whole run (every step dispatches)",
+        "cudagraph_plugin/runtime/steps.py",
+        "            self.stop()\n",
+        "            pass\n",
+        (STEPS + "test_the_plugin_stops_listening_after_the_timed_window",),
+    ),
+    Mutant(
+        "step-listener-stops-before-the-fallback-decides",
+        "the step listener stops after the timed window even while the fallback must decide",
+        "cudagraph_plugin/runtime/steps.py",
+        "        if until is not None and step >= until and not deciding:\n",
+        "        if until is not None and step >= until:\n",
+        (STEPS + "test_the_plugin_keeps_listening_while_the_fallback_has_to_decide",),
+    ),
+    Mutant(
+        "step-not-read-from-progress",
+        "the plugin's step is what the step hooks last said, also after it stopped listening",
+        "cudagraph_plugin/runtime/state.py",
+        "        return self._step if progress is None else progress.step\n",
+        "        return self._step\n",
+        (STEPS + "test_the_plugin_stops_listening_after_the_timed_window",),
+    ),
+    Mutant(
+        "replay-call-values-unchecked",
+        "the remembered replay's guard check skips the call's micro-batch count and shapes",
+        "cudagraph_plugin/runtime/guard.py",
+        "        if tuple(map(kwargs.get, self.CALL_KEYS)) != self._replay_values:\n",
+        "        if False:\n",
+        (GUARD + "test_check_replay_refuses_a_changed_call_as_check_call_does",),
     ),
 ]
 
