@@ -207,7 +207,7 @@ def mcgraph_warmup_steps(config: Any) -> int | None:
 
 
 @hookspec
-def mcgraph_train_start(start_step: int, train_iters: int, progress: StepProgress) -> None:
+def mcgraph_train_start(start_step: int, train_iters: int, progress: StepProgress | None) -> None:
     """Training begins (first call of :meth:`TrainingRun.train_step`).
 
     :param start_step: The first step of this run (greater than 0 when resuming).
@@ -215,7 +215,8 @@ def mcgraph_train_start(start_step: int, train_iters: int, progress: StepProgres
     :param progress: The run's :class:`hookspecs.StepProgress`: ``progress.step`` is the
         step running now, read live, so a plugin that needs the step only now and then
         need not implement the per-step hooks (each implemented per-step hook is a dispatch
-        on every step).
+        on every step). ``None`` from a host that fires the hooks itself and keeps no such
+        object: plugins then learn the step from the per-step hooks only.
 
     Result: notification.
     """

@@ -349,3 +349,16 @@ def test_check_replay_after_disarm_checks_nothing():
     guard.disarm()
     iterator = batches(1, seq=99)
     assert guard.check_replay(_replay_kwargs(data_iterator=iterator)) is iterator
+
+
+def test_check_replay_wraps_a_list_subclass_per_chunk_as_check_call_does():
+    class Chunks(list):
+        pass
+
+    guard = ShapeGuard()
+    its = guard.check_call("training", 0, {"data_iterator": Chunks([batches(1)])}, record=True)
+    next(its[0])
+    guard.commit("training")
+    its = guard.check_replay({"data_iterator": Chunks([batches(1, seq=4)])})
+    with pytest.raises(StaticShapeError, match="model chunk 0"):
+        next(its[0])

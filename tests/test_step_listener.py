@@ -229,3 +229,66 @@ def test_stop_unregisters_once(registered):
     listener.stop()
     listener.stop()
     assert not pm.is_registered(listener) and not listener.registered
+
+
+@needs_mcore_on_cpu
+def test_a_host_without_progress_is_heard_on_every_step(fake_graphs, monkeypatch):
+    """A host firing the hooks itself may pass ``progress=None``: the plugin then keeps
+    listening, as the step hooks are its only source of the step."""
+    from cudagraph_plugin.runtime import measurement
+    from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
+
+    monkeypatch.setattr(measurement, "DENSE_REPLAY_STEPS", 1)
+    train_start = CudaGraphPlugin.mcgraph_train_start
+
+    @hookimpl
+    def without_progress(plugin: Any, start_step: int, train_iters: int, progress: Any) -> None:
+        train_start(plugin, start_step, train_iters, None)
+
+    monkeypatch.setattr(CudaGraphPlugin, "mcgraph_train_start", without_progress)
+    watch = _Watch()
+    watch.spy_on_steps(monkeypatch)
+    train_gpt.run(
+        ["--train-iters", "8", "--log-interval", "0", *FULL, "--cuda-graph-warmup-steps", "2"],
+        plugins=[watch],
+    )
+    assert watch.listening == [True] * 8
+    assert watch.steps_seen_by_plugin == list(range(8))
+    assert watch.plugin.steps.stopped_after is None
+
+
+@needs_mcore_on_cpu
+def test_the_timed_step_includes_other_plugins_step_hooks(fake_graphs, monkeypatch):
+    """The plugin's timer starts before any other plugin's step-start work and stops after
+    any step-end work, whatever the registration order (tryfirst/trylast)."""
+    from cudagraph_plugin.runtime import timing
+
+    order: list[str] = []
+    start, stop = timing.StepTimer.start, timing.StepTimer.stop
+
+    def spy_start(timer: Any, step: int) -> None:
+        order.append(f"timer start {step}")
+        start(timer, step)
+
+    def spy_stop(timer: Any, step: int) -> None:
+        order.append(f"timer stop {step}")
+        stop(timer, step)
+
+    monkeypatch.setattr(timing.StepTimer, "start", spy_start)
+    monkeypatch.setattr(timing.StepTimer, "stop", spy_stop)
+
+    class Other:
+        @hookimpl
+        def mcgraph_train_start(self) -> None:
+            pass  # registered before the plugin's listener (which registers at train start)
+
+        @hookimpl
+        def mcgraph_train_step_start(self, step: int) -> None:
+            order.append(f"other start {step}")
+
+        @hookimpl
+        def mcgraph_train_step_end(self, step: int) -> None:
+            order.append(f"other end {step}")
+
+    train_gpt.run(["--train-iters", "1", "--log-interval", "0", *FULL], plugins=[Other()])
+    assert order == ["timer start 0", "other start 0", "other end 0", "timer stop 0"]

@@ -206,7 +206,7 @@ class ShapeGuard:
         if tuple(map(kwargs.get, self.CALL_KEYS)) != self._replay_values:
             return self.check_call("training", None, kwargs, record=False)  # says what changed
         data_iterator = kwargs.get("data_iterator")
-        if data_iterator is None or type(data_iterator) is list:
+        if data_iterator is None or isinstance(data_iterator, list):
             return self._wrap("training", data_iterator, False)
         return _CheckedIterator(self, "training", data_iterator, False, 0)
 

@@ -46,7 +46,7 @@ from cudagraph_plugin.runtime.state import Phase, RunState
 from cudagraph_plugin.runtime.steps import StepListener
 from cudagraph_plugin.runtime.te_capture import TECapture
 from cudagraph_plugin.runtime.wiring import Wiring
-from hookspecs import hookimpl
+from hookspecs import StepProgress, hookimpl
 
 logger = logging.getLogger("cudagraph_plugin")
 
@@ -194,7 +194,9 @@ class CudaGraphPlugin:
         return self.settings.warmup_steps
 
     @hookimpl
-    def mcgraph_train_start(self, start_step: int, train_iters: int, progress: Any) -> None:
+    def mcgraph_train_start(
+        self, start_step: int, train_iters: int, progress: StepProgress | None
+    ) -> None:
         self.state.start_step, self.state.train_iters = start_step, train_iters
         self.state.progress = progress
         self.steps.start()

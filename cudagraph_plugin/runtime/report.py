@@ -257,7 +257,7 @@ def _ms(value: float | None, steps: list[int]) -> str:
         span = f"step {steps[0]}"
     elif steps[-1] - steps[0] + 1 == len(steps):
         span = f"steps {steps[0]}-{steps[-1]}"
-    else:  # long runs time one step in several (measurement.Measurement.times)
+    else:  # some steps between the first and last were not timed
         span = f"sampled from steps {steps[0]}-{steps[-1]}"
     return f"{value:.3f} ms (median of {len(steps)}, {span})"
 

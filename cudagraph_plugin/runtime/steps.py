@@ -7,6 +7,8 @@ some registered plugin implements them. So the CUDA graph plugin keeps them here
 first step after which no step needs them:
 
 * the capture step's wiring check (``Wiring.capture_step_ended``) is behind it;
+* the run has a :class:`hookspecs.StepProgress` to read the step from (a host firing the
+  hooks itself may pass ``progress=None``: the listener then hears every step);
 * the measurement's window of timed steps is over (:meth:`Measurement.timed_until`:
   :data:`~cudagraph_plugin.runtime.measurement.DENSE_REPLAY_STEPS` after the capture;
   never for a run without a capture, or with buckets, which time every step);
@@ -14,6 +16,10 @@ first step after which no step needs them:
 
 From then on a step costs the host no hook dispatch for the plugin. Whatever else needs
 the step reads it from the run's :class:`hookspecs.StepProgress` (``RunState.step``).
+
+The step starts the plugin's timer first (``tryfirst``) and its end stops it last
+(``trylast``), so a timed step includes other plugins' step-hook work, whatever order the
+plugins were registered in.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ class StepListener:
         self.wiring = wiring
         self.fallback = fallback
         self.registered = False
-        # the last step it heard: the steps after it are the steady state (the report says)
+        # the last step it heard, once it stopped listening
         self.stopped_after: int | None = None
 
     def start(self) -> None:
@@ -55,7 +61,7 @@ class StepListener:
 
     # (Both run on every step of a run without a capture: kept to a few calls.)
 
-    @hookimpl
+    @hookimpl(tryfirst=True)
     def mcgraph_train_step_start(self, step: int) -> None:
         state = self.state
         if state.progress is None:  # a host firing the hooks itself (no TrainingRun)
@@ -63,7 +69,7 @@ class StepListener:
         if self.measurement.times(step):
             self.measurement.timer.start(step)
 
-    @hookimpl
+    @hookimpl(trylast=True)
     def mcgraph_train_step_end(self, step: int, metrics: dict[str, Any]) -> None:
         measurement = self.measurement
         measurement.timer.stop(step)
@@ -77,7 +83,14 @@ class StepListener:
             fallback.step_ended(step)
             deciding = fallback.pending
         until = measurement.timed_until()
-        if until is not None and step >= until and not deciding:
+        if (
+            until is not None
+            and step >= until
+            and not deciding
+            and state.progress is not None
+            and start is not None
+            and step - start >= state.settings.warmup_steps
+        ):
             self.stop()
             self.stopped_after = step
             logger.debug(

@@ -423,8 +423,8 @@ MUTANTS = [
         "step-listener-stops-before-the-fallback-decides",
         "the step listener stops after the timed window even while the fallback must decide",
         "cudagraph_plugin/runtime/steps.py",
-        "        if until is not None and step >= until and not deciding:\n",
-        "        if until is not None and step >= until:\n",
+        "            and not deciding\n",
+        "",
         (STEPS + "test_the_plugin_keeps_listening_while_the_fallback_has_to_decide",),
     ),
     Mutant(
@@ -442,6 +442,30 @@ MUTANTS = [
         "        if tuple(map(kwargs.get, self.CALL_KEYS)) != self._replay_values:\n",
         "        if False:\n",
         (GUARD + "test_check_replay_refuses_a_changed_call_as_check_call_does",),
+    ),
+    Mutant(
+        "step-listener-stops-without-progress",
+        "the step listener stops for a host without a StepProgress: the step then freezes",
+        "cudagraph_plugin/runtime/steps.py",
+        "            and state.progress is not None\n",
+        "",
+        (STEPS + "test_a_host_without_progress_is_heard_on_every_step",),
+    ),
+    Mutant(
+        "timer-stops-before-other-plugins",
+        "the step timer stops before other plugins' step-end work (left out of the step)",
+        "cudagraph_plugin/runtime/steps.py",
+        "    @hookimpl(trylast=True)\n",
+        "    @hookimpl\n",
+        (STEPS + "test_the_timed_step_includes_other_plugins_step_hooks",),
+    ),
+    Mutant(
+        "replay-list-subclass-wrapped-whole",
+        "the remembered replay's guard wraps a list subclass of chunk iterators as one iterator",
+        "cudagraph_plugin/runtime/guard.py",
+        "        if data_iterator is None or isinstance(data_iterator, list):\n",
+        "        if data_iterator is None or type(data_iterator) is list:\n",
+        (GUARD + "test_check_replay_wraps_a_list_subclass_per_chunk_as_check_call_does",),
     ),
 ]
 
