@@ -22,6 +22,7 @@ WINDOWS = {  # archive: the commit its non-base runs measured
     "windows1-2.tgz": "92e1349 (step listener)",
     "window3_after_trims1.tgz": "7d0627a (+ fewer calls per replay)",
     "window4_after_trims2.tgz": "d4959f1 (+ TrainingRun in four calls)",
+    "window5_final.tgz": "4f4c5c6 (final, after the review)",
 }
 out = sys.stdout
 out.write(
