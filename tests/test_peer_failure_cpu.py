@@ -32,6 +32,7 @@ import pytest
 import torch.distributed as dist
 
 import hookspecs
+from cudagraph_plugin import compat
 from cudagraph_plugin.runtime import peers as peer_failure
 from cudagraph_plugin.runtime.peers import (
     PeerFailed,
@@ -290,6 +291,86 @@ def test_peer_failed_ends_a_training_run_with_peer_failed(store, watches):
     assert run.shutdown_reason is ShutdownReason.PEER_FAILED
     [(reason, exception)] = seen
     assert reason is ShutdownReason.PEER_FAILED and exception.rank == 1
+
+
+class GraphBoundAbort:
+    """An abort as NCCL's is on a rank whose CUDA graph captured collectives: the stuck
+    kernel ends at once (the stand-in wait released: the abort flag), the communicator's
+    teardown only once the graph is destroyed (``graphs_freed``)."""
+
+    def __init__(self, stand_in: StandIn, events: list[str]) -> None:
+        self.stand_in = stand_in
+        self.events = events
+        self.graphs_freed = threading.Event()
+
+    def __call__(self) -> None:
+        self.events.append("abort began")
+        self.stand_in.release()
+        if self.graphs_freed.wait(HANG_S):
+            self.events.append("abort ended")
+
+
+def test_the_shutdown_frees_the_graphs_before_it_waits_for_the_abort(store, watches, caplog):
+    """Wired as the plugin wires it (``JobWatch``: end first, the peers and the abort last):
+    the shutdown frees the graphs while the abort goes on, and waits for its end last. A
+    shutdown that waited for the abort before freeing would wait for good (here: until the
+    watch gave up on it, with a warning)."""
+    stand_in = StandIn()
+    events: list[str] = []
+    abort = GraphBoundAbort(stand_in, events)
+    job = peer_failure.JobWatch(state=None)
+
+    class Wiring:
+        @hookimpl
+        def mcgraph_train_start(self, start_step, train_iters):
+            job.peers = start(watches, store, abort=abort)
+
+        @hookimpl(wrapper=True, tryfirst=True)
+        def mcgraph_shutdown(self, reason, exception):
+            job.end(reason, exception)
+            try:
+                return (yield)
+            finally:
+                job.wait_for_peers()
+                events.append("shutdown done")
+
+    class Release:
+        @hookimpl
+        def mcgraph_shutdown(self, reason, exception):
+            events.append("graphs freed")
+            abort.graphs_freed.set()
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(Wiring())
+    pm.register(Release())
+    caplog.set_level(logging.WARNING, logger="cudagraph_plugin")
+    with pytest.raises(PeerFailed):
+        with TrainingRun(pm, None, train_iters=3) as run:
+            with run.train_step(0):
+                assert job.peers is not None
+                later(0.2, lambda: peer(job.peers, 1).mark_failed("exception: x"))
+                stand_in.wait(HANG_S)
+    assert run.shutdown_reason is ShutdownReason.PEER_FAILED
+    assert events == ["abort began", "graphs freed", "abort ended", "shutdown done"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert not warnings, warnings
+
+
+def test_finish_gives_up_on_an_abort_that_does_not_end(store, watches, caplog):
+    stand_in = StandIn()
+    abort = GraphBoundAbort(stand_in, [])
+    watch = start(watches, store, abort=abort)
+    assert watch.finish(0.1)  # never acted: nothing to wait for
+    peer(watch, 1).mark_failed("exception: x")
+    caplog.set_level(logging.WARNING, logger="cudagraph_plugin")
+    try:
+        with pytest.raises(PeerFailed):
+            stand_in.wait(HANG_S)  # released as the abort begins; the interrupt follows
+        assert not watch.finish(0.2)
+        assert "did not end within" in caplog.text
+    finally:
+        abort.graphs_freed.set()
+    assert watch.finish(HANG_S)
 
 
 def test_wait_for_peers_returns_once_every_rank_ended(store):
@@ -607,3 +688,85 @@ def test_the_rank_hosting_the_store_keeps_it_until_the_others_were_told(jobs):
     told_by(job, 1, 0, "injected failure at step 2 on rank 0")
     assert job.record(0)["reason"] == "exception"
     assert job.record(0)["peers_ended"] is True
+
+
+# -------------------------------------------------------------------------------------------
+# The abort of every process group (compat.abort_process_groups).
+# -------------------------------------------------------------------------------------------
+
+
+class EntangledGroup:
+    """A group whose abort ends only once the other group's abort has begun: as NCCL's
+    teardown of one communicator waits for a kernel stuck on another's collective, which
+    only that other communicator's abort flag ends."""
+
+    def __init__(self, name: str, began: dict[str, threading.Event], other: str) -> None:
+        self.name, self.began, self.other = name, began, other
+        self.released_by_the_other: bool | None = None
+
+    def abort(self) -> None:
+        self.began[self.name].set()
+        self.released_by_the_other = self.began[self.other].wait(5.0)
+
+
+def test_every_group_is_aborted_at_once():
+    """One group after the other, the first abort would wait for good (here: 5 s, then
+    record that nothing released it)."""
+    began = {"a": threading.Event(), "b": threading.Event()}
+    groups = [EntangledGroup("a", began, "b"), EntangledGroup("b", began, "a")]
+    assert compat.abort_process_groups(HANG_S, groups=groups)
+    assert [group.released_by_the_other for group in groups] == [True, True]
+
+
+def test_an_abort_that_does_not_return_is_left_behind_at_the_timeout():
+    release = threading.Event()
+    began = threading.Event()
+
+    class Stuck:
+        def abort(self) -> None:
+            began.set()
+            release.wait(HANG_S)
+
+    try:
+        assert not compat.abort_process_groups(0.2, groups=[Stuck()])
+        assert began.is_set()
+    finally:
+        release.set()
+
+
+def test_a_failing_abort_is_logged_and_the_others_still_run(caplog):
+    aborted: list[str] = []
+
+    class Failing:
+        def abort(self) -> None:
+            raise RuntimeError("backend gone")
+
+    class Fine:
+        def abort(self) -> None:
+            aborted.append("fine")
+
+    with caplog.at_level(logging.ERROR, logger="cudagraph_plugin"):
+        assert compat.abort_process_groups(HANG_S, groups=[Failing(), Fine()])
+    assert aborted == ["fine"]
+    assert "backend gone" in caplog.text
+
+
+def test_the_real_groups_are_aborted_and_forgotten(tmp_path):
+    """Over real gloo groups in this process: every group's abort runs, then torch forgets
+    them (a host's teardown then skips destroy_process_group)."""
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        extra = dist.new_group([0], backend="gloo")
+        groups = list(dist.distributed_c10d._world.pg_names)
+        assert extra in groups and len(groups) == 2
+        aborted: list[Any] = []
+        assert compat.abort_process_groups(
+            HANG_S, abort=lambda group: (aborted.append(group), group.abort())
+        )
+        assert sorted(map(id, aborted)) == sorted(map(id, groups))
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -6,7 +6,8 @@
 #                                            # pytest from .gpu/wheels/test
 #   bash tools/gpu_session.sh quick 16|19    # instead of install, in one call and ~20 s: that
 #                                            # megatron-core without TE (no staging; enough
-#                                            # for `host` and the full-iteration modes)
+#                                            # for `host` and the full-iteration modes),
+#                                            # pytest from .gpu/wheels/test
 #   bash tools/gpu_session.sh suite 16|19 single|multi [pytest args]   # tests/gpu_suite.sh
 #   bash tools/gpu_session.sh host 16|19 [modes]  # benchmarks/plugin_host_time.py, one
 #                                            # process per mode (default: full_iteration
@@ -42,7 +43,8 @@ install)
 quick)
   v=${1:?16|19}
   TE=0 MCORE=$v bash .gpu/bin/device_install.sh > /tmp/gpu_quick$v.log 2>&1 || { tail -30 /tmp/gpu_quick$v.log; exit 1; }
-  printf 'export PYTHONPATH=/tmp/gpu/site%s${PYTHONPATH:+:$PYTHONPATH}\nexport NVTE_FRAMEWORK=pytorch\n' "$v" > /tmp/gpu/env$v.sh
+  python3 -m pip install -q --no-deps --no-index --target /tmp/pt .gpu/wheels/test/*.whl
+  printf 'export PYTHONPATH=/tmp/gpu/site%s:/tmp/pt${PYTHONPATH:+:$PYTHONPATH}\nexport NVTE_FRAMEWORK=pytorch\n' "$v" > /tmp/gpu/env$v.sh
   tail -n 3 /tmp/gpu_quick$v.log
   ;;
 suite)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -133,19 +136,76 @@ def te_available() -> bool:
     return bool(cuda_graphs.HAVE_TE_GRAPHS)
 
 
-def abort_process_groups() -> None:
-    """Abort every process group of this process (the default one included).
+def _abort_group(group: Any) -> None:
+    group.abort()
 
-    torch's ``_abort_process_group()`` aborts each backend (NCCL communicators inside one
-    ``ncclGroupStart/End``, so aborts of several communicators cannot deadlock each other)
-    and forgets the groups: ``torch.distributed.is_initialized()`` is False afterwards, so
-    a host's teardown skips ``destroy_process_group()``. Gloo's abort does nothing: a gloo
-    collective still waits for its peers (their exit ends it).
+
+def _abort_logged(abort: Callable[[Any], Any], group: Any) -> None:
+    try:
+        abort(group)
+    except Exception:
+        logging.getLogger("cudagraph_plugin").exception("aborting process group %r failed", group)
+
+
+def abort_process_groups(
+    timeout_s: float | None = None,
+    *,
+    groups: Sequence[Any] | None = None,
+    abort: Callable[[Any], Any] = _abort_group,
+) -> bool:
+    """Abort every process group of this process (the default one included), each from its
+    own thread, all at once; then forget them.
+
+    Why not torch's ``_abort_process_group()`` alone: it aborts the groups one after the
+    other, and an NCCL group's ``abort()`` waits (up to the group's timeout, ten minutes by
+    default) for its communicators' teardown, which runs in a thread of torch's own, outside
+    the ``ncclGroupStart/End`` torch puts around the loop (NCCL's group state is per
+    thread). A communicator's teardown waits for its work and for every CUDA graph that
+    captured it to be destroyed. So with a kernel spinning on a collective that the failed
+    peer never joins, the first teardown whose work or graph depends on it never ends, and
+    the communicator of that collective is never aborted: on 2x H200 (torch 2.11, NCCL
+    2.28) the healthy rank hung in ``pg.abort()`` until torchrun killed it, with a
+    full-iteration graph and with Transformer Engine's layer graphs alike.
+    ``ncclCommAbort`` raises the communicator's abort flag before its teardown waits, so
+    aborting every group at once ends every stuck kernel at once; each teardown then ends as
+    soon as what it waits for is gone (this rank's graphs, freed by its shutdown).
+
+    Gloo's abort does nothing: a gloo collective still waits for its peers (their exit ends
+    it).
+
+    :param timeout_s: How long to wait for every abort to return; ``None``: as long as they
+        take.
+    :param groups: The groups to abort; every registered one by default.
+    :param abort: How one group is aborted (``group.abort()``).
+    :returns: True once every abort returned; the groups are then forgotten (torch's
+        ``_abort_process_group()``, whose second abort of each backend returns at once):
+        ``torch.distributed.is_initialized()`` is False afterwards, so a host's teardown
+        skips ``destroy_process_group()``. False at the timeout: the groups stay
+        registered, their aborts go on in daemon threads.
     """
     import torch.distributed as dist
 
+    initialized = dist.is_available() and dist.is_initialized()
+    if groups is None:
+        if not initialized:
+            return True
+        groups = list(dist.distributed_c10d._world.pg_names)
+    threads = [
+        threading.Thread(
+            target=_abort_logged, args=(abort, group), name=f"mcgraph-abort-{i}", daemon=True
+        )
+        for i, group in enumerate(groups)
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+    if any(thread.is_alive() for thread in threads):
+        return False
     if dist.is_available() and dist.is_initialized():
         dist.distributed_c10d._abort_process_group()
+    return True
 
 
 def default_store() -> Any:

@@ -42,8 +42,8 @@ PEER_WAIT_S = 5.0
 (raised to four poll intervals in large jobs)."""
 
 ABORT_WAIT_S = 10.0
-"""How long :meth:`PeerWatch.stop` waits for an abort the watcher has begun: shutdown must
-not free graphs while the communicators are being aborted under it."""
+"""How long :meth:`PeerWatch.finish`, at the end of a rank's shutdown (its graphs freed),
+waits for the abort of the process groups the watcher began to end."""
 
 MAX_REASON_CHARS = 500
 

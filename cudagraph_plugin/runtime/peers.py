@@ -18,7 +18,12 @@ the bounded store calls are :mod:`~cudagraph_plugin.runtime.peer_mark`):
   this rank's process groups. The abort is what ends a main thread blocked in C: a CUDA
   synchronisation or ``.item()`` behind an NCCL collective that can never complete returns
   once the communicator is aborted, and the handler runs as soon as Python code runs again.
-  ``TrainingRun`` then shuts down with ``ShutdownReason.PEER_FAILED``.
+  ``TrainingRun`` then shuts down with ``ShutdownReason.PEER_FAILED``. Every group is
+  aborted from its own thread at once (:func:`~cudagraph_plugin.compat.abort_process_groups`
+  says why one after the other hangs), and the teardown of a communicator that a CUDA
+  graph captured ends only once the graph is destroyed: the shutdown does not wait for the
+  abort to end before it frees the graphs, only at its very end
+  (:meth:`PeerWatch.finish`).
 * **Wait for the peers.** The rank that failed keeps its process until every rank has
   begun its shutdown (:meth:`PeerWatch.wait_for_peers`, bounded): its exit would make
   torchrun send SIGTERM to the others, which, arriving first, would end them with
@@ -123,6 +128,7 @@ class PeerWatch:
         self._prefix = f"{KEY_PREFIX}/{generation}"
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._abort_begun = threading.Event()
         self._closing = False  # read by the signal handler, which must not take the lock
         self._stopping = False
         self._acting = False
@@ -348,9 +354,10 @@ class PeerWatch:
         return None
 
     def stop(self) -> None:
-        """Stop watching (idempotent). Waits for an abort the watcher has begun (at most
-        ``ABORT_WAIT_S``), else for its current poll (at most ``STORE_WAIT_S``); then puts
-        the interrupt signal's previous handler back."""
+        """Stop watching (idempotent). Waits for the watcher's current poll (at most
+        ``STORE_WAIT_S``), or, once it acted on a peer's failure, until its abort of the
+        process groups has begun (not ended: :meth:`finish` waits for that); then puts the
+        interrupt signal's previous handler back."""
         global _active
         self._closing = True
         with self._lock:
@@ -359,21 +366,51 @@ class PeerWatch:
             acting = self._acting
         self._wake.set()
         if first_stop and self._thread.ident is not None:
-            self._thread.join(ABORT_WAIT_S if acting else STORE_WAIT_S)
-            if self._thread.is_alive():
-                self._store_lost = self._store_lost or not acting
-                logger.warning(
-                    "rank %d: the peer watch did not end within %.0f s (%s); left behind",
-                    self.rank,
-                    ABORT_WAIT_S if acting else STORE_WAIT_S,
-                    "the abort of the process groups is still running"
-                    if acting
-                    else "its store call does not return",
-                )
+            if acting:
+                # The abort goes on while this rank shuts down: a communicator's teardown
+                # waits for this rank's graphs to be freed. finish() waits for it last.
+                if not self._abort_begun.wait(STORE_WAIT_S):
+                    logger.warning(
+                        "rank %d: the abort of the process groups did not begin within %.0f s",
+                        self.rank,
+                        STORE_WAIT_S,
+                    )
+            else:
+                self._thread.join(STORE_WAIT_S)
+                if self._thread.is_alive():
+                    self._store_lost = True
+                    logger.warning(
+                        "rank %d: the peer watch did not end within %.0f s (its store call "
+                        "does not return); left behind",
+                        self.rank,
+                        STORE_WAIT_S,
+                    )
         self._restore_handler()
         with _registry_lock:
             if _active is self:
                 _active = None
+
+    def finish(self, timeout_s: float = ABORT_WAIT_S) -> bool:
+        """The last thing of this rank's shutdown, after its graphs were freed: wait (at
+        most ``timeout_s``) for an abort of the process groups the watcher began to end.
+
+        A communicator's teardown waits for every CUDA graph that captured it to be
+        destroyed, so the abort on a rank whose full-iteration graph holds collectives ends
+        only after its shutdown freed the graphs. Returns True at once where the watcher
+        never acted.
+        """
+        if not self._acting or self._thread.ident is None:
+            return True
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            return True
+        logger.warning(
+            "rank %d: the abort of the process groups did not end within %.0f s (a "
+            "communicator's teardown still waits); left behind",
+            self.rank,
+            timeout_s,
+        )
+        return False
 
     # -- the watcher thread -------------------------------------------------------------------
 
@@ -426,10 +463,16 @@ class PeerWatch:
                     signal.pthread_kill(self._main_ident, self._signum)
                 except OSError as exc:  # the main thread is gone (the interpreter is exiting)
                     logger.info("rank %d: cannot interrupt the main thread (%s)", self.rank, exc)
+        began = time.monotonic()
+        self._abort_begun.set()
         try:
             self._abort()
         except Exception:
             logger.exception("rank %d: aborting the process groups failed", self.rank)
+            return
+        logger.info(
+            "rank %d: process groups aborted in %.2f s", self.rank, time.monotonic() - began
+        )
 
     # -- the interrupt ------------------------------------------------------------------------
 
@@ -530,4 +573,5 @@ class JobWatch:
 
     def wait_for_peers(self) -> None:
         if self.peers is not None:
+            self.peers.finish()
             self.peers.wait_for_peers()

@@ -40,6 +40,10 @@ Environment contract (``R`` is the ``RANK`` variable, 0 without torchrun):
     The host gets its plain ``forward_backward_func`` back from
     ``run.forward_backward_func()`` (a ``tryfirst`` wrapper returns what it was given), as a
     loop that never routes it through the run would use it.
+``MCGRAPH_PROBE_DUMP_EVERY=<seconds>``
+    A diagnosis aid: every rank writes the stacks of all its threads to stderr every
+    ``<seconds>`` from its configure on (``faulthandler.dump_traceback_later``), to see
+    where a rank that does not end is waiting.
 ``MCGRAPH_PROBE_FAIL_CAPTURE=<rank>|all``
     A capture that fails on that rank: by default ``mcgraph_before_capture`` raises;
     with ``MCGRAPH_PROBE_FAIL_CAPTURE_AT=inside`` a forward pre-hook on every module raises
@@ -72,6 +76,7 @@ FAIL_CAPTURE_VAR = "MCGRAPH_PROBE_FAIL_CAPTURE"
 FAIL_CAPTURE_AT_VAR = "MCGRAPH_PROBE_FAIL_CAPTURE_AT"
 SCALE_LR_VAR = "MCGRAPH_PROBE_SCALE_LR"
 PLAIN_VAR = "MCGRAPH_PROBE_PLAIN_FWD_BWD"
+DUMP_EVERY_VAR = "MCGRAPH_PROBE_DUMP_EVERY"
 PROBE_VARS = (DIR_VAR, RAISE_VAR, SIGTERM_VAR, FAIL_CAPTURE_VAR, SCALE_LR_VAR, PLAIN_VAR)
 RUN_NAME = "mcgraph-probe-run"
 MIB = 1024 * 1024
@@ -392,6 +397,8 @@ def _install_exit_hooks(probe: Probe) -> None:
 def mcgraph_configure(config: Any, pluginmanager: Any) -> None:
     if not any(os.environ.get(var) for var in PROBE_VARS):
         return
+    if os.environ.get(DUMP_EVERY_VAR):
+        faulthandler.dump_traceback_later(float(os.environ[DUMP_EVERY_VAR]), repeat=True)
     probe = Probe(pluginmanager, os.environ)
     pluginmanager.register(probe, name=RUN_NAME)
     if probe.path is not None:

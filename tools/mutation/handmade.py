@@ -32,6 +32,7 @@ BUCKETS_PY = "cudagraph_plugin/runtime/buckets.py"
 RL = "tests/test_rl_loop.py::"
 STEPS = "tests/test_step_listener.py::"
 GUARD = "tests/test_guard.py::"
+PEERS = "tests/test_peer_failure_cpu.py::"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,6 +467,35 @@ MUTANTS = [
         "        if data_iterator is None or isinstance(data_iterator, list):\n",
         "        if data_iterator is None or type(data_iterator) is list:\n",
         (GUARD + "test_check_replay_wraps_a_list_subclass_per_chunk_as_check_call_does",),
+    ),
+    Mutant(
+        "process-groups-aborted-one-by-one",
+        "the process groups are aborted one after the other (an abort whose teardown waits "
+        "on another communicator's stuck kernel then holds that communicator's abort back)",
+        "cudagraph_plugin/compat/device.py",
+        "    for thread in threads:\n        thread.start()\n",
+        "    for thread in threads:\n        thread.start()\n        thread.join()\n",
+        (PEERS + "test_every_group_is_aborted_at_once",),
+    ),
+    Mutant(
+        "shutdown-waits-for-the-abort-first",
+        "the peer-failed shutdown waits for the abort to end before it frees the graphs "
+        "(whose destruction the teardown of a captured communicator waits for)",
+        "cudagraph_plugin/runtime/peers.py",
+        "            if acting:\n",
+        "            if acting and self._thread.join(ABORT_WAIT_S) is None and "
+        "self._thread.is_alive():\n"
+        "                logger.warning('rank %d: the peer watch did not end', self.rank)\n"
+        "            elif acting:\n",
+        (PEERS + "test_the_shutdown_frees_the_graphs_before_it_waits_for_the_abort",),
+    ),
+    Mutant(
+        "abort-end-never-awaited",
+        "the shutdown never waits for the abort of the process groups to end",
+        "cudagraph_plugin/runtime/peers.py",
+        "            self.peers.finish()\n",
+        "",
+        (PEERS + "test_the_shutdown_frees_the_graphs_before_it_waits_for_the_abort",),
     ),
 ]
 
