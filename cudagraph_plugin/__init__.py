@@ -7,6 +7,11 @@ Public API (imported on first use, so ``import cudagraph_plugin`` stays cheap)::
     result = check_config(cfg, te_version="2.12")   # changes nothing
     result.problems, result.autofixes, result.advice, result.notes
 
+    from cudagraph_plugin import abort_process_groups
+
+    abort_process_groups(timeout_s=10)   # a host's teardown after an abnormal end: every
+                                         # process group aborted at once (see its docstring)
+
 The package is layered; each layer imports only the ones listed before it (a test keeps
 it so, ``docs/architecture.md`` draws it):
 
@@ -36,6 +41,7 @@ _EXPORTS = {
     "CudaGraphConfigError": "cudagraph_plugin.config.errors",
     "Violation": "cudagraph_plugin.config.errors",
     "AutoFix": "cudagraph_plugin.config.fixes",
+    "abort_process_groups": "cudagraph_plugin.compat.device",
 }
 __all__ = ["__version__", *_EXPORTS]
 

@@ -333,28 +333,42 @@ def _init_distributed(use_cuda: bool) -> None:
         raise RuntimeError(f"WORLD_SIZE={world_size} without MASTER_ADDR: launch with torchrun")
 
 
+ABORT_TIMEOUT_S = 10.0
+
+
 def _end_distributed(reason: ShutdownReason | None) -> None:
     """Tear the process groups down, after the run's shutdown hook (graphs hold NCCL
     buffers and are freed first).
 
     After an exception or a signal in a multi-rank job a peer may be gone, or stuck in a
     collective this rank will never join: a graceful ``destroy_process_group()`` then waits
-    for it forever (seen on 2 H200s over NCCL). The communicators are aborted instead, so
-    this rank exits at once, non-zero, and the launcher (torchrun) ends the other ranks.
+    for it forever (seen on 2 H200s over NCCL). The communicators are aborted instead, every
+    group at once (``cudagraph_plugin.abort_process_groups``: torch's own abort, one group
+    after the other, can wait for good), so this rank exits at once, non-zero.
     """
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 
+    from cudagraph_plugin import abort_process_groups
+
     dist = torch.distributed
     abnormal = reason is not None and reason.abnormal
     if abnormal and dist.is_initialized() and dist.get_world_size() > 1:
+        rank = dist.get_rank()
         logger.warning(
             "rank %d: the run ended by %s; aborting the process groups instead of a graceful "
             "teardown (a peer may never join a pending collective)",
-            dist.get_rank(),
+            rank,
             reason,
         )
-        dist.distributed_c10d._abort_process_group()
+        if not abort_process_groups(timeout_s=ABORT_TIMEOUT_S):
+            logger.warning(
+                "rank %d: the abort of the process groups did not end within %.0f s; "
+                "exiting without the rest of the teardown",
+                rank,
+                ABORT_TIMEOUT_S,
+            )
+            return
     destroy_num_microbatches_calculator()
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():

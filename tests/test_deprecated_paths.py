@@ -69,6 +69,7 @@ def test_the_public_names_are_unchanged():
         "CudaGraphConfigError",
         "Violation",
         "AutoFix",
+        "abort_process_groups",  # added by issue 22 (hosts' teardown after a failure)
     }
     from cudagraph_plugin.config.check import ConfigCheck, check_config
     from cudagraph_plugin.config.errors import CudaGraphConfigError

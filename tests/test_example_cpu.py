@@ -518,3 +518,32 @@ def test_virtual_stages_from_layers_per_stage_as_megatron_lm_derives_them() -> N
     args = parser.parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "8",
                               "--num-layers-per-virtual-pipeline-stage", "4"])  # fmt: skip
     assert train_gpt._virtual_stages(parser, args) is None  # one chunk per rank: no interleaving
+
+
+def test_a_rank_failing_ends_a_two_rank_job_with_every_process_group_aborted(tmp_path) -> None:
+    """torchrun, 2 ranks over gloo: rank 1 raising at step 2 ends the job non-zero; rank 1
+    ends by its exception and aborts its process groups instead of a graceful teardown
+    (``cudagraph_plugin.abort_process_groups``); rank 0, told through the job's store,
+    ends by ``peer_failed`` naming rank 1; neither is left with a process group."""
+    from train_jobs import launch
+
+    argv = ["--cpu", "--train-iters", "5", "--num-layers", "2", "--hidden-size", "64"]
+    argv += ["--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2"]
+    argv += ["--vocab-size", "128", "--log-interval", "0"]
+    job = launch(
+        "cpu-raise-rank1",
+        argv,
+        job_dir=tmp_path,
+        timeout_s=180,
+        nproc=2,
+        env={"MCGRAPH_PROBE_RAISE": "2:1"},
+    )
+    assert job.result.rc != 0 and not job.result.timed_out, job.context()
+    failed, told = job.record(1), job.record(0)
+    assert failed["shutdown_reason"] == "exception", job.context()
+    assert told["shutdown_reason"] == "peer_failed" and "rank 1" in told["exception"]
+    assert "rank 1: the run ended by exception; aborting the process groups" in (
+        job.result.output()
+    )
+    for record in (failed, told):
+        assert record["at_exit"] == {"process_group_initialized": False}, job.context()
