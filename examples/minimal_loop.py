@@ -139,12 +139,15 @@ def main(argv: list[str] | None = None) -> int:
 def end_distributed(run: TrainingRun) -> None:
     from megatron.core import parallel_state
 
+    from cudagraph_plugin import abort_process_groups
+
     dist = torch.distributed
     failed = run.shutdown_reason is not None and run.shutdown_reason.abnormal
     if failed and dist.is_initialized() and dist.get_world_size() > 1:
         # A peer may never join a pending collective: a graceful teardown would wait
-        # forever. Abort, so this rank exits now and the launcher ends the others.
-        dist.distributed_c10d._abort_process_group()
+        # forever. Abort every process group at once, so this rank exits now.
+        if not abort_process_groups(timeout_s=10):
+            return  # a communicator's teardown still waits: exit without the rest
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -547,3 +547,36 @@ def test_a_rank_failing_ends_a_two_rank_job_with_every_process_group_aborted(tmp
     )
     for record in (failed, told):
         assert record["at_exit"] == {"process_group_initialized": False}, job.context()
+
+
+def test_a_teardown_whose_abort_does_not_end_skips_the_rest(monkeypatch, caplog) -> None:
+    """After an abnormal end of a multi-rank run, an abort whose teardown still waits at its
+    timeout leaves the process groups registered: a graceful destroy would then wait for
+    good, so the example skips it (and says so)."""
+    from megatron.core import parallel_state
+
+    from cudagraph_plugin.compat import device
+    from hookspecs import ShutdownReason
+
+    waited: list[float | None] = []
+    destroyed: list[str] = []
+
+    def abort_left_behind(timeout_s: float | None = None) -> bool:
+        waited.append(timeout_s)
+        return False
+
+    monkeypatch.setattr(device, "abort_process_groups", abort_left_behind)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 1)
+    monkeypatch.setattr(
+        torch.distributed, "destroy_process_group", lambda *a, **k: destroyed.append("pg")
+    )
+    monkeypatch.setattr(
+        parallel_state, "destroy_model_parallel", lambda: destroyed.append("model parallel")
+    )
+    with caplog.at_level("WARNING", logger="train_gpt"):
+        train_gpt._end_distributed(ShutdownReason.EXCEPTION)
+    assert waited == [train_gpt.ABORT_TIMEOUT_S]
+    assert destroyed == []
+    assert "did not end within" in caplog.text

@@ -294,20 +294,31 @@ def test_peer_failed_ends_a_training_run_with_peer_failed(store, watches):
 
 
 class GraphBoundAbort:
-    """An abort as NCCL's is on a rank whose CUDA graph captured collectives: the stuck
-    kernel ends at once (the stand-in wait released: the abort flag), the communicator's
-    teardown only once the graph is destroyed (``graphs_freed``)."""
+    """An abort as NCCL's is on a rank whose CUDA graph captured collectives: begun by the
+    watcher, the stuck kernel ends at once (the stand-in wait released: the abort flag),
+    the communicators' teardown only once the graph is destroyed (``graphs_freed``);
+    ``settle`` waits for that end, as ``compat.abort_process_groups`` does."""
 
     def __init__(self, stand_in: StandIn, events: list[str]) -> None:
         self.stand_in = stand_in
         self.events = events
         self.graphs_freed = threading.Event()
+        self.teardown: threading.Thread | None = None
 
     def __call__(self) -> None:
         self.events.append("abort began")
+        self.teardown = threading.Thread(target=self._teardown, daemon=True)
+        self.teardown.start()
         self.stand_in.release()
+
+    def _teardown(self) -> None:
         if self.graphs_freed.wait(HANG_S):
             self.events.append("abort ended")
+
+    def settle(self, timeout_s: float) -> bool:
+        assert self.teardown is not None
+        self.teardown.join(timeout_s)
+        return not self.teardown.is_alive()
 
 
 def test_the_shutdown_frees_the_graphs_before_it_waits_for_the_abort(store, watches, caplog):
@@ -323,7 +334,7 @@ def test_the_shutdown_frees_the_graphs_before_it_waits_for_the_abort(store, watc
     class Wiring:
         @hookimpl
         def mcgraph_train_start(self, start_step, train_iters):
-            job.peers = start(watches, store, abort=abort)
+            job.peers = start(watches, store, abort=abort, settle=abort.settle)
 
         @hookimpl(wrapper=True, tryfirst=True)
         def mcgraph_shutdown(self, reason, exception):
@@ -359,7 +370,7 @@ def test_the_shutdown_frees_the_graphs_before_it_waits_for_the_abort(store, watc
 def test_finish_gives_up_on_an_abort_that_does_not_end(store, watches, caplog):
     stand_in = StandIn()
     abort = GraphBoundAbort(stand_in, [])
-    watch = start(watches, store, abort=abort)
+    watch = start(watches, store, abort=abort, settle=abort.settle)
     assert watch.finish(0.1)  # never acted: nothing to wait for
     peer(watch, 1).mark_failed("exception: x")
     caplog.set_level(logging.WARNING, logger="cudagraph_plugin")
@@ -714,7 +725,7 @@ def test_every_group_is_aborted_at_once():
     record that nothing released it)."""
     began = {"a": threading.Event(), "b": threading.Event()}
     groups = [EntangledGroup("a", began, "b"), EntangledGroup("b", began, "a")]
-    assert compat.abort_process_groups(HANG_S, groups=groups)
+    assert compat.GroupAbort(groups).wait(HANG_S)
     assert [group.released_by_the_other for group in groups] == [True, True]
 
 
@@ -728,7 +739,7 @@ def test_an_abort_that_does_not_return_is_left_behind_at_the_timeout():
             release.wait(HANG_S)
 
     try:
-        assert not compat.abort_process_groups(0.2, groups=[Stuck()])
+        assert not compat.GroupAbort([Stuck()]).wait(0.2)
         assert began.is_set()
     finally:
         release.set()
@@ -746,27 +757,64 @@ def test_a_failing_abort_is_logged_and_the_others_still_run(caplog):
             aborted.append("fine")
 
     with caplog.at_level(logging.ERROR, logger="cudagraph_plugin"):
-        assert compat.abort_process_groups(HANG_S, groups=[Failing(), Fine()])
+        assert compat.GroupAbort([Failing(), Fine()]).wait(HANG_S)
     assert aborted == ["fine"]
     assert "backend gone" in caplog.text
 
 
-def test_the_real_groups_are_aborted_and_forgotten(tmp_path):
-    """Over real gloo groups in this process: every group's abort runs, then torch forgets
-    them (a host's teardown then skips destroy_process_group)."""
+@pytest.fixture
+def gloo_world(tmp_path):
+    """A one-rank gloo world with one more group, torn down afterwards."""
     dist.init_process_group(
         "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
     )
     try:
         extra = dist.new_group([0], backend="gloo")
-        groups = list(dist.distributed_c10d._world.pg_names)
-        assert extra in groups and len(groups) == 2
-        aborted: list[Any] = []
-        assert compat.abort_process_groups(
-            HANG_S, abort=lambda group: (aborted.append(group), group.abort())
-        )
-        assert sorted(map(id, aborted)) == sorted(map(id, groups))
-        assert not dist.is_initialized()
+        yield [dist.group.WORLD, extra]
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_the_real_groups_are_aborted_once_and_forgotten(gloo_world, monkeypatch):
+    """Over real gloo groups in this process: the watcher's begin, a second begin and the
+    host's abort all share one abort of every group; then torch forgets them (a host's
+    teardown then skips destroy_process_group)."""
+    from cudagraph_plugin.compat import device
+
+    aborted: list[Any] = []
+
+    def recorded(group: Any) -> None:
+        aborted.append(group)
+        group.abort()
+
+    monkeypatch.setattr(device, "_abort_group", recorded)
+    assert sorted(map(id, dist.distributed_c10d._world.pg_names)) == sorted(map(id, gloo_world))
+    compat.begin_abort_process_groups()
+    compat.begin_abort_process_groups()
+    assert compat.abort_process_groups(HANG_S)
+    assert sorted(map(id, aborted)) == sorted(map(id, gloo_world))
+    assert not dist.is_initialized()
+    assert compat.abort_process_groups(HANG_S)  # nothing left: nothing to do
+
+
+def test_an_abort_left_behind_is_waited_for_again_not_restarted(gloo_world, monkeypatch):
+    """A host's abort after finish() gave up waits for the same aborts; the groups are
+    forgotten once they ended."""
+    from cudagraph_plugin.compat import device
+
+    release = threading.Event()
+    aborted: list[Any] = []
+
+    def slow(group: Any) -> None:
+        aborted.append(group)
+        release.wait(HANG_S)
+        group.abort()
+
+    monkeypatch.setattr(device, "_abort_group", slow)
+    compat.begin_abort_process_groups()
+    assert not compat.abort_process_groups(0.1)
+    assert dist.is_initialized()  # left registered while the aborts go on
+    release.set()
+    assert compat.abort_process_groups(HANG_S)
+    assert len(aborted) == len(gloo_world) and not dist.is_initialized()

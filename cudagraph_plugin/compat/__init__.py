@@ -27,8 +27,10 @@ from cudagraph_plugin.compat.ddp import (
     uses_forward_pre_hooks,
 )
 from cudagraph_plugin.compat.device import (
+    GroupAbort,
     abort_process_groups,
     any_rank,
+    begin_abort_process_groups,
     clear_cublas_workspaces,
     cuda_available,
     current_stream_lookup,
@@ -100,8 +102,10 @@ __all__ = [
     "TE_DELAY_WGRAD_WITH_ATTN",
     "TE_DELAY_WGRAD_WITH_PARTIAL_GRAPHS",
     "DDPBuildContext",
+    "GroupAbort",
     "abort_process_groups",
     "any_rank",
+    "begin_abort_process_groups",
     "canonical_impl_and_scope",
     "clear_cublas_workspaces",
     "clear_static_buffers",

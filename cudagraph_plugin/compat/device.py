@@ -147,64 +147,111 @@ def _abort_logged(abort: Callable[[Any], Any], group: Any) -> None:
         logging.getLogger("cudagraph_plugin").exception("aborting process group %r failed", group)
 
 
-def abort_process_groups(
-    timeout_s: float | None = None,
-    *,
-    groups: Sequence[Any] | None = None,
-    abort: Callable[[Any], Any] = _abort_group,
-) -> bool:
-    """Abort every process group of this process (the default one included), each from its
-    own thread, all at once; then forget them.
+class GroupAbort:
+    """The abort of some process groups, each from its own daemon thread, all at once.
 
-    Why not torch's ``_abort_process_group()`` alone: it aborts the groups one after the
-    other, and an NCCL group's ``abort()`` waits (up to the group's timeout, ten minutes by
-    default) for its communicators' teardown, which runs in a thread of torch's own, outside
-    the ``ncclGroupStart/End`` torch puts around the loop (NCCL's group state is per
-    thread). A communicator's teardown waits for its work and for every CUDA graph that
-    captured it to be destroyed. So with a kernel spinning on a collective that the failed
-    peer never joins, the first teardown whose work or graph depends on it never ends, and
-    the communicator of that collective is never aborted: on 2x H200 (torch 2.11, NCCL
-    2.28) the healthy rank hung in ``pg.abort()`` until torchrun killed it, with a
-    full-iteration graph and with Transformer Engine's layer graphs alike.
-    ``ncclCommAbort`` raises the communicator's abort flag before its teardown waits, so
-    aborting every group at once ends every stuck kernel at once; each teardown then ends as
-    soon as what it waits for is gone (this rank's graphs, freed by its shutdown).
+    Why not one after the other, as torch's ``_abort_process_group()`` does: an NCCL
+    group's ``abort()`` waits (up to the group's timeout, ten minutes by default) for its
+    communicators' teardown, which runs in a thread of torch's own, outside the
+    ``ncclGroupStart/End`` torch puts around the loop (NCCL's group state is per thread).
+    A communicator's teardown waits for its work and for every CUDA graph that captured it
+    to be destroyed. So with a kernel spinning on a collective that the failed peer never
+    joins, the first teardown whose work or graph depends on it never ends, and the
+    communicator of that collective is never aborted: on 2x H200 (torch 2.11, NCCL 2.28)
+    the healthy rank hung in ``pg.abort()`` until torchrun killed it, with a full-iteration
+    graph and with Transformer Engine's layer graphs alike. ``ncclCommAbort`` raises the
+    communicator's abort flag before its teardown waits, so aborting every group at once
+    ends every stuck kernel at once; each teardown then ends as soon as what it waits for
+    is gone (this rank's graphs, freed by its shutdown).
 
     Gloo's abort does nothing: a gloo collective still waits for its peers (their exit ends
     it).
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[Any],
+        abort: Callable[[Any], Any] | None = None,
+        world: Any = None,
+    ) -> None:
+        """Start aborting ``groups``: ``abort(group)`` (``group.abort()`` by default) for
+        each, each in its own daemon thread; ``world`` names the process groups' generation
+        (``torch.distributed.group.WORLD`` when they were listed)."""
+        self.world = world
+        how = abort if abort is not None else _abort_group
+        self.threads = [
+            threading.Thread(
+                target=_abort_logged, args=(how, group), name=f"mcgraph-abort-{i}", daemon=True
+            )
+            for i, group in enumerate(groups)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Whether every abort returned within ``timeout_s`` (``None``: as long as they
+        take)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for thread in self.threads:
+            thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+        return not any(thread.is_alive() for thread in self.threads)
+
+
+_abort_lock = threading.Lock()
+_abort_in_flight: GroupAbort | None = None
+
+
+def begin_abort_process_groups() -> None:
+    """Start aborting every process group of this process (:class:`GroupAbort`: each
+    group from its own thread, so every NCCL abort flag is up within milliseconds) and
+    return without waiting for the teardowns; :func:`abort_process_groups` waits for them
+    and forgets the groups. Does nothing without a process group, or while an abort of the
+    same groups is in flight."""
+    import torch.distributed as dist
+
+    global _abort_in_flight
+    with _abort_lock:
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        world = dist.group.WORLD
+        if _abort_in_flight is not None and _abort_in_flight.world is world:
+            return
+        _abort_in_flight = GroupAbort(list(dist.distributed_c10d._world.pg_names), world=world)
+
+
+def abort_process_groups(timeout_s: float | None = None) -> bool:
+    """Abort every process group of this process (the default one included), all at once
+    (:class:`GroupAbort` says why not one after the other), and forget them: what a host
+    calls instead of torch's ``_abort_process_group()`` after an abnormal end of a
+    multi-rank run. An abort already begun (:func:`begin_abort_process_groups`, the peer
+    watch's) is waited for, not started again.
 
     :param timeout_s: How long to wait for every abort to return; ``None``: as long as they
         take.
-    :param groups: The groups to abort; every registered one by default.
-    :param abort: How one group is aborted (``group.abort()``).
-    :returns: True once every abort returned; the groups are then forgotten (torch's
-        ``_abort_process_group()``, whose second abort of each backend returns at once):
-        ``torch.distributed.is_initialized()`` is False afterwards, so a host's teardown
-        skips ``destroy_process_group()``. False at the timeout: the groups stay
-        registered, their aborts go on in daemon threads.
+    :returns: True once every abort returned (or there was no process group); the groups
+        are then forgotten (torch's ``_abort_process_group()``, whose second abort of each
+        backend returns at once): ``torch.distributed.is_initialized()`` is False, so a
+        host's teardown skips ``destroy_process_group()``. False at the timeout: the
+        groups stay registered, their aborts go on in daemon threads (a later call waits
+        for the same ones).
     """
     import torch.distributed as dist
 
-    initialized = dist.is_available() and dist.is_initialized()
-    if groups is None:
-        if not initialized:
-            return True
-        groups = list(dist.distributed_c10d._world.pg_names)
-    threads = [
-        threading.Thread(
-            target=_abort_logged, args=(abort, group), name=f"mcgraph-abort-{i}", daemon=True
-        )
-        for i, group in enumerate(groups)
-    ]
-    for thread in threads:
-        thread.start()
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    for thread in threads:
-        thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
-    if any(thread.is_alive() for thread in threads):
+    global _abort_in_flight
+    begin_abort_process_groups()
+    with _abort_lock:
+        running = _abort_in_flight
+    if running is not None and not running.wait(timeout_s):
         return False
-    if dist.is_available() and dist.is_initialized():
-        dist.distributed_c10d._abort_process_group()
+    with _abort_lock:
+        if _abort_in_flight is running:
+            _abort_in_flight = None
+        if (
+            dist.is_available()
+            and dist.is_initialized()
+            and (running is None or dist.group.WORLD is running.world)
+        ):
+            dist.distributed_c10d._abort_process_group()
     return True
 
 

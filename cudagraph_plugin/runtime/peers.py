@@ -21,9 +21,9 @@ the bounded store calls are :mod:`~cudagraph_plugin.runtime.peer_mark`):
   ``TrainingRun`` then shuts down with ``ShutdownReason.PEER_FAILED``. Every group is
   aborted from its own thread at once (:func:`~cudagraph_plugin.compat.abort_process_groups`
   says why one after the other hangs), and the teardown of a communicator that a CUDA
-  graph captured ends only once the graph is destroyed: the shutdown does not wait for the
-  abort to end before it frees the graphs, only at its very end
-  (:meth:`PeerWatch.finish`).
+  graph captured ends only once the graph is destroyed: the watcher only begins the
+  abort; the shutdown frees the graphs, then waits for the abort's end and forgets the
+  groups at its very end, on its own thread (:meth:`PeerWatch.finish`).
 * **Wait for the peers.** The rank that failed keeps its process until every rank has
   begun its shutdown (:meth:`PeerWatch.wait_for_peers`, bounded): its exit would make
   torchrun send SIGTERM to the others, which, arriving first, would end them with
@@ -83,7 +83,7 @@ class PeerFailed(_ContractPeerFailed):
         super().__init__(
             failure.rank,
             failure.reason,
-            f"{failure.describe()}; this rank aborted its process groups and ended its run",
+            f"{failure.describe()}; this rank is aborting its process groups and ending its run",
         )
 
 
@@ -102,7 +102,8 @@ class PeerWatch:
         world_size: int,
         *,
         poll_s: float | None = None,
-        abort: Callable[[], None] = compat.abort_process_groups,
+        abort: Callable[[], None] = compat.begin_abort_process_groups,
+        settle: Callable[[float], bool] = compat.abort_process_groups,
         interrupt_signal: int | None = None,
         generation: int = 0,
     ) -> None:
@@ -123,12 +124,12 @@ class PeerWatch:
         self._store = store
         self._connection: Any = None
         self._abort = abort
+        self._settle = settle
         self._signum = interrupt_signal
         self.generation = generation
         self._prefix = f"{KEY_PREFIX}/{generation}"
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._abort_begun = threading.Event()
         self._closing = False  # read by the signal handler, which must not take the lock
         self._stopping = False
         self._acting = False
@@ -161,7 +162,8 @@ class PeerWatch:
         rank: int | None = None,
         world_size: int | None = None,
         poll_s: float | None = None,
-        abort: Callable[[], None] = compat.abort_process_groups,
+        abort: Callable[[], None] = compat.begin_abort_process_groups,
+        settle: Callable[[float], bool] = compat.abort_process_groups,
         interrupt_signal: int | None = None,
         interrupt: bool = True,
     ) -> PeerWatch | None:
@@ -175,8 +177,12 @@ class PeerWatch:
         :param rank: This rank; ``torch.distributed.get_rank()`` by default.
         :param world_size: Ranks in the job; ``torch.distributed.get_world_size()`` by default.
         :param poll_s: Seconds between polls (default: 0.5 s, more for jobs over 1000 ranks).
-        :param abort: What ends this rank's waits on the failed peer (default: abort every
-            process group).
+        :param abort: What ends this rank's waits on the failed peer, run by the watcher:
+            it must return once the abort has begun, not wait for its end (default: start
+            aborting every process group at once).
+        :param settle: What :meth:`finish` calls, on the shutdown's thread, to wait (at
+            most the seconds it is given) for the abort to end and clean up after it;
+            returns whether it ended (default: wait, then forget the process groups).
         :param interrupt_signal: The signal whose handler raises :class:`PeerFailed` in the
             main thread (default: :func:`default_interrupt_signal`).
         :param interrupt: With False (or off the main thread, or when the signal already has
@@ -207,6 +213,7 @@ class PeerWatch:
                 world_size,
                 poll_s=poll_s,
                 abort=abort,
+                settle=settle,
                 interrupt_signal=default_interrupt_signal()
                 if interrupt_signal is None
                 else interrupt_signal,
@@ -354,10 +361,9 @@ class PeerWatch:
         return None
 
     def stop(self) -> None:
-        """Stop watching (idempotent). Waits for the watcher's current poll (at most
-        ``STORE_WAIT_S``), or, once it acted on a peer's failure, until its abort of the
-        process groups has begun (not ended: :meth:`finish` waits for that); then puts the
-        interrupt signal's previous handler back."""
+        """Stop watching (idempotent). Waits for the watcher's current poll, or for it to
+        begin its abort (at most ``STORE_WAIT_S``; the abort's end is :meth:`finish`'s);
+        then puts the interrupt signal's previous handler back."""
         global _active
         self._closing = True
         with self._lock:
@@ -366,25 +372,17 @@ class PeerWatch:
             acting = self._acting
         self._wake.set()
         if first_stop and self._thread.ident is not None:
-            if acting:
-                # The abort goes on while this rank shuts down: a communicator's teardown
-                # waits for this rank's graphs to be freed. finish() waits for it last.
-                if not self._abort_begun.wait(STORE_WAIT_S):
-                    logger.warning(
-                        "rank %d: the abort of the process groups did not begin within %.0f s",
-                        self.rank,
-                        STORE_WAIT_S,
-                    )
-            else:
-                self._thread.join(STORE_WAIT_S)
-                if self._thread.is_alive():
-                    self._store_lost = True
-                    logger.warning(
-                        "rank %d: the peer watch did not end within %.0f s (its store call "
-                        "does not return); left behind",
-                        self.rank,
-                        STORE_WAIT_S,
-                    )
+            self._thread.join(STORE_WAIT_S)
+            if self._thread.is_alive():
+                self._store_lost = self._store_lost or not acting
+                logger.warning(
+                    "rank %d: the peer watch did not end within %.0f s (%s); left behind",
+                    self.rank,
+                    STORE_WAIT_S,
+                    "the abort of the process groups does not begin"
+                    if acting
+                    else "its store call does not return",
+                )
         self._restore_handler()
         with _registry_lock:
             if _active is self:
@@ -392,17 +390,17 @@ class PeerWatch:
 
     def finish(self, timeout_s: float = ABORT_WAIT_S) -> bool:
         """The last thing of this rank's shutdown, after its graphs were freed: wait (at
-        most ``timeout_s``) for an abort of the process groups the watcher began to end.
+        most ``timeout_s``) for the abort of the process groups the watcher began to end,
+        and forget the groups (``settle``), on the shutdown's thread.
 
         A communicator's teardown waits for every CUDA graph that captured it to be
         destroyed, so the abort on a rank whose full-iteration graph holds collectives ends
         only after its shutdown freed the graphs. Returns True at once where the watcher
         never acted.
         """
-        if not self._acting or self._thread.ident is None:
+        if not self._acting:
             return True
-        self._thread.join(timeout_s)
-        if not self._thread.is_alive():
+        if self._settle(timeout_s):
             return True
         logger.warning(
             "rank %d: the abort of the process groups did not end within %.0f s (a "
@@ -464,14 +462,15 @@ class PeerWatch:
                 except OSError as exc:  # the main thread is gone (the interpreter is exiting)
                     logger.info("rank %d: cannot interrupt the main thread (%s)", self.rank, exc)
         began = time.monotonic()
-        self._abort_begun.set()
         try:
             self._abort()
         except Exception:
             logger.exception("rank %d: aborting the process groups failed", self.rank)
             return
         logger.info(
-            "rank %d: process groups aborted in %.2f s", self.rank, time.monotonic() - began
+            "rank %d: the abort of every process group began (%.3f s)",
+            self.rank,
+            time.monotonic() - began,
         )
 
     # -- the interrupt ------------------------------------------------------------------------

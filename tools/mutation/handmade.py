@@ -473,20 +473,19 @@ MUTANTS = [
         "the process groups are aborted one after the other (an abort whose teardown waits "
         "on another communicator's stuck kernel then holds that communicator's abort back)",
         "cudagraph_plugin/compat/device.py",
-        "    for thread in threads:\n        thread.start()\n",
-        "    for thread in threads:\n        thread.start()\n        thread.join()\n",
+        "        for thread in self.threads:\n            thread.start()\n",
+        "        for thread in self.threads:\n"
+        "            thread.start()\n"
+        "            thread.join()\n",
         (PEERS + "test_every_group_is_aborted_at_once",),
     ),
     Mutant(
         "shutdown-waits-for-the-abort-first",
-        "the peer-failed shutdown waits for the abort to end before it frees the graphs "
-        "(whose destruction the teardown of a captured communicator waits for)",
+        "the watcher waits for the abort to end (after the graphs are freed) before the "
+        "shutdown may go on to free them",
         "cudagraph_plugin/runtime/peers.py",
-        "            if acting:\n",
-        "            if acting and self._thread.join(ABORT_WAIT_S) is None and "
-        "self._thread.is_alive():\n"
-        "                logger.warning('rank %d: the peer watch did not end', self.rank)\n"
-        "            elif acting:\n",
+        "        try:\n            self._abort()\n",
+        "        try:\n            self._abort()\n            self._settle(ABORT_WAIT_S)\n",
         (PEERS + "test_the_shutdown_frees_the_graphs_before_it_waits_for_the_abort",),
     ),
     Mutant(
@@ -496,6 +495,16 @@ MUTANTS = [
         "            self.peers.finish()\n",
         "",
         (PEERS + "test_the_shutdown_frees_the_graphs_before_it_waits_for_the_abort",),
+    ),
+    Mutant(
+        "abort-restarted-by-every-call",
+        "a second abort of the same process groups (the host's, after the watch's) starts new "
+        "aborts instead of waiting for the ones in flight",
+        "cudagraph_plugin/compat/device.py",
+        "        if _abort_in_flight is not None and _abort_in_flight.world is world:\n"
+        "            return\n",
+        "",
+        (PEERS + "test_the_real_groups_are_aborted_once_and_forgotten",),
     ),
 ]
 
