@@ -19,7 +19,7 @@ the bounded store calls are :mod:`~cudagraph_plugin.runtime.peer_mark`):
   synchronisation or ``.item()`` behind an NCCL collective that can never complete returns
   once the communicator is aborted, and the handler runs as soon as Python code runs again.
   ``TrainingRun`` then shuts down with ``ShutdownReason.PEER_FAILED``. Every group is
-  aborted from its own thread at once (:func:`~cudagraph_plugin.compat.abort_process_groups`
+  aborted from its own thread at once (:class:`~cudagraph_plugin.compat.GroupAbort`
   says why one after the other hangs), and the teardown of a communicator that a CUDA
   graph captured ends only once the graph is destroyed: the watcher only begins the
   abort; the shutdown frees the graphs, then waits for the abort's end and forgets the
