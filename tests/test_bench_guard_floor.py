@@ -3,6 +3,7 @@ checked nothing would make the comparison with the floor meaningless."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -30,8 +31,6 @@ def test_the_guard_it_times_refuses_a_changed_micro_batch():
 def test_it_reports_each_piece_and_the_differences(tmp_path):
     out = tmp_path / "floor.json"
     assert guard_floor.main(["--number", "50", "--repeats", "1", "--json", str(out)]) == 0
-    import json
-
     result = json.loads(out.read_text())
     for piece in ("draw", "floor", "guard"):
         assert result[f"{piece}_us"] > 0

@@ -2,7 +2,7 @@
 # One device call: the plugin's host time of the work tree against a baseline copy, in
 # alternation on the same machine with the same harness (BENCHMARKS.md 2h). Prepare here:
 #
-#   bash tools/host_baseline.sh HEAD && cp benchmarks/guard_floor.py .gpu/base/benchmarks/
+#   bash tools/host_baseline.sh HEAD
 #
 # then on the device (carry .gpu/bin, .gpu/wheels, .gpu/base): bash tools/host_ab.sh [pairs]
 # Results: $OUT/host-19.tgz (each process's JSON and log, and guard_floor_{base,new}.json).
