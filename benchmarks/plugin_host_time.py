@@ -34,6 +34,13 @@ out of the figures: ``--sync-between-steps`` (the device idle at each step's sta
 ``--size host-bound`` (a model whose GPU work is far below the host's). The target is
 <= 30 µs per step (issue 21).
 
+``threads`` in the JSON is where the process's threads stood when the run report was made
+(Linux ``/proc``; empty elsewhere): each thread's name, the CPU it last ran on and that CPU's
+hyperthread siblings, its CPU time and its voluntary and involuntary context switches. The
+same code measures up to 2x apart between processes on one machine (BENCHMARKS.md 2h, 2i):
+this says whether a slow process's main thread slept (voluntary switches: a blocking wait in
+the driver), was preempted (involuntary ones), or shared its core with a busy thread.
+
 GPU (after ../shared/gpu/README.md's install)::
 
     PYTHONPATH=$PWD:$PWD/examples:$PYTHONPATH python3 benchmarks/plugin_host_time.py \\
@@ -368,16 +375,56 @@ def summarise(clock: StepClock, first: int, breakdown: bool = True) -> dict[str,
     }
 
 
+def _proc_fields(stat: str) -> list[str]:
+    # /proc/<pid>/task/<tid>/stat: "tid (comm) state ..." (comm may hold spaces and ")")
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def thread_snapshot(proc: Path = Path("/proc/self/task")) -> list[dict[str, Any]]:
+    """Each thread of this process: name, last CPU and its hyperthread siblings, CPU time
+    (clock ticks of user + system time) and context switches; ``[]`` without ``/proc``."""
+    threads = []
+    try:
+        tasks = sorted(proc.iterdir(), key=lambda t: int(t.name))
+    except OSError:
+        return []
+    for task in tasks:
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = _proc_fields((task / "stat").read_text())
+            status = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines())
+        except (OSError, ValueError):
+            continue  # the thread ended while being read
+        # stat fields 14/15 (utime, stime) and 39 (processor) are 12/13 and 37 after comm
+        cpu = int(fields[36])
+        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        threads.append(
+            {
+                "tid": int(task.name),
+                "name": name,
+                "cpu": cpu,
+                "cpu_siblings": siblings.read_text().strip() if siblings.exists() else None,
+                "cpu_ticks": int(fields[11]) + int(fields[12]),
+                "voluntary_switches": int(status.get("voluntary_ctxt_switches", "0")),
+                "involuntary_switches": int(status.get("nonvoluntary_ctxt_switches", "0")),
+            }
+        )
+    return threads
+
+
 def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     import train_gpt
     from hookspecs import hookimpl
 
     class Capture:
-        step: int | None = None
+        def __init__(self) -> None:
+            self.step: int | None = None
+            self.threads: list[dict[str, Any]] = []
 
         @hookimpl
         def mcgraph_report(self, report: Any) -> None:
             self.step = report.capture_step
+            self.threads = thread_snapshot()
 
     capture = Capture()
     clock = StepClock()
@@ -411,6 +458,7 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "breakdown": breakdown,
         "capture_step": capture.step,
         **total,
+        "threads": capture.threads,
         "target_us": TARGET_US,
         "within_target": total["total_us_per_step"] is not None
         and total["total_us_per_step"] <= TARGET_US,

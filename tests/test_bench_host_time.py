@@ -10,7 +10,9 @@ benchmark counted that as the plugin's host time.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,10 @@ def test_the_instrumented_run_builds_one_wrapper_and_reports_each_piece(
         assert pieces["plugin_hooks"] == pieces["timer"] == 0
         assert result["plugin_code_us_per_step"] is None
         assert all(value == 0 for value in cpu.values())
+    if sys.platform == "linux":  # the main thread, as the report saw it
+        main = [t for t in result["threads"] if t["tid"] == threading.get_native_id()]
+        assert len(main) == 1 and main[0]["cpu_ticks"] > 0
+        assert main[0]["cpu"] in range(os.cpu_count() or 1)
     assert FullCudaGraphWrapper.__call__ is call  # the benchmark's patches are undone
     assert timing.StepTimer.start is timer_start
     assert plugin_host_time._Span.__dict__["cpu_clock"] is span_clock
@@ -164,3 +170,22 @@ def test_the_hosts_own_draw_is_not_counted_as_the_guard(fake_graphs, monkeypatch
     pieces = plugin_host_time.measure("full_iteration", args)["us_per_step"]
     assert 0 < pieces["guard"] < 10_000
     assert pieces["forward_backward"] < 10_000
+
+
+def test_the_thread_snapshot_reads_each_threads_cpu_and_switches(tmp_path):
+    # /proc's layout: a comm with spaces and a ")" must not shift the fields after it
+    task = tmp_path / "41"
+    task.mkdir()
+    (task / "comm").write_text("pt (main)\n")
+    after_comm = ["S", *map(str, range(4, 14)), "7", "5", *map(str, range(16, 39)), "3", "0"]
+    (task / "stat").write_text("41 (pt (main)) " + " ".join(after_comm) + "\n")
+    (task / "status").write_text(
+        "Name:\tpt\nvoluntary_ctxt_switches:\t12\nnonvoluntary_ctxt_switches:\t4\n"
+    )
+    gone = tmp_path / "42"  # a thread that ended while being read: left out
+    gone.mkdir()
+    (thread,) = plugin_host_time.thread_snapshot(tmp_path)
+    assert thread["tid"] == 41 and thread["name"] == "pt (main)"
+    assert thread["cpu"] == 3 and thread["cpu_ticks"] == 12
+    assert thread["voluntary_switches"] == 12 and thread["involuntary_switches"] == 4
+    assert plugin_host_time.thread_snapshot(tmp_path / "absent") == []
