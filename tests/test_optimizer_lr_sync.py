@@ -508,3 +508,57 @@ def test_the_module_imports_no_torch(tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
     )
     assert out.stdout.split() == ["False", "False"]
+
+
+@needs_mcore_on_cpu
+def test_a_chained_optimizers_reloaded_inner_groups_are_followed():
+    """The sync reads the torch optimizers inside megatron-core's wrappers directly (their
+    properties build a new list per call); a ``load_state_dict`` of an inner optimizer gives
+    it a new ``param_groups`` list of new dicts, which the next replay must still see."""
+    with _model_parallel_world():
+        params = _params()
+        optimizer = _chained(params, 1e-2)
+        lrs.promote_lr_to_tensor(optimizer)
+        captured = [group["lr"] for group in optimizer.param_groups]
+        sync = lrs.HyperparameterSync.watch(optimizer)
+        inner = optimizer.chained_optimizers[1].optimizer
+        state = inner.state_dict()
+        state["param_groups"][0]["lr"] = 4e-3
+        inner.load_state_dict(state)
+
+        sync.before_replay()
+
+        assert [group["lr"] for group in optimizer.param_groups] == captured  # same objects
+        assert captured[1].item() == pytest.approx(4e-3)
+        assert captured[0].item() == pytest.approx(1e-2)
+
+
+class _FirstGroupOnly:
+    """A wrapper whose ``param_groups`` is not its inner optimizer's list: it exposes one of
+    two groups (the sync must read what the wrapper gives, not the inner optimizer)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups[:1]
+
+
+def test_a_wrapper_that_shows_other_groups_than_its_inner_optimizer_is_read_through_itself():
+    params = _params()
+    inner = torch.optim.AdamW(
+        [{"params": params[:1]}, {"params": params[1:]}],
+        lr=torch.tensor(1e-2),
+        weight_decay=0.1,
+        capturable=True,
+    )
+    wrapper = _FirstGroupOnly(inner)
+    captured = wrapper.param_groups[0]["lr"]
+    sync = lrs.HyperparameterSync.watch(wrapper)
+    wrapper.param_groups[0]["lr"] = 2e-3  # the host's write, through the wrapper
+
+    sync.before_replay()  # one group, as at capture (the inner optimizer has two)
+
+    assert wrapper.param_groups[0]["lr"] is captured
+    assert captured.item() == pytest.approx(2e-3)

@@ -129,9 +129,21 @@ class HyperparameterSync:
     ``copies`` counts the host writes copied into captured tensors.
     """
 
-    def __init__(self, optimizer: Any, groups: list[_Group | None]) -> None:
+    def __init__(
+        self, optimizer: Any, groups: list[_Group | None], sources: list[Any] | None = None
+    ) -> None:
         self.optimizer = optimizer
         self._groups: list[_Group | None] = groups
+        # Read before every replay: the torch optimizers whose own param_groups lists make
+        # up ``optimizer.param_groups`` (megatron-core's wrappers build that list anew in a
+        # property per call), or None: read the property itself.
+        self._sources = sources
+        # _unchanged's view of the watched groups: (position, tensor items, baked items)
+        self._checks = [
+            (index, tuple(g.tensors.items()), tuple(g.baked.items()))
+            for index, g in enumerate(groups)
+            if g is not None
+        ]
         self._logged: set[str] = set()
         self.copies = 0
         self._released = False
@@ -156,7 +168,7 @@ class HyperparameterSync:
                 elif key in WATCHED_KEYS:
                     baked[key] = value
             groups.append(_Group(group, tensors, baked))
-        return cls(optimizer, groups)
+        return cls(optimizer, groups, _group_sources(optimizer))
 
     @property
     def description(self) -> str:
@@ -180,9 +192,7 @@ class HyperparameterSync:
                 "HyperparameterSync.before_replay() after release(): the optimizer graph it "
                 "watched was freed; watch() the optimizer again before a new capture"
             )
-        current = self.optimizer.param_groups
-        if type(current) is not list:
-            current = list(current)
+        current = self._current()
         if self._unchanged(current):
             return
         if len(current) != len(self._groups):
@@ -247,14 +257,13 @@ class HyperparameterSync:
         False sends :meth:`before_replay` the long way, which decides and explains."""
         if len(current) != len(self._groups):
             return False
-        for watched, group in zip(self._groups, current, strict=True):
-            if watched is None:
-                continue
-            for key, captured in watched.tensors.items():
-                if group.get(key, _MISSING) is not captured:
+        for index, tensors, baked in self._checks:
+            get = current[index].get
+            for key, captured in tensors:
+                if get(key, _MISSING) is not captured:
                     return False
-            for key, captured in watched.baked.items():
-                value = group.get(key, _MISSING)
+            for key, captured in baked:
+                value = get(key, _MISSING)
                 if value is not captured and not (
                     type(value) is type(captured) and type(value) in _PLAIN and value == captured
                 ):
@@ -281,8 +290,20 @@ class HyperparameterSync:
     def release(self) -> None:
         """Drop the captured tensors (the graph that read them is gone)."""
         self._groups = []
+        self._checks = []
+        self._sources = None
         self.optimizer = None
         self._released = True
+
+    def _current(self) -> list[Any]:
+        """``optimizer.param_groups`` as it is now, as a list (the same group dicts)."""
+        sources = self._sources
+        if sources is None:
+            current = self.optimizer.param_groups
+            return current if type(current) is list else list(current)
+        if len(sources) == 1:
+            return sources[0].param_groups
+        return [group for source in sources for group in source.param_groups]
 
 
 def _torch_optimizers(optimizer: Any) -> list[Any]:
@@ -299,6 +320,27 @@ def _torch_optimizers(optimizer: Any) -> list[Any]:
     if inner is None:
         return []
     return _torch_optimizers(inner)
+
+
+def _group_sources(optimizer: Any) -> list[Any] | None:
+    """The torch optimizers whose ``param_groups`` lists, joined, are exactly what
+    ``optimizer.param_groups`` gives now (the same dicts in the same order: megatron-core's
+    ``ChainedOptimizer`` and ``MegatronOptimizer`` properties), or None where they are not
+    (another wrapper: the sync reads its property, whatever it does)."""
+    import torch
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return None  # its param_groups is a plain attribute already
+    inner = _torch_optimizers(optimizer)
+    joined = [group for part in inner for group in part.param_groups]
+    groups = list(optimizer.param_groups)
+    if not inner or len(joined) != len(groups):
+        return None
+    if not all(a is b for a, b in zip(joined, groups, strict=True)):
+        return None
+    if not all(type(part.param_groups) is list for part in inner):
+        return None
+    return inner
 
 
 def promote_lr_to_tensor(optimizer: Any) -> int:
