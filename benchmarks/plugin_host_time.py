@@ -212,22 +212,24 @@ def instrument(
 
     def timed_inner(call: Any) -> Any:
         """``call`` timed as megatron-core's time (its wrapper, the host's function; the
-        outermost one counts), in one frame: what the harness costs around the call lands
-        in the plugin's share, so it adds as little as it can (without ``--breakdown``, not
-        even a call of the CPU clock)."""
+        outermost one counts), in one frame. Its clock is read first and last, so that what
+        the harness costs around the call lands in megatron-core's share, not the plugin's;
+        only the frame itself is left in the plugin's (without ``--breakdown``, not even a
+        call of the CPU clock)."""
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            inner["depth"] += 1
-            start_cpu = cpu_clock() if breakdown else 0
             start = time.perf_counter_ns()
+            start_cpu = cpu_clock() if breakdown else 0
+            inner["depth"] += 1
             try:
                 return call(*args, **kwargs)
             finally:
-                end = time.perf_counter_ns()
                 inner["depth"] -= 1
-                if not inner["depth"]:
-                    if breakdown:
-                        inner["cpu_ns"] += cpu_clock() - start_cpu
+                outermost = not inner["depth"]
+                if breakdown and outermost:
+                    inner["cpu_ns"] += cpu_clock() - start_cpu
+                end = time.perf_counter_ns()
+                if outermost:
                     inner["ns"] += end - start
 
         return timed
@@ -242,27 +244,11 @@ def instrument(
         clock.add(piece, wall, cpu_clock() - start_cpu - inner["cpu_ns"])
         return result
 
-    # The forward/backward callable the host gets (the remembered replay's shortcut is in
-    # it), timed whole; the host function it is made for is swapped for a timed stand-in
-    # once, when it is made (the plugin keys megatron-core's wrapper by that function, so
-    # a new stand-in per call would make it build a new FullCudaGraphWrapper, and CUDA
-    # stream, on every step, which the plugin never does).
-    forward_backward_init = interceptor.ForwardBackward.__init__
-    forward_backward_call = interceptor.ForwardBackward.__call__
-
-    def timed_forward_backward_init(self: Any, owner: Any, eager: Any) -> None:
-        forward_backward_init(self, owner, timed_inner(eager))
-
-    def timed_forward_backward(self: Any, **kwargs: Any) -> Any:
-        return around_inner("forward_backward", forward_backward_call, self, **kwargs)
-
-    patch(interceptor.ForwardBackward, "__init__", timed_forward_backward_init)
-    patch(interceptor.ForwardBackward, "__call__", timed_forward_backward)
-    patch(FullCudaGraphWrapper, "__call__", timed_inner(FullCudaGraphWrapper.__call__))
-
     # The guard: its checked iterator's __next__ (the frame included: that is the plugin's
     # cost too), minus the host's own draw inside it (its data iterator's next, which may
-    # build the batch).
+    # build the batch). The host's data iterator is wrapped in a timed draw before the
+    # forward/backward call is timed, once per iterator (the host passes the same one every
+    # step): the wrapper's making is never booked as the plugin's.
     drawn = {"ns": 0, "cpu_ns": 0}
 
     class TimedDraw:
@@ -275,40 +261,64 @@ def instrument(
             return self
 
         def __next__(self) -> Any:
-            start_cpu = cpu_clock() if breakdown else 0
             start = time.perf_counter_ns()
+            start_cpu = cpu_clock() if breakdown else 0
             try:
                 return next(self.iterator)
             finally:
-                drawn["ns"] += time.perf_counter_ns() - start
                 if breakdown:
                     drawn["cpu_ns"] += cpu_clock() - start_cpu
+                drawn["ns"] += time.perf_counter_ns() - start
 
-    def timed_iterator(cls: Any) -> None:
-        init, step = cls.__init__, cls.__next__
+    draws: dict[int, TimedDraw] = {}
 
-        def timed_init(self: Any, *args: Any, **kwargs: Any) -> None:
-            init(self, *args, **kwargs)
-            self._iterator = TimedDraw(self._iterator)
+    def timed_draw(iterator: Any) -> Any:
+        if isinstance(iterator, list):  # one per model chunk (virtual pipeline stages)
+            return [timed_draw(each) for each in iterator]
+        if iterator is None or isinstance(iterator, TimedDraw):
+            return iterator
+        known = draws.get(id(iterator))
+        if known is None or known.iterator is not iterator:  # an id reused after a free
+            known = draws[id(iterator)] = TimedDraw(iterator)
+        return known
 
-        def timed_next(self: Any) -> Any:
-            drawn["ns"] = drawn["cpu_ns"] = 0
-            start_cpu = cpu_clock() if breakdown else 0
-            start = time.perf_counter_ns()
-            try:
-                return step(self)
-            finally:
-                spent = time.perf_counter_ns() - start - drawn["ns"]
-                cpu = cpu_clock() - start_cpu - drawn["cpu_ns"] if breakdown else 0
-                clock.add("guard", spent, cpu)
-                # it ran inside megatron-core's call: count it as the guard
-                inner["ns"] -= spent
-                inner["cpu_ns"] -= cpu
+    # The forward/backward callable the host gets (the remembered replay's shortcut is in
+    # it), timed whole; the host function it is made for is swapped for a timed stand-in
+    # once, when it is made (the plugin keys megatron-core's wrapper by that function, so
+    # a new stand-in per call would make it build a new FullCudaGraphWrapper, and CUDA
+    # stream, on every step, which the plugin never does).
+    forward_backward_init = interceptor.ForwardBackward.__init__
+    forward_backward_call = interceptor.ForwardBackward.__call__
 
-        patch(cls, "__init__", timed_init)
-        patch(cls, "__next__", timed_next)
+    def timed_forward_backward_init(self: Any, owner: Any, eager: Any) -> None:
+        forward_backward_init(self, owner, timed_inner(eager))
 
-    timed_iterator(guard._CheckedIterator)
+    def timed_forward_backward(self: Any, **kwargs: Any) -> Any:
+        if "data_iterator" in kwargs:
+            kwargs["data_iterator"] = timed_draw(kwargs["data_iterator"])
+        return around_inner("forward_backward", forward_backward_call, self, **kwargs)
+
+    patch(interceptor.ForwardBackward, "__init__", timed_forward_backward_init)
+    patch(interceptor.ForwardBackward, "__call__", timed_forward_backward)
+    patch(FullCudaGraphWrapper, "__call__", timed_inner(FullCudaGraphWrapper.__call__))
+
+    checked_next = guard._CheckedIterator.__next__
+
+    def timed_next(self: Any) -> Any:
+        drawn["ns"] = drawn["cpu_ns"] = 0
+        start_cpu = cpu_clock() if breakdown else 0
+        start = time.perf_counter_ns()
+        try:
+            return checked_next(self)
+        finally:
+            spent = time.perf_counter_ns() - start - drawn["ns"]
+            cpu = cpu_clock() - start_cpu - drawn["cpu_ns"] if breakdown else 0
+            clock.add("guard", spent, cpu)
+            # it ran inside megatron-core's call: count it as the guard
+            inner["ns"] -= spent
+            inner["cpu_ns"] -= cpu
+
+    patch(guard._CheckedIterator, "__next__", timed_next)
 
     optimizer_step = interceptor.OptimizerStep.__call__
 

@@ -143,28 +143,20 @@ def test_megatron_cores_time_is_left_out_and_the_guard_counted(fake_graphs, monk
 
 def test_the_hosts_own_draw_is_not_counted_as_the_guard(fake_graphs, monkeypatch):
     """The guard's iterator draws the micro-batch from the host's data iterator, which may
-    build it (the example's does): that draw is the host's time, left out of ``guard``."""
+    build it (the example's does): that draw is the host's time, left out of ``guard`` and
+    of ``forward_backward``."""
     import time
 
-    from cudagraph_plugin.runtime import guard
+    import train_gpt
 
-    def slow_init(cls):
-        init = cls.__init__
+    real = train_gpt.synthetic_batches
 
-        def init_with_slow_draw(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            host = self._iterator
+    def slow_batches(**kwargs):
+        for batch in real(**kwargs):
+            time.sleep(0.02)  # the host building its micro-batch
+            yield batch
 
-            def draw():
-                for batch in host:
-                    time.sleep(0.02)
-                    yield batch
-
-            self._iterator = draw()
-
-        return init_with_slow_draw
-
-    monkeypatch.setattr(guard._CheckedIterator, "__init__", slow_init(guard._CheckedIterator))
+    monkeypatch.setattr(train_gpt, "synthetic_batches", slow_batches)
     monkeypatch.setattr(plugin_host_time, "SIZE", plugin_host_time.gpu_modes.Size("t", 1, 16, 2))
     args = argparse.Namespace(steps=6, warmup=2, cpu=True, breakdown=False)
     pieces = plugin_host_time.measure("full_iteration", args)["us_per_step"]
