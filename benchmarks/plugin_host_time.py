@@ -270,16 +270,19 @@ def instrument(
                     drawn["cpu_ns"] += cpu_clock() - start_cpu
                 drawn["ns"] += time.perf_counter_ns() - start
 
-    draws: dict[int, TimedDraw] = {}
+    # the timed draws of the last forward/backward call, by the host iterator's id: only
+    # those are kept (a host that passes a new iterator each step frees the old ones)
+    draws: dict[str, dict[int, TimedDraw]] = {"last": {}, "now": {}}
 
     def timed_draw(iterator: Any) -> Any:
         if isinstance(iterator, list):  # one per model chunk (virtual pipeline stages)
             return [timed_draw(each) for each in iterator]
         if iterator is None or isinstance(iterator, TimedDraw):
             return iterator
-        known = draws.get(id(iterator))
-        if known is None or known.iterator is not iterator:  # an id reused after a free
-            known = draws[id(iterator)] = TimedDraw(iterator)
+        known = draws["last"].get(id(iterator))
+        if known is None or known.iterator is not iterator:
+            known = TimedDraw(iterator)
+        draws["now"][id(iterator)] = known
         return known
 
     # The forward/backward callable the host gets (the remembered replay's shortcut is in
@@ -296,6 +299,7 @@ def instrument(
     def timed_forward_backward(self: Any, **kwargs: Any) -> Any:
         if "data_iterator" in kwargs:
             kwargs["data_iterator"] = timed_draw(kwargs["data_iterator"])
+            draws["last"], draws["now"] = draws["now"], {}
         return around_inner("forward_backward", forward_backward_call, self, **kwargs)
 
     patch(interceptor.ForwardBackward, "__init__", timed_forward_backward_init)

@@ -528,7 +528,7 @@ def test_a_chained_optimizers_reloaded_inner_groups_are_followed():
 
         sync.before_replay()
 
-        assert [group["lr"] for group in optimizer.param_groups] == captured  # same objects
+        assert all(g["lr"] is c for g, c in zip(optimizer.param_groups, captured, strict=True))
         assert captured[1].item() == pytest.approx(4e-3)
         assert captured[0].item() == pytest.approx(1e-2)
 
@@ -562,3 +562,69 @@ def test_a_wrapper_that_shows_other_groups_than_its_inner_optimizer_is_read_thro
 
     assert wrapper.param_groups[0]["lr"] is captured
     assert captured.item() == pytest.approx(2e-3)
+
+
+@needs_mcore_on_cpu
+def test_a_chained_optimizer_added_after_the_capture_is_refused():
+    """The captured step never steps a chained optimizer added after it: its groups are new
+    groups (refused), however the sync reads the inner optimizers."""
+    with _model_parallel_world():
+        params = _params()
+        optimizer = _chained(params, 1e-2)
+        lrs.promote_lr_to_tensor(optimizer)
+        sync = lrs.HyperparameterSync.watch(optimizer)
+        extra = _chained([torch.nn.Parameter(torch.zeros(3))], 1e-2).chained_optimizers[0]
+        optimizer.chained_optimizers.append(extra)
+
+        with pytest.raises(lrs.HyperparameterChangedError, match="3 group"):
+            sync.before_replay()
+
+
+@needs_mcore_on_cpu
+def test_an_inner_optimizer_swapped_after_the_capture_is_read_again(caplog):
+    """A host that swaps the torch optimizer inside a megatron-core wrapper: the sync reads
+    the new one's groups (here a weight decay the captured kernels do not have: refused),
+    and says it follows the optimizer's property from now on."""
+    with _model_parallel_world():
+        params = _params()
+        optimizer = _chained(params, 1e-2)
+        lrs.promote_lr_to_tensor(optimizer)
+        sync = lrs.HyperparameterSync.watch(optimizer)
+        part = optimizer.chained_optimizers[0]
+        part.optimizer = torch.optim.AdamW(
+            [params[0]], lr=torch.tensor(5e-3), weight_decay=0.5, capturable=True
+        )
+
+        with (
+            caplog.at_level(logging.INFO, logger="cudagraph_plugin"),
+            pytest.raises(lrs.HyperparameterChangedError, match="weight_decay"),
+        ):
+            sync.before_replay()
+    assert "'optimizer' changed after the capture" in caplog.text
+
+
+class _Reversed(_FirstGroupOnly):
+    """A wrapper that shows its inner optimizer's groups in the other order."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups[::-1]
+
+
+def test_a_wrapper_that_orders_its_inner_groups_otherwise_is_read_through_itself():
+    params = _params()
+    inner = torch.optim.AdamW(
+        [{"params": params[:1], "lr": torch.tensor(1e-2)}, {"params": params[1:]}],
+        lr=torch.tensor(3e-2),
+        weight_decay=0.1,
+        capturable=True,
+    )
+    wrapper = _Reversed(inner)
+    first, second = (group["lr"] for group in wrapper.param_groups)
+    sync = lrs.HyperparameterSync.watch(wrapper)
+    wrapper.param_groups[0]["lr"] = 2e-3  # the host's write into the wrapper's first group
+
+    sync.before_replay()
+
+    assert wrapper.param_groups[0]["lr"] is first and wrapper.param_groups[1]["lr"] is second
+    assert first.item() == pytest.approx(2e-3) and second.item() == pytest.approx(1e-2)

@@ -32,6 +32,7 @@ import logging
 import math
 import numbers
 import sys
+from operator import is_not
 from typing import Any
 
 logger = logging.getLogger("cudagraph_plugin")
@@ -136,7 +137,8 @@ class HyperparameterSync:
         self._groups: list[_Group | None] = groups
         # Read before every replay: the torch optimizers whose own param_groups lists make
         # up ``optimizer.param_groups`` (megatron-core's wrappers build that list anew in a
-        # property per call), or None: read the property itself.
+        # property per call) and the attributes leading to them (_group_sources), or None:
+        # read the property itself.
         self._sources = sources
         # _unchanged's view of the watched groups: (position, tensor items, baked items)
         self._checks = [
@@ -301,9 +303,23 @@ class HyperparameterSync:
         if sources is None:
             current = self.optimizer.param_groups
             return current if type(current) is list else list(current)
-        if len(sources) == 1:
-            return sources[0].param_groups
-        return [group for source in sources for group in source.param_groups]
+        optimizers, hops = sources
+        for attrs, name, held, items in hops:
+            value = attrs.get(name)
+            if value is not held or (
+                items is not None and (len(value) != len(items) or any(map(is_not, value, items)))
+            ):
+                self._sources = None
+                logger.info(
+                    "optimizer graph: the optimizer's %r changed after the capture; its "
+                    "param_groups are read through the optimizer itself from now on",
+                    name,
+                )
+                return self._current()
+        if len(optimizers) == 1:
+            current = optimizers[0].param_groups
+            return current if type(current) is list else list(current)
+        return [group for part in optimizers for group in part.param_groups]
 
 
 def _torch_optimizers(optimizer: Any) -> list[Any]:
@@ -322,25 +338,59 @@ def _torch_optimizers(optimizer: Any) -> list[Any]:
     return _torch_optimizers(inner)
 
 
-def _group_sources(optimizer: Any) -> list[Any] | None:
+# (instance __dict__, attribute, the object it held at watch time, a list's items or None)
+_Hop = tuple[dict[str, Any], str, Any, "tuple[Any, ...] | None"]
+
+
+def _group_sources(optimizer: Any) -> tuple[list[Any], tuple[_Hop, ...]] | None:
     """The torch optimizers whose ``param_groups`` lists, joined, are exactly what
     ``optimizer.param_groups`` gives now (the same dicts in the same order: megatron-core's
-    ``ChainedOptimizer`` and ``MegatronOptimizer`` properties), or None where they are not
-    (another wrapper: the sync reads its property, whatever it does)."""
+    ``ChainedOptimizer`` and ``MegatronOptimizer`` properties), with the attributes that
+    lead to them (checked before each read: a host that swaps an inner optimizer or adds a
+    chained one is followed through the property again); None where they are not the same
+    (another wrapper, a stub optimizer: the sync reads the property, whatever it does)."""
     import torch
 
     if isinstance(optimizer, torch.optim.Optimizer):
         return None  # its param_groups is a plain attribute already
-    inner = _torch_optimizers(optimizer)
+    hops: list[_Hop] = []
+    inner = _inner_optimizers(optimizer, hops)
+    if not inner:
+        return None
     joined = [group for part in inner for group in part.param_groups]
     groups = list(optimizer.param_groups)
-    if not inner or len(joined) != len(groups):
-        return None
-    if not all(a is b for a, b in zip(joined, groups, strict=True)):
+    if len(joined) != len(groups) or any(map(is_not, joined, groups)):
         return None
     if not all(type(part.param_groups) is list for part in inner):
         return None
-    return inner
+    return inner, tuple(hops)
+
+
+def _inner_optimizers(optimizer: Any, hops: list[_Hop]) -> list[Any] | None:
+    """:func:`_torch_optimizers`, through instance attributes only, each hop recorded in
+    ``hops``; None where a hop is anything else."""
+    import torch
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    attrs = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
+    chained = attrs.get("chained_optimizers")
+    if chained is not None:
+        if type(chained) is not list:
+            return None
+        hops.append((attrs, "chained_optimizers", chained, tuple(chained)))
+        found: list[Any] = []
+        for part in chained:
+            parts = _inner_optimizers(part, hops)
+            if parts is None:
+                return None
+            found += parts
+        return found
+    inner = attrs.get("optimizer")
+    if inner is None:
+        return None
+    hops.append((attrs, "optimizer", inner, None))
+    return _inner_optimizers(inner, hops)
 
 
 def promote_lr_to_tensor(optimizer: Any) -> int:
