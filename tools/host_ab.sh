@@ -5,7 +5,8 @@
 #   bash tools/host_baseline.sh HEAD
 #
 # then on the device (carry .gpu/bin, .gpu/wheels, .gpu/base): bash tools/host_ab.sh [pairs]
-# Results: $OUT/host-19.tgz (each process's JSON and log, and guard_floor_{base,new}.json).
+# Results: $OUT/host-19.tgz (each process's JSON and log, and guard_floor_{base,new}.json);
+# benchmarks/host_summary.py prints each side's pieces and their shares per process.
 set -uo pipefail
 pairs=${1:-3}
 bash tools/gpu_session.sh quick 19 || exit 1
@@ -25,3 +26,4 @@ for n in $(seq "$pairs"); do
 done
 nvidia-smi --query-gpu=name,driver_version --format=csv
 lscpu | grep -E "Model name" | head -1
+python3 benchmarks/host_summary.py /tmp/host-19
