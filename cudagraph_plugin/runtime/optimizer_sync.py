@@ -131,7 +131,10 @@ class HyperparameterSync:
     """
 
     def __init__(
-        self, optimizer: Any, groups: list[_Group | None], sources: list[Any] | None = None
+        self,
+        optimizer: Any,
+        groups: list[_Group | None],
+        sources: tuple[list[Any], tuple[_Hop, ...]] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self._groups: list[_Group | None] = groups
