@@ -512,9 +512,9 @@ def test_the_module_imports_no_torch(tmp_path):
 
 @needs_mcore_on_cpu
 def test_a_chained_optimizers_reloaded_inner_groups_are_followed():
-    """The sync reads the torch optimizers inside megatron-core's wrappers directly (their
-    properties build a new list per call); a ``load_state_dict`` of an inner optimizer gives
-    it a new ``param_groups`` list of new dicts, which the next replay must still see."""
+    """A ``load_state_dict`` of the torch optimizer inside megatron-core's wrappers gives it
+    a new ``param_groups`` list of new dicts, which the next replay must still see (a sync
+    that kept the inner lists it saw at capture would not)."""
     with _model_parallel_world():
         params = _params()
         optimizer = _chained(params, 1e-2)
@@ -567,7 +567,7 @@ def test_a_wrapper_that_shows_other_groups_than_its_inner_optimizer_is_read_thro
 @needs_mcore_on_cpu
 def test_a_chained_optimizer_added_after_the_capture_is_refused():
     """The captured step never steps a chained optimizer added after it: its groups are new
-    groups (refused), however the sync reads the inner optimizers."""
+    groups (refused), however the sync reads the param groups."""
     with _model_parallel_world():
         params = _params()
         optimizer = _chained(params, 1e-2)
@@ -581,10 +581,9 @@ def test_a_chained_optimizer_added_after_the_capture_is_refused():
 
 
 @needs_mcore_on_cpu
-def test_an_inner_optimizer_swapped_after_the_capture_is_read_again(caplog):
+def test_an_inner_optimizer_swapped_after_the_capture_is_read_again():
     """A host that swaps the torch optimizer inside a megatron-core wrapper: the sync reads
-    the new one's groups (here a weight decay the captured kernels do not have: refused),
-    and says it follows the optimizer's property from now on."""
+    the new one's groups (here a weight decay the captured kernels do not have: refused)."""
     with _model_parallel_world():
         params = _params()
         optimizer = _chained(params, 1e-2)
@@ -595,12 +594,8 @@ def test_an_inner_optimizer_swapped_after_the_capture_is_read_again(caplog):
             [params[0]], lr=torch.tensor(5e-3), weight_decay=0.5, capturable=True
         )
 
-        with (
-            caplog.at_level(logging.INFO, logger="cudagraph_plugin"),
-            pytest.raises(lrs.HyperparameterChangedError, match="weight_decay"),
-        ):
+        with pytest.raises(lrs.HyperparameterChangedError, match="weight_decay"):
             sync.before_replay()
-    assert "'optimizer' changed after the capture" in caplog.text
 
 
 class _Reversed(_FirstGroupOnly):

@@ -32,7 +32,6 @@ import logging
 import math
 import numbers
 import sys
-from operator import is_not
 from typing import Any
 
 logger = logging.getLogger("cudagraph_plugin")
@@ -130,25 +129,9 @@ class HyperparameterSync:
     ``copies`` counts the host writes copied into captured tensors.
     """
 
-    def __init__(
-        self,
-        optimizer: Any,
-        groups: list[_Group | None],
-        sources: tuple[list[Any], tuple[_Hop, ...]] | None = None,
-    ) -> None:
+    def __init__(self, optimizer: Any, groups: list[_Group | None]) -> None:
         self.optimizer = optimizer
         self._groups: list[_Group | None] = groups
-        # Read before every replay: the torch optimizers whose own param_groups lists make
-        # up ``optimizer.param_groups`` (megatron-core's wrappers build that list anew in a
-        # property per call) and the attributes leading to them (_group_sources), or None:
-        # read the property itself.
-        self._sources = sources
-        # _unchanged's view of the watched groups: (position, tensor items, baked items)
-        self._checks = [
-            (index, tuple(g.tensors.items()), tuple(g.baked.items()))
-            for index, g in enumerate(groups)
-            if g is not None
-        ]
         self._logged: set[str] = set()
         self.copies = 0
         self._released = False
@@ -173,7 +156,7 @@ class HyperparameterSync:
                 elif key in WATCHED_KEYS:
                     baked[key] = value
             groups.append(_Group(group, tensors, baked))
-        return cls(optimizer, groups, _group_sources(optimizer))
+        return cls(optimizer, groups)
 
     @property
     def description(self) -> str:
@@ -197,7 +180,14 @@ class HyperparameterSync:
                 "HyperparameterSync.before_replay() after release(): the optimizer graph it "
                 "watched was freed; watch() the optimizer again before a new capture"
             )
-        current = self._current()
+        # Read every time through the optimizer itself, though megatron-core's wrappers
+        # build the list anew in a property: reading the inner torch optimizers' lists
+        # directly is sound only with a check of the wrappers on the way (a host may swap
+        # an inner optimizer or add a chained one), and on the H200 that check cost what
+        # the direct read saved (BENCHMARKS.md 2i).
+        current = self.optimizer.param_groups
+        if type(current) is not list:
+            current = list(current)
         if self._unchanged(current):
             return
         if len(current) != len(self._groups):
@@ -262,13 +252,14 @@ class HyperparameterSync:
         False sends :meth:`before_replay` the long way, which decides and explains."""
         if len(current) != len(self._groups):
             return False
-        for index, tensors, baked in self._checks:
-            get = current[index].get
-            for key, captured in tensors:
-                if get(key, _MISSING) is not captured:
+        for watched, group in zip(self._groups, current, strict=True):
+            if watched is None:
+                continue
+            for key, captured in watched.tensors.items():
+                if group.get(key, _MISSING) is not captured:
                     return False
-            for key, captured in baked:
-                value = get(key, _MISSING)
+            for key, captured in watched.baked.items():
+                value = group.get(key, _MISSING)
                 if value is not captured and not (
                     type(value) is type(captured) and type(value) in _PLAIN and value == captured
                 ):
@@ -295,34 +286,8 @@ class HyperparameterSync:
     def release(self) -> None:
         """Drop the captured tensors (the graph that read them is gone)."""
         self._groups = []
-        self._checks = []
-        self._sources = None
         self.optimizer = None
         self._released = True
-
-    def _current(self) -> list[Any]:
-        """``optimizer.param_groups`` as it is now, as a list (the same group dicts)."""
-        sources = self._sources
-        if sources is None:
-            current = self.optimizer.param_groups
-            return current if type(current) is list else list(current)
-        optimizers, hops = sources
-        for attrs, name, held, items in hops:
-            value = attrs.get(name)
-            if value is not held or (
-                items is not None and (len(value) != len(items) or any(map(is_not, value, items)))
-            ):
-                self._sources = None
-                logger.info(
-                    "optimizer graph: the optimizer's %r changed after the capture; its "
-                    "param_groups are read through the optimizer itself from now on",
-                    name,
-                )
-                return self._current()
-        if len(optimizers) == 1:
-            current = optimizers[0].param_groups
-            return current if type(current) is list else list(current)
-        return [group for part in optimizers for group in part.param_groups]
 
 
 def _torch_optimizers(optimizer: Any) -> list[Any]:
@@ -339,61 +304,6 @@ def _torch_optimizers(optimizer: Any) -> list[Any]:
     if inner is None:
         return []
     return _torch_optimizers(inner)
-
-
-# (instance __dict__, attribute, the object it held at watch time, a list's items or None)
-_Hop = tuple[dict[str, Any], str, Any, "tuple[Any, ...] | None"]
-
-
-def _group_sources(optimizer: Any) -> tuple[list[Any], tuple[_Hop, ...]] | None:
-    """The torch optimizers whose ``param_groups`` lists, joined, are exactly what
-    ``optimizer.param_groups`` gives now (the same dicts in the same order: megatron-core's
-    ``ChainedOptimizer`` and ``MegatronOptimizer`` properties), with the attributes that
-    lead to them (checked before each read: a host that swaps an inner optimizer or adds a
-    chained one is followed through the property again); None where they are not the same
-    (another wrapper, a stub optimizer: the sync reads the property, whatever it does)."""
-    import torch
-
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return None  # its param_groups is a plain attribute already
-    hops: list[_Hop] = []
-    inner = _inner_optimizers(optimizer, hops)
-    if not inner:
-        return None
-    joined = [group for part in inner for group in part.param_groups]
-    groups = list(optimizer.param_groups)
-    if len(joined) != len(groups) or any(map(is_not, joined, groups)):
-        return None
-    if not all(type(part.param_groups) is list for part in inner):
-        return None
-    return inner, tuple(hops)
-
-
-def _inner_optimizers(optimizer: Any, hops: list[_Hop]) -> list[Any] | None:
-    """:func:`_torch_optimizers`, through instance attributes only, each hop recorded in
-    ``hops``; None where a hop is anything else."""
-    import torch
-
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    attrs = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
-    chained = attrs.get("chained_optimizers")
-    if chained is not None:
-        if type(chained) is not list:
-            return None
-        hops.append((attrs, "chained_optimizers", chained, tuple(chained)))
-        found: list[Any] = []
-        for part in chained:
-            parts = _inner_optimizers(part, hops)
-            if parts is None:
-                return None
-            found += parts
-        return found
-    inner = attrs.get("optimizer")
-    if inner is None:
-        return None
-    hops.append((attrs, "optimizer", inner, None))
-    return _inner_optimizers(inner, hops)
 
 
 def promote_lr_to_tensor(optimizer: Any) -> int:
