@@ -246,9 +246,9 @@ def instrument(
 
     # The guard: its checked iterator's __next__ (the frame included: that is the plugin's
     # cost too), minus the host's own draw inside it (its data iterator's next, which may
-    # build the batch). The host's data iterator is wrapped in a timed draw before the
-    # forward/backward call is timed, once per iterator (the host passes the same one every
-    # step): the wrapper's making is never booked as the plugin's.
+    # build the batch). The host's data iterator is wrapped in a timed draw on each call,
+    # before the forward/backward call is timed: the wrapper's making is never booked as the
+    # plugin's.
     drawn = {"ns": 0, "cpu_ns": 0}
 
     class TimedDraw:
@@ -270,20 +270,10 @@ def instrument(
                     drawn["cpu_ns"] += cpu_clock() - start_cpu
                 drawn["ns"] += time.perf_counter_ns() - start
 
-    # the timed draws of the last forward/backward call, by the host iterator's id: only
-    # those are kept (a host that passes a new iterator each step frees the old ones)
-    draws: dict[str, dict[int, TimedDraw]] = {"last": {}, "now": {}}
-
     def timed_draw(iterator: Any) -> Any:
         if isinstance(iterator, list):  # one per model chunk (virtual pipeline stages)
             return [timed_draw(each) for each in iterator]
-        if iterator is None or isinstance(iterator, TimedDraw):
-            return iterator
-        known = draws["last"].get(id(iterator))
-        if known is None or known.iterator is not iterator:
-            known = TimedDraw(iterator)
-        draws["now"][id(iterator)] = known
-        return known
+        return None if iterator is None else TimedDraw(iterator)
 
     # The forward/backward callable the host gets (the remembered replay's shortcut is in
     # it), timed whole; the host function it is made for is swapped for a timed stand-in
@@ -299,7 +289,6 @@ def instrument(
     def timed_forward_backward(self: Any, **kwargs: Any) -> Any:
         if "data_iterator" in kwargs:
             kwargs["data_iterator"] = timed_draw(kwargs["data_iterator"])
-            draws["last"], draws["now"] = draws["now"], {}
         return around_inner("forward_backward", forward_backward_call, self, **kwargs)
 
     patch(interceptor.ForwardBackward, "__init__", timed_forward_backward_init)
