@@ -8,7 +8,9 @@ other pieces run the same code on both sides. (Not quite evenly: in slow process
 guard grows more than the rest, so one piece against the guard alone is biased by the
 process's speed.) Runs are grouped by mode and side; the
 side is the file's tag without its trailing run number (``full_iteration_base2.json`` is
-mode ``full_iteration``, side ``base``), which is how `tools/host_ab.sh` names them::
+mode ``full_iteration``, side ``base``), which is how `tools/host_ab.sh` names them. The
+last column is each process's step period (``step_period_us``): the device's step where the
+host waits for it, the host's own work per step where it does not::
 
     python benchmarks/host_summary.py host-19.tgz [more archives or folders ...]
 """
@@ -69,6 +71,12 @@ def shares(data: dict[str, Any]) -> dict[str, float | None]:
     return {key: (value / total if total and value else None) for key, value in values.items()}
 
 
+def _period(data: dict[str, Any]) -> str:
+    # one step's start to the next (results from before the harness recorded it: "-")
+    period = data.get("step_period_us")
+    return "-" if period is None else f"{period:.0f}"
+
+
 def table(paths: list[Path]) -> str:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for path in paths:
@@ -83,8 +91,8 @@ def table(paths: list[Path]) -> str:
         + " | ".join(f"{p} µs (median)" for p in PIECES)
         + " | "
         + " | ".join(f"{r} share (per run)" for r in SHARES)
-        + " |",
-        "|---|---|---:|---|" + "---:|" * len(PIECES) + "---|" * len(SHARES),
+        + " | step period µs (per run) |",
+        "|---|---|---:|---|" + "---:|" * len(PIECES) + "---|" * (len(SHARES) + 1),
     ]
     for (mode, side), runs in sorted(groups.items()):
         steady = [r["untimed_steps"]["total_us_per_step"] for r in runs]
@@ -101,6 +109,8 @@ def table(paths: list[Path]) -> str:
             + " | ".join(f"{c:.1f}" for c in cells)
             + " | "
             + " | ".join(share_cells)
+            + " | "
+            + ", ".join(_period(r) for r in runs)
             + " |"
         )
     return "\n".join(lines) + "\n"

@@ -34,6 +34,10 @@ out of the figures: ``--sync-between-steps`` (the device idle at each step's sta
 ``--size host-bound`` (a model whose GPU work is far below the host's). The target is
 <= 30 µs per step (issue 21).
 
+``step_period_us`` is the median time from one step's start to the next: where the host
+waits for the device (the real model), the device's step; where it does not (``--size
+host-bound``), the host's own work per step, which is what the plugin's share can lengthen.
+
 ``threads`` in the JSON is where the process's threads stood when the run report was made
 (Linux ``/proc``; empty elsewhere): each thread's name, the CPU it last ran on and that CPU's
 hyperthread siblings, its CPU time and its voluntary and involuntary context switches. The
@@ -93,6 +97,8 @@ class StepClock:
             collections.Counter
         )
         self.timed: set[int] = set()
+        # perf_counter_ns when each step's train_step was entered: the loop's period
+        self.starts: dict[int, int] = {}
 
     def add(self, piece: str, ns: int, cpu_ns: int = 0) -> None:
         if self.step is not None:
@@ -161,6 +167,7 @@ def instrument(
             # the device idle before the step's first piece: no piece can wait for it
             synchronize()
         clock.step = step
+        clock.starts[step] = time.perf_counter_ns()
         span = _Span(clock, "hooks")
         manager = train_step(self, step)
         metrics = manager.__enter__()
@@ -360,6 +367,8 @@ def summarise(clock: StepClock, first: int, breakdown: bool = True) -> dict[str,
         return pieces["plugin_hooks"] + pieces["forward_backward"] + pieces["optimizer"]
 
     totals = sorted(total(ns[step]) for step in steps)
+    starts = clock.starts
+    periods = [starts[s + 1] - starts[s] for s in steps if s in starts and s + 1 in starts]
     timed = [total(ns[step]) for step in steps if step in clock.timed]
     untimed = [total(ns[step]) for step in steps if step not in clock.timed]
     return {
@@ -375,6 +384,9 @@ def summarise(clock: StepClock, first: int, breakdown: bool = True) -> dict[str,
         "plugin_code_us_per_step": _median_us([own(ns[s]) for s in steps]) if breakdown else None,
         "timed_steps": {"count": len(timed), "total_us_per_step": _median_us(timed)},
         "untimed_steps": {"count": len(untimed), "total_us_per_step": _median_us(untimed)},
+        # from one step's start to the next: the device's step where the host waits for it
+        # (a GPU-bound run), the host's own where it does not (--size host-bound)
+        "step_period_us": _median_us(periods),
     }
 
 

@@ -73,6 +73,8 @@ def test_the_instrumented_run_builds_one_wrapper_and_reports_each_piece(
         main = [t for t in result["threads"] if t["tid"] == threading.get_native_id()]
         assert len(main) == 1 and main[0]["cpu_ticks"] > 0
         assert main[0]["cpu"] in range(os.cpu_count() or 1)
+    # one step's start to the next: at least the plugin's and the host's time in it
+    assert result["step_period_us"] > result["total_us_per_step"]
     assert FullCudaGraphWrapper.__call__ is call  # the benchmark's patches are undone
     assert timing.StepTimer.start is timer_start
     assert plugin_host_time._Span.__dict__["cpu_clock"] is span_clock
@@ -92,7 +94,10 @@ def test_summary_splits_timed_steps_and_keeps_cpu_time_apart():
         for piece, ns in zip(plugin_host_time.PIECES, row, strict=True):
             clock.add(piece, ns, ns // 2)
     clock.timed.update({2, 3, 4})
+    # the loop's period: 20, 40 and 30 µs from steps 3, 4 and 5 (6 has no successor)
+    clock.starts = {2: 0, 3: 100_000, 4: 120_000, 5: 160_000, 6: 190_000}
     summary = plugin_host_time.summarise(clock, first=3)
+    assert summary["step_period_us"] == 30.0
     assert summary["steady_steps"] == 4
     # totals (hooks + forward_backward + optimizer; the guard is inside forward_backward):
     # 13, 56, 11 and 14 µs
