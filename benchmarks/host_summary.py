@@ -10,7 +10,8 @@ process's speed.) Runs are grouped by mode and side; the
 side is the file's tag without its trailing run number (``full_iteration_base2.json`` is
 mode ``full_iteration``, side ``base``), which is how `tools/host_ab.sh` names them. The
 last column is each process's step period (``step_period_us``): the device's step where the
-host waits for it, the host's own work per step where it does not::
+host waits for it, the host's own work per step where it does not; then its probe of the
+CPU's speed and the memory's latency (``host_probe_before``)::
 
     python benchmarks/host_summary.py host-19.tgz [more archives or folders ...]
 """
@@ -77,6 +78,14 @@ def _period(data: dict[str, Any]) -> str:
     return "-" if period is None else f"{period:.0f}"
 
 
+def _probe(data: dict[str, Any]) -> str:
+    # plugin_host_time.host_probe before the run: the CPU's speed and the memory's latency
+    probe = data.get("host_probe_before")
+    if not probe:
+        return "-"
+    return f"{probe['l1_chase_ns']:.0f} / {probe['memory_chase_ns']:.0f}"
+
+
 def table(paths: list[Path]) -> str:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for path in paths:
@@ -91,8 +100,8 @@ def table(paths: list[Path]) -> str:
         + " | ".join(f"{p} µs (median)" for p in PIECES)
         + " | "
         + " | ".join(f"{r} share (per run)" for r in SHARES)
-        + " | step period µs (per run) |",
-        "|---|---|---:|---|" + "---:|" * len(PIECES) + "---|" * (len(SHARES) + 1),
+        + " | step period µs (per run) | chase ns, L1 / memory (per run) |",
+        "|---|---|---:|---|" + "---:|" * len(PIECES) + "---|" * (len(SHARES) + 2),
     ]
     for (mode, side), runs in sorted(groups.items()):
         steady = [r["untimed_steps"]["total_us_per_step"] for r in runs]
@@ -111,6 +120,8 @@ def table(paths: list[Path]) -> str:
             + " | ".join(share_cells)
             + " | "
             + ", ".join(_period(r) for r in runs)
+            + " | "
+            + ", ".join(_probe(r) for r in runs)
             + " |"
         )
     return "\n".join(lines) + "\n"

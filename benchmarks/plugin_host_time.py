@@ -38,6 +38,10 @@ out of the figures: ``--sync-between-steps`` (the device idle at each step's sta
 waits for the device (the real model), the device's step; where it does not (``--size
 host-bound``), the host's own work per step, which is what the plugin's share can lengthen.
 
+``host_probe_before`` / ``_after`` (GPU runs): a dependent-load chase from Python through
+256 entries (the CPU's speed) and through 128 MiB (the memory's latency), before and after
+the run: whether a slow process has a slow CPU or slow memory.
+
 ``threads`` in the JSON is where the process's threads stood when the run report was made
 (Linux ``/proc``; empty elsewhere): each thread's name, the CPU it last ran on and that CPU's
 hyperthread siblings, its CPU time and its voluntary and involuntary context switches. The
@@ -58,6 +62,7 @@ CPU (the plugin is inactive without CUDA graphs, so only ``hooks`` is measured):
 from __future__ import annotations
 
 import argparse
+import array
 import collections
 import contextlib
 import functools
@@ -427,6 +432,45 @@ def thread_snapshot(proc: Path = Path("/proc/self/task")) -> list[dict[str, Any]
     return threads
 
 
+def chase_cycle(n: int, seed: int = 0) -> array.array:
+    """A list of ``n`` next-indices forming one cycle through all of them, in random order: a
+    chase from any index visits every entry before it comes back (so a chase longer than
+    the cache's share of the entries cannot stay in the cache)."""
+    import torch
+
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    following = torch.empty(n, dtype=torch.int64)
+    following[order] = order.roll(-1)
+    cycle = array.array("q")
+    cycle.frombytes(following.numpy().tobytes())
+    return cycle
+
+
+def _chase_ns(cycle: array.array, steps: int) -> float:
+    index = 0
+    start = time.perf_counter_ns()
+    for _ in range(steps):
+        index = cycle[index]
+    return (time.perf_counter_ns() - start) / steps
+
+
+def host_probe(large: int = 1 << 24, small: int = 256, steps: int = 1 << 19) -> dict[str, float]:
+    """Nanoseconds per step of a dependent-load chase from Python, through ``small`` entries
+    (in the L1 cache: the CPU's speed with the interpreter's own overhead) and through
+    ``large`` ones (128 MiB by default, beyond a server's last-level cache: each step misses
+    the caches and the TLB, so it adds the memory's latency as this process sees it). Taken
+    before and after the run (``host_probe_before``/``_after``), it says whether a slow
+    process has a slow CPU or slow memory: BENCHMARKS.md 2i found every piece of a process
+    1.5-2x slower together, with the code's hot-loop cost unchanged."""
+    small_cycle, large_cycle = chase_cycle(small), chase_cycle(large)
+    _chase_ns(large_cycle, steps // 8)  # page the entries in first
+    return {
+        "l1_chase_ns": min(_chase_ns(small_cycle, steps) for _ in range(3)),
+        "memory_chase_ns": min(_chase_ns(large_cycle, steps) for _ in range(3)),
+        "large_entries": large,
+    }
+
+
 def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     import train_gpt
     from hookspecs import hookimpl
@@ -506,7 +550,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from cudagraph_plugin import compat
 
+    probe = {} if args.cpu else {"host_probe_before": host_probe()}
     result = measure(args.mode, args)
+    if not args.cpu:
+        result["host_probe_after"] = host_probe()
+    result.update(probe)
     use_cuda = torch.cuda.is_available() and not args.cpu
     result.update(
         date=time.strftime("%Y-%m-%d"),

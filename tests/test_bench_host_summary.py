@@ -57,6 +57,7 @@ def test_the_table_groups_an_archive_by_mode_and_side(tmp_path):
         "host-19/full_iteration_optimizer_new1.json": {
             **_result("full_iteration_optimizer", 2.0, 10.0, 4.0, 2.0, 20.0),
             "step_period_us": 2461.4,
+            "host_probe_before": {"l1_chase_ns": 31.2, "memory_chase_ns": 142.7},
         },
         "host-19/guard_floor_base.json": {"floor_us": 3.0},
     }
@@ -75,5 +76,6 @@ def test_the_table_groups_an_archive_by_mode_and_side(tmp_path):
     assert "| base | 2 | **40.0** (30.0, 50.0) |" in base
     assert "| 0.25, 0.25 |" in base  # the optimizer's share in both base runs
     assert "| new | 1 | **20.0** (20.0) |" in new
-    assert new.endswith("| 0.14 | 2461 |")  # 2 of 2 + 6 + 4 + 2; then its step period
-    assert base.endswith("| -, - |")  # results from before the harness recorded the period
+    # 2 of 2 + 6 + 4 + 2; then its step period and its probe
+    assert new.endswith("| 0.14 | 2461 | 31 / 143 |")
+    assert base.endswith("| -, - | -, - |")  # results from before the harness recorded the period

@@ -186,3 +186,18 @@ def test_the_thread_snapshot_reads_each_threads_cpu_and_switches(tmp_path):
     assert thread["cpu"] == 3 and thread["cpu_ticks"] == 12
     assert thread["voluntary_switches"] == 12 and thread["involuntary_switches"] == 4
     assert plugin_host_time.thread_snapshot(tmp_path / "absent") == []
+
+
+def test_the_probes_chase_visits_every_entry_before_it_repeats():
+    # one cycle through all entries: a chase of a short cycle would stay in the cache and
+    # measure the CPU where it claims to measure the memory
+    cycle = plugin_host_time.chase_cycle(1000, seed=3)
+    seen, index = set(), 0
+    for _ in range(1000):
+        seen.add(index)
+        index = cycle[index]
+    assert len(seen) == 1000 and index == 0
+    assert sorted(cycle) == list(range(1000))
+    probe = plugin_host_time.host_probe(large=1 << 14, small=64, steps=1 << 12)
+    assert probe["l1_chase_ns"] > 0 and probe["memory_chase_ns"] > 0
+    assert probe["large_entries"] == 1 << 14
