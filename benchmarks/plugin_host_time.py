@@ -42,6 +42,11 @@ host-bound``), the host's own work per step, which is what the plugin's share ca
 256 entries (the CPU's speed) and through 128 MiB (the memory's latency), before and after
 the run: whether a slow process has a slow CPU or slow memory.
 
+``--speed-meter`` runs a short L1-resident chase (256 loads) before each step, outside every
+timed piece: ``speed_meter`` gives the steady total apart for the steps that ran at full
+speed (the meter within 1.2x of the run's fastest) and the others; ``per_step`` holds every
+step's meter and total, to pool runs.
+
 ``threads`` in the JSON is where the process's threads stood when the run report was made
 (Linux ``/proc``; empty elsewhere): each thread's name, the CPU it last ran on and that CPU's
 hyperthread siblings, its CPU time and its voluntary and involuntary context switches. The
@@ -104,6 +109,8 @@ class StepClock:
         self.timed: set[int] = set()
         # perf_counter_ns when each step's train_step was entered: the loop's period
         self.starts: dict[int, int] = {}
+        # --speed-meter: ns per iteration of a short L1-resident chase run before each step
+        self.meter: dict[int, float] = {}
 
     def add(self, piece: str, ns: int, cpu_ns: int = 0) -> None:
         if self.step is not None:
@@ -139,6 +146,7 @@ def instrument(
     stack: contextlib.ExitStack,
     sync_between_steps: bool = False,
     breakdown: bool = False,
+    speed_meter: bool = False,
 ) -> None:
     """Wrap the pieces the plugin adds to a step (undone when ``stack`` closes).
 
@@ -166,11 +174,16 @@ def instrument(
 
         synchronize = torch.cuda.synchronize
 
+    meter = chase_cycle(METER_ENTRIES) if speed_meter else None
+
     @contextlib.contextmanager
     def timed_train_step(self: Any, step: int) -> Any:
         if synchronize is not None:
             # the device idle before the step's first piece: no piece can wait for it
             synchronize()
+        if meter is not None:
+            # the CPU's speed at this step, outside every timed piece
+            clock.meter[step] = _chase_ns(meter, METER_STEPS)
         clock.step = step
         clock.starts[step] = time.perf_counter_ns()
         span = _Span(clock, "hooks")
@@ -392,6 +405,40 @@ def summarise(clock: StepClock, first: int, breakdown: bool = True) -> dict[str,
         # from one step's start to the next: the device's step where the host waits for it
         # (a GPU-bound run), the host's own where it does not (--size host-bound)
         "step_period_us": _median_us(periods),
+        **(by_speed(clock, steps, total) if clock.meter else {}),
+    }
+
+
+METER_ENTRIES, METER_STEPS = 256, 256
+# a step whose meter is within this factor of the run's fastest ran at full speed
+FULL_SPEED = 1.2
+
+
+def by_speed(clock: StepClock, steps: list[int], total: Any) -> dict[str, Any]:
+    """``--speed-meter``: the steady total (the steps the plugin does not time) apart for the
+    steps whose meter says the CPU ran at full speed (within :data:`FULL_SPEED` of the run's
+    fastest meter) and the others, and every step's meter and total (to pool runs). The lent
+    host's CPU runs the same L1-resident loop up to 2x slower at times, within one process
+    (BENCHMARKS.md 2j)."""
+    # the steady state: the steps the plugin's step timer leaves alone
+    metered = [s for s in steps if s in clock.meter and s not in clock.timed]
+    if not metered:
+        return {}
+    fastest = min(clock.meter[s] for s in metered)
+    full = [total(clock.ns[s]) for s in metered if clock.meter[s] <= FULL_SPEED * fastest]
+    slow = [total(clock.ns[s]) for s in metered if clock.meter[s] > FULL_SPEED * fastest]
+    return {
+        "speed_meter": {
+            "fastest_ns": fastest,
+            "median_ns": statistics.median(clock.meter[s] for s in metered),
+            "full_speed_steps": {"count": len(full), "total_us_per_step": _median_us(full)},
+            "slower_steps": {"count": len(slow), "total_us_per_step": _median_us(slow)},
+        },
+        "per_step": {
+            "step": metered,
+            "meter_ns": [round(clock.meter[s], 2) for s in metered],
+            "total_us": [total(clock.ns[s]) / 1000.0 for s in metered],
+        },
     }
 
 
@@ -503,8 +550,11 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     argv = gpu_modes.plugin_argv(size, gpu_limit.MODES[mode], settings, use_cuda=not args.cpu)
     sync = bool(getattr(args, "sync_between_steps", False)) and not args.cpu
     breakdown = bool(getattr(args, "breakdown", False))
+    speed_meter = bool(getattr(args, "speed_meter", False))
     with contextlib.ExitStack() as stack:
-        instrument(clock, stack, sync_between_steps=sync, breakdown=breakdown)
+        instrument(
+            clock, stack, sync_between_steps=sync, breakdown=breakdown, speed_meter=speed_meter
+        )
         train_gpt.run(argv, plugins=[capture])
     first = (capture.step if capture.step is not None else args.warmup) + 1
     clock.timed.update(timed_by_the_plugin(clock.ns, capture.step))
@@ -543,6 +593,12 @@ def main(argv: list[str] | None = None) -> int:
         "--sync-between-steps",
         action="store_true",
         help="synchronise the device before each step (outside every timed piece)",
+    )
+    parser.add_argument(
+        "--speed-meter",
+        action="store_true",
+        help="before each step (outside every timed piece) time a short L1-resident loop: "
+        "the totals apart for the steps the CPU ran at full speed",
     )
     parser.add_argument("--out", help="write the result as JSON here")
     args = parser.parse_args(argv)

@@ -46,7 +46,10 @@ def test_the_instrumented_run_builds_one_wrapper_and_reports_each_piece(
     monkeypatch.setattr(measurement, "DENSE_REPLAY_STEPS", 3)
     timer_start = timing.StepTimer.start
     span_clock = plugin_host_time._Span.__dict__["cpu_clock"]
-    args = argparse.Namespace(steps=8, warmup=2, cpu=True, breakdown=breakdown)
+    # (the breakdown run also meters the CPU's speed before each step)
+    args = argparse.Namespace(
+        steps=8, warmup=2, cpu=True, breakdown=breakdown, speed_meter=breakdown
+    )
     result = plugin_host_time.measure("full_iteration", args)
     assert len(built) == 1
     assert result["capture_step"] == 2 and result["steady_steps"] == 5
@@ -56,6 +59,13 @@ def test_the_instrumented_run_builds_one_wrapper_and_reports_each_piece(
     # steps 3-7 after the capture at 2: 3, 4 and 5 timed by the plugin, 6 and 7 not
     assert result["timed_steps"]["count"] == 3 and result["untimed_steps"]["count"] == 2
     assert result["untimed_steps"]["total_us_per_step"] > 0
+    if breakdown:  # the metered steady steps: the two the plugin does not time
+        assert result["per_step"]["step"] == [6, 7]
+        assert all(ns > 0 for ns in result["per_step"]["meter_ns"])
+        meter = result["speed_meter"]
+        assert meter["full_speed_steps"]["count"] + meter["slower_steps"]["count"] == 2
+    else:
+        assert "speed_meter" not in result and "per_step" not in result
     cpu = result["cpu_us_per_step"]
     if breakdown:
         # the plugin's step hooks are timed inside the dispatch, so part of it
@@ -201,3 +211,27 @@ def test_the_probes_chase_visits_every_entry_before_it_repeats():
     probe = plugin_host_time.host_probe(large=1 << 14, small=64, steps=1 << 12)
     assert probe["l1_chase_ns"] > 0 and probe["memory_chase_ns"] > 0
     assert probe["large_entries"] == 1 << 14
+
+
+def test_the_speed_meter_splits_the_steady_steps_by_the_cpus_speed():
+    clock = plugin_host_time.StepClock()
+    # step: (hooks ns, meter ns per load); step 4 is one the plugin times: left out
+    rows = {3: (10_000, 30.0), 4: (90_000, 30.0), 5: (12_000, 35.0), 6: (20_000, 60.0)}
+    for step, (hooks, meter) in rows.items():
+        clock.step = step
+        clock.add("hooks", hooks)
+        clock.meter[step] = meter
+    clock.timed.add(4)
+    summary = plugin_host_time.summarise(clock, first=3)
+    meter = summary["speed_meter"]
+    assert meter["fastest_ns"] == 30.0
+    # 35 ns is within 1.2x of 30 (full speed), 60 is not
+    assert meter["full_speed_steps"] == {"count": 2, "total_us_per_step": 11.0}
+    assert meter["slower_steps"] == {"count": 1, "total_us_per_step": 20.0}
+    assert summary["per_step"] == {
+        "step": [3, 5, 6],
+        "meter_ns": [30.0, 35.0, 60.0],
+        "total_us": [10.0, 12.0, 20.0],
+    }
+    # without the meter: no such keys
+    assert "speed_meter" not in plugin_host_time.summarise(plugin_host_time.StepClock(), 0)
