@@ -36,7 +36,8 @@ out of the figures: ``--sync-between-steps`` (the device idle at each step's sta
 
 ``step_period_us`` is the median time from one step's start to the next: where the host
 waits for the device (the real model), the device's step; where it does not (``--size
-host-bound``), the host's own work per step, which is what the plugin's share can lengthen.
+host-bound``), the host's own work per step, which is what the plugin's share can lengthen
+(with ``--speed-meter``, the meter's few microseconds included).
 
 ``host_probe_before`` / ``_after`` (GPU runs): a dependent-load chase from Python through
 256 entries (the CPU's speed) and through 128 MiB (the memory's latency), before and after
@@ -72,6 +73,7 @@ import collections
 import contextlib
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -505,7 +507,8 @@ def host_probe(large: int = 1 << 24, small: int = 256, steps: int = 1 << 19) -> 
     """Nanoseconds per step of a dependent-load chase from Python, through ``small`` entries
     (in the L1 cache: the CPU's speed with the interpreter's own overhead) and through
     ``large`` ones (128 MiB by default, beyond a server's last-level cache: each step misses
-    the caches and the TLB, so it adds the memory's latency as this process sees it). Taken
+    the caches, and the TLB without huge pages, so it adds the memory's latency as this
+    process sees it). Taken
     before and after the run (``host_probe_before``/``_after``), it says whether a slow
     process has a slow CPU or slow memory: BENCHMARKS.md 2i found every piece of a process
     1.5-2x slower together, with the code's hot-loop cost unchanged."""
@@ -574,6 +577,35 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+ADDR_NO_RANDOMIZE = 0x0040000  # linux/personality.h
+
+
+def process_facts(proc: Path = Path("/proc")) -> dict[str, Any]:
+    """What the command line does not show about how this process was started: the hash
+    seed, and whether its addresses are randomised (the kernel's setting, and the process's
+    own personality: ``setarch -R`` turns it off). None where ``/proc`` does not say."""
+
+    def read(path: Path) -> str | None:
+        try:
+            return path.read_text().strip()
+        except OSError:
+            return None
+
+    setting, personality = (
+        read(proc / "sys/kernel/randomize_va_space"),
+        read(proc / "self/personality"),
+    )
+    randomised = None
+    if setting is not None and personality is not None:
+        randomised = setting != "0" and not int(personality, 16) & ADDR_NO_RANDOMIZE
+    return {
+        "pythonhashseed": os.environ.get("PYTHONHASHSEED"),
+        "randomize_va_space": setting,
+        "personality": personality,
+        "addresses_randomised": randomised,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=MODES, default="full_iteration")
@@ -617,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         device=torch.cuda.get_device_name() if use_cuda else "cpu",
         versions=compat.versions(),
         command=" ".join([sys.executable, *sys.argv]),
+        process=process_facts(),
     )
     text = json.dumps(result, indent=2, sort_keys=True)
     if args.out:

@@ -104,8 +104,9 @@ def test_summary_splits_timed_steps_and_keeps_cpu_time_apart():
         for piece, ns in zip(plugin_host_time.PIECES, row, strict=True):
             clock.add(piece, ns, ns // 2)
     clock.timed.update({2, 3, 4})
-    # the loop's period: 20, 40 and 30 µs from steps 3, 4 and 5 (6 has no successor)
-    clock.starts = {2: 0, 3: 100_000, 4: 120_000, 5: 160_000, 6: 190_000}
+    # the loop's period: 20, 30 and 70 µs from steps 3, 4 and 5 (6 has no successor; from 2,
+    # before the first steady step, it is left out): median 30, mean 40
+    clock.starts = {2: 0, 3: 100_000, 4: 120_000, 5: 150_000, 6: 220_000}
     summary = plugin_host_time.summarise(clock, first=3)
     assert summary["step_period_us"] == 30.0
     assert summary["steady_steps"] == 4
@@ -215,8 +216,15 @@ def test_the_probes_chase_visits_every_entry_before_it_repeats():
 
 def test_the_speed_meter_splits_the_steady_steps_by_the_cpus_speed():
     clock = plugin_host_time.StepClock()
-    # step: (hooks ns, meter ns per load); step 4 is one the plugin times: left out
-    rows = {3: (10_000, 30.0), 4: (90_000, 30.0), 5: (12_000, 35.0), 6: (20_000, 60.0)}
+    # step: (hooks ns, meter ns per load); step 4 is one the plugin times: left out, its
+    # meter too (else 30 and 35 would count as slower than its 10)
+    rows = {
+        3: (10_000, 30.0),
+        4: (90_000, 10.0),
+        5: (12_000, 35.0),
+        6: (20_000, 60.0),
+        7: (14_000, 36.0),  # exactly 1.2x the fastest: full speed
+    }
     for step, (hooks, meter) in rows.items():
         clock.step = step
         clock.add("hooks", hooks)
@@ -225,13 +233,47 @@ def test_the_speed_meter_splits_the_steady_steps_by_the_cpus_speed():
     summary = plugin_host_time.summarise(clock, first=3)
     meter = summary["speed_meter"]
     assert meter["fastest_ns"] == 30.0
-    # 35 ns is within 1.2x of 30 (full speed), 60 is not
-    assert meter["full_speed_steps"] == {"count": 2, "total_us_per_step": 11.0}
+    # 35 and 36 ns are within 1.2x of 30 (full speed), 60 is not
+    assert meter["full_speed_steps"] == {"count": 3, "total_us_per_step": 12.0}
     assert meter["slower_steps"] == {"count": 1, "total_us_per_step": 20.0}
     assert summary["per_step"] == {
-        "step": [3, 5, 6],
-        "meter_ns": [30.0, 35.0, 60.0],
-        "total_us": [10.0, 12.0, 20.0],
+        "step": [3, 5, 6, 7],
+        "meter_ns": [30.0, 35.0, 60.0, 36.0],
+        "total_us": [10.0, 12.0, 20.0, 14.0],
     }
     # without the meter: no such keys
     assert "speed_meter" not in plugin_host_time.summarise(plugin_host_time.StepClock(), 0)
+
+
+def test_the_speed_meter_runs_outside_every_timed_piece(fake_graphs, monkeypatch):
+    import time
+
+    metered = []
+
+    def slow_meter(cycle, loads):
+        metered.append(loads)
+        time.sleep(0.02)  # the meter's time: never the plugin's, in no piece
+        return 1.0
+
+    monkeypatch.setattr(plugin_host_time, "_chase_ns", slow_meter)
+    monkeypatch.setattr(plugin_host_time, "SIZE", plugin_host_time.gpu_modes.Size("t", 1, 16, 2))
+    args = argparse.Namespace(steps=6, warmup=2, cpu=True, speed_meter=True)
+    result = plugin_host_time.measure("full_iteration", args)
+    assert metered == [plugin_host_time.METER_STEPS] * 6  # once before each step
+    assert all(us < 20_000 for us in result["us_per_step"].values())
+    assert result["total_us_per_step"] < 20_000
+
+
+def test_the_process_facts_say_whether_addresses_are_randomised(tmp_path, monkeypatch):
+    (tmp_path / "sys/kernel").mkdir(parents=True)
+    (tmp_path / "self").mkdir()
+    (tmp_path / "sys/kernel/randomize_va_space").write_text("2\n")
+    (tmp_path / "self/personality").write_text("00040000\n")  # setarch -R
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    facts = plugin_host_time.process_facts(tmp_path)
+    assert facts["addresses_randomised"] is False and facts["pythonhashseed"] == "0"
+    (tmp_path / "self/personality").write_text("00000000\n")
+    assert plugin_host_time.process_facts(tmp_path)["addresses_randomised"] is True
+    (tmp_path / "sys/kernel/randomize_va_space").write_text("0\n")  # off for every process
+    assert plugin_host_time.process_facts(tmp_path)["addresses_randomised"] is False
+    assert plugin_host_time.process_facts(tmp_path / "absent")["addresses_randomised"] is None
