@@ -390,7 +390,8 @@ def summarise(clock: StepClock, first: int, breakdown: bool = True) -> dict[str,
     starts = clock.starts
     periods = [starts[s + 1] - starts[s] for s in steps if s in starts and s + 1 in starts]
     timed = [total(ns[step]) for step in steps if step in clock.timed]
-    untimed = [total(ns[step]) for step in steps if step not in clock.timed]
+    untimed_steps = [step for step in steps if step not in clock.timed]
+    untimed = [total(ns[step]) for step in untimed_steps]
     return {
         "steady_steps": len(steps),
         "us_per_step": {piece: _median_us([ns[s][piece] for s in steps]) for piece in PIECES},
@@ -407,7 +408,7 @@ def summarise(clock: StepClock, first: int, breakdown: bool = True) -> dict[str,
         # from one step's start to the next: the device's step where the host waits for it
         # (a GPU-bound run), the host's own where it does not (--size host-bound)
         "step_period_us": _median_us(periods),
-        **(by_speed(clock, steps, total) if clock.meter else {}),
+        **(by_speed(clock, untimed_steps, total) if clock.meter else {}),
     }
 
 
@@ -416,30 +417,31 @@ METER_ENTRIES, METER_STEPS = 256, 256
 FULL_SPEED = 1.2
 
 
-def by_speed(clock: StepClock, steps: list[int], total: Any) -> dict[str, Any]:
-    """``--speed-meter``: the steady total (the steps the plugin does not time) apart for the
-    steps whose meter says the CPU ran at full speed (within :data:`FULL_SPEED` of the run's
-    fastest meter) and the others, and every step's meter and total (to pool runs). The lent
-    host's CPU runs the same L1-resident loop up to 2x slower at times, within one process
-    (BENCHMARKS.md 2j)."""
-    # the steady state: the steps the plugin's step timer leaves alone
-    metered = [s for s in steps if s in clock.meter and s not in clock.timed]
+def by_speed(clock: StepClock, untimed_steps: list[int], total: Any) -> dict[str, Any]:
+    """``--speed-meter``: the steady total (over ``untimed_steps``, the steps the plugin does
+    not time) apart for the steps whose meter says the CPU ran at full speed (within
+    :data:`FULL_SPEED` of the run's fastest meter) and the others, and every step's meter and
+    total (to pool runs). The lent host's CPU runs the same L1-resident loop up to 2x slower
+    at times, within one process (BENCHMARKS.md 2j)."""
+    metered = [s for s in untimed_steps if s in clock.meter]
     if not metered:
         return {}
-    fastest = min(clock.meter[s] for s in metered)
-    full = [total(clock.ns[s]) for s in metered if clock.meter[s] <= FULL_SPEED * fastest]
-    slow = [total(clock.ns[s]) for s in metered if clock.meter[s] > FULL_SPEED * fastest]
+    totals = [total(clock.ns[s]) for s in metered]
+    meters = [clock.meter[s] for s in metered]
+    bound = FULL_SPEED * min(meters)
+    full = [t for t, m in zip(totals, meters, strict=True) if m <= bound]
+    slow = [t for t, m in zip(totals, meters, strict=True) if m > bound]
     return {
         "speed_meter": {
-            "fastest_ns": fastest,
-            "median_ns": statistics.median(clock.meter[s] for s in metered),
+            "fastest_ns": min(meters),
+            "median_ns": statistics.median(meters),
             "full_speed_steps": {"count": len(full), "total_us_per_step": _median_us(full)},
             "slower_steps": {"count": len(slow), "total_us_per_step": _median_us(slow)},
         },
         "per_step": {
             "step": metered,
-            "meter_ns": [round(clock.meter[s], 2) for s in metered],
-            "total_us": [total(clock.ns[s]) / 1000.0 for s in metered],
+            "meter_ns": [round(m, 2) for m in meters],
+            "total_us": [t / 1000.0 for t in totals],
         },
     }
 
@@ -482,7 +484,7 @@ def thread_snapshot(proc: Path = Path("/proc/self/task")) -> list[dict[str, Any]
 
 
 def chase_cycle(n: int, seed: int = 0) -> array.array:
-    """A list of ``n`` next-indices forming one cycle through all of them, in random order: a
+    """An array of ``n`` next-indices forming one cycle through all of them, in random order: a
     chase from any index visits every entry before it comes back (so a chase longer than
     the cache's share of the entries cannot stay in the cache)."""
     import torch
@@ -508,10 +510,9 @@ def host_probe(large: int = 1 << 24, small: int = 256, steps: int = 1 << 19) -> 
     (in the L1 cache: the CPU's speed with the interpreter's own overhead) and through
     ``large`` ones (128 MiB by default, beyond a server's last-level cache: each step misses
     the caches, and the TLB without huge pages, so it adds the memory's latency as this
-    process sees it). Taken
-    before and after the run (``host_probe_before``/``_after``), it says whether a slow
-    process has a slow CPU or slow memory: BENCHMARKS.md 2i found every piece of a process
-    1.5-2x slower together, with the code's hot-loop cost unchanged."""
+    process sees it). Taken before and after the run (``host_probe_before``/``_after``), it
+    says whether a slow process has a slow CPU or slow memory: BENCHMARKS.md 2i found every
+    piece of a process 1.5-2x slower together, with the code's hot-loop cost unchanged."""
     small_cycle, large_cycle = chase_cycle(small), chase_cycle(large)
     _chase_ns(large_cycle, steps // 8)  # page the entries in first
     return {
@@ -638,11 +639,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from cudagraph_plugin import compat
 
-    probe = {} if args.cpu else {"host_probe_before": host_probe()}
+    before = None if args.cpu else host_probe()
     result = measure(args.mode, args)
-    if not args.cpu:
-        result["host_probe_after"] = host_probe()
-    result.update(probe)
+    if before is not None:
+        result.update(host_probe_before=before, host_probe_after=host_probe())
     use_cuda = torch.cuda.is_available() and not args.cpu
     result.update(
         date=time.strftime("%Y-%m-%d"),
