@@ -743,6 +743,21 @@ def check_peer_ended(scenario: Scenario, job: TrainJob, rank: int) -> None:
     check_memory_back(job, rank, scenario.slack_mib)
 
 
+# Job-wide lines of every graphed run (issue 22: said by rank 0 alone in a multi-rank job).
+JOB_WIDE_LINES = ("RNG tracker is CUDA-graph safe: ", "CUDA graph report (rank 0 of ")
+
+
+def check_said_once(job: TrainJob) -> None:
+    """A multi-rank job says each job-wide line once, and each rank tags its own shutdown
+    line with its rank."""
+    output = job.result.output()
+    for line in JOB_WIDE_LINES:
+        assert output.count(line) == 1, (line, output.count(line), job.context())
+    for rank in range(job.nproc):
+        said = output.count(f"[rank {rank}] shutdown (")
+        assert said == 1, (f"rank {rank}'s shutdown line", said, job.context())
+
+
 @pytest.mark.parametrize("scenario", _params(good=True))
 def test_scenario(scenario: Scenario, jobs_root: Path, eager_twins: EagerTwins) -> None:
     job = run_scenario_job(scenario, "graphed", scenario.argv(), jobs_root, {})
@@ -750,6 +765,8 @@ def test_scenario(scenario: Scenario, jobs_root: Path, eager_twins: EagerTwins) 
     assert job.result.rc == 0, job.context()
     for rank in range(scenario.nproc):
         check_graphed_rank(scenario, job, rank)
+    if scenario.nproc > 1:
+        check_said_once(job)
     if scenario.parity:
         check_parity(scenario, job, eager_twins.get(scenario))
 

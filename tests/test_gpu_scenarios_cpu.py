@@ -355,6 +355,38 @@ def test_the_failure_checks_pass_an_ended_job_and_catch_a_hang_or_a_leak(s: Scen
         assert fails(lambda job=job: test_gpu.check_failure(s, job)), job
 
 
+GOOD_TWO_RANK_OUTPUT = """\
+[cudagraph_plugin] RNG tracker is CUDA-graph safe: TECudaRNGStatesTracker
+[cudagraph_plugin] [rank 0] captured 4 graph(s)
+[cudagraph_plugin] [rank 1] captured 4 graph(s)
+[cudagraph_plugin] CUDA graph report (rank 0 of 2):
+[cudagraph_plugin] [rank 1] shutdown (completed): 4 CUDA graph(s) freed
+[cudagraph_plugin] [rank 0] shutdown (completed): 4 CUDA graph(s) freed
+"""
+
+
+def test_a_two_rank_job_must_say_each_job_wide_line_once(tmp_path) -> None:
+    s = test_gpu.BY_NAME["dp2_full_iteration"]
+
+    def job_saying(text: str) -> TrainJob:
+        stdout = tmp_path / f"{len(list(tmp_path.iterdir()))}.log"
+        stdout.write_text(text)
+        return job_of(s, {}, stdout=stdout)
+
+    test_gpu.check_said_once(job_saying(GOOD_TWO_RANK_OUTPUT))
+    lines = GOOD_TWO_RANK_OUTPUT.splitlines(keepends=True)
+    bad = {
+        "both ranks say the RNG line": [lines[0], *lines],
+        "both ranks print the report": [*lines, lines[3]],
+        "no report": [line for line in lines if "report" not in line],
+        "rank 1 never shut down": [line for line in lines if "[rank 1] shutdown" not in line],
+        "untagged shutdown lines": [line.replace("[rank 0] ", "") for line in lines],
+    }
+    for defect, text in bad.items():
+        job = job_saying("".join(text))
+        assert fails(lambda job=job: test_gpu.check_said_once(job)), f"not caught: {defect}"
+
+
 def test_parity_is_per_rank_within_the_bf16_tolerance() -> None:
     s = test_gpu.BY_NAME["dp2_full_iteration"]
     eager = job_of(s, {0: {"losses": [7.0, 6.0]}, 1: {"losses": [7.5, 6.5]}})
