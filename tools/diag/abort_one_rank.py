@@ -1,0 +1,78 @@
+"""One rank over real NCCL: does the plugin's abort of megatron-core's process groups end
+once the CUDA graph that captured a collective is freed? (issue 22)
+
+    torchrun --standalone --nproc-per-node 1 tools/diag/abort_one_rank.py [--keep-graph]
+
+What ``PeerWatch`` relies on, on one GPU (a collective that never completes needs two; that
+is ``abort_unblocks.py stuck``): megatron-core's process groups are made, a CUDA graph
+captures an all-reduce on its data-parallel group and is replayed; then
+``compat.begin_abort_process_groups()`` starts the abort of every group, each from its own
+thread, as the watcher does. After 2 s it prints which aborts are still running (NCCL's
+teardown of a communicator waits for every graph that captured it), frees the graph (what
+the peer-failed shutdown does; skipped with ``--keep-graph``) and waits with
+``compat.abort_process_groups(timeout_s=10)``, as ``PeerWatch.finish`` does. Prints one
+JSON line: the groups, the aborts alive before and after the free, the seconds each step
+took, and whether torch still has a process group.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from cudagraph_plugin import compat
+
+keep_graph = "--keep-graph" in sys.argv
+rank = int(os.environ["RANK"])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+from megatron.core import parallel_state  # noqa: E402
+
+parallel_state.initialize_model_parallel()
+group = parallel_state.get_data_parallel_group()
+x = torch.ones(1 << 20, device="cuda")
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    dist.all_reduce(x, group=group)
+torch.cuda.current_stream().wait_stream(side)
+torch.cuda.synchronize()
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    dist.all_reduce(x, group=group)
+graph.replay()
+torch.cuda.synchronize()
+
+names = dict(dist.distributed_c10d._world.pg_names)
+facts: dict = {"groups": len(names), "keep_graph": keep_graph}
+start = time.monotonic()
+compat.begin_abort_process_groups()
+facts["begin_s"] = round(time.monotonic() - start, 3)
+running = compat.device._abort_in_flight
+time.sleep(2.0)
+
+
+def alive() -> list[str]:
+    groups = list(names)
+    return [names[groups[i]] for i, thread in enumerate(running.threads) if thread.is_alive()]
+
+
+facts["alive_after_2s"] = alive()
+if not keep_graph:
+    freed = time.monotonic()
+    graph.reset()
+    facts["reset_s"] = round(time.monotonic() - freed, 3)
+waited = time.monotonic()
+facts["ended"] = compat.abort_process_groups(timeout_s=10.0)
+facts["wait_s"] = round(time.monotonic() - waited, 3)
+facts["alive_at_end"] = alive()
+facts["process_group_initialized"] = dist.is_initialized()
+facts["versions"] = {
+    "torch": torch.__version__,
+    "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+}
+print("ABORT_ONE_RANK " + json.dumps(facts), flush=True)
+os._exit(0)
