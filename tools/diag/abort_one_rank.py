@@ -13,6 +13,13 @@ the peer-failed shutdown does; skipped with ``--keep-graph``) and waits with
 ``compat.abort_process_groups(timeout_s=10)``, as ``PeerWatch.finish`` does. Prints one
 JSON line: the groups, the aborts alive before and after the free, the seconds each step
 took, and whether torch still has a process group.
+
+Run on one H200 on 2026-12-02 (torch 2.11.0+cu130, NCCL 2.28.9, megatron-core 0.19.2; raw
+output in ``benchmarks/results/abort-2026-12-02/``): all 24 of megatron-core's groups were
+aborted in 4-5 ms and forgotten, with and without the free. But at one rank torch leaves a
+one-rank all-reduce out of the graph ("The CUDA Graph is empty"), so the graph holds no
+communicator and the wait on it cannot show here: that part needs two GPUs
+(``abort_unblocks.py``, BENCHMARKS.md section 1.1).
 """
 
 import json
