@@ -29,6 +29,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from graphed_all_reduce import graphed_all_reduce
 
 from cudagraph_plugin import compat
 
@@ -40,18 +41,7 @@ from megatron.core import parallel_state  # noqa: E402
 
 parallel_state.initialize_model_parallel()
 group = parallel_state.get_data_parallel_group()
-x = torch.ones(1 << 20, device="cuda")
-side = torch.cuda.Stream()
-side.wait_stream(torch.cuda.current_stream())
-with torch.cuda.stream(side):
-    dist.all_reduce(x, group=group)
-torch.cuda.current_stream().wait_stream(side)
-torch.cuda.synchronize()
-graph = torch.cuda.CUDAGraph()
-with torch.cuda.graph(graph):
-    dist.all_reduce(x, group=group)
-graph.replay()
-torch.cuda.synchronize()
+graph = graphed_all_reduce(group)
 
 names = dict(dist.distributed_c10d._world.pg_names)
 facts: dict = {"groups": len(names), "keep_graph": keep_graph}

@@ -24,6 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from graphed_all_reduce import graphed_all_reduce
 
 mode = sys.argv[1]
 rank = int(os.environ["RANK"])
@@ -35,18 +36,7 @@ if mode == "mcore":
 
     parallel_state.initialize_model_parallel()
     group = parallel_state.get_data_parallel_group()
-x = torch.ones(1 << 20, device="cuda")
-side = torch.cuda.Stream()
-side.wait_stream(torch.cuda.current_stream())
-with torch.cuda.stream(side):
-    dist.all_reduce(x, group=group)
-torch.cuda.current_stream().wait_stream(side)
-torch.cuda.synchronize()
-graph = torch.cuda.CUDAGraph()
-with torch.cuda.graph(graph):
-    dist.all_reduce(x, group=group)
-graph.replay()
-torch.cuda.synchronize()
+graph = graphed_all_reduce(group)
 dist.barrier()
 torch.cuda.synchronize()
 if rank == 1:
