@@ -16,7 +16,7 @@ took, and whether torch still has a process group.
 
 Run on one H200 on 2026-12-02 (torch 2.11.0+cu130, NCCL 2.28.9, megatron-core 0.19.2; raw
 output in ``benchmarks/results/abort-2026-12-02/``): all 24 of megatron-core's groups were
-aborted in 4-5 ms and forgotten, with and without the free. But at one rank torch leaves a
+aborted in 4-9 ms and forgotten, with and without the free. But at one rank torch leaves a
 one-rank all-reduce out of the graph ("The CUDA Graph is empty"), so the graph holds no
 communicator and the wait on it cannot show here: that part needs two GPUs
 (``abort_unblocks.py``, BENCHMARKS.md section 1.1).
