@@ -65,7 +65,6 @@ host)
   mkdir -p /tmp/host-$v
   for mode in ${*:-full_iteration full_iteration_optimizer}; do
     name=$mode${HOST_TAG:+_$HOST_TAG}
-    # HOST_PREFIX: a command to run it under (e.g. "setarch -R" for a fixed address layout)
     # shellcheck disable=SC2086
     timeout 120 ${HOST_PREFIX:-} python3 "$root/benchmarks/plugin_host_time.py" --mode "$mode" ${HOST_ARGS:-} --out /tmp/host-$v/$name.json > /tmp/host-$v/$name.log 2>&1
     echo "$name rc=$?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: round(x or 0, 1) for k, x in d['us_per_step'].items()}, 'cpu', {k: round(x or 0, 1) for k, x in d['cpu_us_per_step'].items()}, 'total', d['total_us_per_step'], 'p90', d['total_us_p90'], 'timed', d['timed_steps'], 'untimed', d['untimed_steps'], 'period', d.get('step_period_us'))" /tmp/host-$v/$name.json 2>&1 | tail -1
