@@ -33,7 +33,12 @@ MODULE = "megatron.core.optimizer.optimizer_cuda_graph"
 
 class StepGraph:
     """Mirrors the part of ``torch.cuda.CUDAGraph`` the wrapper and the plugin use
-    (``replay``, ``reset``); a replay runs the captured step function again."""
+    (``replay``, ``reset``); a replay runs the captured step function again.
+
+    A real replay works on the captured addresses: if what the step reads (the main
+    parameters, their ``main_grad``, the optimizer's state) was given new memory since
+    the capture (megatron-core's ``restore_from_cpu`` does ``state[k] = v.cuda()``), it
+    reads freed memory. The fake refuses, as :class:`fakes.FakeCUDAGraph` does."""
 
     made: ClassVar[list[StepGraph]] = []
 
@@ -41,17 +46,52 @@ class StepGraph:
         self.step = step
         self.replays = 0
         self.resets = 0
+        self.addresses = step_addresses(step)
         StepGraph.made.append(self)
 
     def replay(self) -> Any:
         """Run the step again; its result stands for the graph's static outputs."""
         assert self.step is not None, "replay of a graph that was reset"
+        moved = sorted(
+            where
+            for where, now in step_addresses(self.step).items()
+            if self.addresses.get(where) != now
+        )
+        if moved:
+            raise RuntimeError(
+                "CUDA error: an illegal memory access was encountered (fake optimizer "
+                f"graph: {moved[0]} moved since the capture)"
+            )
         self.replays += 1
         return self.step()
 
     def reset(self) -> None:
         self.resets += 1
         self.step = None
+
+
+def step_addresses(step: Any) -> dict[str, int]:
+    """``data_ptr()`` of what an optimizer step bound to a megatron-core optimizer reads,
+    by where it is found (the torch optimizers inside, their parameters, each parameter's
+    ``main_grad`` and state tensors)."""
+    owner = getattr(step, "__self__", None)
+    inner = getattr(owner, "chained_optimizers", None) or [owner]
+    found = {}
+    for i, megatron_optimizer in enumerate(inner):
+        torch_optimizer = getattr(megatron_optimizer, "optimizer", None)
+        if torch_optimizer is None:
+            continue
+        for g, group in enumerate(torch_optimizer.param_groups):
+            for p, param in enumerate(group["params"]):
+                where = f"optimizer {i} group {g} parameter {p}"
+                found[where] = param.data_ptr()
+                main_grad = getattr(param, "main_grad", None)
+                if main_grad is not None:
+                    found[f"{where} main_grad"] = main_grad.data_ptr()
+                for key, value in torch_optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        found[f"{where} state {key!r}"] = value.data_ptr()
+    return found
 
 
 class OptimizerCudaGraphWrapper:

@@ -445,6 +445,48 @@ def test_graphs_are_freed_and_recaptured_after_warmup_when_memory_moves(
     assert len(warnings) == 1 and moved in warnings[0]
 
 
+class TiedGraphs:
+    """What :meth:`BucketGraphs.tie` asks of another mechanism (the plugin ties the
+    optimizer graph, ``mechanisms.OptimizerGraphs``): its graph count and ``invalidate``."""
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.invalidated = 0
+
+    def graph_count(self) -> int:
+        return self.held
+
+    def invalidate(self) -> int:
+        self.invalidated += 1
+        freed, self.held = self.held, 0
+        return freed
+
+
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated:UserWarning")
+def test_a_tied_graph_is_freed_when_memory_moves_though_no_bucket_graph_is_held(graphs):
+    """Every step is outside the buckets, so no bucket graph exists; the tied mechanism
+    captured at step 1 (taking the addresses then), memory moves before step 3: it is
+    freed there, once."""
+    tied = TiedGraphs()
+
+    def tie(host, bucketed):
+        bucketed.tie(tied)
+
+    def capture_tied(host, bucketed):
+        tied.held = 1
+        bucketed.tied_captured()
+
+    _, result = train(
+        [[48]] * 5,
+        bucketed=True,
+        warmup=1,
+        between={0: tie, 1: capture_tied, 3: offload_and_reload_grad_buffers},
+    )
+    assert tied.invalidated == 1 and tied.held == 0
+    [(step, reason, freed)] = result.invalidations
+    assert (step, freed) == (3, 1) and "gradient buffers" in reason
+
+
 def test_graphs_keep_the_scratch_buffers_megatron_core_replaces(graphs):
     """megatron-core's local attention takes its scratch from the global "mpu" buffer,
     which a longer sequence replaces by a larger one: the graph captured before keeps the

@@ -242,3 +242,69 @@ def test_a_learning_rate_baked_into_the_captured_step_is_refused_before_it_goes_
         )
     [optimizer] = fake_optimizer_graph.StepGraph.made
     assert optimizer.replays == 1  # the capture call's own replay; none after the change
+
+
+# -- bucketed graphs: memory that moves frees the optimizer graph too ------------------------------
+
+RL_LOOP = [
+    "--seq-length", "48", "--min-length", "4", "--max-length", "48", "--train-iters", "24",
+    "--steps-per-round", "4", "--rollout-batches", "2", "--log-interval", "0",
+    "--cuda-graph-warmup-steps", "2", "--offload-interval", "8", "--lr-decay-style", "constant",
+]  # fmt: skip
+RL_GRAPHS = [
+    "--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration",
+    "--cuda-graph-buckets", "16,32,48", *OPTIM,
+]  # fmt: skip
+
+
+def _restores_state_elsewhere(monkeypatch):
+    """megatron-core's ``restore_from_cpu`` gives the optimizer's state new device memory
+    (``state[k] = v.cuda()``); on the CPU its offload moves nothing, so the restore here
+    gives each state tensor a copy elsewhere, as a GPU's would. The gradient buffers stay
+    where they were: only the optimizer's state moves."""
+    import torch
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    original = MegatronOptimizer.restore_from_cpu
+
+    def restore_from_cpu(self):
+        original(self)
+        for state in self.optimizer.state.values():
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.clone()
+
+    monkeypatch.setattr(MegatronOptimizer, "restore_from_cpu", restore_from_cpu)
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["fingerprint", "host-invalidates"])
+def test_with_buckets_a_reload_frees_the_optimizer_graph_and_captures_it_again(
+    graphs, capturable, bucket_fakes, tmp_path, monkeypatch, caplog, explicit
+):
+    """The RL host offloads the optimizer's state after steps 8 and 16 and brings it back
+    at new addresses. Seen by the address check (which then samples the optimizer's state)
+    or told by the host, the plugin frees the optimizer graph with the bucket graphs; it is
+    captured again after its warm-up. A replay of the old one would read the old state (the
+    fake refuses it), and the warm-up calls after a reload are not counted as replays."""
+    import json
+
+    import rl_loop
+
+    caplog.set_level(logging.WARNING, logger="cudagraph_plugin")
+    _restores_state_elsewhere(monkeypatch)
+    flags = ["--invalidate-after-reload"] if explicit else []
+    path = tmp_path / "report.json"
+    summary = rl_loop.run([*RL_LOOP, *RL_GRAPHS, *flags, "--cuda-graph-report-json", str(path)])
+    report = json.loads(path.read_text())
+    eager = rl_loop.run([*RL_LOOP, "--pad-to-buckets", "16,32,48"])
+    assert summary["offloads"] == eager["offloads"] == 2
+    assert summary["losses"] == eager["losses"]
+    made = fake_optimizer_graph.StepGraph.made
+    assert len(made) == 3 and all(g.addresses for g in made)  # captured, then after each reload
+    assert [g.resets for g in made] == [1, 1, 1]
+    warmup = 2
+    assert report["replays"]["optimizer"] == 24 - 3 * (warmup + 1)
+    freed = [r.getMessage() for r in caplog.records if "CUDA graph buckets:" in r.getMessage()]
+    assert len(freed) == 2 and all("and the optimizer step" in m for m in freed)
+    if not explicit:
+        assert all("optimizer state (optimizer 0" in m for m in freed)

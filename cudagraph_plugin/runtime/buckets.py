@@ -38,7 +38,11 @@ Memory that moves: before every training call while graphs are held, an
 sample of parameters, the loss scale) is compared
 with the one taken at capture; if anything moved (offload and reload, ``param.data = ...``)
 every graph is freed and each bucket is captured again after its warm-up, with a log line
-saying why; :meth:`BucketGraphs.invalidate` does the same on the host's word. In a
+saying why; :meth:`BucketGraphs.invalidate` does the same on the host's word. Graphs of
+other mechanisms that read the same memory (the optimizer graph, whose captured step reads
+the gradient buffers, the main parameters and Adam's state) are tied to these
+(:meth:`BucketGraphs.tie`): they are freed with them and captured again after their own
+warm-up, and the fingerprint then also samples the optimizer's state. In a
 multi-rank job every rank must take the same action in a step (a capture holds barriers,
 the graphs hold collectives): each training call agrees on the key and on "memory moved"
 with one small all-reduce; on disagreement the step runs eagerly on every rank.
@@ -65,7 +69,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from cudagraph_plugin.compat import buckets as bucket_compat
 from cudagraph_plugin.config.buckets import check_buckets, padding_waste_percent
@@ -221,6 +225,18 @@ def _spread(items: list[Any], count: int | None) -> list[Any]:
     return [items[i] for i in sorted({round(n * last / (count - 1)) for n in range(count)})]
 
 
+class TiedGraphs(Protocol):
+    """Graphs of another mechanism that read what the fingerprint covers (the optimizer
+    graph): freed and captured again with the bucket graphs."""
+
+    def graph_count(self) -> int: ...
+
+    def invalidate(self) -> int:
+        """Free the graphs so that they are captured again after their warm-up; returns
+        how many were freed."""
+        ...
+
+
 class BucketGraphs:
     """Full-iteration graphs of the training stage, one per bucket key.
 
@@ -279,6 +295,20 @@ class BucketGraphs:
         self._pool: Any = None
         self._stream: Any = None
         self._logged: set[Any] = set()
+        self._tied: list[TiedGraphs] = []
+
+    def tie(self, graphs: TiedGraphs) -> None:
+        """Free ``graphs`` whenever these are invalidated (memory moved, the host's word)."""
+        self._tied.append(graphs)
+
+    def tied_captured(self) -> None:
+        """A tied mechanism captured: if no bucket graph holds the fingerprint's reference,
+        its addresses are the ones to check from now on."""
+        if self._reference is None:
+            self._reference = self.fingerprint.take()
+
+    def _holds_graphs(self) -> bool:
+        return bool(self._graphs) or any(t.graph_count() for t in self._tied)
 
     # -- routing ----------------------------------------------------------------------------
 
@@ -423,7 +453,7 @@ class BucketGraphs:
     # -- moved memory and invalidation ------------------------------------------------------
 
     def _moved(self) -> list[str]:
-        if not self._graphs or self._reference is None:
+        if self._reference is None or not self._holds_graphs():
             return []
         now = self.fingerprint.take()
         if now == self._reference:
@@ -433,22 +463,31 @@ class BucketGraphs:
     def invalidate(self, reason: str, step: int | None = None) -> int:
         """Free every graph (their memory, outputs and shape references); each key is
         captured again after ``warmup_steps`` eager calls. Returns the graphs freed."""
-        if self._graphs:
+        if self._holds_graphs():
             import torch
 
             # The last replay may still run on the device: its memory goes back only after.
             torch.cuda.synchronize()
-        result = release_each(self.graph_release_steps())
+        result = release_each(
+            [
+                *self.graph_release_steps(),
+                *(
+                    ReleaseStep(f"tied graphs ({type(t).__name__})", t.invalidate, True)
+                    for t in self._tied
+                ),
+            ]
+        )
         self._calls.clear()
         self.guard.disarm()
         self._reference = None
         self.invalidations.append((step, reason, result.graphs_freed))
         logger.warning(
-            "CUDA graph buckets: %s: freed %d graph(s) at step %s; each bucket is captured "
+            "CUDA graph buckets: %s: freed %d graph(s) at step %s; each bucket%s is captured "
             "again after %d warm-up step(s)",
             reason,
             result.graphs_freed,
             step,
+            " and the optimizer step" if self._tied else "",
             self.warmup_steps,
         )
         settle(result.failures, None)
@@ -549,6 +588,7 @@ class BucketGraphs:
             self._pool = None
 
     def _drop_references(self) -> None:
+        self._tied = []
         self.fingerprint.forget()
         self._reference = None
         self._reader = None

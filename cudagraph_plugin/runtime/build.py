@@ -20,7 +20,7 @@ from cudagraph_plugin.config.errors import MCORE, CudaGraphConfigError, Violatio
 from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.config.rules.optimizer import optimizer_step_problems
 from cudagraph_plugin.config.settings import Settings, read_settings
-from cudagraph_plugin.runtime.buckets import BucketGraphs
+from cudagraph_plugin.runtime.buckets import AddressFingerprint, BucketGraphs
 from cudagraph_plugin.runtime.mechanisms import OptimizerGraphs, TEGraphs
 from cudagraph_plugin.runtime.state import RunState
 
@@ -119,8 +119,14 @@ def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer
             ]
         )
     if state.settings.buckets:
+        # the optimizer graph reads the optimizer's state: its addresses are checked too
+        fingerprint = AddressFingerprint(model, optimizer, optimizer_state=state.optimizer_graph)
         state.buckets = BucketGraphs(
-            state.settings.buckets, state.settings.warmup_steps, model=model, optimizer=optimizer
+            state.settings.buckets,
+            state.settings.warmup_steps,
+            model=model,
+            optimizer=optimizer,
+            fingerprint=fingerprint,
         )
     if state.te_mode:
         state.te = TEGraphs(
@@ -167,6 +173,10 @@ def build_optimizer_graph(
     warmup = state.settings.warmup_steps
     state.optim = OptimizerGraphs(optimizer, warmup, compat.single_mempool(state.model_config))
     state.optim.install(make_step(state.optim))
+    if state.buckets is not None:
+        # moved memory frees the optimizer graph with the bucket graphs; it is captured again
+        state.buckets.tie(state.optim)
+        state.optim.on_capture.append(state.buckets.tied_captured)
     logger.info(
         "optimizer CUDA graph: optimizer.step is captured at its call number %d "
         "(step start_step + %d)",

@@ -242,10 +242,13 @@ class OptimizerStep:
             self._replay = None  # stale: never keeps a graph megatron-core dropped alive
         if graphs.due():
             graphs.watch_hyperparameters()
-            return self._captures.bracket("optimizer", graphs.call)
+            result = self._captures.bracket("optimizer", graphs.call)
+            graphs.captured()
+            return result
         graphs.before_replay()
-        self._captures.replayed("optimizer")
         holder = compat.optimizer_graph_holder()
+        if holder.cuda_graph is not None:  # not a warm-up call after an invalidation
+            self._captures.replayed("optimizer")
         # remembered only after a capture the plugin bracketed to its end, with the sync made
         if (
             holder.cuda_graph is not None

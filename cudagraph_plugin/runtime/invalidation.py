@@ -2,10 +2,11 @@
 a checkpoint load, parameters or optimizer state offloaded and brought back).
 
 Bucketed full-iteration graphs are freed and captured again after their warm-up
-(:meth:`BucketGraphs.invalidate`). megatron-core's own mechanisms cannot capture twice in
-a run (its full-iteration wrapper keeps one graph per stage on its class; 0.19's TE helper
-captures once), so their graphs are freed and the run goes on eagerly, said in the log:
-never a replay onto moved memory.
+(:meth:`BucketGraphs.invalidate`), and so is the optimizer graph tied to them. Without
+buckets, megatron-core's own mechanisms cannot capture twice in a run (its full-iteration
+wrapper keeps one graph per stage on its class; 0.19's TE helper captures once), so their
+graphs are freed and the run goes on eagerly, said in the log: never a replay onto moved
+memory.
 """
 
 from __future__ import annotations

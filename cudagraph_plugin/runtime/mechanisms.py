@@ -166,6 +166,7 @@ class OptimizerGraphs:
         )
         self.warmup_steps = warmup_steps
         self.sync: HyperparameterSync | None = None  # made right before the capture
+        self.on_capture: list[Callable[[], None]] = []  # called after each capture
 
     def watch_hyperparameters(self) -> None:
         """Right before the capture: the learning rate in device tensors, each watched."""
@@ -195,6 +196,20 @@ class OptimizerGraphs:
     def graph_count(self) -> int:
         return int(compat.optimizer_graph_captured())
 
+    def captured(self) -> None:
+        """The capture call ended (bracketed by the plugin)."""
+        for callback in self.on_capture:
+            callback()
+
+    def invalidate(self) -> int:
+        """Free the graph (what it reads moved) so that megatron-core's wrapper captures
+        again after ``warmup_steps`` eager calls: its counter starts over; the learning
+        rate is watched afresh at that capture. Returns the graphs freed."""
+        freed = compat.free_optimizer_graph()
+        compat.reset_optimizer_graph_counters()
+        self._release_sync()
+        return freed
+
     def release_steps(self) -> list[ReleaseStep]:
         return [
             ReleaseStep("optimizer graph", compat.free_optimizer_graph, frees_graphs=True),
@@ -220,3 +235,4 @@ class OptimizerGraphs:
             vars(self.optimizer).pop("step", None)  # the class's method again
         self.optimizer = None
         self.wrapper = None
+        self.on_capture = []
