@@ -469,6 +469,32 @@ def test_a_store_that_does_not_answer_never_holds_the_main_thread(tcp_store, wat
     assert other.wait_for_peers() is True  # nothing was marked: nothing to wait for
 
 
+def test_a_ctrl_c_while_stopping_still_puts_the_handler_back(tcp_store, watches):
+    """The stop waits for the watcher's poll (a deaf store: up to its bound); an interrupt
+    in that wait still puts the interrupt signal's handler back and ends the registration,
+    so a later watch in this process starts."""
+    server, client = tcp_store
+    watch = start(watches, client, abort=Aborts())
+    time.sleep(5 * POLL_S)
+    server.send_signal(signal.SIGSTOP)
+    time.sleep(5 * POLL_S)  # the watcher is inside a call that will not return
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR1, interrupted)
+    try:
+        main = threading.get_ident()
+        later(0.3, lambda: signal.pthread_kill(main, signal.SIGUSR1))
+        with pytest.raises(KeyboardInterrupt):
+            watch.stop()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert signal.getsignal(default_interrupt_signal()) is signal.SIG_DFL
+    assert peer_failure._active is None
+    start(watches, dist.HashStore())  # not refused as "already running"
+
+
 # -- small contracts -----------------------------------------------------------------------------
 
 

@@ -111,6 +111,32 @@ def test_a_system_exit_from_the_json_write_does_not_skip_the_release(
     assert graph.resets == 1
 
 
+@pytest.mark.parametrize("interrupted", [1, 2], ids=["first-try", "both-tries"])
+def test_a_ctrl_c_while_the_failure_is_marked_for_the_peers_does_not_skip_the_release(
+    fake_graphs, monkeypatch, interrupted
+):
+    """The mark in the job's store is the first thing of shutdown (a slow store: a second
+    Ctrl-C lands there). It is tried once more, and whatever happens the shutdown runs,
+    the graphs are freed once, and the Ctrl-C goes on to the host afterwards."""
+    from cudagraph_plugin.runtime.peers import JobWatch
+
+    calls = []
+
+    def end(self, reason, exception):
+        calls.append(str(reason))
+        if len(calls) <= interrupted:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(JobWatch, "end", end)
+    seen = ShutdownSeen()
+    with pytest.raises(KeyboardInterrupt):
+        run(*FULL, "--cuda-graph-warmup-steps", "1", plugins=[seen])
+    assert calls == ["completed", "completed"]
+    [graph] = fake_graphs.graphs
+    assert graph.resets == 1
+    assert seen.reasons == ["completed"]
+
+
 # -- a full-iteration capture needs the pre-hooks on ----------------------------------------------
 
 

@@ -371,22 +371,24 @@ class PeerWatch:
             self._stopping = True
             acting = self._acting
         self._wake.set()
-        if first_stop and self._thread.ident is not None:
-            self._thread.join(STORE_WAIT_S)
-            if self._thread.is_alive():
-                self._store_lost = self._store_lost or not acting
-                logger.warning(
-                    "rank %d: the peer watch did not end within %.0f s (%s); left behind",
-                    self.rank,
-                    STORE_WAIT_S,
-                    "the abort of the process groups does not begin"
-                    if acting
-                    else "its store call does not return",
-                )
-        self._restore_handler()
-        with _registry_lock:
-            if _active is self:
-                _active = None
+        try:
+            if first_stop and self._thread.ident is not None:
+                self._thread.join(STORE_WAIT_S)
+                if self._thread.is_alive():
+                    self._store_lost = self._store_lost or not acting
+                    logger.warning(
+                        "rank %d: the peer watch did not end within %.0f s (%s); left behind",
+                        self.rank,
+                        STORE_WAIT_S,
+                        "the abort of the process groups does not begin"
+                        if acting
+                        else "its store call does not return",
+                    )
+        finally:  # a Ctrl-C in the join: the handler and the registry are still put back
+            self._restore_handler()
+            with _registry_lock:
+                if _active is self:
+                    _active = None
 
     def finish(self, timeout_s: float = ABORT_WAIT_S) -> bool:
         """The last thing of this rank's shutdown, after its graphs were freed: wait (at

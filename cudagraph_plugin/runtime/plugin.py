@@ -243,13 +243,36 @@ class CudaGraphPlugin:
     # and the cleanup then happen here, outside every plain and trylast wrapper.
     # Outermost, too, for the job: a failing rank marks its failure first of all (every
     # other rank then ends within seconds), and waits for them last.
+    # Whatever interrupts the mark (a Ctrl-C while the store is slow) waits until the
+    # graphs are freed, then goes on: raising before the yield would skip every shutdown.
     @hookimpl(wrapper=True, tryfirst=True, specname="mcgraph_shutdown")
     def shutdown_guard(self, reason: Any, exception: BaseException | None) -> Any:
-        self.job.end(reason, exception)
+        mark_error = self._end_job(reason, exception)
         try:
-            return (yield from self.shutdown.guard(reason, exception))
+            result = yield from self.shutdown.guard(reason, exception)
         finally:
             self.job.wait_for_peers()
+        if mark_error is not None:
+            raise mark_error
+        return result
+
+    def _end_job(self, reason: Any, exception: BaseException | None) -> BaseException | None:
+        """``job.end``, tried a second time if interrupted (the other ranks learn of this
+        rank's failure only from its mark); what interrupted it first, or None."""
+        first: BaseException | None = None
+        for attempt in ("", " again"):
+            try:
+                self.job.end(reason, exception)
+                break
+            except BaseException as exc:
+                first = first or exc
+                logger.error(
+                    "marking the end of this rank's run for the other ranks failed%s (%r); "
+                    "the shutdown goes on",
+                    attempt,
+                    exc,
+                )
+        return first
 
     def _release_all(self, reason: str, *, quiet: bool, exception: BaseException | None) -> None:
         extra = [
