@@ -110,7 +110,9 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "list[int]",
         "step",
         "the steps behind `eager_step_ms`: before the capture step, without the run's first "
-        "step (it pays one-off costs); every timed step but the first when nothing was captured",
+        "step (it pays one-off costs); every timed step but the first when nothing was "
+        "captured; with buckets, each bucket's warm-up steps but its first, of the buckets "
+        "that replayed",
     ),
     ReportField(
         "eager_step_ms",
@@ -123,7 +125,8 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "replay_steps",
         "list[int]",
         "step",
-        "the steps behind `replay_step_ms`: after the capture step (up to `fallback_step`)",
+        "the steps behind `replay_step_ms`: after the capture step (up to `fallback_step`); "
+        "with buckets, the steps that replayed a bucket's graph",
     ),
     ReportField(
         "replay_step_ms",
@@ -136,7 +139,9 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "speedup",
         "float | None",
         "ratio",
-        "`eager_step_ms / replay_step_ms`; above 1 means replay is faster",
+        "`eager_step_ms / replay_step_ms`; above 1 means replay is faster. With buckets, "
+        "each bucket's replayed steps against its own eager median (never one length "
+        "against another)",
         "either median is missing",
     ),
     ReportField(
@@ -248,7 +253,8 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "steps",
         "replayed steps after which the capture has paid for itself: `capture_seconds` over "
         "the time each replayed step saves",
-        "nothing was captured, a median is missing, or replay saves nothing",
+        "nothing was captured, a median is missing, replay saves nothing, or buckets "
+        "(each row of `buckets` has its own)",
     ),
     ReportField(
         "pays_off",

@@ -217,3 +217,43 @@ def test_two_data_parallel_ranks_pad_each_step_to_one_agreed_bucket(tmp_path, su
     assert len(set(first["seq_lengths"])) > 1
     # the ranks' own data differ: their losses do
     assert first["losses"] != second["losses"]
+
+
+@pytest.mark.parametrize("replay_factor,verdict", [(0.5, "faster"), (1.5, "slower")])
+def test_the_verdict_compares_each_buckets_replays_with_its_own_eager_steps(
+    bucket_fakes, tmp_path, monkeypatch, replay_factor, verdict
+):
+    """Step times made up per bucket (eager 10, 20 or 80 ms by length, a replay
+    ``replay_factor`` of that, a capture 5x): every bucket replays at exactly
+    ``replay_factor`` of its own eager time, so the run's speed-up is its inverse, whatever
+    the mix of lengths before and after the first capture."""
+    from cudagraph_plugin.runtime.buckets import Action, BucketGraphs
+    from cudagraph_plugin.runtime.timing import StepTimer
+
+    seen: dict[int, tuple[int, Action]] = {}
+    run_route = BucketGraphs.run
+
+    def recorded(self, route, eager, kwargs, step=None):
+        if route.key is not None:
+            seen[step] = (route.key.seq_length, route.action)
+        return run_route(self, route, eager, kwargs, step)
+
+    def made_up(self, sync=True):
+        base = {16: 10.0, 32: 20.0, 48: 80.0}
+        factor = {Action.REPLAY: replay_factor, Action.CAPTURE: 5.0}
+        return {s: base[length] * factor.get(a, 1.0) for s, (length, a) in seen.items()}
+
+    monkeypatch.setattr(BucketGraphs, "run", recorded)
+    monkeypatch.setattr(StepTimer, "durations_ms", made_up)
+    argv = [*GRAPHS, "--cuda-graph-buckets", "16,32,48", "--train-iters", "40"]
+    _, report = run(tmp_path, *argv, "--cuda-graph-warmup-steps", "3")
+    assert report["verdict"] == verdict
+    assert report["speedup"] == pytest.approx(1 / replay_factor)
+    replays = {s for s, (_, a) in seen.items() if a is Action.REPLAY}
+    assert set(report["replay_steps"]) == replays
+    firsts = {min(s for s, (n, _) in seen.items() if n == length) for length in (16, 32, 48)}
+    eager = {s for s, (_, a) in seen.items() if a is Action.WARMUP} - firsts
+    assert set(report["eager_steps"]) == eager
+    if verdict == "slower":
+        assert "150% of the eager step time" in report["verdict_text"]
+    assert report["break_even_steps"] is None  # each bucket has its own

@@ -48,6 +48,33 @@ def pays_off(break_even: int | None, replays_left: int | None) -> bool | None:
     return break_even is not None and replays_left >= break_even
 
 
+def bucket_samples(
+    summary: Sequence[Mapping[str, Any]], durations_ms: Mapping[int, float]
+) -> tuple[list[int], list[int], list[float], list[float]]:
+    """What the run's eager-vs-replay verdict compares with buckets: each bucket's replayed
+    steps against its own eager steps, never one length against another. Returns the
+    eager and replayed steps (of the buckets that have both) and their durations divided
+    by their bucket's median eager step (so the eager ones lie around 1)."""
+    eager_steps: list[int] = []
+    replay_steps: list[int] = []
+    eager: list[float] = []
+    replay: list[float] = []
+    for row in summary:
+        base = row["eager_step_ms"]
+        if not row["in_bucket"] or not base:
+            continue
+        # a bucket's first call (its static buffers, lazy allocations) is no sample
+        own_eager = [s for s in row["eager_steps"][1:] if s in durations_ms]
+        own_replay = [s for s in row["replay_steps"] if s in durations_ms]
+        if not own_replay:
+            continue
+        eager_steps += own_eager
+        replay_steps += own_replay
+        eager += [durations_ms[s] / base for s in own_eager]
+        replay += [durations_ms[s] / base for s in own_replay]
+    return sorted(eager_steps), sorted(replay_steps), eager, replay
+
+
 def bucket_rows(
     summary: Sequence[Mapping[str, Any]], captures: Sequence[Mapping[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -68,7 +95,8 @@ def bucket_rows(
                 "speedup": eager_ms / replay_ms if eager_ms and replay_ms else None,
                 "pool_mib": sum(m for m in mib if m is not None) if mib else None,
                 "break_even_steps": even,
-                "paid_off": pays_off(even, row["replays"]) if capture_seconds else None,
+                # the replays of the capture calls save nothing: replayed steps only
+                "paid_off": pays_off(even, len(row["replay_steps"])) if capture_seconds else None,
             }
         )
     return rows

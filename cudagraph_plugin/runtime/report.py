@@ -24,6 +24,7 @@ from cudagraph_plugin.runtime.measurement import Measurement
 from cudagraph_plugin.runtime.payoff import (
     break_even_steps,
     bucket_rows,
+    bucket_samples,
     pays_off,
     thin_sample_note,
 )
@@ -47,12 +48,15 @@ def _median_and_spread(samples: list[float]) -> tuple[float | None, float]:
     return median, mad / median
 
 
-def verdict(eager: list[float], replay: list[float]) -> tuple[str, float | None, float, str]:
+def verdict(
+    eager: list[float], replay: list[float], *, relative: bool = False
+) -> tuple[str, float | None, float, str]:
     """(verdict, speed-up, noise, one-line explanation) for eager vs replay step times.
 
     The verdict is ``faster`` only when the speed-up exceeds the noise (the larger of 2% and
     the two samples' relative spreads added), ``slower`` when replay loses by more than the
-    noise, else ``no_gain``; ``unknown`` without samples on both sides.
+    noise, else ``no_gain``; ``unknown`` without samples on both sides. ``relative``: the
+    samples are fractions of an eager median (bucketed graphs), not milliseconds.
     """
     eager_ms, eager_spread = _median_and_spread(eager)
     replay_ms, replay_spread = _median_and_spread(replay)
@@ -68,14 +72,19 @@ def verdict(eager: list[float], replay: list[float]) -> tuple[str, float | None,
     noise = max(NOISE_FLOOR, eager_spread + replay_spread)
     if speedup > 1.0 + noise:
         return "faster", speedup, noise, f"replay is {speedup:.2f}x faster than eager"
+    times = (
+        f"{replay_ms / eager_ms:.0%} of the eager step time"
+        if relative
+        else f"{replay_ms:.2f} ms vs {eager_ms:.2f} ms per step"
+    )
     if speedup < 1.0 - noise:
         return (
             "slower",
             speedup,
             noise,
             (
-                f"replay is SLOWER than eager: {replay_ms:.2f} ms vs {eager_ms:.2f} ms per step "
-                f"(speed-up {speedup:.2f}x, noise ±{noise:.0%}); CUDA graphs cost you time here"
+                f"replay is SLOWER than eager: {times} (speed-up {speedup:.2f}x, "
+                f"noise ±{noise:.0%}); CUDA graphs cost you time here"
             ),
         )
     return (
@@ -83,8 +92,8 @@ def verdict(eager: list[float], replay: list[float]) -> tuple[str, float | None,
         speedup,
         noise,
         (
-            f"replay is NOT faster than eager beyond noise: {replay_ms:.2f} ms vs "
-            f"{eager_ms:.2f} ms per step (speed-up {speedup:.2f}x, noise ±{noise:.0%})"
+            f"replay is NOT faster than eager beyond noise: {times} (speed-up "
+            f"{speedup:.2f}x, noise ±{noise:.0%})"
         ),
     )
 
@@ -318,14 +327,25 @@ class Reporter:
         state, captures = self.state, self.captures
         rank, world_size = state.rank_and_world()
         eager, replay, durations = self.measurement.samples(sync=sync)
+        eager_samples = [durations[s] for s in eager]
+        replay_samples = [durations[s] for s in replay]
+        bucket_summary = [] if state.buckets is None else state.buckets.summary(durations)
+        if state.buckets is not None:
+            # Every step after the first capture is not a replay with buckets (other
+            # buckets warm up and capture later, lengths outside every bucket run eagerly,
+            # an invalidation starts over): each bucket's replays against its own eager
+            # steps, as fractions of that bucket's eager median.
+            eager, replay, eager_samples, replay_samples = bucket_samples(bucket_summary, durations)
         # A capture that produced no graph (a scope matching no layer) buys nothing: no
         # speed-up is claimed for it.
         captured = bool(captures.records) and captures.graphs_held_max > 0
         thin = None
         if captured:
             result, speedup, noise, text = verdict(
-                [durations[s] for s in eager], [durations[s] for s in replay]
+                eager_samples, replay_samples, relative=state.buckets is not None
             )
+            if state.buckets is not None and result != "unknown":
+                text += " (each bucket's replayed steps against its own eager steps)"
             no_graph_reason = None
             thin = thin_sample_note(len(eager), len(replay))
             if thin is not None and result != "unknown":
@@ -345,12 +365,14 @@ class Reporter:
             text = f"no graph captured: {no_graph_reason}"
         eager_ms = median_or_none([durations[s] for s in eager])
         replay_ms = median_or_none([durations[s] for s in replay])
-        even = break_even_steps(captures.seconds(), eager_ms, replay_ms) if captured else None
+        # with buckets, break-even is each bucket's own (its capture against its saving)
+        even = None
+        if captured and state.buckets is None:
+            even = break_even_steps(captures.seconds(), eager_ms, replay_ms)
         capture_step = captures.training_capture_step()
         left = None
         if captured and state.train_iters is not None and capture_step is not None:
             left = state.train_iters - capture_step - 1
-        bucket_summary = [] if state.buckets is None else state.buckets.summary(durations)
         return RunReport(
             impl=state.settings.impl,
             scope=list(state.settings.scope),
