@@ -280,8 +280,9 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "invalidations",
         "list[dict[str, Any]]",
         "",
-        "each `run.invalidate_graphs(reason)`: `step`, `reason`, `graphs_freed`, `then` (what "
-        "followed); `[]` without",
+        "each `run.invalidate_graphs(reason)`, and each time the bucket graphs' address "
+        "check saw memory move (`reason` says what moved): `step`, `reason`, `graphs_freed`, "
+        "`then` (what followed); `[]` without",
     ),
     ReportField(
         "shutdown_reason",

@@ -296,6 +296,8 @@ class BucketGraphs:
         self._stream: Any = None
         self._logged: set[Any] = set()
         self._tied: list[TiedGraphs] = []
+        # told of every invalidation, the host's and the address check's: (step, reason, freed)
+        self.on_invalidate: list[Callable[[int | None, str, int], None]] = []
 
     def tie(self, graphs: TiedGraphs) -> None:
         """Free ``graphs`` whenever these are invalidated (memory moved, the host's word)."""
@@ -490,6 +492,8 @@ class BucketGraphs:
             " and the optimizer step" if self._tied else "",
             self.warmup_steps,
         )
+        for callback in self.on_invalidate:
+            callback(step, reason, result.graphs_freed)
         settle(result.failures, None)
         return result.graphs_freed
 
@@ -589,6 +593,7 @@ class BucketGraphs:
 
     def _drop_references(self) -> None:
         self._tied = []
+        self.on_invalidate = []
         self.fingerprint.forget()
         self._reference = None
         self._reader = None

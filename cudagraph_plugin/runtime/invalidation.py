@@ -1,5 +1,6 @@
 """The host's word that what captured graphs point at has moved (``run.invalidate_graphs``:
-a checkpoint load, parameters or optimizer state offloaded and brought back).
+a checkpoint load, parameters or optimizer state offloaded and brought back), and the record
+of every invalidation for the report (the bucket graphs' address check's too).
 
 Bucketed full-iteration graphs are freed and captured again after their warm-up
 (:meth:`BucketGraphs.invalidate`), and so is the optimizer graph tied to them. Without
@@ -33,8 +34,7 @@ class Invalidation:
     def invalidate(self, reason: str) -> None:
         state = self.state
         if state.buckets is not None:
-            freed = state.buckets.invalidate(reason, step=state.step)
-            self._record(reason, freed, "recaptured after their warm-up")
+            state.buckets.invalidate(reason, step=state.step)  # recorded by bucket_invalidated
             return
         if state.phase is not Phase.CAPTURED:
             self._record(reason, 0, "no graph was held")
@@ -58,8 +58,12 @@ class Invalidation:
         )
         self._record(reason, freed, "the run goes on eagerly")
 
-    def _record(self, reason: str, freed: int, then: str) -> None:
+    def bucket_invalidated(self, step: int | None, reason: str, freed: int) -> None:
+        """The bucket graphs were invalidated: on the host's word or because the address
+        check saw memory move (``BucketGraphs.on_invalidate``)."""
+        self._record(reason, freed, "recaptured after their warm-up", step=step)
+
+    def _record(self, reason: str, freed: int, then: str, step: int | None = None) -> None:
         self.graphs_freed += freed
-        self.events.append(
-            {"step": self.state.step, "reason": reason, "graphs_freed": freed, "then": then}
-        )
+        step = self.state.step if step is None else step
+        self.events.append({"step": step, "reason": reason, "graphs_freed": freed, "then": then})

@@ -170,6 +170,8 @@ class CudaGraphPlugin:
         if state.active:
             assert self.build is not None
             build.build_model_graphs(state, self.build, optimizer)
+            if state.buckets is not None:
+                state.buckets.on_invalidate.append(self.invalidation.bucket_invalidated)
             if state.te is not None:
                 self.wiring.te_layers_found(state.te.layer_count())
         if self.settings.device_grad_norm:
