@@ -26,7 +26,8 @@ import cpu_redirect
 import train_gpt
 from cudagraph_plugin.compat import buckets as bucket_compat
 from cudagraph_plugin.runtime import buckets
-from cudagraph_plugin.runtime.buckets import Action, AddressFingerprint, BucketGraphs, BucketKey
+from cudagraph_plugin.runtime.buckets import Action, BucketGraphs, BucketKey
+from cudagraph_plugin.runtime.fingerprint import AddressFingerprint
 from cudagraph_plugin.runtime.guard import StaticShapeError
 from cudagraph_plugin.runtime.padding import pad_step
 from cudagraph_plugin.runtime.release import release_each

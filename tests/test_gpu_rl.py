@@ -27,6 +27,7 @@ import pytest
 import torch
 from bucket_schedule import expected_schedule, lengths_of, schedule_of
 
+from cudagraph_plugin import compat
 from train_jobs import (
     RL_LOOP,
     TrainJob,
@@ -151,6 +152,39 @@ def test_offload_and_reload_recapture_and_train_as_eager(explicit, jobs_root):
             if AT_NEW_ADDRESSES in line
         }
     _check_schedule(graphed.record(0)["report"], resets)
+    _same_losses(graphed, eager)
+
+
+OPTIMIZER_CAPTURED = "CUDA graph(s) for optimizer at step"
+
+
+@pytest.mark.skipif(
+    not compat.has_optimizer_graph(), reason="megatron-core < 0.17 has no optimizer graph"
+)
+def test_offload_and_reload_recapture_the_optimizer_graph_too(jobs_root):
+    """With the optimizer graph as well: megatron-core's ``restore_from_cpu`` gives the main
+    parameters and Adam's state new memory, so each reload frees the optimizer graph with
+    the bucket graphs, and it is captured again after its own warm-up (a replay of the old
+    one would read freed memory). The eager twin runs the same capturable Adam and the
+    same device-side gradient norm, without graphs."""
+    argv = (*LOOP, *BF16, *OFFLOAD, "--invalidate-after-reload")
+    graphs = (*GRAPHS, "--cuda-graph-buckets", BUCKETS, "--optimizer-cuda-graph")
+    name = "rl_offload_optimizer_graph"
+    graphed = _job(name, "graphed", (*argv, *graphs), jobs_root)
+    eager = _job(
+        name, "eager", (*argv, "--capturable-optimizer", "--cuda-graph-device-grad-norm"), jobs_root
+    )
+    output = graphed.result.output()
+    assert "illegal memory access" not in output
+    captures = [line for line in output.splitlines() if OPTIMIZER_CAPTURED in line]
+    assert len(captures) == 1 + len(RELOADS_BEFORE), graphed.context()
+    assert output.count("each bucket and the optimizer step is captured again") == len(
+        RELOADS_BEFORE
+    ), graphed.context()
+    report = graphed.record(0)["report"]
+    # per segment between reloads: WARMUP eager optimizer steps, the capture, then replays
+    assert report["replays"]["optimizer"] == STEPS - (1 + len(RELOADS_BEFORE)) * (WARMUP + 1)
+    _check_schedule(report, RELOADS_BEFORE)
     _same_losses(graphed, eager)
 
 

@@ -73,6 +73,7 @@ from typing import Any, Protocol
 
 from cudagraph_plugin.compat import buckets as bucket_compat
 from cudagraph_plugin.config.buckets import check_buckets, padding_waste_percent
+from cudagraph_plugin.runtime.fingerprint import AddressFingerprint, Fingerprint
 from cudagraph_plugin.runtime.guard import ShapeGuard, StaticShapeError
 from cudagraph_plugin.runtime.release import ReleaseStep, release_each, settle
 from cudagraph_plugin.runtime.timing import median_or_none
@@ -84,9 +85,6 @@ BUCKET_FIX = (
     "seq_length (cudagraph_plugin.runtime.padding.pad_step), and keep micro_batch_size and the "
     "tensor dtypes of a bucket fixed"
 )
-
-PARAMS_PER_CHUNK = 16
-"""Parameters sampled per model chunk by the address fingerprint (see AddressFingerprint)."""
 
 
 class Action(enum.Enum):
@@ -142,87 +140,6 @@ class _Captured:
     result: Any  # the capture's outputs, which every replay refills; kept with the graph
     step: int | None
     scratch: list[tuple[str, Any]]  # megatron-core's scratch buffers at capture, kept alive
-
-
-Fingerprint = tuple[tuple[str, str, int], ...]
-
-
-class AddressFingerprint:
-    """``data_ptr()`` of what a full-iteration graph points at and a host may reallocate.
-
-    Cheap enough for every step (a few dozen pointer reads): megatron-core DDP's contiguous
-    parameter and gradient buffers (what megatron-core's own RL offloading frees and
-    reallocates), up to ``params_per_chunk`` parameters per model chunk spread over its
-    parameters (``param.data = ...`` offloading moves them all; a single parameter moved
-    alone and not sampled is not seen: hosts say so with ``invalidate``) and the loss scale
-    the captured backward multiplies by. (megatron-core's global scratch buffers move too,
-    but the graphs keep the ones they use: :class:`BucketGraphs`.) With
-    ``optimizer_state`` also a sample of the optimizer's main parameters and state, which
-    an optimizer-step graph reads and a forward/backward graph does not.
-    """
-
-    def __init__(
-        self,
-        model: Sequence[Any],
-        optimizer: Any = None,
-        *,
-        params_per_chunk: int | None = PARAMS_PER_CHUNK,
-        optimizer_state: bool = False,
-    ) -> None:
-        self.model: list[Any] | None = list(model)
-        self.optimizer = optimizer
-        self.optimizer_state = optimizer_state
-        self._params = [
-            (f"model chunk {index} {name}", param)
-            for index, chunk in enumerate(self.model)
-            for name, param in _spread(list(chunk.named_parameters()), params_per_chunk)
-        ]
-
-    def take(self) -> Fingerprint:
-        if self.model is None:
-            return ()
-        entries = [("parameters", name, param.data_ptr()) for name, param in self._params]
-        tensors = bucket_compat.ddp_buffer_tensors(self.model)
-        if self.optimizer is not None:
-            scale = bucket_compat.loss_scale_tensor(self.optimizer)
-            if scale is not None:
-                tensors.append(("loss scale", "optimizer loss scale", scale))
-            if self.optimizer_state:
-                tensors += bucket_compat.optimizer_state_tensors(self.optimizer)
-        entries += [(group, name, tensor.data_ptr()) for group, name, tensor in tensors]
-        return tuple(entries)
-
-    @staticmethod
-    def changes(before: Fingerprint, after: Fingerprint) -> list[str]:
-        """What differs, one entry per group: ``"<group> (<first name>: old -> new)"``."""
-        old = {(group, name): ptr for group, name, ptr in before}
-        new = {(group, name): ptr for group, name, ptr in after}
-        found: dict[str, str] = {}
-        for entry in [*old, *(k for k in new if k not in old)]:
-            group, name = entry
-            if group not in found and old.get(entry) != new.get(entry):
-                found[group] = f"{group} ({name}: {_ptr(old.get(entry))} -> {_ptr(new.get(entry))})"
-        return list(found.values())
-
-    def forget(self) -> None:
-        """Drop the model and optimizer (the run is over)."""
-        self.model = None
-        self.optimizer = None
-        self._params = []
-
-
-def _ptr(value: int | None) -> str:
-    return "absent" if value is None else f"{value:#x}"
-
-
-def _spread(items: list[Any], count: int | None) -> list[Any]:
-    """``count`` items spread evenly from first to last (all of them if fewer, or None)."""
-    if count is None or len(items) <= count:
-        return items
-    if count == 1:
-        return items[:1]
-    last = len(items) - 1
-    return [items[i] for i in sorted({round(n * last / (count - 1)) for n in range(count)})]
 
 
 class TiedGraphs(Protocol):

@@ -20,7 +20,8 @@ from cudagraph_plugin.config.errors import MCORE, CudaGraphConfigError, Violatio
 from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.config.rules.optimizer import optimizer_step_problems
 from cudagraph_plugin.config.settings import Settings, read_settings
-from cudagraph_plugin.runtime.buckets import AddressFingerprint, BucketGraphs
+from cudagraph_plugin.runtime.buckets import BucketGraphs
+from cudagraph_plugin.runtime.fingerprint import AddressFingerprint
 from cudagraph_plugin.runtime.mechanisms import OptimizerGraphs, TEGraphs
 from cudagraph_plugin.runtime.state import RunState
 
