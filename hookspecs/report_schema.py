@@ -118,7 +118,8 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "eager_step_ms",
         "float | None",
         "ms",
-        "median time of the `eager_steps`",
+        "median time of the `eager_steps` (with buckets over every bucket's lengths, so "
+        "only indicative: `speedup` compares each bucket with itself)",
         "`eager_steps` is empty (e.g. fewer than 2 warm-up steps)",
     ),
     ReportField(
@@ -139,9 +140,9 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "speedup",
         "float | None",
         "ratio",
-        "`eager_step_ms / replay_step_ms`; above 1 means replay is faster. With buckets, "
-        "each bucket's replayed steps against its own eager median (never one length "
-        "against another)",
+        "above 1 means replay is faster: `eager_step_ms / replay_step_ms`; with buckets, "
+        "each bucket's replayed steps against its own eager median instead (never one "
+        "length against another)",
         "either median is missing",
     ),
     ReportField(

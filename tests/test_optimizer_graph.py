@@ -249,8 +249,9 @@ def test_a_learning_rate_baked_into_the_captured_step_is_refused_before_it_goes_
 RL_LOOP = [
     "--seq-length", "48", "--min-length", "4", "--max-length", "48", "--train-iters", "24",
     "--steps-per-round", "4", "--rollout-batches", "2", "--log-interval", "0",
-    "--cuda-graph-warmup-steps", "2", "--offload-interval", "8", "--lr-decay-style", "constant",
+    "--cuda-graph-warmup-steps", "2", "--lr-decay-style", "constant",
 ]  # fmt: skip
+RL_OFFLOAD = ["--offload-interval", "8"]
 RL_GRAPHS = [
     "--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration",
     "--cuda-graph-buckets", "16,32,48", *OPTIM,
@@ -292,19 +293,60 @@ def test_with_buckets_a_reload_frees_the_optimizer_graph_and_captures_it_again(
 
     caplog.set_level(logging.WARNING, logger="cudagraph_plugin")
     _restores_state_elsewhere(monkeypatch)
+    forgotten = []
+    forget = compat.forget_shared_graph_pool
+    monkeypatch.setattr(compat, "forget_shared_graph_pool", lambda: forgotten.append(forget()))
     flags = ["--invalidate-after-reload"] if explicit else []
     path = tmp_path / "report.json"
-    summary = rl_loop.run([*RL_LOOP, *RL_GRAPHS, *flags, "--cuda-graph-report-json", str(path)])
+    summary = rl_loop.run(
+        [*RL_LOOP, *RL_OFFLOAD, *RL_GRAPHS, *flags, "--cuda-graph-report-json", str(path)]
+    )
     report = json.loads(path.read_text())
-    eager = rl_loop.run([*RL_LOOP, "--pad-to-buckets", "16,32,48"])
+    eager = rl_loop.run([*RL_LOOP, *RL_OFFLOAD, "--pad-to-buckets", "16,32,48"])
     assert summary["offloads"] == eager["offloads"] == 2
     assert summary["losses"] == eager["losses"]
     made = fake_optimizer_graph.StepGraph.made
     assert len(made) == 3 and all(g.addresses for g in made)  # captured, then after each reload
     assert [g.resets for g in made] == [1, 1, 1]
+    # each recapture into a fresh pool, not megatron-core's cached handle of the freed one
+    assert len(forgotten) == 2
     warmup = 2
     assert report["replays"]["optimizer"] == 24 - 3 * (warmup + 1)
     freed = [r.getMessage() for r in caplog.records if "CUDA graph buckets:" in r.getMessage()]
     assert len(freed) == 2 and all("and the optimizer step" in m for m in freed)
     if not explicit:
         assert all("optimizer state (optimizer 0" in m for m in freed)
+
+
+def _rl_report(tmp_path, *argv):
+    import json
+
+    import rl_loop
+
+    path = tmp_path / "report.json"
+    rl_loop.run([*RL_LOOP, *RL_GRAPHS, *argv, "--cuda-graph-report-json", str(path)])
+    return json.loads(path.read_text())
+
+
+def test_with_buckets_but_no_bucket_graph_the_optimizer_graph_still_gets_a_verdict(
+    graphs, capturable, bucket_fakes, tmp_path
+):
+    """Every length outside the only bucket: the optimizer graph alone is captured, and
+    the report compares the steps before its capture with those after it."""
+    report = _rl_report(
+        tmp_path, "--min-length", "40", "--cuda-graph-buckets", "16", "--pad-to-buckets", "16,48"
+    )
+    assert report["replays"] == {"optimizer": 24 - 3}
+    assert report["verdict"] != "unknown" and report["speedup"] is not None
+    assert report["eager_steps"] == [1] and report["replay_steps"] == list(range(3, 24))
+
+
+def test_a_run_that_ends_in_the_warmup_after_a_reload_keeps_the_hyperparameter_note(
+    graphs, capturable, bucket_fakes, tmp_path
+):
+    """The reload before step 16 frees the optimizer graph (and its learning-rate sync);
+    the run ends at step 16, before the recapture: the report still says how the captured
+    step read its hyperparameters."""
+    report = _rl_report(tmp_path, *RL_OFFLOAD, "--train-iters", "17", "--invalidate-after-reload")
+    assert len(report["invalidations"]) == 2
+    assert any(n.startswith("optimizer graph hyperparameters") for n in report["notes"])

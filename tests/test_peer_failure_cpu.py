@@ -495,6 +495,33 @@ def test_a_ctrl_c_while_stopping_still_puts_the_handler_back(tcp_store, watches)
     start(watches, dist.HashStore())  # not refused as "already running"
 
 
+def test_a_ctrl_c_while_the_store_is_slow_still_gets_the_mark_there(tcp_store, watches):
+    """The failing rank's mark is what ends the other ranks: an interrupt while the store
+    is slow to answer (stopped for 0.6 s here) waits for the answer, then goes on."""
+    server, client = tcp_store
+    watch = start(watches, client, abort=Aborts())
+    time.sleep(5 * POLL_S)
+    watch.stop()  # the watcher's own poll is not what this waits on
+    server.send_signal(signal.SIGSTOP)
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR1, interrupted)
+    try:
+        main = threading.get_ident()
+        later(0.2, lambda: signal.pthread_kill(main, signal.SIGUSR1))
+        later(0.6, lambda: server.send_signal(signal.SIGCONT))
+        with pytest.raises(KeyboardInterrupt):
+            watch.end(ShutdownReason.EXCEPTION, RuntimeError("boom"))
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        server.send_signal(signal.SIGCONT)
+    assert watch.first_failure is not None and watch.first_failure.rank == 0
+    assert PeerFailure.decode(client.get(watch.first_key)).rank == 0
+    assert int(client.add(watch.ended_key, 0)) == 1
+
+
 # -- small contracts -----------------------------------------------------------------------------
 
 

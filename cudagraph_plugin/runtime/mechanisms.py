@@ -166,6 +166,7 @@ class OptimizerGraphs:
         )
         self.warmup_steps = warmup_steps
         self.sync: HyperparameterSync | None = None  # made right before the capture
+        self._released_description: str | None = None  # the sync's, once an invalidation freed it
         self.on_capture: list[Callable[[], None]] = []  # called after each capture
 
     def watch_hyperparameters(self) -> None:
@@ -204,9 +205,15 @@ class OptimizerGraphs:
     def invalidate(self) -> int:
         """Free the graph (what it reads moved) so that megatron-core's wrapper captures
         again after ``warmup_steps`` eager calls: its counter starts over; the learning
-        rate is watched afresh at that capture. Returns the graphs freed."""
+        rate is watched afresh at that capture. Returns the graphs freed.
+
+        The next capture gets a fresh pool handle: into megatron-core's cached shared one
+        (``cuda_graph_use_single_mempool``, 0.19's default) it would trip the caching
+        allocator while a host still holds an output of the freed graph (the step's
+        gradient norm). Bucket graphs, the only ones tied to this, keep their own pool."""
         freed = compat.free_optimizer_graph()
         compat.reset_optimizer_graph_counters()
+        compat.forget_shared_graph_pool()
         self._release_sync()
         return freed
 
@@ -221,8 +228,14 @@ class OptimizerGraphs:
             ReleaseStep("the host's optimizer.step", self._restore_step),
         ]
 
+    def sync_description(self) -> str | None:
+        """The hyperparameter sync's line for the report (the last one after an
+        invalidation freed it)."""
+        return self.sync.description if self.sync is not None else self._released_description
+
     def _release_sync(self) -> None:
         if self.sync is not None:
+            self._released_description = self.sync.description
             self.sync.release()
             self.sync = None
 

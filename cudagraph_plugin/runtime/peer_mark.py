@@ -14,6 +14,7 @@ import json
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -124,6 +125,18 @@ class BoundedCall:
 
     def wait(self, timeout: float) -> bool:
         return self._done.wait(timeout)
+
+    def wait_through(self, timeout: float) -> tuple[bool, BaseException | None]:
+        """:meth:`wait`, resumed whatever interrupts it (a second Ctrl-C while the store is
+        slow), until ``timeout`` has passed: whether the call ended, and the first
+        interruption, for the caller to raise once it has used the answer."""
+        deadline = time.monotonic() + timeout
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                return self._done.wait(max(0.0, deadline - time.monotonic())), interrupted
+            except BaseException as exc:
+                interrupted = interrupted or exc
 
 
 def first_line(exc: BaseException) -> str:

@@ -136,6 +136,7 @@ class PeerWatch:
         self._raised = False
         self._ended = False
         self._store_lost = False  # the store failed or did not answer: not asked again
+        self._deferred: BaseException | None = None  # interrupted the mark: raised after it
         self._previous_handler: Any = None
         self._handler_installed = False
         self._main_ident = threading.main_thread().ident
@@ -253,7 +254,10 @@ class PeerWatch:
             self._ended = True
             # A normal end must not complain when the store is gone (rank 0, which hosted
             # it, may have finished first): only a rank that failed waits for this count.
-            self._store_call("end", lambda store: store.add(self.ended_key, 1), quiet=True)
+            self._store_call(
+                "end", lambda store: store.add(self.ended_key, 1), quiet=True, defer=True
+            )
+            self._raise_deferred()
 
     def mark_failed(self, reason: str) -> PeerFailure | None:
         """Record this rank's failure in the store and count the rank as ended (stopping
@@ -274,8 +278,9 @@ class PeerWatch:
             store.add(self.ended_key, 1)
             return first
 
-        first = self._store_call("mark", record)
+        first = self._store_call("mark", record, defer=True)
         if first is None:
+            self._raise_deferred()
             return None
         self.first_failure = first
         if (first.rank, first.pid) == (mine.rank, mine.pid):
@@ -288,7 +293,13 @@ class PeerWatch:
             logger.warning(
                 "rank %d failed (%s); %s first", self.rank, mine.reason, first.describe()
             )
+        self._raise_deferred()
         return first
+
+    def _raise_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            raise deferred
 
     def wait_for_peers(self, timeout_s: float | None = None) -> bool:
         """On the rank that failed, the last thing of its shutdown: wait until every rank
@@ -334,12 +345,19 @@ class PeerWatch:
         timeout_s: float = STORE_WAIT_S,
         *,
         quiet: bool = False,
+        defer: bool = False,
     ) -> Any:
         """``func(store)`` on the watcher's connection (the shared store before it has one),
-        waited for at most ``timeout_s``; ``None`` (logged) if the store does not answer."""
+        waited for at most ``timeout_s``; ``None`` (logged) if the store does not answer.
+        ``defer``: an interruption of the wait waits for the answer too (the other ranks
+        learn of this rank's end only from the store), kept for ``_raise_deferred``."""
         store = self._connection if self._connection is not None else self._store
         call = BoundedCall(f"peer-{what}", lambda: func(store))
-        answered = call.wait(timeout_s)
+        if defer:
+            answered, interrupted = call.wait_through(timeout_s)
+            self._deferred = self._deferred or interrupted
+        else:
+            answered = call.wait(timeout_s)
         if answered and call.error is None:
             return call.result
         self._store_lost = True

@@ -330,7 +330,10 @@ class Reporter:
         eager_samples = [durations[s] for s in eager]
         replay_samples = [durations[s] for s in replay]
         bucket_summary = [] if state.buckets is None else state.buckets.summary(durations)
-        if state.buckets is not None:
+        per_bucket = state.buckets is not None and any(
+            c["stage"] == "training" for c in captures.records
+        )  # else only the optimizer graph was captured: the split at its capture holds
+        if per_bucket:
             # Every step after the first capture is not a replay with buckets (other
             # buckets warm up and capture later, lengths outside every bucket run eagerly,
             # an invalidation starts over): each bucket's replays against its own eager
@@ -342,9 +345,9 @@ class Reporter:
         thin = None
         if captured:
             result, speedup, noise, text = verdict(
-                eager_samples, replay_samples, relative=state.buckets is not None
+                eager_samples, replay_samples, relative=per_bucket
             )
-            if state.buckets is not None and result != "unknown":
+            if per_bucket and result != "unknown":
                 text += " (each bucket's replayed steps against its own eager steps)"
             no_graph_reason = None
             thin = thin_sample_note(len(eager), len(replay))
@@ -417,8 +420,8 @@ class Reporter:
         notes = []
         if kernels is not None and kernels.replaced:
             notes.append(kernels.description)
-        if optim is not None and optim.sync is not None:
-            notes.append(optim.sync.description)
+        if optim is not None and optim.sync_description() is not None:
+            notes.append(optim.sync_description())
         return notes
 
 
