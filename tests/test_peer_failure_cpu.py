@@ -15,6 +15,7 @@ Two halves:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime
 import json
 import logging
@@ -469,6 +470,29 @@ def test_a_store_that_does_not_answer_never_holds_the_main_thread(tcp_store, wat
     assert other.wait_for_peers() is True  # nothing was marked: nothing to wait for
 
 
+@contextlib.contextmanager
+def ctrl_c_after(seconds: float) -> Iterator[None]:
+    """A ``KeyboardInterrupt`` raised in this (the main) thread after ``seconds``, as a
+    Ctrl-C would be (through SIGUSR1: the test runner may own SIGINT)."""
+
+    inside = threading.Event()
+    inside.set()
+
+    def interrupted(signum: int, frame: Any) -> None:
+        if inside.is_set():  # never after the block (the body ended before the signal)
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR1, interrupted)
+    main = threading.get_ident()
+    try:
+        timer = later(seconds, lambda: signal.pthread_kill(main, signal.SIGUSR1))
+        yield
+    finally:
+        inside.clear()
+        timer.join(HANG_S)
+        signal.signal(signal.SIGUSR1, previous)
+
+
 def test_a_ctrl_c_while_stopping_still_puts_the_handler_back(tcp_store, watches):
     """The stop waits for the watcher's poll (a deaf store: up to its bound); an interrupt
     in that wait still puts the interrupt signal's handler back and ends the registration,
@@ -478,18 +502,8 @@ def test_a_ctrl_c_while_stopping_still_puts_the_handler_back(tcp_store, watches)
     time.sleep(5 * POLL_S)
     server.send_signal(signal.SIGSTOP)
     time.sleep(5 * POLL_S)  # the watcher is inside a call that will not return
-
-    def interrupted(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGUSR1, interrupted)
-    try:
-        main = threading.get_ident()
-        later(0.3, lambda: signal.pthread_kill(main, signal.SIGUSR1))
-        with pytest.raises(KeyboardInterrupt):
-            watch.stop()
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
+    with ctrl_c_after(0.3), pytest.raises(KeyboardInterrupt):
+        watch.stop()
     assert signal.getsignal(default_interrupt_signal()) is signal.SIG_DFL
     assert peer_failure._active is None
     start(watches, dist.HashStore())  # not refused as "already running"
@@ -503,19 +517,11 @@ def test_a_ctrl_c_while_the_store_is_slow_still_gets_the_mark_there(tcp_store, w
     time.sleep(5 * POLL_S)
     watch.stop()  # the watcher's own poll is not what this waits on
     server.send_signal(signal.SIGSTOP)
-
-    def interrupted(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGUSR1, interrupted)
     try:
-        main = threading.get_ident()
-        later(0.2, lambda: signal.pthread_kill(main, signal.SIGUSR1))
         later(0.6, lambda: server.send_signal(signal.SIGCONT))
-        with pytest.raises(KeyboardInterrupt):
+        with ctrl_c_after(0.2), pytest.raises(KeyboardInterrupt):
             watch.end(ShutdownReason.EXCEPTION, RuntimeError("boom"))
     finally:
-        signal.signal(signal.SIGUSR1, previous)
         server.send_signal(signal.SIGCONT)
     assert watch.first_failure is not None and watch.first_failure.rank == 0
     assert PeerFailure.decode(client.get(watch.first_key)).rank == 0
