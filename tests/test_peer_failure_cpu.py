@@ -471,21 +471,35 @@ def test_a_store_that_does_not_answer_never_holds_the_main_thread(tcp_store, wat
 
 
 @contextlib.contextmanager
-def ctrl_c_after(seconds: float) -> Iterator[None]:
-    """A ``KeyboardInterrupt`` raised in this (the main) thread after ``seconds``, as a
-    Ctrl-C would be (through SIGUSR1: the test runner may own SIGINT)."""
-
-    inside = threading.Event()
+def ctrl_c(
+    after_s: float = 0.0,
+    once: Callable[[], bool] = lambda: True,
+    then: Callable[[], Any] = lambda: None,
+) -> Iterator[None]:
+    """A ``KeyboardInterrupt`` raised in this (the main) thread, as a Ctrl-C would be
+    (through SIGUSR1: the test runner may own SIGINT): ``after_s`` after ``once()`` holds;
+    ``then()`` runs once it was raised. Never raised after the block."""
+    inside, raised = threading.Event(), threading.Event()
     inside.set()
 
     def interrupted(signum: int, frame: Any) -> None:
-        if inside.is_set():  # never after the block (the body ended before the signal)
+        if inside.is_set():
+            raised.set()
             raise KeyboardInterrupt
+
+    def fire() -> None:
+        deadline = time.monotonic() + HANG_S
+        while not once() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(after_s)
+        signal.pthread_kill(main, signal.SIGUSR1)
+        raised.wait(5.0)
+        then()
 
     previous = signal.signal(signal.SIGUSR1, interrupted)
     main = threading.get_ident()
     try:
-        timer = later(seconds, lambda: signal.pthread_kill(main, signal.SIGUSR1))
+        timer = later(0.0, fire)
         yield
     finally:
         inside.clear()
@@ -502,7 +516,7 @@ def test_a_ctrl_c_while_stopping_still_puts_the_handler_back(tcp_store, watches)
     time.sleep(5 * POLL_S)
     server.send_signal(signal.SIGSTOP)
     time.sleep(5 * POLL_S)  # the watcher is inside a call that will not return
-    with ctrl_c_after(0.3), pytest.raises(KeyboardInterrupt):
+    with ctrl_c(after_s=0.3), pytest.raises(KeyboardInterrupt):
         watch.stop()
     assert signal.getsignal(default_interrupt_signal()) is signal.SIG_DFL
     assert peer_failure._active is None
@@ -511,15 +525,25 @@ def test_a_ctrl_c_while_stopping_still_puts_the_handler_back(tcp_store, watches)
 
 def test_a_ctrl_c_while_the_store_is_slow_still_gets_the_mark_there(tcp_store, watches):
     """The failing rank's mark is what ends the other ranks: an interrupt while the store
-    is slow to answer (stopped for 0.6 s here) waits for the answer, then goes on."""
+    is slow to answer (stopped until the interrupt was raised) waits for the answer, then
+    goes on."""
     server, client = tcp_store
     watch = start(watches, client, abort=Aborts())
     time.sleep(5 * POLL_S)
     watch.stop()  # the watcher's own poll is not what this waits on
     server.send_signal(signal.SIGSTOP)
+
+    earlier = set(threading.enumerate())
+
+    def marking() -> bool:  # the mark's store call has begun: this thread waits for it
+        return any(t.name == "mcgraph-peer-mark" for t in set(threading.enumerate()) - earlier)
+
+    def resume() -> None:
+        time.sleep(0.2)
+        server.send_signal(signal.SIGCONT)
+
     try:
-        later(0.6, lambda: server.send_signal(signal.SIGCONT))
-        with ctrl_c_after(0.2), pytest.raises(KeyboardInterrupt):
+        with ctrl_c(after_s=0.05, once=marking, then=resume), pytest.raises(KeyboardInterrupt):
             watch.end(ShutdownReason.EXCEPTION, RuntimeError("boom"))
     finally:
         server.send_signal(signal.SIGCONT)
