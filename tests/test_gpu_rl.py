@@ -156,7 +156,7 @@ def test_offload_and_reload_recapture_and_train_as_eager(explicit, jobs_root):
 
 
 OPTIMIZER_CAPTURED = "CUDA graph(s) for optimizer at step"
-MOVED_REASON = "memory the graphs point at moved"
+OFFLOAD_SEEN = "MegatronOptimizer.restore_from_cpu() ran"
 
 
 @pytest.mark.skipif(
@@ -172,9 +172,9 @@ def test_offload_and_reload_recapture_the_optimizer_graph_too(explicit, jobs_roo
     unchanged, so the losses must not change. (An eager twin differs by design: without
     TE, megatron-core's capturable torch Adam takes the eager step's learning rate as a
     Python float, the captured step's as a float32 tensor; 1.6e-4 relative apart after 60
-    steps on the H200.) Left to the address check, a reload recaptures when it put the
-    gradient buffers or the optimizer's state at new addresses (the allocator may hand the
-    same blocks back: then the graphs stay valid), each such reload exactly once."""
+    steps on the H200.) Left to the plugin, every reload recaptures too: megatron-core's
+    offload API is watched, since it moves the state one tensor at a time and an address
+    sample can come back unchanged (seen here: NaN losses from step 41 before that)."""
     graphs = (*GRAPHS, "--cuda-graph-buckets", BUCKETS, "--optimizer-cuda-graph")
     name = "rl_offload_optimizer_graph" + ("" if explicit else "_address_check")
     extra = ("--invalidate-after-reload",) if explicit else ()
@@ -187,11 +187,9 @@ def test_offload_and_reload_recapture_the_optimizer_graph_too(explicit, jobs_roo
     assert "illegal memory access" not in output
     report = graphed.record(0)["report"]
     resets = {e["step"] + (1 if explicit else 0) for e in report["invalidations"]}
-    if explicit:
-        assert resets == RELOADS_BEFORE, report["invalidations"]
-    else:
-        assert resets <= RELOADS_BEFORE, report["invalidations"]
-        assert all(MOVED_REASON in e["reason"] for e in report["invalidations"])
+    assert resets == RELOADS_BEFORE, report["invalidations"]
+    if not explicit:
+        assert all(OFFLOAD_SEEN in e["reason"] for e in report["invalidations"])
     captures = [line for line in output.splitlines() if OPTIMIZER_CAPTURED in line]
     assert len(captures) == 1 + len(resets), graphed.context()
     assert output.count("each bucket and the optimizer step is captured again") == len(resets), (

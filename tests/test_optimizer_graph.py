@@ -258,11 +258,12 @@ RL_GRAPHS = [
 ]  # fmt: skip
 
 
-def _restores_state_elsewhere(monkeypatch):
+def _restores_state_elsewhere(monkeypatch, but_first=False):
     """megatron-core's ``restore_from_cpu`` gives the optimizer's state new device memory
-    (``state[k] = v.cuda()``); on the CPU its offload moves nothing, so the restore here
-    gives each state tensor a copy elsewhere, as a GPU's would. The gradient buffers stay
-    where they were: only the optimizer's state moves."""
+    (``state[k] = v.cuda()``, one tensor at a time); on the CPU its offload moves nothing,
+    so the restore here gives each state tensor a copy elsewhere, as a GPU's would
+    (``but_first``: the first parameter's state stays, as the H200's allocator once put it
+    back at its old address)."""
     import torch
     from megatron.core.optimizer.optimizer import MegatronOptimizer
 
@@ -270,12 +271,22 @@ def _restores_state_elsewhere(monkeypatch):
 
     def restore_from_cpu(self):
         original(self)
-        for state in self.optimizer.state.values():
+        first = self.optimizer.param_groups[0]["params"][0]
+        for param, state in self.optimizer.state.items():
             for key, value in list(state.items()):
-                if isinstance(value, torch.Tensor):
+                if isinstance(value, torch.Tensor) and not (but_first and param is first):
                     state[key] = value.clone()
 
     monkeypatch.setattr(MegatronOptimizer, "restore_from_cpu", restore_from_cpu)
+
+
+def _grad_buffers_stay(monkeypatch):
+    """megatron-core's gradient-buffer offload as a no-op: the buffers keep their addresses
+    (the allocator may hand the same blocks back), so only the optimizer's state moves."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    monkeypatch.setattr(DistributedDataParallel, "offload_grad_buffers", lambda self, *a, **k: None)
+    monkeypatch.setattr(DistributedDataParallel, "restore_grad_buffers", lambda self, *a, **k: None)
 
 
 @pytest.mark.parametrize("explicit", [False, True], ids=["fingerprint", "host-invalidates"])
@@ -324,8 +335,8 @@ def _rl_report(tmp_path, *argv):
     import rl_loop
 
     path = tmp_path / "report.json"
-    rl_loop.run([*RL_LOOP, *RL_GRAPHS, *argv, "--cuda-graph-report-json", str(path)])
-    return json.loads(path.read_text())
+    summary = rl_loop.run([*RL_LOOP, *RL_GRAPHS, *argv, "--cuda-graph-report-json", str(path)])
+    return summary, json.loads(path.read_text())
 
 
 def test_with_buckets_but_no_bucket_graph_the_optimizer_graph_still_gets_a_verdict(
@@ -333,7 +344,7 @@ def test_with_buckets_but_no_bucket_graph_the_optimizer_graph_still_gets_a_verdi
 ):
     """Every length outside the only bucket: the optimizer graph alone is captured, and
     the report compares the steps before its capture with those after it."""
-    report = _rl_report(
+    _, report = _rl_report(
         tmp_path, "--min-length", "40", "--cuda-graph-buckets", "16", "--pad-to-buckets", "16,48"
     )
     assert report["replays"] == {"optimizer": 24 - 3}
@@ -347,6 +358,32 @@ def test_a_run_that_ends_in_the_warmup_after_a_reload_keeps_the_hyperparameter_n
     """The reload before step 16 frees the optimizer graph (and its learning-rate sync);
     the run ends at step 16, before the recapture: the report still says how the captured
     step read its hyperparameters."""
-    report = _rl_report(tmp_path, *RL_OFFLOAD, "--train-iters", "17", "--invalidate-after-reload")
+    _, report = _rl_report(
+        tmp_path, *RL_OFFLOAD, "--train-iters", "17", "--invalidate-after-reload"
+    )
     assert len(report["invalidations"]) == 2
     assert any(n.startswith("optimizer graph hyperparameters") for n in report["notes"])
+
+
+def test_a_reload_that_leaves_the_sampled_state_in_place_still_recaptures(
+    graphs, capturable, bucket_fakes, tmp_path, monkeypatch
+):
+    """Seen on the H200: a reload put the first main parameter's state back at its old
+    address and the rest elsewhere; the address sample saw nothing and the optimizer graph
+    replayed onto the others' freed memory (NaN losses). A call of megatron-core's offload
+    API frees the graphs whatever the sample says (the fake refuses the stale replay)."""
+    import rl_loop
+
+    _restores_state_elsewhere(monkeypatch, but_first=True)
+    _grad_buffers_stay(monkeypatch)
+    summary, report = _rl_report(tmp_path, *RL_OFFLOAD)
+    [optimizer] = capturable
+    for inner in [optimizer, *optimizer.chained_optimizers]:  # the host's methods put back
+        assert not {"offload_to_cpu", "restore_from_cpu"} & set(vars(inner)), vars(inner)
+    assert [e["step"] for e in report["invalidations"]] == [8, 16]
+    assert all("restore_from_cpu() ran" in e["reason"] for e in report["invalidations"])
+    assert len(fake_optimizer_graph.StepGraph.made) == 3
+    assert report["replays"]["optimizer"] == 24 - 3 * 3
+    eager = rl_loop.run([*RL_LOOP, *RL_OFFLOAD, "--pad-to-buckets", "16,32,48"])
+    assert summary["offloads"] == eager["offloads"] == 2
+    assert summary["losses"] == eager["losses"]

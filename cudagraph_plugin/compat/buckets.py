@@ -17,7 +17,7 @@ Lazy imports only: importing this module imports neither torch nor megatron-core
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from cudagraph_plugin import compat
@@ -146,6 +146,44 @@ def optimizer_state_tensors(optimizer: Any) -> list[tuple[str, str, Any]]:
             if hasattr(value, "data_ptr") and getattr(value, "dim", lambda: 0)() > 0:
                 found.append(("optimizer state", f"optimizer {index} state {key!r}", value))
     return found
+
+
+OFFLOAD_METHODS = ("offload_to_cpu", "restore_from_cpu")
+"""megatron-core's ``MegatronOptimizer`` methods (its RL offload API) that move the main
+parameters and the optimizer's state."""
+
+
+def watch_optimizer_offload(optimizer: Any, moved: Callable[[str], None]) -> Callable[[], None]:
+    """Call ``moved(what)`` after each :data:`OFFLOAD_METHODS` call on ``optimizer`` or one
+    of its chained optimizers. They give every main parameter and state tensor new memory,
+    one tensor at a time: a sample of the addresses can come back unchanged while the rest
+    moved (seen on an H200: the first main parameter back at its old address, an optimizer
+    graph replayed onto the others' freed memory, NaN losses). Returns what puts the
+    methods back."""
+    undo: list[tuple[Any, str, Any]] = []
+    for target in [optimizer, *(getattr(optimizer, "chained_optimizers", None) or [])]:
+        for name in OFFLOAD_METHODS:
+            original = getattr(target, name, None)
+            if not callable(original):
+                continue
+
+            def wrapped(*args: Any, _call: Any = original, _what: str = name, **kw: Any) -> Any:
+                result = _call(*args, **kw)
+                moved(f"MegatronOptimizer.{_what}()")
+                return result
+
+            undo.append((target, name, vars(target).get(name)))
+            setattr(target, name, wrapped)
+
+    def restore() -> None:
+        for target, name, own in reversed(undo):
+            if own is not None:
+                setattr(target, name, own)
+            else:
+                vars(target).pop(name, None)
+        undo.clear()
+
+    return restore
 
 
 def barrier() -> None:

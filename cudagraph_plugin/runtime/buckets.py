@@ -42,7 +42,9 @@ saying why; :meth:`BucketGraphs.invalidate` does the same on the host's word. Gr
 other mechanisms that read the same memory (the optimizer graph, whose captured step reads
 the gradient buffers, the main parameters and Adam's state) are tied to these
 (:meth:`BucketGraphs.tie`): they are freed with them and captured again after their own
-warm-up, and the fingerprint then also samples the optimizer's state. In a
+warm-up; the fingerprint then also samples the optimizer's state, and any call of
+megatron-core's optimizer offload API counts as a move (it gives every state tensor new
+memory one by one: a sample can come back unchanged). In a
 multi-rank job every rank must take the same action in a step (a capture holds barriers,
 the graphs hold collectives): each training call agrees on the key and on "memory moved"
 with one small all-reduce; on disagreement the step runs eagerly on every rank.
@@ -213,6 +215,8 @@ class BucketGraphs:
         self._stream: Any = None
         self._logged: set[Any] = set()
         self._tied: list[TiedGraphs] = []
+        self._unwatch: Callable[[], None] | None = None
+        self._offload_call: str | None = None  # the optimizer's offload API ran since the check
         # told of every invalidation, the host's and the address check's: (step, reason, freed)
         self.on_invalidate: list[Callable[[int | None, str, int], None]] = []
 
@@ -225,6 +229,20 @@ class BucketGraphs:
         its addresses are the ones to check from now on."""
         if self._reference is None:
             self._reference = self.fingerprint.take()
+
+    def watch_optimizer_offload(self, optimizer: Any) -> None:
+        """The optimizer graph reads every main parameter and state tensor, which
+        megatron-core's offload API moves one by one (the fingerprint samples a few): each
+        call of it frees the graphs at the next training call, whatever the sample says."""
+        self._unwatch = bucket_compat.watch_optimizer_offload(optimizer, self._offloaded)
+
+    def _offloaded(self, what: str) -> None:
+        self._offload_call = what
+
+    def _unwatch_offload(self) -> None:
+        unwatch, self._unwatch = self._unwatch, None
+        if unwatch is not None:
+            unwatch()
 
     def _holds_graphs(self) -> bool:
         return bool(self._graphs) or any(t.graph_count() for t in self._tied)
@@ -372,12 +390,16 @@ class BucketGraphs:
     # -- moved memory and invalidation ------------------------------------------------------
 
     def _moved(self) -> list[str]:
+        offload_call, self._offload_call = self._offload_call, None
         if self._reference is None or not self._holds_graphs():
             return []
         now = self.fingerprint.take()
-        if now == self._reference:
-            return []
-        return AddressFingerprint.changes(self._reference, now) or ["the fingerprint changed"]
+        found = [] if now == self._reference else AddressFingerprint.changes(self._reference, now)
+        if offload_call is not None:
+            found.insert(0, f"optimizer state and main parameters ({offload_call} ran)")
+        elif now != self._reference and not found:
+            found = ["the fingerprint changed"]
+        return found
 
     def invalidate(self, reason: str, step: int | None = None) -> int:
         """Free every graph (their memory, outputs and shape references); each key is
@@ -492,6 +514,7 @@ class BucketGraphs:
             ReleaseStep("bucket warm-up counters", self._calls.clear),
             ReleaseStep("bucket static input buffers", self._buffers.clear),
             ReleaseStep("bucket static-shape guard", self.guard.disarm),
+            ReleaseStep("the optimizer's offload methods", self._unwatch_offload),
             ReleaseStep("bucket model and optimizer references", self._drop_references),
         ]
 

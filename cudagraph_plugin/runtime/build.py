@@ -178,6 +178,7 @@ def build_optimizer_graph(
         # moved memory frees the optimizer graph with the bucket graphs; it is captured again
         state.buckets.tie(state.optim)
         state.optim.on_capture.append(state.buckets.tied_captured)
+        state.buckets.watch_optimizer_offload(optimizer)
     logger.info(
         "optimizer CUDA graph: optimizer.step is captured at its call number %d "
         "(step start_step + %d)",
