@@ -393,12 +393,12 @@ class BucketGraphs:
         offload_call, self._offload_call = self._offload_call, None
         if self._reference is None or not self._holds_graphs():
             return []
-        now = self.fingerprint.take()
-        found = [] if now == self._reference else AddressFingerprint.changes(self._reference, now)
+        found = []
         if offload_call is not None:
-            found.insert(0, f"optimizer state and main parameters ({offload_call} ran)")
-        elif now != self._reference and not found:
-            found = ["the fingerprint changed"]
+            found.append(f"optimizer state and main parameters ({offload_call} ran)")
+        now = self.fingerprint.take()
+        if now != self._reference:
+            found += AddressFingerprint.changes(self._reference, now) or ["the fingerprint changed"]
         return found
 
     def invalidate(self, reason: str, step: int | None = None) -> int:
