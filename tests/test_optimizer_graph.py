@@ -289,6 +289,23 @@ def _grad_buffers_stay(monkeypatch):
     monkeypatch.setattr(DistributedDataParallel, "restore_grad_buffers", lambda self, *a, **k: None)
 
 
+def _rl_report(tmp_path, *argv):
+    import json
+
+    import rl_loop
+
+    path = tmp_path / "report.json"
+    summary = rl_loop.run([*RL_LOOP, *RL_GRAPHS, *argv, "--cuda-graph-report-json", str(path)])
+    return summary, json.loads(path.read_text())
+
+
+def _rl_eager():
+    """The RL host's eager twin: the same padding and offloads, no graphs."""
+    import rl_loop
+
+    return rl_loop.run([*RL_LOOP, *RL_OFFLOAD, "--pad-to-buckets", "16,32,48"])
+
+
 @pytest.mark.parametrize("explicit", [False, True], ids=["fingerprint", "host-invalidates"])
 def test_with_buckets_a_reload_frees_the_optimizer_graph_and_captures_it_again(
     graphs, capturable, bucket_fakes, tmp_path, monkeypatch, caplog, explicit
@@ -298,22 +315,14 @@ def test_with_buckets_a_reload_frees_the_optimizer_graph_and_captures_it_again(
     or told by the host, the plugin frees the optimizer graph with the bucket graphs; it is
     captured again after its warm-up. A replay of the old one would read the old state (the
     fake refuses it), and the warm-up calls after a reload are not counted as replays."""
-    import json
-
-    import rl_loop
-
     caplog.set_level(logging.WARNING, logger="cudagraph_plugin")
     _restores_state_elsewhere(monkeypatch)
     forgotten = []
     forget = compat.forget_shared_graph_pool
     monkeypatch.setattr(compat, "forget_shared_graph_pool", lambda: forgotten.append(forget()))
     flags = ["--invalidate-after-reload"] if explicit else []
-    path = tmp_path / "report.json"
-    summary = rl_loop.run(
-        [*RL_LOOP, *RL_OFFLOAD, *RL_GRAPHS, *flags, "--cuda-graph-report-json", str(path)]
-    )
-    report = json.loads(path.read_text())
-    eager = rl_loop.run([*RL_LOOP, *RL_OFFLOAD, "--pad-to-buckets", "16,32,48"])
+    summary, report = _rl_report(tmp_path, *RL_OFFLOAD, *flags)
+    eager = _rl_eager()
     assert summary["offloads"] == eager["offloads"] == 2
     assert summary["losses"] == eager["losses"]
     made = fake_optimizer_graph.StepGraph.made
@@ -327,16 +336,6 @@ def test_with_buckets_a_reload_frees_the_optimizer_graph_and_captures_it_again(
     assert len(freed) == 2 and all("and the optimizer step" in m for m in freed)
     if not explicit:
         assert all("optimizer state (optimizer 0" in m for m in freed)
-
-
-def _rl_report(tmp_path, *argv):
-    import json
-
-    import rl_loop
-
-    path = tmp_path / "report.json"
-    summary = rl_loop.run([*RL_LOOP, *RL_GRAPHS, *argv, "--cuda-graph-report-json", str(path)])
-    return summary, json.loads(path.read_text())
 
 
 def test_with_buckets_but_no_bucket_graph_the_optimizer_graph_still_gets_a_verdict(
@@ -372,8 +371,6 @@ def test_a_reload_that_leaves_the_sampled_state_in_place_still_recaptures(
     address and the rest elsewhere; the address sample saw nothing and the optimizer graph
     replayed onto the others' freed memory (NaN losses). A call of megatron-core's offload
     API frees the graphs whatever the sample says (the fake refuses the stale replay)."""
-    import rl_loop
-
     _restores_state_elsewhere(monkeypatch, but_first=True)
     _grad_buffers_stay(monkeypatch)
     summary, report = _rl_report(tmp_path, *RL_OFFLOAD)
@@ -384,6 +381,6 @@ def test_a_reload_that_leaves_the_sampled_state_in_place_still_recaptures(
     assert all("restore_from_cpu() ran" in e["reason"] for e in report["invalidations"])
     assert len(fake_optimizer_graph.StepGraph.made) == 3
     assert report["replays"]["optimizer"] == 24 - 3 * 3
-    eager = rl_loop.run([*RL_LOOP, *RL_OFFLOAD, "--pad-to-buckets", "16,32,48"])
+    eager = _rl_eager()
     assert summary["offloads"] == eager["offloads"] == 2
     assert summary["losses"] == eager["losses"]
