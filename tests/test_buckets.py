@@ -601,6 +601,51 @@ def test_release_frees_every_graph_once_and_forgets_the_pool(graphs):
     assert steps[0].resource == f"bucket graph ({BucketKey(16, MBS, 1)})"
 
 
+class _Interrupted(BaseException):
+    """What a peer's failure raises into the main thread (``PeerFailed``), or a Ctrl-C."""
+
+
+@pytest.mark.parametrize("where", ["in the capture", "in the barrier after it"])
+def test_a_capture_interrupted_frees_its_graph_before_the_error_goes_on(
+    graphs, monkeypatch, caplog, where
+):
+    """The graph is held (and so freed by the release) only once its capture completed: an
+    interruption inside the capture, or in the barrier after it where a peer that failed
+    leaves this rank (at DP > 1 the aborted communicators' teardown waits for that
+    graph), must free it there."""
+    barrier = bucket_compat.barrier
+
+    def interrupting_barrier() -> None:
+        if where == "in the barrier after it" and graphs.graphs and graphs.graphs[-1].captured:
+            raise _Interrupted("peer failed")
+        barrier()
+
+    monkeypatch.setattr(bucket_compat, "barrier", interrupting_barrier)
+    with megatron_gpt() as host:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        fbf = get_forward_backward_func()
+
+        def eager(**kwargs: Any) -> Any:
+            if where == "in the capture" and any(g.capturing for g in graphs.graphs):
+                raise _Interrupted("Ctrl-C")
+            return fbf(**kwargs)
+
+        bucketed = BucketGraphs(BUCKETS, 1, model=host.model, optimizer=host.optimizer)
+        kwargs = step_kwargs(host, 0, [10])
+        bucketed.run(bucketed.route(kwargs, 0), eager, kwargs, 0)  # warm-up
+        kwargs = step_kwargs(host, 1, [10])
+        with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+            with pytest.raises(_Interrupted):
+                bucketed.run(bucketed.route(kwargs, 1), eager, kwargs, 1)
+        [graph] = graphs.graphs
+        assert graph.resets == 1 and not graph.captured and not graph.capturing
+        assert bucketed.graph_count() == 0
+        assert "did not complete (_Interrupted" in caplog.text
+        assert not release_each(bucketed.release_steps()).failures
+    assert graph.resets == 1  # freed once: the release did not hold it
+
+
 @pytest.mark.parametrize(
     "options,match",
     [

@@ -354,22 +354,30 @@ class BucketGraphs:
             stream = self._stream
         logger.info("capturing the full-iteration CUDA graph for %s at step %s", key, step)
         start = time.perf_counter()
-        with bucket_compat.stale_capture_streams_overridden():
-            bucket_compat.barrier()
-            graph = torch.cuda.CUDAGraph()
-            for state in bucket_compat.rng_generator_states():
-                graph.register_generator_state(state)
-            torch.cuda.synchronize()
-            with torch.cuda.graph(
-                graph,
-                pool=pool,
-                stream=stream,
-                capture_error_mode="thread_local",
-                **self._liveness,
-            ):
-                result = eager(**kwargs)
-            torch.cuda.synchronize()
-            bucket_compat.barrier()
+        graph = None
+        try:
+            with bucket_compat.stale_capture_streams_overridden():
+                bucket_compat.barrier()
+                graph = torch.cuda.CUDAGraph()
+                for state in bucket_compat.rng_generator_states():
+                    graph.register_generator_state(state)
+                torch.cuda.synchronize()
+                with torch.cuda.graph(
+                    graph,
+                    pool=pool,
+                    stream=stream,
+                    capture_error_mode="thread_local",
+                    **self._liveness,
+                ):
+                    result = eager(**kwargs)
+                torch.cuda.synchronize()
+                bucket_compat.barrier()
+        except BaseException as error:
+            # Not held yet, so no release step frees it; at DP > 1 the teardown of the
+            # communicators it captured (a peer failed in the barrier) waits for it.
+            if graph is not None:
+                self._discard(graph, key, error)
+            raise
         seconds = time.perf_counter() - start
         self._pool = pool
         self._graphs[key] = _Captured(graph, result, step, self._scratch())
@@ -386,6 +394,20 @@ class BucketGraphs:
         graph.replay()
         stats.replays += 1
         return result
+
+    @staticmethod
+    def _discard(graph: Any, key: BucketKey, error: BaseException) -> None:
+        try:
+            graph.reset()
+        except Exception as exc:
+            logger.warning("could not free the interrupted capture of %s: %s", key, exc)
+            return
+        logger.warning(
+            "the capture of %s did not complete (%s: %s): its graph was freed",
+            key,
+            type(error).__name__,
+            error,
+        )
 
     # -- moved memory and invalidation ------------------------------------------------------
 
