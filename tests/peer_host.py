@@ -7,8 +7,10 @@ This module owns what those jobs run:
   watch wired as the CUDA graph plugin is to wire it (:class:`Wiring`). Faults are injected
   per rank: a raise or a SIGTERM at a step, a rank that blocks at a step in a wait only its
   abort ends (:class:`DeviceStandIn`, standing in for a CUDA synchronisation behind an NCCL
-  collective that can never complete), a slow shutdown, a rank that finishes late. Each rank
-  writes ``rank<N>.json`` into ``--out`` at the end of its shutdown.
+  collective that can never complete), a slow shutdown, a rank that finishes late, a rank
+  that swallows the ``PeerFailed`` and then blocks for good (only the exit deadline,
+  ``--exit-deadline``, ends it). Each rank writes ``rank<N>.json`` into ``--out`` at the end
+  of its shutdown (a rank that swallowed it, when it swallows it).
 * ``decisions``: the cross-rank decisions, each rank in turn holding the verdict: the real
   ``cudagraph_plugin.compat.any_rank`` and the real peer watch over the job's store. Each
   rank writes ``decisions<N>.json``.
@@ -89,7 +91,9 @@ class Wiring:
     def mcgraph_train_start(self, start_step: int, train_iters: int) -> None:
         from cudagraph_plugin.runtime.peers import PeerWatch
 
-        self.watch = PeerWatch.start(poll_s=self.args.poll_s, abort=self.abort)
+        self.watch = PeerWatch.start(
+            poll_s=self.args.poll_s, abort=self.abort, exit_deadline_s=self.args.exit_deadline
+        )
 
     @hookimpl(wrapper=True, tryfirst=True)
     def mcgraph_shutdown(self, reason: Any, exception: BaseException | None) -> Any:
@@ -186,7 +190,15 @@ def run(args: argparse.Namespace) -> int:
                         raise RuntimeError(f"injected failure at step {step} on rank {rank}")
                     if blocks.get(rank) == str(step):
                         record["t_block"] = time.time()
-                        wiring.device.wait()
+                        try:
+                            wiring.device.wait()
+                        except BaseException as exc:
+                            if rank not in args.swallow:
+                                raise
+                            # a host's `except BaseException`; then a wait nothing ends
+                            record["swallowed"] = type(exc).__name__
+                            _write(args.out / f"rank{rank}.json", record)
+                            DeviceStandIn().wait()
                         record["t_unblocked"] = time.time()
                     if step == args.steps - 1 and rank in lingers:
                         time.sleep(float(lingers[rank]))
@@ -257,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block", action="append", default=[], help="RANK:STEP")
     parser.add_argument("--linger", action="append", default=[], help="RANK:SECONDS")
     parser.add_argument("--slow-shutdown", type=float, default=0.0)
+    parser.add_argument("--swallow", type=int, action="append", default=[], help="RANK")
+    parser.add_argument("--exit-deadline", type=float, default=None, help="SECONDS")
     parser.add_argument("--launch", type=int, default=0, help="start N ranks (no torchrun)")
     raw = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(raw)

@@ -64,6 +64,8 @@ def test_both_spellings_of_every_flag():
             "--cuda-graph-accept-eager",
             "--cuda-graph-device-grad-norm",
             "--cuda-graph-log-all-ranks",
+            "--cuda-graph-peer-exit-deadline",
+            "20",
         ]
     )
     underscores = parser().parse_args(
@@ -83,6 +85,8 @@ def test_both_spellings_of_every_flag():
             "--cuda_graph_accept_eager",
             "--cuda_graph_device_grad_norm",
             "--cuda_graph_log_all_ranks",
+            "--cuda_graph_peer_exit_deadline",
+            "20",
         ]
     )
     assert (
@@ -100,8 +104,15 @@ def test_both_spellings_of_every_flag():
             "cuda_graph_accept_eager": True,
             "cuda_graph_device_grad_norm": True,
             "cuda_graph_log_all_ranks": True,
+            "cuda_graph_peer_exit_deadline": 20.0,
         }
     )
+
+
+@pytest.mark.parametrize("seconds", ["-1", "0.5", "soon"])
+def test_a_bad_peer_exit_deadline_exits_2_with_the_fix(capsys, seconds):
+    err = parse_error(capsys, ["--cuda-graph-peer-exit-deadline", seconds])
+    assert f"got {seconds!r}: give 0 (off) or a number of seconds >= 1" in err
 
 
 def test_unknown_impl_exits_2(capsys):

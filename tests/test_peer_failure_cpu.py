@@ -616,6 +616,11 @@ JOBS: dict[str, tuple[int, str, list[str]]] = {
     "completed": (2, "torchrun", ["--linger", "1:2"]),
     "store_gone": (2, "launch", ["--linger", "1:4"]),
     "store_host_raises": (2, "launch", ["--fail", "0:2:raise", "--block", "1:2"]),
+    "swallowed": (
+        2,
+        "torchrun",
+        ["--fail", "1:2:raise", "--block", "0:2", "--swallow", "0", "--exit-deadline", "2"],
+    ),
 }
 
 
@@ -782,6 +787,26 @@ def test_the_rank_hosting_the_store_keeps_it_until_the_others_were_told(jobs):
     told_by(job, 1, 0, "injected failure at step 2 on rank 0")
     assert job.record(0)["reason"] == "exception"
     assert job.record(0)["peers_ended"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("peer_failure_jobs")
+def test_a_rank_stuck_after_swallowing_peer_failed_ends_by_its_exit_deadline(jobs):
+    """Rank 0's host swallows the PeerFailed, then blocks in a wait that neither a signal
+    nor an abort ends (as a device wait behind a communicator whose teardown waits for a
+    graph): no shutdown runs, torchrun's SIGTERM cannot get through, and only its SIGKILL
+    after the grace period would end it. The exit deadline ends it first, saying why and
+    where it was stuck."""
+    job = jobs["swallowed"]
+    ended_in_time(job)
+    assert job.record(0)["swallowed"] == "PeerFailed"
+    assert "t_unblocked" not in job.record(0)  # still in the second wait when it ended
+    output = job.result.output()
+    assert "rank 0: still running 2 s after rank 1 (" in output, job.context()
+    assert "injected failure at step 2 on rank 1; its threads' stacks follow" in output
+    assert "in wait" in output  # the stack dump: where it was stuck (DeviceStandIn.wait)
+    assert "exitcode  : 70" in output, job.context()  # torchrun's summary of rank 0
+    assert job.result.rc != 0
 
 
 # -------------------------------------------------------------------------------------------

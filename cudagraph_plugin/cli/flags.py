@@ -13,7 +13,7 @@ import argparse
 import logging
 from typing import Any
 
-from cudagraph_plugin.config.values import parse_scope
+from cudagraph_plugin.config.values import normalise, parse_scope
 from cudagraph_plugin.config.vocabulary import DEPRECATED_SCOPES, IMPLS, SCOPES
 
 logger = logging.getLogger("cudagraph_plugin")
@@ -98,6 +98,16 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
     return value
+
+
+def _peer_exit_deadline(text: str) -> float:
+    try:
+        return normalise("peer_exit_deadline", text)
+    except ValueError as exc:
+        problem = exc.args[0]
+        raise argparse.ArgumentTypeError(
+            f"{problem.problem}, got {text!r}: {problem.fix}"
+        ) from None
 
 
 def _flags(parser: argparse.ArgumentParser, dest: str) -> list[str]:
@@ -201,6 +211,17 @@ def add_cuda_graph_arguments(parser: argparse.ArgumentParser, *, lenient: bool =
             dict(
                 action="store_true",
                 help="every rank logs the job-wide lines too (by default rank 0 alone does)",
+            ),
+        ),
+        (
+            "cuda_graph_peer_exit_deadline",
+            dict(
+                type=None if lenient else _peer_exit_deadline,
+                default=None,
+                metavar="SECONDS",
+                help="in a multi-rank job, a rank whose peer failed ends at most this long "
+                "after it heard of it, even where its shutdown hangs (its threads' stacks "
+                "go to stderr, exit status 70); default 12, 0: off",
             ),
         ),
         (

@@ -136,6 +136,7 @@ FIELD_PATHS: dict[str, tuple[str, ...]] = {
     "accept_eager": ("cuda_graph_accept_eager",),
     "device_grad_norm": ("cuda_graph_device_grad_norm",),
     "log_all_ranks": ("cuda_graph_log_all_ranks",),
+    "peer_exit_deadline": ("cuda_graph_peer_exit_deadline",),
     "transformer_impl": ("model.transformer_impl", "transformer_impl"),
 }
 

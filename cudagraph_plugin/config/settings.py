@@ -25,6 +25,7 @@ from cudagraph_plugin.config.fields import (
 from cudagraph_plugin.config.values import FieldProblem, normalise, parse_scope
 from cudagraph_plugin.config.vocabulary import (
     DEFAULT_WARMUP_STEPS,
+    PEER_EXIT_DEADLINE_S,
     SCOPE_FIELD_NAMES,
     canonical_impl_and_scope,
 )
@@ -105,6 +106,7 @@ class Settings:
     accept_eager: bool = False
     device_grad_norm: bool = False
     log_all_ranks: bool = False
+    peer_exit_deadline: float = PEER_EXIT_DEADLINE_S  # 0: off
     transformer_impl: str | None = None
     # Where the values came from, and what could not be read.
     from_command_line: bool = False

@@ -147,6 +147,22 @@ def _to_limit(value: Any) -> float:
         ) from None
 
 
+def _to_deadline(value: Any) -> float:
+    """Seconds, 0 for "off"; a shorter deadline than a normal shutdown takes is refused."""
+    fix = "give 0 (off) or a number of seconds >= 1, such as 12 (the default)"
+    try:
+        number = _to_float(value)
+    except _Unreadable:
+        raise _Unreadable("not a number", fix) from None
+    if number != 0 and not number >= 1:
+        raise _Unreadable(
+            "must be 0 (off) or at least 1 s (a rank's shutdown, the graphs freed, takes "
+            "about a second)",
+            fix,
+        )
+    return number
+
+
 _DTYPE_NAMES = {
     "fp32": ("float32", "fp32", "float"),
     "bf16": ("bfloat16", "bf16"),
@@ -314,6 +330,7 @@ _PARSERS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "loss_scale": (_to_float, True),
     "buckets": (_to_buckets, True),
     "baseline_steps": (_to_int(0, 10), True),
+    "peer_exit_deadline": (_to_deadline, False),
     "grad_norm_skip_threshold": (_to_limit, True),
     "main_params_dtype": (_to_dtype_name, True),
     "exp_avg_dtype": (_to_dtype_name, True),

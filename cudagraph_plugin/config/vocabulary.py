@@ -18,6 +18,10 @@ SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess"
 TE_SCOPES = tuple(s for s in SCOPES if s != "full_iteration")
 MOE_SCOPES = ("moe", "moe_router", "moe_preprocess")
 DEFAULT_WARMUP_STEPS = 3  # megatron-core's TransformerConfig default
+PEER_EXIT_DEADLINE_S = 12.0
+"""``cuda_graph_peer_exit_deadline``'s default: a rank whose peer failed ends at most this
+long after it heard of it, whatever blocks it (:mod:`cudagraph_plugin.runtime.peer_deadline`);
+with the watch's 0.5 s poll and the exit itself, within about 15 s of the failure."""
 
 # megatron-core's deprecated scope names: "full" (both generations) is whole-layer capture,
 # "full_iteration_inference" (0.19) moved to inference_cuda_graph_scope=block.

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hookspecs import ShutdownReason
+from hookspecs.run import TrainingRun
 
 logger = logging.getLogger("cudagraph_plugin")
 
@@ -142,3 +143,16 @@ class BoundedCall:
 def first_line(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+_SHUTDOWN_CODE = (TrainingRun._finish.__code__, TrainingRun.__exit__.__code__)
+
+
+def run_is_shutting_down(frame: Any) -> bool:
+    """Whether the interrupted main thread is inside ``TrainingRun``'s shutdown: raising
+    there would skip the shutdown hook (and the freeing of the graphs)."""
+    while frame is not None:
+        if frame.f_code in _SHUTDOWN_CODE:
+            return True
+        frame = frame.f_back
+    return False

@@ -30,6 +30,11 @@ the bounded store calls are :mod:`~cudagraph_plugin.runtime.peer_mark`):
   ``signal`` instead of ``peer_failed``. Every rank counts itself as ended in
   :meth:`PeerWatch.end`, whatever its reason.
 
+* **Deadline.** A rank that acted on a peer's mark is ended by
+  :class:`~cudagraph_plugin.runtime.peer_deadline.ExitDeadline` if it still runs
+  ``exit_deadline_s`` later (the run's ``cuda_graph_peer_exit_deadline``); a shutdown that
+  settled (:meth:`PeerWatch.finish`) cancels it.
+
 A rank never reacts to its own mark, never interrupts its own shutdown (the handler does
 nothing once :meth:`PeerWatch.stop` began or while ``TrainingRun`` is shutting down), and a
 normal end marks nothing: no false alarm when ranks finish at different times.
@@ -47,6 +52,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cudagraph_plugin import compat
+from cudagraph_plugin.runtime.peer_deadline import ExitDeadline
 from cudagraph_plugin.runtime.peer_mark import (
     ABORT_WAIT_S,
     KEY_PREFIX,
@@ -61,10 +67,10 @@ from cudagraph_plugin.runtime.peer_mark import (
     describe_end,
     first_line,
     own_connection,
+    run_is_shutting_down,
 )
 from hookspecs import PeerFailed as _ContractPeerFailed
 from hookspecs import ShutdownReason
-from hookspecs.run import TrainingRun
 
 logger = logging.getLogger("cudagraph_plugin")
 
@@ -106,6 +112,7 @@ class PeerWatch:
         settle: Callable[[float], bool] = compat.abort_process_groups,
         interrupt_signal: int | None = None,
         generation: int = 0,
+        exit_deadline_s: float | None = None,
     ) -> None:
         if world_size < 2 or not 0 <= rank < world_size:
             raise ValueError(
@@ -140,6 +147,7 @@ class PeerWatch:
         self._previous_handler: Any = None
         self._handler_installed = False
         self._main_ident = threading.main_thread().ident
+        self.deadline = ExitDeadline(rank, exit_deadline_s) if exit_deadline_s else None
         self._thread = threading.Thread(target=self._watch, name="mcgraph-peer-watch", daemon=True)
 
     @property
@@ -167,6 +175,7 @@ class PeerWatch:
         settle: Callable[[float], bool] = compat.abort_process_groups,
         interrupt_signal: int | None = None,
         interrupt: bool = True,
+        exit_deadline_s: float | None = None,
     ) -> PeerWatch | None:
         """Start watching for a peer's failure; ``None`` in a single-rank run.
 
@@ -189,6 +198,8 @@ class PeerWatch:
         :param interrupt: With False (or off the main thread, or when the signal already has
             a handler) the watcher only aborts: the blocked call then fails with the
             backend's error and the run ends with ``exception``.
+        :param exit_deadline_s: Once the watcher acted, end the process this many seconds
+            later unless :meth:`finish` settled first (:class:`ExitDeadline`); None: never.
         :raises RuntimeError: if another watch is running in this process.
         """
         global _generation, _active
@@ -219,6 +230,7 @@ class PeerWatch:
                 if interrupt_signal is None
                 else interrupt_signal,
                 generation=_generation,
+                exit_deadline_s=exit_deadline_s,
             )
             _active = watch
         if interrupt:
@@ -421,6 +433,8 @@ class PeerWatch:
         if not self._acting:
             return True
         if self._settle(timeout_s):
+            if self.deadline is not None:
+                self.deadline.cancel()
             return True
         logger.warning(
             "rank %d: the abort of the process groups did not end within %.0f s (a "
@@ -475,6 +489,8 @@ class PeerWatch:
                 self.rank,
                 failure.describe(),
             )
+            if self.deadline is not None:
+                self.deadline.arm(failure.describe())
             if self._handler_installed and self._main_ident is not None:
                 # Sent before the abort: the handler is pending when the blocked call returns.
                 try:
@@ -533,7 +549,7 @@ class PeerWatch:
         failure = self.peer_failure
         if failure is None or self._raised:
             return
-        if self._closing or _run_is_shutting_down(frame):
+        if self._closing or run_is_shutting_down(frame):
             logger.info(
                 "rank %d: %s while this rank was shutting down: its shutdown goes on",
                 self.rank,
@@ -544,25 +560,12 @@ class PeerWatch:
         raise PeerFailed(failure)
 
 
-_SHUTDOWN_CODE = (TrainingRun._finish.__code__, TrainingRun.__exit__.__code__)
-
-
-def _run_is_shutting_down(frame: Any) -> bool:
-    """Whether the interrupted main thread is inside ``TrainingRun``'s shutdown: raising
-    there would skip the shutdown hook (and the freeing of the graphs)."""
-    while frame is not None:
-        if frame.f_code in _SHUTDOWN_CODE:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def watch_job() -> PeerWatch | None:
+def watch_job(exit_deadline_s: float | None = None) -> PeerWatch | None:
     """The run's watch of its peers, once the default process group exists: ``None`` in a
     single-rank run, without a process group, or (logged) when another watch already runs
     in this process."""
     try:
-        return PeerWatch.start()
+        return PeerWatch.start(exit_deadline_s=exit_deadline_s)
     except RuntimeError as exc:
         logger.warning("%s: this run does not watch its peers", exc)
         return None
@@ -584,7 +587,7 @@ class JobWatch:
             return
         self._tried = True
         self.state.ranks = compat.distributed_world()
-        self.peers = watch_job()
+        self.peers = watch_job(self.state.settings.peer_exit_deadline or None)
 
     def end(self, reason: Any, exception: BaseException | None) -> None:
         if self.peers is not None:

@@ -1,0 +1,121 @@
+"""The last bound of a rank whose peer failed: it ends by a deadline, whatever blocks it.
+
+:mod:`~cudagraph_plugin.runtime.peers` ends such a rank within seconds through its normal
+shutdown: :class:`~cudagraph_plugin.runtime.peers.PeerFailed` in the main thread, the abort
+of the process groups, the graphs freed, the abort waited for. Each of those waits is
+bounded, but a rank can still stay stuck in C where no Python code runs again: a device wait
+behind a collective whose communicator's teardown waits for a CUDA graph no one can free, a
+``PeerFailed`` swallowed (raised inside a ``__del__``, caught by a host's ``except
+BaseException``) and the main thread then blocked in the next collective, a host teardown
+that waits once more for an abort that did not end. torchrun then kills it only after its
+grace period (30 s), and the whole job waits.
+
+:class:`ExitDeadline` is armed by the watcher when it acts on a peer's failure. If the
+process still runs ``seconds`` later, a thread of its own writes why to stderr (straight to
+the file descriptor: no logging lock, which the stuck thread may hold), dumps every thread's
+stack (:func:`faulthandler.dump_traceback`, useful to say where it hung) and ends the process
+with :data:`EXIT_CODE` (``os._exit``: nothing more waits). Where the process is already in
+the interpreter's finalisation (a process group's destructor stuck at exit), no Python
+thread runs any more: a backstop, :func:`faulthandler.dump_traceback_later` (a C thread),
+then dumps the stacks ("Timeout") and exits with status 1, :data:`BACKSTOP_S` later. It is
+the process's one such timer: arming replaces a host's own. A shutdown that settled (the
+abort ended, the groups forgotten) cancels both. The deadline is
+``cuda_graph_peer_exit_deadline`` (``--cuda-graph-peer-exit-deadline``, 0: off).
+
+Pure Python (no torch).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+from collections.abc import Callable
+
+EXIT_CODE = 70
+"""The exit status of a rank ended by its deadline (``EX_SOFTWARE``): non-zero, and told
+apart from an exception's 1 and a signal's negative status."""
+
+BACKSTOP_S = 1.0
+"""How long after the deadline the finalisation backstop ends the process."""
+
+
+class ExitDeadline:
+    """End this process ``seconds`` after :meth:`arm` unless :meth:`cancel` came first.
+
+    :param rank: This rank (named in the message).
+    :param seconds: The deadline, a positive number of seconds.
+    :param exit: What ends the process (``os._exit``; tests pass a recorder).
+    :param fd: Where the message and the stacks go (standard error).
+    :param backstop: Also arm :func:`faulthandler.dump_traceback_later` (off for in-process
+        tests, whose ``exit`` returns).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        seconds: float,
+        *,
+        exit: Callable[[int], None] = os._exit,
+        fd: int | None = None,
+        backstop: bool = True,
+    ) -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ValueError(
+                f"ExitDeadline: seconds={seconds!r} must be a positive number of seconds"
+            )
+        self.rank = rank
+        self.seconds = float(seconds)
+        self._exit = exit
+        self._fd = fd
+        self._backstop = backstop
+        self._cancelled = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.fired = False
+
+    @property
+    def armed(self) -> bool:
+        return self._thread is not None and not self._cancelled.is_set()
+
+    def arm(self, what: str) -> None:
+        """Start the countdown (once; a second call changes nothing): ``what`` says what
+        happened (the peer's failure), for the message."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(
+            target=self._run, args=(what,), name="mcgraph-exit-deadline", daemon=True
+        )
+        self._thread.start()
+        if self._backstop:
+            fd = self._fd if self._fd is not None else _stderr_fd()
+            faulthandler.dump_traceback_later(self.seconds + BACKSTOP_S, exit=True, file=fd)
+
+    def cancel(self) -> None:
+        if self._backstop and self._thread is not None and not self._cancelled.is_set():
+            faulthandler.cancel_dump_traceback_later()
+        self._cancelled.set()
+
+    def _run(self, what: str) -> None:
+        if self._cancelled.wait(self.seconds):
+            return
+        self.fired = True
+        fd = self._fd if self._fd is not None else _stderr_fd()
+        message = (
+            f"cudagraph_plugin: rank {self.rank}: still running {self.seconds:g} s after "
+            f"{what}; its threads' stacks follow, then it exits with status {EXIT_CODE} "
+            "(cuda_graph_peer_exit_deadline; 0 turns this off)\n"
+        )
+        try:
+            os.write(fd, message.encode("utf-8", "replace"))
+            faulthandler.dump_traceback(file=fd, all_threads=True)
+        except (OSError, ValueError):
+            pass  # no stderr left: the exit is what matters
+        self._exit(EXIT_CODE)
+
+
+def _stderr_fd() -> int:
+    try:
+        return (sys.__stderr__ or sys.stderr).fileno()
+    except (AttributeError, OSError, ValueError):
+        return 2

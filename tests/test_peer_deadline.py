@@ -1,0 +1,235 @@
+"""The exit deadline of a rank whose peer failed (``cudagraph_plugin.runtime.peer_deadline``):
+what it writes and when it ends the process, its arming by the peer watch, its cancelling
+by a shutdown that settled, and the setting that sets it. A real job in which only the
+deadline ends a stuck rank: ``test_peer_failure_cpu.py``
+(``test_a_rank_stuck_after_swallowing_peer_failed_ends_by_its_exit_deadline``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from cudagraph_plugin import compat
+from cudagraph_plugin.config.settings import read_settings
+from cudagraph_plugin.runtime import peers
+from cudagraph_plugin.runtime.peer_deadline import EXIT_CODE, ExitDeadline
+from cudagraph_plugin.runtime.peers import PeerWatch
+
+
+class Exits:
+    """``os._exit`` recorded instead of taken."""
+
+    def __init__(self) -> None:
+        self.codes: list[int] = []
+        self.done = threading.Event()
+
+    def __call__(self, code: int) -> None:
+        self.codes.append(code)
+        self.done.set()
+
+
+@pytest.fixture
+def pipe() -> Iterator[tuple[int, int]]:
+    read, write = os.pipe()
+    yield read, write
+    for fd in (read, write):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _read_all(read: int, write: int) -> str:
+    os.close(write)
+    chunks = []
+    while chunk := os.read(read, 65536):
+        chunks.append(chunk)
+    return b"".join(chunks).decode()
+
+
+def test_the_deadline_says_why_dumps_every_stack_and_exits_non_zero(pipe):
+    exits = Exits()
+    deadline = ExitDeadline(3, 0.05, exit=exits, fd=pipe[1], backstop=False)
+    deadline.arm("rank 1 (node, pid 7) failed: exception: boom")
+    assert exits.done.wait(30)
+    assert exits.codes == [EXIT_CODE] and EXIT_CODE not in (0, 1) and deadline.fired
+    text = _read_all(*pipe)
+    assert text.startswith(
+        "cudagraph_plugin: rank 3: still running 0.05 s after rank 1 (node, pid 7) failed: "
+        "exception: boom; its threads' stacks follow, then it exits with status 70"
+    )
+    # every thread's stack: the main thread's (this test) and the deadline's own
+    assert "test_the_deadline_says_why_dumps_every_stack_and_exits_non_zero" in text
+    assert "in _run" in text
+
+
+def test_a_cancelled_deadline_never_ends_the_process(pipe):
+    exits = Exits()
+    deadline = ExitDeadline(0, 0.2, exit=exits, fd=pipe[1], backstop=False)
+    deadline.arm("a peer failed")
+    assert deadline.armed
+    deadline.cancel()
+    assert not deadline.armed
+    assert not exits.done.wait(0.6)  # three times the deadline
+    assert exits.codes == [] and not deadline.fired
+    assert _read_all(*pipe) == ""
+
+
+def test_arming_twice_keeps_one_countdown(pipe):
+    exits = Exits()
+    deadline = ExitDeadline(0, 0.05, exit=exits, fd=pipe[1], backstop=False)
+    deadline.arm("first")
+    deadline.arm("second")
+    assert exits.done.wait(30)
+    assert deadline._thread is not None
+    deadline._thread.join(30)
+    assert exits.codes == [EXIT_CODE]
+    text = _read_all(*pipe)
+    assert "after first;" in text and "second" not in text
+
+
+_STUCK_AT_EXIT = textwrap.dedent(
+    """
+    import sys, time
+    from cudagraph_plugin.runtime.peer_deadline import ExitDeadline
+
+    class Stuck:  # a destructor that blocks at exit, as a process group's can
+        def __del__(self):
+            time.sleep(60)
+
+    deadline = ExitDeadline(0, 1.0)
+    deadline.arm("a peer failed")
+    if sys.argv[1] == "cancel":
+        deadline.cancel()
+        time.sleep(3)  # past the deadline and its backstop
+    else:
+        stuck = Stuck()
+    """
+)
+
+
+def test_the_backstop_ends_a_process_stuck_in_the_interpreters_finalisation():
+    """Past the start of the interpreter's finalisation no Python thread runs: the deadline's
+    own thread cannot, faulthandler's C timer can (status 1, its "Timeout" dump)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _STUCK_AT_EXIT, "stuck"], capture_output=True, text=True, timeout=50
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("Timeout (0:00:02)!"), done.stderr
+    assert "in __del__" in done.stderr and "still running" not in done.stderr
+
+
+def test_a_cancelled_deadline_cancels_its_backstop_too():
+    done = subprocess.run(
+        [sys.executable, "-c", _STUCK_AT_EXIT, "cancel"], capture_output=True, text=True, timeout=50
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+@pytest.mark.parametrize("seconds", [0, -1, float("nan"), True, "5"])
+def test_the_deadline_needs_a_positive_number_of_seconds(seconds):
+    with pytest.raises(ValueError, match=r"ExitDeadline: seconds=.* must be a positive number"):
+        ExitDeadline(0, seconds)
+
+
+# -- armed by the watch, cancelled by a shutdown that settled ---------------------------------
+
+
+@pytest.fixture
+def acted() -> Iterator[Any]:
+    """A rank-0 watch with a 30 s deadline (its exit recorded) that acted on rank 1's mark,
+    without interrupting this thread; ``settled`` says what the shutdown's settle returns."""
+    made: list[PeerWatch] = []
+
+    def make(settled: bool) -> tuple[PeerWatch, Exits]:
+        aborted = threading.Event()
+        watch = PeerWatch.start(
+            store=dist.HashStore(),
+            rank=0,
+            world_size=2,
+            poll_s=0.02,
+            abort=aborted.set,
+            settle=lambda seconds: settled,
+            interrupt=False,
+            exit_deadline_s=30,
+        )
+        assert watch is not None and watch.deadline is not None
+        made.append(watch)
+        exits = Exits()
+        watch.deadline._exit = exits
+        watch.deadline._backstop = False  # no faulthandler timer in this process
+        assert not watch.deadline.armed  # nothing failed yet
+        peer = PeerWatch(watch._store, 1, 2, generation=watch.generation)
+        peer.mark_failed("exception: RuntimeError: boom")
+        assert aborted.wait(30)
+        return watch, exits
+
+    yield make
+    for watch in made:
+        watch.stop()
+        if watch.deadline is not None:
+            watch.deadline.cancel()  # never let a test's process be ended later
+
+
+def test_the_watch_arms_the_deadline_when_it_acts_and_a_settled_shutdown_cancels_it(acted):
+    watch, exits = acted(settled=True)
+    assert watch.deadline.armed
+    assert watch.finish(0.1) is True
+    assert not watch.deadline.armed and exits.codes == []
+
+
+def test_a_shutdown_whose_abort_did_not_end_keeps_the_deadline(acted):
+    watch, exits = acted(settled=False)
+    assert watch.finish(0.1) is False
+    assert watch.deadline.armed and exits.codes == []  # the host's teardown: still bounded
+
+
+def test_a_watch_without_a_deadline_arms_nothing():
+    watch = PeerWatch(dist.HashStore(), 0, 2)
+    assert watch.deadline is None
+    assert PeerWatch(dist.HashStore(), 0, 2, exit_deadline_s=0).deadline is None
+
+
+# -- the setting ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ({}, 12.0),
+        ({"cuda_graph_peer_exit_deadline": 30}, 30.0),
+        ({"cuda_graph_peer_exit_deadline": "4.5"}, 4.5),
+        (argparse.Namespace(cuda_graph_peer_exit_deadline="0"), 0.0),
+        (argparse.Namespace(cuda_graph_peer_exit_deadline=None), 12.0),  # the flag not given
+    ],
+)
+def test_the_setting_reads_seconds_with_12_by_default_and_0_for_off(config, expected):
+    settings = read_settings(config)
+    assert settings.peer_exit_deadline == expected and not settings.input_problems
+
+
+@pytest.mark.parametrize("value", ["-1", 0.5, "soon", float("inf")])
+def test_a_bad_deadline_is_a_problem_naming_the_field_and_the_fix(value):
+    [problem] = read_settings({"cuda_graph_peer_exit_deadline": value}).input_problems
+    assert problem.setting == "peer_exit_deadline" and problem.value == value
+    assert "give 0 (off) or a number of seconds >= 1" in problem.fix
+
+
+@pytest.mark.parametrize("seconds, passed", [(7.0, 7.0), (0.0, None)])
+def test_the_run_passes_its_setting_to_the_watch(monkeypatch, seconds, passed):
+    seen: list[Any] = []
+    monkeypatch.setattr(compat, "distributed_world", lambda: (0, 2))
+    monkeypatch.setattr(PeerWatch, "start", classmethod(lambda cls, **kw: seen.append(kw)))
+    state = types.SimpleNamespace(settings=types.SimpleNamespace(peer_exit_deadline=seconds))
+    peers.JobWatch(state).watch()
+    assert seen == [{"exit_deadline_s": passed}]
