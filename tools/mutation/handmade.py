@@ -33,6 +33,7 @@ RL = "tests/test_rl_loop.py::"
 STEPS = "tests/test_step_listener.py::"
 GUARD = "tests/test_guard.py::"
 PEERS = "tests/test_peer_failure_cpu.py::"
+DEADLINE = "tests/test_peer_deadline.py::"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,6 +506,46 @@ MUTANTS = [
         "            return\n",
         "",
         (PEERS + "test_the_real_groups_are_aborted_once_and_forgotten",),
+    ),
+    Mutant(
+        "exit-deadline-never-armed",
+        "a rank whose watch acted on a peer's failure has no exit deadline: stuck in C, it "
+        "waits for torchrun's SIGKILL",
+        "cudagraph_plugin/runtime/peers.py",
+        "                self.deadline.arm(failure.describe())\n",
+        "                pass\n",
+        (
+            DEADLINE + "test_the_watch_arms_the_deadline_when_it_acts_and_a_settled_shutdown_"
+            "cancels_it",
+        ),
+    ),
+    Mutant(
+        "exit-deadline-kept-after-a-settled-shutdown",
+        "a shutdown that settled leaves the exit deadline armed (a host going on after it is "
+        "ended)",
+        "cudagraph_plugin/runtime/peers.py",
+        "                self.deadline.cancel()\n",
+        "                pass\n",
+        (
+            DEADLINE + "test_the_watch_arms_the_deadline_when_it_acts_and_a_settled_shutdown_"
+            "cancels_it",
+        ),
+    ),
+    Mutant(
+        "exit-backstop-kept-after-cancel",
+        "a cancelled deadline leaves its faulthandler backstop running",
+        "cudagraph_plugin/runtime/peer_deadline.py",
+        "            faulthandler.cancel_dump_traceback_later()\n",
+        "            pass\n",
+        (DEADLINE + "test_a_cancelled_deadline_cancels_its_backstop_too",),
+    ),
+    Mutant(
+        "bucket-interrupted-capture-kept",
+        "a bucket graph whose capture was interrupted is held by nothing and never freed",
+        BUCKETS_PY,
+        "                self._discard(graph, key, error)\n",
+        "                pass\n",
+        (BUCKETS + "test_a_capture_interrupted_frees_its_graph_before_the_error_goes_on",),
     ),
 ]
 
