@@ -109,6 +109,7 @@ class Wiring:
             return (yield)
         finally:
             if self.watch is not None:
+                self.record["settled"] = self.watch.finish()  # as the plugin's JobWatch does
                 self.record["peers_ended"] = self.watch.wait_for_peers()
                 failure = self.watch.peer_failure
                 first = self.watch.first_failure

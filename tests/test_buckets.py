@@ -641,7 +641,9 @@ def test_a_capture_interrupted_frees_its_graph_before_the_error_goes_on(
         [graph] = graphs.graphs
         assert graph.resets == 1 and not graph.captured and not graph.capturing
         assert bucketed.graph_count() == 0
-        assert "did not complete (_Interrupted" in caplog.text
+        assert (
+            "did not complete (_Interrupted: " in caplog.text and "graph was reset" in caplog.text
+        )
         assert not release_each(bucketed.release_steps()).failures
     assert graph.resets == 1  # freed once: the release did not hold it
 

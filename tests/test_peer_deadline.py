@@ -38,32 +38,42 @@ class Exits:
         self.done.set()
 
 
-@pytest.fixture
-def pipe() -> Iterator[tuple[int, int]]:
-    read, write = os.pipe()
-    yield read, write
-    for fd in (read, write):
-        try:
+class Pipe:
+    """A pipe whose write end the deadline writes to; each end closed once."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        self.open = {self.read_fd, self.write_fd}
+
+    def close(self, fd: int) -> None:
+        if fd in self.open:
+            self.open.discard(fd)
             os.close(fd)
-        except OSError:
-            pass
+
+    def read_all(self) -> str:
+        self.close(self.write_fd)
+        chunks = []
+        while chunk := os.read(self.read_fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks).decode()
 
 
-def _read_all(read: int, write: int) -> str:
-    os.close(write)
-    chunks = []
-    while chunk := os.read(read, 65536):
-        chunks.append(chunk)
-    return b"".join(chunks).decode()
+@pytest.fixture
+def pipe() -> Iterator[Pipe]:
+    made = Pipe()
+    yield made
+    for fd in list(made.open):
+        made.close(fd)
 
 
 def test_the_deadline_says_why_dumps_every_stack_and_exits_non_zero(pipe):
     exits = Exits()
-    deadline = ExitDeadline(3, 0.05, exit=exits, fd=pipe[1], backstop=False)
+    deadline = ExitDeadline(3, 0.05, exit=exits, fd=pipe.write_fd, backstop=False)
     deadline.arm("rank 1 (node, pid 7) failed: exception: boom")
     assert exits.done.wait(30)
     assert exits.codes == [EXIT_CODE] and EXIT_CODE not in (0, 1) and deadline.fired
-    text = _read_all(*pipe)
+    assert not deadline.armed
+    text = pipe.read_all()
     assert text.startswith(
         "cudagraph_plugin: rank 3: still running 0.05 s after rank 1 (node, pid 7) failed: "
         "exception: boom; its threads' stacks follow, then it exits with status 70"
@@ -75,26 +85,26 @@ def test_the_deadline_says_why_dumps_every_stack_and_exits_non_zero(pipe):
 
 def test_a_cancelled_deadline_never_ends_the_process(pipe):
     exits = Exits()
-    deadline = ExitDeadline(0, 0.2, exit=exits, fd=pipe[1], backstop=False)
+    deadline = ExitDeadline(0, 2.0, exit=exits, fd=pipe.write_fd, backstop=False)
     deadline.arm("a peer failed")
     assert deadline.armed
     deadline.cancel()
     assert not deadline.armed
-    assert not exits.done.wait(0.6)  # three times the deadline
+    assert not exits.done.wait(3.0)  # past the deadline
     assert exits.codes == [] and not deadline.fired
-    assert _read_all(*pipe) == ""
+    assert pipe.read_all() == ""
 
 
 def test_arming_twice_keeps_one_countdown(pipe):
     exits = Exits()
-    deadline = ExitDeadline(0, 0.05, exit=exits, fd=pipe[1], backstop=False)
+    deadline = ExitDeadline(0, 0.05, exit=exits, fd=pipe.write_fd, backstop=False)
     deadline.arm("first")
     deadline.arm("second")
     assert exits.done.wait(30)
     assert deadline._thread is not None
     deadline._thread.join(30)
     assert exits.codes == [EXIT_CODE]
-    text = _read_all(*pipe)
+    text = pipe.read_all()
     assert "after first;" in text and "second" not in text
 
 
@@ -136,10 +146,40 @@ def test_a_cancelled_deadline_cancels_its_backstop_too():
     assert (done.returncode, done.stderr) == (0, "")
 
 
-@pytest.mark.parametrize("seconds", [0, -1, float("nan"), True, "5"])
+@pytest.mark.parametrize("seconds", [0, -1, float("nan"), True, "5", 3601, 1e10])
 def test_the_deadline_needs_a_positive_number_of_seconds(seconds):
     with pytest.raises(ValueError, match=r"ExitDeadline: seconds=.* must be a positive number"):
         ExitDeadline(0, seconds)
+
+
+def test_arming_never_raises_into_the_watchs_reaction(monkeypatch, caplog):
+    """The watch arms the deadline in its reaction to a peer's failure, whose interrupt and
+    abort must happen whatever the deadline's thread or timer does."""
+    from cudagraph_plugin.runtime import peer_deadline
+
+    class NoThreads:
+        def __init__(self, **kwargs: Any) -> None:
+            pass
+
+        def start(self) -> None:
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(peer_deadline.threading, "Thread", NoThreads)
+    deadline = ExitDeadline(2, 5.0, exit=Exits(), backstop=False)
+    deadline.arm("a peer failed")  # logged, not raised
+    assert "rank 2: the exit deadline could not be armed: can't start new thread" in caplog.text
+
+
+def test_the_budget_of_a_wait_ends_a_margin_before_the_deadline(pipe):
+    deadline = ExitDeadline(0, 5.0, exit=Exits(), fd=pipe.write_fd, backstop=False)
+    assert deadline.budget(10.0) == 10.0  # not armed: nothing to keep to
+    deadline.arm("a peer failed")
+    try:
+        assert 3.0 < deadline.budget(10.0) <= 4.0  # 5 s less the 1 s margin, less time passed
+        assert deadline.budget(0.5) == 0.5
+    finally:
+        deadline.cancel()
+    assert deadline.budget(10.0) == 10.0
 
 
 # -- armed by the watch, cancelled by a shutdown that settled ---------------------------------
@@ -150,8 +190,9 @@ def acted() -> Iterator[Any]:
     """A rank-0 watch with a 30 s deadline (its exit recorded) that acted on rank 1's mark,
     without interrupting this thread; ``settled`` says what the shutdown's settle returns."""
     made: list[PeerWatch] = []
+    waits: list[float] = []  # what each settle was given
 
-    def make(settled: bool) -> tuple[PeerWatch, Exits]:
+    def make(settled: bool, deadline_s: float = 30) -> tuple[PeerWatch, Exits]:
         aborted = threading.Event()
         watch = PeerWatch.start(
             store=dist.HashStore(),
@@ -159,9 +200,9 @@ def acted() -> Iterator[Any]:
             world_size=2,
             poll_s=0.02,
             abort=aborted.set,
-            settle=lambda seconds: settled,
+            settle=lambda seconds: bool(waits.append(seconds)) or settled,
             interrupt=False,
-            exit_deadline_s=30,
+            exit_deadline_s=deadline_s,
         )
         assert watch is not None and watch.deadline is not None
         made.append(watch)
@@ -174,6 +215,7 @@ def acted() -> Iterator[Any]:
         assert aborted.wait(30)
         return watch, exits
 
+    make.waits = waits
     yield make
     for watch in made:
         watch.stop()
@@ -192,6 +234,13 @@ def test_a_shutdown_whose_abort_did_not_end_keeps_the_deadline(acted):
     watch, exits = acted(settled=False)
     assert watch.finish(0.1) is False
     assert watch.deadline.armed and exits.codes == []  # the host's teardown: still bounded
+
+
+def test_the_wait_for_the_abort_ends_in_time_for_the_rank_to_log_before_its_deadline(acted):
+    watch, _ = acted(settled=False, deadline_s=4)
+    assert watch.finish(10.0) is False
+    [waited] = acted.waits
+    assert 2.0 < waited <= 3.0  # 4 s less the 1 s margin, less the time since it acted
 
 
 def test_a_watch_without_a_deadline_arms_nothing():
@@ -218,11 +267,11 @@ def test_the_setting_reads_seconds_with_12_by_default_and_0_for_off(config, expe
     assert settings.peer_exit_deadline == expected and not settings.input_problems
 
 
-@pytest.mark.parametrize("value", ["-1", 0.5, "soon", float("inf")])
+@pytest.mark.parametrize("value", ["-1", 0.5, "soon", float("inf"), 1e10, "3601"])
 def test_a_bad_deadline_is_a_problem_naming_the_field_and_the_fix(value):
     [problem] = read_settings({"cuda_graph_peer_exit_deadline": value}).input_problems
     assert problem.setting == "peer_exit_deadline" and problem.value == value
-    assert "give 0 (off) or a number of seconds >= 1" in problem.fix
+    assert "give 0 (off) or a number of seconds from 1 to 3600" in problem.fix
 
 
 @pytest.mark.parametrize("seconds, passed", [(7.0, 7.0), (0.0, None)])

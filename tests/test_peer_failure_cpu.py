@@ -609,9 +609,13 @@ CPU = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "
 
 # name: (ranks, launcher, host arguments)
 JOBS: dict[str, tuple[int, str, list[str]]] = {
-    "raise": (2, "torchrun", ["--fail", "1:2:raise", "--block", "0:2"]),
+    "raise": (2, "torchrun", ["--fail", "1:2:raise", "--block", "0:2", "--exit-deadline", "12"]),
     "raise3": (3, "torchrun", ["--fail", "1:2:raise", "--block", "0:2"]),
-    "sigterm": (2, "torchrun", ["--fail", "1:2:sigterm", "--block", "0:2"]),
+    "sigterm": (
+        2,
+        "torchrun",
+        ["--fail", "1:2:sigterm", "--block", "0:2", "--exit-deadline", "12"],
+    ),
     "both": (2, "torchrun", ["--fail", "0:2:raise", "--fail", "1:2:raise", "--slow-shutdown", "2"]),
     "completed": (2, "torchrun", ["--linger", "1:2"]),
     "store_gone": (2, "launch", ["--linger", "1:4"]),
@@ -701,6 +705,15 @@ def test_rank_1_raising_ends_the_blocked_rank_0_with_peer_failed(jobs):
     assert failing["first_failure"]["rank"] == 1
     assert failing["peers_ended"] is True  # it waited until rank 0 began its shutdown
     assert job.record(0)["t_shutdown"] > failing["t_fault"]
+    not_ended_by_the_deadline(job, 0)
+
+
+def not_ended_by_the_deadline(job: Job, rank: int) -> None:
+    """The told rank's shutdown settled: its exit deadline (12 s, the plugin's default) was
+    cancelled, and the rank ended by the PeerFailed, not by the deadline."""
+    assert job.record(rank)["settled"] is True, job.context()
+    output = job.result.output()
+    assert "still running" not in output and "exitcode  : 70" not in output, job.context()
 
 
 @pytest.mark.slow
@@ -731,6 +744,7 @@ def test_sigterm_to_rank_1_ends_the_blocked_rank_0_with_peer_failed(jobs):
     assert job.result.rc != 0
     told_by(job, 0, 1, "signal")
     assert "SIGTERM" in job.record(0)["exception"]
+    not_ended_by_the_deadline(job, 0)
     assert job.record(1)["reason"] == "signal"
 
 

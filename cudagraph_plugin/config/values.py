@@ -149,15 +149,15 @@ def _to_limit(value: Any) -> float:
 
 def _to_deadline(value: Any) -> float:
     """Seconds, 0 for "off"; a shorter deadline than a normal shutdown takes is refused."""
-    fix = "give 0 (off) or a number of seconds >= 1, such as 12 (the default)"
+    fix = "give 0 (off) or a number of seconds from 1 to 3600, such as 12 (the default)"
     try:
         number = _to_float(value)
     except _Unreadable:
         raise _Unreadable("not a number", fix) from None
-    if number != 0 and not number >= 1:
+    if number != 0 and not 1 <= number <= 3600:
         raise _Unreadable(
-            "must be 0 (off) or at least 1 s (a rank's shutdown, the graphs freed, takes "
-            "about a second)",
+            "must be 0 (off) or from 1 s (a rank's shutdown, the graphs freed, takes about a "
+            "second) to 3600 s",
             fix,
         )
     return number

@@ -21,7 +21,10 @@ DEFAULT_WARMUP_STEPS = 3  # megatron-core's TransformerConfig default
 PEER_EXIT_DEADLINE_S = 12.0
 """``cuda_graph_peer_exit_deadline``'s default: a rank whose peer failed ends at most this
 long after it heard of it, whatever blocks it (:mod:`cudagraph_plugin.runtime.peer_deadline`);
-with the watch's 0.5 s poll and the exit itself, within about 15 s of the failure."""
+with the watch's 0.5 s poll (jobs up to 1000 ranks) and the exit itself, within about 15 s of
+a failure that the failing rank could mark (not one killed outright: SIGKILL, OOM).
+It bounds the whole peer-failed shutdown: the report, every plugin's shutdown hook, the wait
+for the abort (shortened to end a second before it)."""
 
 # megatron-core's deprecated scope names: "full" (both generations) is whole-layer capture,
 # "full_iteration_inference" (0.19) moved to inference_cuda_graph_scope=block.

@@ -397,17 +397,14 @@ class BucketGraphs:
 
     @staticmethod
     def _discard(graph: Any, key: BucketKey, error: BaseException) -> None:
+        cause = error.__context__  # what a failed capture_end replaced (a PeerFailed, say)
+        what = f"{type(error).__name__}: {error}" + (f", after {cause!r}" if cause else "")
         try:
             graph.reset()
         except Exception as exc:
-            logger.warning("could not free the interrupted capture of %s: %s", key, exc)
+            logger.warning("could not reset the interrupted capture of %s (%s): %s", key, what, exc)
             return
-        logger.warning(
-            "the capture of %s did not complete (%s: %s): its graph was freed",
-            key,
-            type(error).__name__,
-            error,
-        )
+        logger.warning("the capture of %s did not complete (%s): its graph was reset", key, what)
 
     # -- moved memory and invalidation ------------------------------------------------------
 

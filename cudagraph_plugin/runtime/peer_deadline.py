@@ -18,7 +18,8 @@ with :data:`EXIT_CODE` (``os._exit``: nothing more waits). Where the process is 
 the interpreter's finalisation (a process group's destructor stuck at exit), no Python
 thread runs any more: a backstop, :func:`faulthandler.dump_traceback_later` (a C thread),
 then dumps the stacks ("Timeout") and exits with status 1, :data:`BACKSTOP_S` later. It is
-the process's one such timer: arming replaces a host's own. A shutdown that settled (the
+the process's one such timer: arming replaces a host's own (a periodic stack dump, say), and
+cancelling ends whichever is set. A shutdown that settled (the
 abort ended, the groups forgotten) cancels both. The deadline is
 ``cuda_graph_peer_exit_deadline`` (``--cuda-graph-peer-exit-deadline``, 0: off).
 
@@ -28,10 +29,14 @@ Pure Python (no torch).
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
+
+logger = logging.getLogger("cudagraph_plugin")
 
 EXIT_CODE = 70
 """The exit status of a rank ended by its deadline (``EX_SOFTWARE``): non-zero, and told
@@ -39,6 +44,13 @@ apart from an exception's 1 and a signal's negative status."""
 
 BACKSTOP_S = 1.0
 """How long after the deadline the finalisation backstop ends the process."""
+
+MAX_DEADLINE_S = 3600.0
+"""The longest deadline (past it, the timers overflow on some platforms)."""
+
+MARGIN_S = 1.0
+"""What :meth:`ExitDeadline.budget` leaves before the deadline: a wait cut short by it ends
+in time for the rank to log and exit by itself."""
 
 
 class ExitDeadline:
@@ -61,9 +73,11 @@ class ExitDeadline:
         fd: int | None = None,
         backstop: bool = True,
     ) -> None:
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        number = isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+        if not number or not 0 < seconds <= MAX_DEADLINE_S:
             raise ValueError(
-                f"ExitDeadline: seconds={seconds!r} must be a positive number of seconds"
+                f"ExitDeadline: seconds={seconds!r} must be a positive number of seconds, at "
+                f"most {MAX_DEADLINE_S:g}"
             )
         self.rank = rank
         self.seconds = float(seconds)
@@ -72,24 +86,38 @@ class ExitDeadline:
         self._backstop = backstop
         self._cancelled = threading.Event()
         self._thread: threading.Thread | None = None
+        self._ends_at: float | None = None
         self.fired = False
 
     @property
     def armed(self) -> bool:
-        return self._thread is not None and not self._cancelled.is_set()
+        """Counting down: armed, neither cancelled nor fired."""
+        return self._thread is not None and not self._cancelled.is_set() and not self.fired
 
     def arm(self, what: str) -> None:
         """Start the countdown (once; a second call changes nothing): ``what`` says what
-        happened (the peer's failure), for the message."""
+        happened (the peer's failure), for the message. Never raises: it runs in the watch's
+        reaction to the failure, which must go on (logged if the countdown cannot start)."""
         if self._thread is not None:
             return
-        self._thread = threading.Thread(
-            target=self._run, args=(what,), name="mcgraph-exit-deadline", daemon=True
-        )
-        self._thread.start()
-        if self._backstop:
-            fd = self._fd if self._fd is not None else _stderr_fd()
-            faulthandler.dump_traceback_later(self.seconds + BACKSTOP_S, exit=True, file=fd)
+        try:
+            self._ends_at = time.monotonic() + self.seconds
+            self._thread = threading.Thread(
+                target=self._run, args=(what,), name="mcgraph-exit-deadline", daemon=True
+            )
+            self._thread.start()
+            if self._backstop:
+                fd = self._fd if self._fd is not None else _stderr_fd()
+                faulthandler.dump_traceback_later(self.seconds + BACKSTOP_S, exit=True, file=fd)
+        except Exception as exc:
+            logger.error("rank %d: the exit deadline could not be armed: %s", self.rank, exc)
+
+    def budget(self, seconds: float) -> float:
+        """``seconds``, shortened to end :data:`MARGIN_S` before an armed deadline (at least
+        0.1 s): what a wait of the shutdown may still take."""
+        if not self.armed or self._ends_at is None:
+            return seconds
+        return max(0.1, min(seconds, self._ends_at - time.monotonic() - MARGIN_S))
 
     def cancel(self) -> None:
         if self._backstop and self._thread is not None and not self._cancelled.is_set():

@@ -30,10 +30,9 @@ the bounded store calls are :mod:`~cudagraph_plugin.runtime.peer_mark`):
   ``signal`` instead of ``peer_failed``. Every rank counts itself as ended in
   :meth:`PeerWatch.end`, whatever its reason.
 
-* **Deadline.** A rank that acted on a peer's mark is ended by
-  :class:`~cudagraph_plugin.runtime.peer_deadline.ExitDeadline` if it still runs
-  ``exit_deadline_s`` later (the run's ``cuda_graph_peer_exit_deadline``); a shutdown that
-  settled (:meth:`PeerWatch.finish`) cancels it.
+* **Deadline.** A rank that acted on a peer's mark is ended if it still runs
+  ``exit_deadline_s`` later (:class:`~cudagraph_plugin.runtime.peer_deadline.ExitDeadline`,
+  ``cuda_graph_peer_exit_deadline``); a shutdown that settled (:meth:`finish`) cancels it.
 
 A rank never reacts to its own mark, never interrupts its own shutdown (the handler does
 nothing once :meth:`PeerWatch.stop` began or while ``TrainingRun`` is shutting down), and a
@@ -432,6 +431,8 @@ class PeerWatch:
         """
         if not self._acting:
             return True
+        if self.deadline is not None:  # stop waiting in time to end by the deadline's own log
+            timeout_s = self.deadline.budget(timeout_s)
         if self._settle(timeout_s):
             if self.deadline is not None:
                 self.deadline.cancel()
