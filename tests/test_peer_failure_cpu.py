@@ -526,27 +526,44 @@ def test_a_ctrl_c_while_stopping_still_puts_the_handler_back(tcp_store, watches)
 def test_a_ctrl_c_while_the_store_is_slow_still_gets_the_mark_there(tcp_store, watches):
     """The failing rank's mark is what ends the other ranks: an interrupt while the store
     is slow to answer (stopped until the interrupt was raised) waits for the answer, then
-    goes on."""
+    goes on. The mark's own first store call sends the interrupt, so it comes while the
+    main thread waits for that call, however loaded the machine."""
     server, client = tcp_store
     watch = start(watches, client, abort=Aborts())
     time.sleep(5 * POLL_S)
     watch.stop()  # the watcher's own poll is not what this waits on
     server.send_signal(signal.SIGSTOP)
+    main, raised = threading.get_ident(), threading.Event()
 
-    earlier = set(threading.enumerate())
+    def interrupted(signum: int, frame: Any) -> None:
+        raised.set()
+        raise KeyboardInterrupt
 
-    def marking() -> bool:  # the mark's store call has begun: this thread waits for it
-        return any(t.name == "mcgraph-peer-mark" for t in set(threading.enumerate()) - earlier)
+    class InterruptingConnection:
+        """The watcher's connection: the mark's first call interrupts the main thread, and
+        the stopped store answers once the interrupt was raised."""
 
-    def resume() -> None:
-        time.sleep(0.2)
-        server.send_signal(signal.SIGCONT)
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
 
+        def set(self, key: str, value: Any) -> Any:
+            signal.pthread_kill(main, signal.SIGUSR1)
+            if raised.wait(HANG_S):
+                server.send_signal(signal.SIGCONT)
+            return self.inner.set(key, value)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    watch._connection = InterruptingConnection(watch._connection or client)
+    previous = signal.signal(signal.SIGUSR1, interrupted)
     try:
-        with ctrl_c(after_s=0.05, once=marking, then=resume), pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
             watch.end(ShutdownReason.EXCEPTION, RuntimeError("boom"))
     finally:
+        signal.signal(signal.SIGUSR1, previous)
         server.send_signal(signal.SIGCONT)
+    assert raised.is_set()
     assert watch.first_failure is not None and watch.first_failure.rank == 0
     assert PeerFailure.decode(client.get(watch.first_key)).rank == 0
     assert int(client.add(watch.ended_key, 0)) == 1

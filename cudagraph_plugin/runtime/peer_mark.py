@@ -114,7 +114,14 @@ class BoundedCall:
         self.error: BaseException | None = None
         self._func = func
         self._done = threading.Event()
-        threading.Thread(target=self._run, name=f"mcgraph-{what}", daemon=True).start()
+        self._early: BaseException | None = None  # interrupted the start, the call begun
+        thread = threading.Thread(target=self._run, name=f"mcgraph-{what}", daemon=True)
+        try:
+            thread.start()
+        except BaseException as exc:  # a Ctrl-C in start()'s own wait for the new thread
+            if not (thread.is_alive() or self._done.is_set()):
+                raise  # the call never began
+            self._early = exc
 
     def _run(self) -> None:
         try:
@@ -125,6 +132,8 @@ class BoundedCall:
             self._done.set()
 
     def wait(self, timeout: float) -> bool:
+        if self._early is not None:
+            raise self._early
         return self._done.wait(timeout)
 
     def wait_through(self, timeout: float) -> tuple[bool, BaseException | None]:
@@ -132,7 +141,7 @@ class BoundedCall:
         slow), until ``timeout`` has passed: whether the call ended, and the first
         interruption, for the caller to raise once it has used the answer."""
         deadline = time.monotonic() + timeout
-        interrupted: BaseException | None = None
+        interrupted = self._early
         while True:
             try:
                 return self._done.wait(max(0.0, deadline - time.monotonic())), interrupted
