@@ -471,35 +471,21 @@ def test_a_store_that_does_not_answer_never_holds_the_main_thread(tcp_store, wat
 
 
 @contextlib.contextmanager
-def ctrl_c(
-    after_s: float = 0.0,
-    once: Callable[[], bool] = lambda: True,
-    then: Callable[[], Any] = lambda: None,
-) -> Iterator[None]:
-    """A ``KeyboardInterrupt`` raised in this (the main) thread, as a Ctrl-C would be
-    (through SIGUSR1: the test runner may own SIGINT): ``after_s`` after ``once()`` holds;
-    ``then()`` runs once it was raised. Never raised after the block."""
-    inside, raised = threading.Event(), threading.Event()
+def ctrl_c(after_s: float) -> Iterator[None]:
+    """A ``KeyboardInterrupt`` raised in this (the main) thread ``after_s`` into the block, as
+    a Ctrl-C would be (through SIGUSR1: the test runner may own SIGINT). Never raised after
+    the block."""
+    inside = threading.Event()
     inside.set()
 
     def interrupted(signum: int, frame: Any) -> None:
         if inside.is_set():
-            raised.set()
             raise KeyboardInterrupt
-
-    def fire() -> None:
-        deadline = time.monotonic() + HANG_S
-        while not once() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(after_s)
-        signal.pthread_kill(main, signal.SIGUSR1)
-        raised.wait(5.0)
-        then()
 
     previous = signal.signal(signal.SIGUSR1, interrupted)
     main = threading.get_ident()
     try:
-        timer = later(0.0, fire)
+        timer = later(after_s, lambda: signal.pthread_kill(main, signal.SIGUSR1))
         yield
     finally:
         inside.clear()
