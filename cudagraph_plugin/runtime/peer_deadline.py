@@ -82,7 +82,7 @@ class ExitDeadline:
         self.rank = rank
         self.seconds = float(seconds)
         self._exit = exit
-        self._fd = fd
+        self._fd = fd if fd is not None else _stderr_fd()
         self._backstop = backstop
         self._cancelled = threading.Event()
         self._thread: threading.Thread | None = None
@@ -107,8 +107,9 @@ class ExitDeadline:
             )
             self._thread.start()
             if self._backstop:
-                fd = self._fd if self._fd is not None else _stderr_fd()
-                faulthandler.dump_traceback_later(self.seconds + BACKSTOP_S, exit=True, file=fd)
+                faulthandler.dump_traceback_later(
+                    self.seconds + BACKSTOP_S, exit=True, file=self._fd
+                )
         except Exception as exc:
             logger.error("rank %d: the exit deadline could not be armed: %s", self.rank, exc)
 
@@ -128,15 +129,14 @@ class ExitDeadline:
         if self._cancelled.wait(self.seconds):
             return
         self.fired = True
-        fd = self._fd if self._fd is not None else _stderr_fd()
         message = (
             f"cudagraph_plugin: rank {self.rank}: still running {self.seconds:g} s after "
             f"{what}; its threads' stacks follow, then it exits with status {EXIT_CODE} "
             "(cuda_graph_peer_exit_deadline; 0 turns this off)\n"
         )
         try:
-            os.write(fd, message.encode("utf-8", "replace"))
-            faulthandler.dump_traceback(file=fd, all_threads=True)
+            os.write(self._fd, message.encode("utf-8", "replace"))
+            faulthandler.dump_traceback(file=self._fd, all_threads=True)
         except (OSError, ValueError):
             pass  # no stderr left: the exit is what matters
         self._exit(EXIT_CODE)
