@@ -18,6 +18,7 @@ padding waste and pool memory (BENCHMARKS.md).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import uuid
 from pathlib import Path
@@ -57,6 +58,11 @@ BF16 = ("--bf16",)
 OFFLOAD = ("--offload-interval", str(OFFLOAD_EVERY))
 RELOADS_BEFORE = set(range(OFFLOAD_EVERY, STEPS, OFFLOAD_EVERY))
 RTOL = 1e-5
+
+HAS_TE = importlib.util.find_spec("transformer_engine") is not None
+# Where Transformer Engine is installed, megatron-core's Adam is TE's FusedAdam whatever the
+# layer spec; "te-layers" adds TE's layers inside the bucket graphs.
+TE_LAYERS = ("--transformer-impl", "transformer_engine")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
 
@@ -162,8 +168,19 @@ OFFLOAD_SEEN = "MegatronOptimizer.restore_from_cpu() ran"
 @pytest.mark.skipif(
     not compat.has_optimizer_graph(), reason="megatron-core < 0.17 has no optimizer graph"
 )
+@pytest.mark.parametrize(
+    "layers",
+    [
+        (),
+        pytest.param(
+            TE_LAYERS,
+            marks=pytest.mark.skipif(not HAS_TE, reason="needs Transformer Engine"),
+        ),
+    ],
+    ids=["local-layers", "te-layers"],
+)
 @pytest.mark.parametrize("explicit", [True, False], ids=["host-invalidates", "address-check"])
-def test_offload_and_reload_recapture_the_optimizer_graph_too(explicit, jobs_root):
+def test_offload_and_reload_recapture_the_optimizer_graph_too(explicit, layers, jobs_root):
     """With the optimizer graph as well: megatron-core's ``restore_from_cpu`` gives the main
     parameters and Adam's state new memory, so each reload frees the optimizer graph with
     the bucket graphs, and it is captured again after its own warm-up (a replay of the old
@@ -174,13 +191,16 @@ def test_offload_and_reload_recapture_the_optimizer_graph_too(explicit, jobs_roo
     Python float, the captured step's as a float32 tensor; 1.6e-4 relative apart after 60
     steps on the H200.) Left to the plugin, every reload recaptures too: megatron-core's
     offload API is watched, since it moves the state one tensor at a time and an address
-    sample can come back unchanged (seen here: NaN losses from step 41 before that)."""
+    sample can come back unchanged (seen here: NaN losses from step 41 before that).
+    With Transformer Engine installed the optimizer is TE's capturable FusedAdam (its state
+    moves at each reload too), with or without TE's layers inside the bucket graphs."""
     graphs = (*GRAPHS, "--cuda-graph-buckets", BUCKETS, "--optimizer-cuda-graph")
     name = "rl_offload_optimizer_graph" + ("" if explicit else "_address_check")
+    name += "_te_layers" if layers else ""
     extra = ("--invalidate-after-reload",) if explicit else ()
-    offloaded = (*LOOP, *BF16, *OFFLOAD, *extra, *graphs)
+    offloaded = (*LOOP, *BF16, *layers, *OFFLOAD, *extra, *graphs)
     graphed = _job(name, "graphed", offloaded, jobs_root)
-    eager = _job(name, "never-offloaded", (*LOOP, *BF16, *graphs), jobs_root)
+    eager = _job(name, "never-offloaded", (*LOOP, *BF16, *layers, *graphs), jobs_root)
     _check_schedule(eager.record(0)["report"])  # each bucket captured once
     assert eager.record(0)["report"]["replays"]["optimizer"] == STEPS - (WARMUP + 1)
     output = graphed.result.output()
