@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import math
 import os
 import signal
@@ -71,6 +70,8 @@ import torch
 from cudagraph_plugin import compat
 from cudagraph_plugin.entry import RUN_PLUGIN_NAME
 from train_jobs import (
+    HAS_TE,
+    TE_SPEC,
     TrainJob,
     append_result,
     check_job_ended_cleanly,
@@ -99,7 +100,6 @@ MODEL = (
     "0",
 )
 STEPS = 12
-TE_SPEC = ("--transformer-impl", "transformer_engine")
 FULL = ("--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration")
 OVERLAP = ("--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce")
 MOE = (
@@ -478,7 +478,6 @@ assert len(BY_NAME) == len(SCENARIOS), "scenario names must be unique"
 # Selection, skips and markers.
 # -------------------------------------------------------------------------------------------
 
-HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 HAS_OPTIMIZER_GRAPH = bool(compat.has_optimizer_graph())
 # megatron-core's optimizer step is capturable only with a gradient norm computed on the
 # device: the plugin supplies device-side kernels wherever megatron-core has a tensor-scale

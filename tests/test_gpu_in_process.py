@@ -16,7 +16,6 @@ Skipped without CUDA (marker ``gpu``); the TE variant also without Transformer E
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 from typing import Any
 
@@ -25,7 +24,7 @@ import test_gpu
 import torch
 
 from recording import RaiseAt, Recorder
-from train_jobs import append_result, report_fields
+from train_jobs import HAS_TE, TE_SPEC, append_result, report_fields
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,8 +35,7 @@ pytestmark = [
 MODEL = list(test_gpu.MODEL)
 FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
 TE_ATTN_MLP = [
-    "--transformer-impl",
-    "transformer_engine",
+    *TE_SPEC,
     "--cuda-graph-impl",
     "transformer_engine",
     "--cuda-graph-scope",
@@ -106,7 +104,7 @@ def test_two_runs_in_one_process_capture_again() -> None:
 
 @pytest.mark.parametrize("mode", ["full_iteration", "te_attn_mlp"])
 def test_a_run_after_one_that_raised_captures_again(mode: str) -> None:
-    if mode == "te_attn_mlp" and importlib.util.find_spec("transformer_engine") is None:
+    if mode == "te_attn_mlp" and not HAS_TE:
         pytest.skip("needs Transformer Engine")
     argv = FULL if mode == "full_iteration" else TE_ATTN_MLP
     raised = Recorder()

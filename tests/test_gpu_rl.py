@@ -18,7 +18,6 @@ padding waste and pool memory (BENCHMARKS.md).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import uuid
 from pathlib import Path
@@ -30,7 +29,9 @@ from bucket_schedule import expected_schedule, lengths_of, schedule_of
 
 from cudagraph_plugin import compat
 from train_jobs import (
+    HAS_TE,
     RL_LOOP,
+    TE_SPEC,
     TrainJob,
     append_result,
     check_job_ended_cleanly,
@@ -58,11 +59,6 @@ BF16 = ("--bf16",)
 OFFLOAD = ("--offload-interval", str(OFFLOAD_EVERY))
 RELOADS_BEFORE = set(range(OFFLOAD_EVERY, STEPS, OFFLOAD_EVERY))
 RTOL = 1e-5
-
-HAS_TE = importlib.util.find_spec("transformer_engine") is not None
-# Where Transformer Engine is installed, megatron-core's Adam is TE's FusedAdam whatever the
-# layer spec; "te-layers" adds TE's layers inside the bucket graphs.
-TE_LAYERS = ("--transformer-impl", "transformer_engine")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
 
@@ -172,8 +168,10 @@ OFFLOAD_SEEN = "MegatronOptimizer.restore_from_cpu() ran"
     "layers",
     [
         (),
+        # TE's layers inside the bucket graphs (where TE is installed, megatron-core's Adam
+        # is TE's FusedAdam whatever the layer spec)
         pytest.param(
-            TE_LAYERS,
+            TE_SPEC,
             marks=pytest.mark.skipif(not HAS_TE, reason="needs Transformer Engine"),
         ),
     ],

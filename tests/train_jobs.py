@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import importlib.util
 import json
 import os
 import sys
@@ -26,6 +27,9 @@ TRAIN_GPT = REPO / "examples" / "train_gpt.py"
 RL_LOOP = REPO / "examples" / "rl_loop.py"
 PROBE_PATH = Path(__file__).resolve().parent / "probe"
 RESULTS_VAR = "MCGRAPH_GPU_RESULTS"
+HAS_TE = importlib.util.find_spec("transformer_engine") is not None
+TE_SPEC = ("--transformer-impl", "transformer_engine")
+"""The example hosts' Transformer Engine layer spec (jobs that need ``HAS_TE``)."""
 
 
 def job_env(
