@@ -33,13 +33,10 @@ case $cmd in
 install)
   set -e
   bash .gpu/bin/device_stage.sh
-  # a core wheel left by an install that ran with a part missing (the machine was replaced
-  # between two staging calls) fails its checksum for good: drop it, the parts rebuild it
-  core=/tmp/gpu/transformer_engine_cu13-$(cat .gpu/bin/te_version 2>/dev/null || echo 2.11.0)-py3-none-manylinux_2_28_x86_64.whl
-  if [ -f "$core" ] && ! echo "$(cat .gpu/bin/te_core.sha256)  $core" | sha256sum -c --status -; then
-    echo "dropping $core: its checksum does not match (an earlier install ran with a part missing)"
-    rm -f "$core"
-  fi
+  # device_install.sh joins the staged parts into the TE core wheel only where none is there
+  # yet, and an install that ran with a part missing (the machine was replaced between two
+  # staging calls) leaves a partial one that fails its checksum for good: always join again
+  rm -f /tmp/gpu/transformer_engine_cu13-*.whl
   bash .gpu/bin/device_install.sh > /tmp/gpu/install16.log 2>&1 || { tail -30 /tmp/gpu/install16.log; exit 1; }
   MCORE=19 bash .gpu/bin/device_install.sh > /tmp/gpu/install19.log 2>&1 || { tail -30 /tmp/gpu/install19.log; exit 1; }
   python3 -m pip install -q --no-deps --no-index --target /tmp/pt .gpu/wheels/test/*.whl
