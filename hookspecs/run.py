@@ -167,6 +167,7 @@ class TrainingRun:
         self._previous_handlers: dict[int, Any] = {}
         self._pending_signal: int | None = None
         self._pending_sigint = False
+        self._sigint_deferrer: Any = None
         self._entered = False
         self._shutting_down = False
         self._train_started = False
@@ -219,6 +220,12 @@ class TrainingRun:
             # The signal arrived in the instant before shutdown could defer it: the run ends
             # by it, and the shutdown hook still fires (once).
             return self._finish(late) and exc is None
+        except KeyboardInterrupt as late:
+            if self.shutdown_reason is not None:
+                raise
+            # The same for a Ctrl-C: the shutdown hook fires (interrupted), then it goes on.
+            self._finish(late)
+            raise
 
     @property
     def last_step(self) -> int | None:
@@ -449,7 +456,11 @@ class TrainingRun:
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
         previous = signal.getsignal(signal.SIGINT)
-        if previous is not signal.default_int_handler:
+        if previous is self._sigint_deferrer:
+            # again, after a Ctrl-C cut the first call short (see __exit__): the deferrer it
+            # installed is replaced, and the host's default handler is what comes back
+            previous = signal.default_int_handler
+        elif previous is not signal.default_int_handler:
             return lambda: None  # the host's own policy (ignored, or its own handler)
 
         def on_sigint(signum: int, frame: Any) -> None:
@@ -461,6 +472,7 @@ class TrainingRun:
                 "again to interrupt the shutdown)"
             )
 
+        self._sigint_deferrer = on_sigint
         signal.signal(signal.SIGINT, on_sigint)
         return lambda: signal.signal(signal.SIGINT, previous)
 

@@ -45,6 +45,29 @@ def test_a_keyboard_interrupt_in_one_step_does_not_stop_the_others():
     assert isinstance(result.failures[0][1], KeyboardInterrupt)
 
 
+class InterruptedWhenCounted:
+    """What a step returned, counted when a Ctrl-C's handler runs: the exception arrives
+    outside the step, in the loop between two steps."""
+
+    def __radd__(self, other: int) -> int:
+        raise KeyboardInterrupt
+
+
+def test_a_keyboard_interrupt_between_two_steps_does_not_stop_the_others():
+    done = []
+    result = release_each(
+        [
+            ReleaseStep("graphs", InterruptedWhenCounted, frees_graphs=True),
+            ReleaseStep("next", lambda: done.append("next")),
+            ReleaseStep("more graphs", lambda: done.append("more") or 2, frees_graphs=True),
+        ]
+    )
+    assert done == ["next", "more"]
+    assert result.graphs_freed == 2
+    [(resource, exc)] = result.failures
+    assert "between two steps" in resource and isinstance(exc, KeyboardInterrupt)
+
+
 def test_settle_without_failures_does_nothing():
     settle([], None)
     run_exception = RuntimeError("run")

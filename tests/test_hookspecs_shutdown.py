@@ -549,6 +549,38 @@ class After:
         self.log.append(f"next plugin ran ({reason})")
 
 
+@pytest.mark.parametrize("where", ["before the deferral", "while it is installed"])
+def test_a_ctrl_c_at_the_start_of_shutdown_still_fires_it_and_goes_on(
+    pm, rec, monkeypatch, default_sigint, where
+):
+    # Shutdown defers Ctrl-C from its first lines on; one pressed just before (or while the
+    # deferring handler goes in) used to leave with no shutdown at all: no release, the
+    # run's SIGTERM handler left installed, and every later SIGTERM swallowed.
+    host_sigterm = signal.getsignal(signal.SIGTERM)
+    defer = TrainingRun._defer_sigint
+    pressed: list[str] = []
+
+    def ctrl_c_here(self):
+        if pressed:
+            return defer(self)
+        pressed.append(where)
+        if where == "while it is installed":
+            defer(self)
+            raise KeyboardInterrupt  # the host's handler, run as the deferring one went in
+        os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, default handler
+        raise AssertionError("the Ctrl-C did not interrupt")
+
+    monkeypatch.setattr(TrainingRun, "_defer_sigint", ctrl_c_here)
+    with pytest.raises(KeyboardInterrupt):
+        with TrainingRun(pm, None, train_iters=1) as run:
+            loop(run, 1)
+    assert pressed == [where]
+    assert [reason for reason, _ in rec.calls] == [ShutdownReason.INTERRUPTED]
+    assert isinstance(rec.calls[0][1], KeyboardInterrupt)
+    assert signal.getsignal(signal.SIGTERM) == host_sigterm
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_ctrl_c_during_shutdown_waits_until_every_implementation_ran(pm, default_sigint):
     log: list[str] = []
     pm.register(After(log))

@@ -137,6 +137,28 @@ def test_a_ctrl_c_while_the_failure_is_marked_for_the_peers_does_not_skip_the_re
     assert seen.reasons == ["completed"]
 
 
+def test_a_ctrl_c_before_the_report_does_not_skip_the_release(fake_graphs, monkeypatch):
+    """The first thing the plugin's shutdown does is decide whether the device may block;
+    a Ctrl-C landing there (before the report's own guard) is left to the safety net."""
+    from cudagraph_plugin.runtime import shutdown
+
+    decide = shutdown.device_may_block
+    calls = []
+
+    def interrupted(reason, state):
+        calls.append(str(reason))
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return decide(reason, state)
+
+    monkeypatch.setattr(shutdown, "device_may_block", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(*FULL, "--cuda-graph-warmup-steps", "1")
+    [graph] = fake_graphs.graphs
+    assert graph.resets == 1
+    assert len(calls) == 2  # the safety net decided again, and released
+
+
 # -- a full-iteration capture needs the pre-hooks on ----------------------------------------------
 
 

@@ -11,6 +11,7 @@ notes to the run's own exception, or raises the first when the run had none.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable
@@ -37,9 +38,23 @@ class ReleaseResult:
 
 def release_each(steps: Iterable[ReleaseStep]) -> ReleaseResult:
     """Run every step; a step that raises (anything, KeyboardInterrupt included) is logged
-    and recorded, and the next step runs."""
+    and recorded, and the next step runs. So is an exception that arrives between two steps
+    (the handler of a second Ctrl-C runs wherever the interpreter checks for signals, the
+    loop's own jump included): the steps left still run."""
     result = ReleaseResult()
-    for step in steps:
+    pending = collections.deque(steps)
+    while pending:
+        try:
+            _release_pending(pending, result)
+        except BaseException as exc:
+            logger.error("cleanup: interrupted between two steps: %r", exc, exc_info=exc)
+            result.failures.append(("the release (between two steps)", exc))
+    return result
+
+
+def _release_pending(pending: collections.deque[ReleaseStep], result: ReleaseResult) -> None:
+    while pending:
+        step = pending.popleft()
         try:
             freed = step.release()
         except BaseException as exc:
@@ -48,7 +63,6 @@ def release_each(steps: Iterable[ReleaseStep]) -> ReleaseResult:
             continue
         if step.frees_graphs:
             result.graphs_freed += freed
-    return result
 
 
 def settle(failures: list[tuple[str, BaseException]], run_exception: BaseException | None) -> None:

@@ -37,9 +37,11 @@ class Shutdown:
         # Anything the report raises, a KeyboardInterrupt or SystemExit included (a second
         # Ctrl-C during its device sync, a plugin's mcgraph_report, the JSON write), waits
         # until the inner implementations ran and the graphs are freed, then goes on.
-        self.entered = True
+        # (``entered`` is set last before the ``try``: anything raised before it leaves the
+        # release to the guard)
         quiet = device_may_block(reason, self.state)
         report_error: BaseException | None = None
+        self.entered = True
         try:
             self.reporter.emit(str(reason), sync=not quiet)
         except BaseException as exc:
