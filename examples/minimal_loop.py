@@ -16,7 +16,13 @@ import sys
 
 import torch
 
-from hookspecs import ConfigurationError, TrainingRun, get_plugin_manager, print_refusal
+from hookspecs import (
+    ConfigurationError,
+    PeerRefused,
+    TrainingRun,
+    get_plugin_manager,
+    print_refusal,
+)
 
 SEQ, MBS, VOCAB = 32, 2, 128  # static shapes: CUDA graphs replay fixed-size buffers
 
@@ -131,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                     train(run, args, cuda)  # shutdown fires on every exit, frees the graphs
             finally:
                 end_distributed(run)  # after shutdown: graphs hold NCCL buffers
-    except ConfigurationError as refused:  # every problem with its fix, no traceback
+    except (ConfigurationError, PeerRefused) as refused:  # its problems, no traceback
         return print_refusal(refused)
     return 0
 

@@ -55,7 +55,7 @@ from step_clock import StepClock
 
 import train_gpt
 from cudagraph_plugin.runtime.padding import pad_step, padding_waste_percent, parse_buckets
-from hookspecs import ConfigurationError, TrainingRun, print_refusal
+from hookspecs import ConfigurationError, PeerRefused, TrainingRun, print_refusal
 
 logger = logging.getLogger("rl_loop")
 
@@ -393,7 +393,7 @@ def main() -> int:
     train_gpt.configure_logging()
     try:
         summary = run()
-    except ConfigurationError as refused:  # every problem with its fix, no traceback
+    except (ConfigurationError, PeerRefused) as refused:  # its problems, no traceback
         return print_refusal(refused)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0

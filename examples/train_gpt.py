@@ -42,6 +42,7 @@ from step_clock import StepClock
 from cpu_redirect import cpu_redirect, cpu_run_blocker, mcore_without_te_fixes
 from hookspecs import (
     ConfigurationError,
+    PeerRefused,
     ShutdownReason,
     TrainingRun,
     get_plugin_manager,
@@ -861,7 +862,7 @@ def main() -> int:
     configure_logging()
     try:
         summary = run()
-    except ConfigurationError as refused:  # every problem with its fix, no traceback
+    except (ConfigurationError, PeerRefused) as refused:  # its problems, no traceback
         return print_refusal(refused)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0

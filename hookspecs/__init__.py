@@ -30,7 +30,7 @@ from hookspecs.manager import (
 )
 from hookspecs.markers import PROJECT_NAME, hookimpl, hookspec
 from hookspecs.progress import StepProgress
-from hookspecs.reasons import PeerFailed, ShutdownReason, SignalReceived
+from hookspecs.reasons import PeerFailed, PeerRefused, ShutdownReason, SignalReceived
 from hookspecs.report_schema import REPORT_SCHEMA_VERSION, Report
 from hookspecs.run import TrainingRun, call_hook, merge_kwargs
 
@@ -45,6 +45,7 @@ __all__ = [
     "ConfigurationError",
     "McgraphPluginManager",
     "PeerFailed",
+    "PeerRefused",
     "Report",
     "ShutdownReason",
     "SignalReceived",

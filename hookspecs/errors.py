@@ -11,7 +11,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # a leaf at run time
+    from hookspecs.reasons import PeerRefused
 
 # How long a rank other than 0 waits before it exits after a refusal (see print_refusal).
 REFUSAL_GRACE_S = 30.0
@@ -24,11 +27,13 @@ class ConfigurationError(ValueError):
 
 
 def print_refusal(
-    error: ConfigurationError, stream: Any = None, grace_s: float = REFUSAL_GRACE_S
+    error: ConfigurationError | PeerRefused, stream: Any = None, grace_s: float = REFUSAL_GRACE_S
 ) -> int:
     """Say a refused configuration as a command-line tool does and return its exit status:
     the message alone (no traceback), printed once per job — by rank 0 of a launcher's job
-    (``RANK``), every rank having the same to say — to ``stream`` (standard error).
+    (``RANK``), every rank having the same to say — to ``stream`` (standard error). A
+    :class:`~hookspecs.reasons.PeerRefused` (rank 0 was told of another rank's refusal
+    before it reached its own) says that rank's refusal, naming the rank.
 
     The other ranks of a job (``WORLD_SIZE`` > 1) return only after ``grace_s`` seconds. A
     launcher that ends the whole job at the first worker that exits (torchrun) would

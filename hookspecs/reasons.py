@@ -3,7 +3,7 @@
 :class:`ShutdownReason` is the ``reason`` of ``mcgraph_shutdown``; :class:`SignalReceived` is
 what a handled signal becomes in the main thread, so the stack unwinds through the host's
 ``finally`` blocks and the shutdown hook; :class:`PeerFailed` is what another rank's failure
-becomes there.
+becomes there (:class:`PeerRefused` when that rank refused its configuration).
 """
 
 from __future__ import annotations
@@ -66,3 +66,21 @@ class PeerFailed(BaseException):
         self.rank = rank
         self.reason = reason
         super().__init__(message or f"rank {rank} failed: {reason}")
+
+
+class PeerRefused(PeerFailed):
+    """A :class:`PeerFailed` whose rank refused the run as configured (it raised a
+    ``ConfigurationError``, the same refusal each rank usually reaches, that one sooner).
+    ``refusal`` is that rank's message. A host hands it to ``print_refusal`` like its own
+    ``ConfigurationError`` (``except (ConfigurationError, PeerRefused)``): the refusal is
+    then printed once per job, without a traceback, exit status 2, whichever rank got there
+    first.
+    """
+
+    exit_code = 2
+
+    def __init__(
+        self, rank: int, reason: str, message: str | None = None, refusal: str = ""
+    ) -> None:
+        self.refusal = refusal
+        super().__init__(rank, reason, message or f"rank {rank} refused the run: {refusal}")

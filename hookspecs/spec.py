@@ -454,7 +454,8 @@ def mcgraph_shutdown(reason: ShutdownReason, exception: BaseException | None) ->
 
     :param reason: Why the run ended: ``completed``, ``early_exit``, ``exception``,
         ``interrupted`` (KeyboardInterrupt), ``signal`` (SIGTERM) or ``peer_failed``
-        (another rank of the job failed first: :class:`hookspecs.PeerFailed`).
+        (another rank of the job failed first: :class:`hookspecs.PeerFailed`;
+        :class:`hookspecs.PeerRefused` when that rank refused its configuration).
     :param exception: The exception that ended the run, or ``None``.
 
     Result: notification.

@@ -5,7 +5,8 @@ This module owns what those jobs run:
 
 * ``run`` (the default): a ``TrainingRun`` with one gloo all-reduce per step and the peer
   watch wired as the CUDA graph plugin is to wire it (:class:`Wiring`). Faults are injected
-  per rank: a raise or a SIGTERM at a step, a rank that blocks at a step in a wait only its
+  per rank: a raise, a refused configuration (printed as the example hosts print it) or a
+  SIGTERM at a step, a rank that blocks at a step in a wait only its
   abort ends (:class:`DeviceStandIn`, standing in for a CUDA synchronisation behind an NCCL
   collective that can never complete), a slow shutdown, a rank that finishes late, a rank
   that swallows the ``PeerFailed`` and then blocks for good (only the exit deadline,
@@ -34,11 +35,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hookspecs import hookimpl
+from hookspecs import ConfigurationError, hookimpl
 
 BLOCK_S = 600
 """The stand-in device wait's own timeout: far past any job's, so that only the abort ends
 it in time."""
+
+REFUSAL = (
+    "CUDA graphs were asked for but rank {rank} refused step {step}. Fix: "
+    + "every problem is listed with its fix; " * 20
+    + "the end of the refusal"
+)
+"""A refusal longer than a failure's reason (``MAX_REASON_CHARS``): the told ranks print it
+whole."""
 
 
 def _pairs(values: list[str]) -> dict[int, str]:
@@ -163,6 +172,15 @@ def _end_distributed(reason: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hookspecs import PeerRefused, print_refusal
+
+    try:
+        return train(args)
+    except (ConfigurationError, PeerRefused) as refused:  # as the example hosts do
+        return print_refusal(refused)
+
+
+def train(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
@@ -188,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
                         record["t_fault"] = time.time()
                         if kind == "sigterm":
                             os.kill(os.getpid(), signal.SIGTERM)
+                        if kind == "refuse":  # as the plugin's checks of the capture step do
+                            raise ConfigurationError(REFUSAL.format(rank=rank, step=step))
                         raise RuntimeError(f"injected failure at step {step} on rank {rank}")
                     if blocks.get(rank) == str(step):
                         record["t_block"] = time.time()
@@ -266,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--poll-s", type=float, default=0.2)
-    parser.add_argument("--fail", action="append", default=[], help="RANK:STEP:raise|sigterm")
+    parser.add_argument(
+        "--fail", action="append", default=[], help="RANK:STEP:raise|sigterm|refuse"
+    )
     parser.add_argument("--block", action="append", default=[], help="RANK:STEP")
     parser.add_argument("--linger", action="append", default=[], help="RANK:SECONDS")
     parser.add_argument("--slow-shutdown", type=float, default=0.0)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 import hookspecs
 from cudagraph_plugin import compat
+from cudagraph_plugin.runtime import peer_mark
 from cudagraph_plugin.runtime import peers as peer_failure
 from cudagraph_plugin.runtime.peers import (
     PeerFailed,
@@ -139,6 +140,32 @@ def test_a_peer_mark_aborts_and_then_interrupts_the_blocked_main_thread(store, w
     watch.end(ShutdownReason.PEER_FAILED, info.value)
     assert watch.first_failure is None  # a rank told by a peer marks nothing itself
     assert not store.check([watch.rank_key(0)])
+
+
+@pytest.mark.parametrize("refused", [True, False], ids=["refusal", "exception"])
+def test_a_peers_refusal_reaches_this_rank_whole_and_is_printed_as_its_own(
+    store, watches, monkeypatch, capsys, refused
+):
+    """A rank that refused the run as configured (a ``ConfigurationError``) marks its
+    message whole; the told rank raises ``PeerRefused``, which the host prints as its own
+    refusal (exit status 2). Any other failure stays a plain ``PeerFailed``."""
+    stand_in = StandIn()
+    watch = start(watches, store, abort=Aborts(stand_in))
+    message = "2 problem(s) with the CUDA graph configuration: " + "a problem and its fix; " * 40
+    error = hookspecs.ConfigurationError(message) if refused else RuntimeError(message)
+    later(0.3, lambda: peer(watch, 1).end(ShutdownReason.EXCEPTION, error))
+    with pytest.raises(PeerFailed) as info:
+        stand_in.wait(HANG_S)
+    assert isinstance(info.value, hookspecs.PeerRefused) is refused
+    assert len(info.value.reason) == peer_failure.MAX_REASON_CHARS  # the reason is cut short
+    if not refused:
+        return
+    assert info.value.refusal == message  # the refusal is not
+    assert info.value.rank == 1
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert hookspecs.print_refusal(info.value) == 2
+    assert capsys.readouterr().err == f"error: rank 1 refused the run: {message}\n"
 
 
 def test_the_interrupt_alone_does_not_end_a_wait_in_c_the_abort_does(store, watches):
@@ -599,6 +626,12 @@ def test_the_mark_says_how_the_run_ended():
     assert len(describe_end("exception", ValueError("x" * 10_000))) == peer_failure.MAX_REASON_CHARS
     failure = PeerFailure(3, "signal: received SIGTERM", "node7", 42)
     assert PeerFailure.decode(failure.encode()) == failure
+    refused = PeerFailure(3, "exception: ConfigurationError: x", "node7", 42, "x" * 5000)
+    assert PeerFailure.decode(refused.encode()) == refused
+    assert peer_mark.refusal_of(hookspecs.ConfigurationError("y" * 30_000)) == "y" * (
+        peer_mark.MAX_REFUSAL_CHARS
+    )
+    assert peer_mark.refusal_of(RuntimeError("y")) == peer_mark.refusal_of(None) == ""
     assert failure.describe() == "rank 3 (node7, pid 42) failed: signal: received SIGTERM"
     assert PeerFailure.decode(b"garbage").rank == -1
 
@@ -619,6 +652,7 @@ JOBS: dict[str, tuple[int, str, list[str]]] = {
         "torchrun",
         ["--fail", "1:2:sigterm", "--block", "0:2", "--exit-deadline", "12"],
     ),
+    "refused": (2, "torchrun", ["--fail", "1:2:refuse", "--block", "0:2"]),
     "both": (2, "torchrun", ["--fail", "0:2:raise", "--fail", "1:2:raise", "--slow-shutdown", "2"]),
     "completed": (2, "torchrun", ["--linger", "1:2"]),
     "store_gone": (2, "launch", ["--linger", "1:4"]),
@@ -686,7 +720,7 @@ def told_by(job: Job, rank: int, peer_rank: int, reason: str, stand_in: bool = T
     ``stand_in`` it was blocked in the stand-in device wait, which only its abort ended."""
     record = job.record(rank)
     assert record["reason"] == "peer_failed", job.context()
-    assert record["exception_type"] == "PeerFailed"
+    assert record["exception_type"] in ("PeerFailed", "PeerRefused")
     assert f"rank {peer_rank} " in record["exception"] and reason in record["exception"]
     assert record["peer_failure"] == {"rank": peer_rank, "reason": record["peer_failure"]["reason"]}
     assert reason in record["peer_failure"]["reason"]
@@ -749,6 +783,25 @@ def test_sigterm_to_rank_1_ends_the_blocked_rank_0_with_peer_failed(jobs):
     assert "SIGTERM" in job.record(0)["exception"]
     not_ended_by_the_deadline(job, 0)
     assert job.record(1)["reason"] == "signal"
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("peer_failure_jobs")
+def test_a_refusal_on_rank_1_is_printed_once_by_the_told_rank_0_without_a_traceback(jobs):
+    # rank 1 refuses the run at step 2 while rank 0 waits on the device: rank 0 hears of it
+    # before it could reach a refusal of its own, and says rank 1's as a refusal (exit 2)
+    job = jobs["refused"]
+    ended_in_time(job)
+    told_by(job, 0, 1, "CUDA graphs were asked for but rank 1 refused step 2")
+    assert job.record(0)["exception_type"] == "PeerRefused"
+    assert job.record(1)["exception_type"] == "ConfigurationError"
+    output = job.result.output()
+    said = "error: rank 1 refused the run: CUDA graphs were asked for but rank 1 refused step 2"
+    assert output.count(said) == 1, job.context()
+    assert output.count("the end of the refusal") == 1, job.context()  # whole, once
+    # the one traceback is torchrun's own ChildFailedError: none from a worker
+    assert output.count("Traceback") == 1 and "ChildFailedError" in output, job.context()
+    assert "exitcode  : 2" in output and "local_rank: 0" in output, job.context()
 
 
 @pytest.mark.slow

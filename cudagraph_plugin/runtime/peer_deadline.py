@@ -1,7 +1,7 @@
 """The last bound of a rank whose peer failed: it ends by a deadline, whatever blocks it.
 
 :mod:`~cudagraph_plugin.runtime.peers` ends such a rank within seconds through its normal
-shutdown: :class:`~cudagraph_plugin.runtime.peers.PeerFailed` in the main thread, the abort
+shutdown: :class:`~cudagraph_plugin.runtime.peer_mark.PeerFailed` in the main thread, the abort
 of the process groups, the graphs freed, the abort waited for. Each of those waits is
 bounded, but a rank can still stay stuck in C where no Python code runs again: a device wait
 behind a collective whose communicator's teardown waits for a CUDA graph no one can free, a

@@ -1,6 +1,7 @@
 """A rank's failure as the job's store records it, and store calls that cannot hang.
 
-:class:`PeerFailure` is the record a failing rank writes (``rank``, ``reason``, host, pid);
+:class:`PeerFailure` is the record a failing rank writes (``rank``, ``reason``, host, pid,
+a refusal's message), :class:`PeerFailed` (:class:`PeerRefused`) what a told rank raises;
 :class:`BoundedCall` runs one store call in a daemon thread that its caller waits for at
 most a bounded time: a TCPStore whose server no longer answers (stopped, unreachable)
 blocks its caller indefinitely, whatever the store's timeout says (measured with torch
@@ -18,7 +19,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hookspecs import ShutdownReason
+from hookspecs import ConfigurationError, ShutdownReason
+from hookspecs import PeerFailed as _ContractPeerFailed
+from hookspecs import PeerRefused as _ContractPeerRefused
 from hookspecs.run import TrainingRun
 
 logger = logging.getLogger("cudagraph_plugin")
@@ -49,6 +52,10 @@ waits for the abort of the process groups the watcher began to end."""
 
 MAX_REASON_CHARS = 500
 
+MAX_REFUSAL_CHARS = 20_000
+"""A refusal's message is kept whole (every problem with its fix): the other ranks print it.
+The watchers poll the key's existence, never its value."""
+
 
 def default_interrupt_signal() -> int:
     """The signal sent to the main thread on a peer's failure: a real-time signal, which no
@@ -65,6 +72,8 @@ class PeerFailure:
     reason: str
     host: str = ""
     pid: int = 0
+    refusal: str = ""
+    """The rank refused the run as configured: its ``ConfigurationError``'s message."""
 
     def encode(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -74,7 +83,13 @@ class PeerFailure:
         text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
         try:
             data = json.loads(text)
-            return cls(int(data["rank"]), str(data["reason"]), str(data["host"]), int(data["pid"]))
+            return cls(
+                int(data["rank"]),
+                str(data["reason"]),
+                str(data["host"]),
+                int(data["pid"]),
+                str(data.get("refusal", "")),
+            )
         except (ValueError, KeyError, TypeError):
             # Not ours to parse (another writer of the key): still a failure, of unknown rank.
             return cls(-1, f"unreadable failure mark {text[:100]!r}")
@@ -85,6 +100,31 @@ class PeerFailure:
         return f"{who}{where} failed: {self.reason}"
 
 
+class PeerFailed(_ContractPeerFailed):
+    """Raised in the main thread when another rank of the job failed first: the contract's
+    :class:`hookspecs.PeerFailed` (``TrainingRun`` ends the run with
+    ``ShutdownReason.PEER_FAILED``), with the failure record."""
+
+    def __init__(self, failure: PeerFailure, message: str | None = None) -> None:
+        self.failure = failure
+        super().__init__(
+            failure.rank,
+            failure.reason,
+            message
+            or f"{failure.describe()}; this rank is aborting its process groups and ending its run",
+        )
+
+
+class PeerRefused(PeerFailed, _ContractPeerRefused):
+    """What this rank raises when the peer that failed first refused the run as configured:
+    the contract's :class:`hookspecs.PeerRefused` (the host prints the refusal, exit status
+    2), with the failure record."""
+
+    def __init__(self, failure: PeerFailure) -> None:
+        super().__init__(failure, f"rank {failure.rank} refused the run: {failure.refusal}")
+        self.refusal = failure.refusal
+
+
 def describe_end(reason: ShutdownReason | str, exception: BaseException | None) -> str:
     """The reason text a failing rank writes into its mark."""
     text = str(ShutdownReason(reason))
@@ -92,6 +132,14 @@ def describe_end(reason: ShutdownReason | str, exception: BaseException | None) 
         detail = str(exception)
         text += f": {type(exception).__name__}" + (f": {detail}" if detail else "")
     return text[:MAX_REASON_CHARS]
+
+
+def refusal_of(exception: BaseException | None) -> str:
+    """What a failing rank writes as its refusal: a ``ConfigurationError``'s whole message
+    (the other ranks print it, as this rank would), else nothing."""
+    if not isinstance(exception, ConfigurationError):
+        return ""
+    return (str(exception) or type(exception).__name__)[:MAX_REFUSAL_CHARS]
 
 
 def own_connection(store: Any) -> Any:

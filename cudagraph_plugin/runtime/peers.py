@@ -7,7 +7,9 @@ the bounded store calls are :mod:`~cudagraph_plugin.runtime.peer_mark`):
   writes ``rank`` and ``reason`` into the store of the default process group (torchrun's
   TCPStore) as the first thing of its shutdown: :meth:`PeerWatch.end`. The first rank to
   fail claims one key (``compare_set``), so two ranks failing at once agree on which was
-  first; each also leaves its own record.
+  first; each also leaves its own record. A refused configuration (``ConfigurationError``)
+  is marked with its whole message: the told ranks raise :class:`PeerRefused`, which the
+  host prints as its own refusal.
 * **Watch.** A daemon thread on every rank polls that key over its own connection to the
   store (:meth:`PeerWatch.start`). A store that is gone (connection refused or reset) stops
   the watch quietly; a store that no longer answers can stall only that thread: the main
@@ -61,14 +63,16 @@ from cudagraph_plugin.runtime.peer_mark import (
     POLL_S_PER_RANK,
     STORE_WAIT_S,
     BoundedCall,
+    PeerFailed,
     PeerFailure,
+    PeerRefused,
     default_interrupt_signal,
     describe_end,
     first_line,
     own_connection,
+    refusal_of,
     run_is_shutting_down,
 )
-from hookspecs import PeerFailed as _ContractPeerFailed
 from hookspecs import ShutdownReason
 
 logger = logging.getLogger("cudagraph_plugin")
@@ -76,20 +80,6 @@ logger = logging.getLogger("cudagraph_plugin")
 _generation = 0
 _active: PeerWatch | None = None
 _registry_lock = threading.Lock()
-
-
-class PeerFailed(_ContractPeerFailed):
-    """Raised in the main thread when another rank of the job failed first: the contract's
-    :class:`hookspecs.PeerFailed` (``TrainingRun`` ends the run with
-    ``ShutdownReason.PEER_FAILED``), with the failure record."""
-
-    def __init__(self, failure: PeerFailure) -> None:
-        self.failure = failure
-        super().__init__(
-            failure.rank,
-            failure.reason,
-            f"{failure.describe()}; this rank is aborting its process groups and ending its run",
-        )
 
 
 class PeerWatch:
@@ -251,7 +241,7 @@ class PeerWatch:
         as ended (what :meth:`wait_for_peers` waits for)."""
         reason = ShutdownReason(reason)
         if reason.abnormal and reason is not ShutdownReason.PEER_FAILED:
-            self.mark_failed(describe_end(reason, exception))
+            self.mark_failed(describe_end(reason, exception), refusal_of(exception))
             return
         self.stop()
         if self.peer_failure is not None and reason is not ShutdownReason.PEER_FAILED:
@@ -270,9 +260,11 @@ class PeerWatch:
             )
             self._raise_deferred()
 
-    def mark_failed(self, reason: str) -> PeerFailure | None:
+    def mark_failed(self, reason: str, refusal: str = "") -> PeerFailure | None:
         """Record this rank's failure in the store and count the rank as ended (stopping
-        the watch first, so that this rank never reacts to its own mark).
+        the watch first, so that this rank never reacts to its own mark). ``refusal``: the
+        run was refused as configured, with this message (the told ranks raise
+        :class:`PeerRefused`).
 
         :returns: The job's first failure: this rank's own, or a peer's that came earlier
             (logged); ``None`` if the store did not answer within ``STORE_WAIT_S``.
@@ -281,7 +273,9 @@ class PeerWatch:
         if self._ended:
             return self.first_failure
         self._ended = True
-        mine = PeerFailure(self.rank, reason[:MAX_REASON_CHARS], socket.gethostname(), os.getpid())
+        mine = PeerFailure(
+            self.rank, reason[:MAX_REASON_CHARS], socket.gethostname(), os.getpid(), refusal
+        )
 
         def record(store: Any) -> PeerFailure:
             store.set(self.rank_key(self.rank), mine.encode())
@@ -558,7 +552,7 @@ class PeerWatch:
             )
             return
         self._raised = True
-        raise PeerFailed(failure)
+        raise (PeerRefused if failure.refusal else PeerFailed)(failure)
 
 
 def watch_job(exit_deadline_s: float | None = None) -> PeerWatch | None:
