@@ -18,6 +18,7 @@ import fake_optimizer_graph
 import train_gpt
 from cudagraph_plugin import compat
 from cudagraph_plugin.config.errors import CudaGraphConfigError
+from cudagraph_plugin.runtime.wiring import CudaGraphWiringError
 from hookspecs import hookimpl
 from recording import FULL, RaiseAt, run_recorded
 
@@ -289,13 +290,15 @@ def _grad_buffers_stay(monkeypatch):
     monkeypatch.setattr(DistributedDataParallel, "restore_grad_buffers", lambda self, *a, **k: None)
 
 
-def _rl_report(tmp_path, *argv):
+def _rl_report(tmp_path, *argv, plugins=()):
     import json
 
     import rl_loop
 
     path = tmp_path / "report.json"
-    summary = rl_loop.run([*RL_LOOP, *RL_GRAPHS, *argv, "--cuda-graph-report-json", str(path)])
+    summary = rl_loop.run(
+        [*RL_LOOP, *RL_GRAPHS, *argv, "--cuda-graph-report-json", str(path)], plugins=plugins
+    )
     return summary, json.loads(path.read_text())
 
 
@@ -336,6 +339,54 @@ def test_with_buckets_a_reload_frees_the_optimizer_graph_and_captures_it_again(
     assert len(freed) == 2 and all("and the optimizer step" in m for m in freed)
     if not explicit:
         assert all("optimizer state (optimizer 0" in m for m in freed)
+
+
+class InvalidatesAt:
+    """Tells the plugins, at the end of one step, that the graphs' memory moved (as a host's
+    ``run.invalidate_graphs`` between two steps does); with ``bypass``, the host's
+    optimizer.step() is not the one the plugin installed (a reference taken earlier)."""
+
+    def __init__(self, step: int, bypass: bool = False) -> None:
+        self.step = step
+        self.bypass = bypass
+        self.ended: list[int] = []
+        self.pm = None
+
+    @hookimpl
+    def mcgraph_configure(self, config, pluginmanager):
+        self.pm = pluginmanager
+
+    @hookimpl(trylast=True)
+    def mcgraph_model_built(self, model, optimizer):
+        if self.bypass:
+            vars(optimizer).pop("step", None)
+
+    @hookimpl
+    def mcgraph_train_step_end(self, step, metrics):
+        self.ended.append(step)
+        if step == self.step:
+            self.pm.hook.mcgraph_invalidate_graphs(reason="a reload before the capture step")
+
+
+def test_an_invalidation_in_the_warmup_puts_the_optimizer_check_off_until_its_capture(
+    graphs, capturable, bucket_fakes, tmp_path
+):
+    """Review finding: the host invalidates after step 1, before the capture step 2; the
+    optimizer graph's warm-up starts over (its capture comes at step 4), and the check at
+    the end of step 2 used to stop the run, saying optimizer.step() was not called."""
+    _, report = _rl_report(tmp_path, "--train-iters", "8", plugins=[InvalidatesAt(1)])
+    [event] = report["invalidations"]
+    assert event["step"] == 1
+    assert report["replays"]["optimizer"] == 3  # captured at step 4, replayed by 5, 6, 7
+
+
+def test_an_optimizer_step_bypassing_the_graph_is_still_caught_after_the_warmup_restarted(
+    graphs, capturable, bucket_fakes, tmp_path
+):
+    host = InvalidatesAt(1, bypass=True)
+    with pytest.raises(CudaGraphWiringError, match="without capturing the optimizer step"):
+        _rl_report(tmp_path, "--train-iters", "8", plugins=[host])
+    assert host.ended == [0, 1, 2, 3, 4]  # stopped at the end of step 4, one past its capture
 
 
 def test_with_buckets_but_no_bucket_graph_the_optimizer_graph_still_gets_a_verdict(

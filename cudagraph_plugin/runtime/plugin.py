@@ -172,6 +172,7 @@ class CudaGraphPlugin:
             build.build_model_graphs(state, self.build, optimizer)
             if state.buckets is not None:
                 state.buckets.on_invalidate.append(self.invalidation.bucket_invalidated)
+                state.buckets.on_invalidate.append(self.wiring.buckets_invalidated)
             if state.te is not None:
                 self.wiring.te_layers_found(state.te.layer_count())
         if self.settings.device_grad_norm:

@@ -43,6 +43,19 @@ class Wiring:
         self.state = state
         self.captures = captures
         self.warned = False
+        self.optimizer_due = -1
+        """Past the capture step: the step at whose end the optimizer graph must exist (its
+        warm-up started over when the bucket graphs it is tied to were invalidated)."""
+
+    def buckets_invalidated(self, step: int | None, reason: str, freed: int) -> None:
+        """The bucket graphs, and the optimizer graph tied to them, were freed
+        (``BucketGraphs.on_invalidate``). Before the optimizer graph's first capture its
+        warm-up starts over: it is due ``warmup_steps`` calls later, a step more when the
+        host invalidated between two steps (``step``: the last one that began)."""
+        state = self.state
+        if not state.optimizer_graph or step is None or "optimizer" in self._stages():
+            return
+        self.optimizer_due = step + state.settings.warmup_steps + 1
 
     @property
     def expects_graphs(self) -> bool:
@@ -86,12 +99,17 @@ class Wiring:
                 "Engine modules (--transformer-impl transformer_engine)",
             )
 
+    def _stages(self) -> set[str]:
+        return {record["stage"] for record in self.captures.records}
+
     def capture_step_ended(self, step: int) -> None:
         """At the end of the step that had to capture: every requested graph exists."""
         state = self.state
+        if step == self.optimizer_due:
+            self._optimizer_captured(step, self._stages())
         if state.start_step is None or step - state.start_step != state.settings.warmup_steps:
             return
-        stages = {record["stage"] for record in self.captures.records}
+        stages = self._stages()
         # (bucketed graphs are captured each after its own warm-up, whatever the step)
         if state.full_iteration_mode and state.buckets is None and "training" not in stages:
             self._nothing(
@@ -106,7 +124,11 @@ class Wiring:
                 f"the TE capture at step {step} produced no graph",
                 "check that the scope matches layers the model has",
             )
-        if state.optimizer_graph and "optimizer" not in stages:
+        if self.optimizer_due < 0:
+            self._optimizer_captured(step, stages)
+
+    def _optimizer_captured(self, step: int, stages: set[str]) -> None:
+        if self.state.optimizer_graph and "optimizer" not in stages:
             self._nothing(
                 f"the capture step {step} ended without capturing the optimizer step: "
                 "optimizer.step() was not called, or was called through a reference taken "
