@@ -100,7 +100,8 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
         default=None,
         metavar="LENGTHS",
         help="pad each step to the smallest of these lengths that fits (default: "
-        "--cuda-graph-buckets when given, else the step's longest sequence)",
+        "--cuda-graph-buckets when given, else the step's longest sequence); a step longer "
+        "than all of them keeps its length (and runs eagerly)",
     )
     return parser
 
@@ -291,8 +292,14 @@ def _train_step(
         start = time.perf_counter()
         batches = [data.micro_batch() for _ in range(args.num_microbatches)]
         longest = _agreed_longest(max(b["tokens"].shape[-1] for b in batches), setup.device)
+        # above every bucket: the step keeps its length and runs eagerly (the plugin logs
+        # each new such shape once)
         padded = pad_step(
-            batches, args.buckets or (longest,), pad_token_id=PAD_TOKEN, length=longest
+            batches,
+            args.buckets or (longest,),
+            pad_token_id=PAD_TOKEN,
+            length=longest,
+            overflow="keep",
         )
         real = padded.tokens - padded.padding
         training.step_padded(

@@ -84,6 +84,25 @@ def test_a_length_outside_every_bucket_runs_eagerly_with_one_log_line(
     assert graphs["losses"] == eager["losses"]
 
 
+def test_lengths_above_every_bucket_keep_their_length_and_run_eagerly(
+    bucket_fakes, tmp_path, caplog
+):
+    """Review finding: padding to the graph buckets (the default), a length above the
+    largest one used to stop the example (BucketOverflowError)."""
+    caplog.set_level(logging.INFO, logger="cudagraph_plugin")
+    graphs, report = run(tmp_path, *GRAPHS, "--cuda-graph-buckets", "16,32")
+    eager, _ = run(tmp_path, "--pad-to-buckets", "16,32")
+    lengths = graphs["seq_lengths"]
+    above = {length for length in lengths if length > 32}
+    assert above and lengths == eager["seq_lengths"]
+    assert schedule_of(report) == expected_schedule(lengths, {16, 32}, WARMUP)
+    outside = [r for r in caplog.records if "outside every CUDA graph bucket" in r.getMessage()]
+    assert sorted(m.getMessage().split("seq_length ")[1].split(",")[0] for m in outside) == sorted(
+        str(length) for length in above
+    )  # one line per new shape
+    assert graphs["losses"] == eager["losses"]
+
+
 @pytest.mark.parametrize("explicit", [True, False], ids=["host-invalidates", "fingerprint"])
 def test_offload_and_reload_recapture_every_bucket_and_train_as_eager(
     bucket_fakes, tmp_path, caplog, monkeypatch, explicit
