@@ -273,7 +273,7 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "`seq_length`, `micro_batch_size`, `num_microbatches`, `in_bucket`, `eager_steps`, "
         "`capture_steps`, `replay_steps`, `capture_seconds`, `replays`, `graph_held`, "
         "`eager_step_ms`, `replay_step_ms`, `speedup`, `padding_waste_percent` (padded "
-        "positions of all positions, from `run.step_padded`), `pool_mib` (what its captures "
+        "positions of all positions, from `run.step_padded`), `pool_mib` (what its last capture "
         "added to allocated memory; one pool serves every bucket), `break_even_steps`, "
         "`paid_off`; `[]` without buckets",
     ),

@@ -274,3 +274,24 @@ def test_a_bucket_has_paid_off_only_after_enough_replayed_steps():
     )
     assert once["break_even_steps"] == twice["break_even_steps"] == 2
     assert (once["paid_off"], twice["paid_off"]) == (False, True)
+
+
+def test_a_recaptured_buckets_pool_memory_is_its_last_captures():
+    """A bucket captured, invalidated (its graph freed) and captured again holds one
+    capture's memory, not the sum of both (review finding); both captures' seconds count
+    towards its break-even."""
+    from cudagraph_plugin.runtime.payoff import bucket_rows
+
+    row = {
+        "seq_length": 16, "in_bucket": True, "capture_steps": [3, 11],
+        "capture_seconds": [1.0, 1.0], "eager_step_ms": 10.0, "replay_step_ms": 5.0,
+        "eager_steps": [0, 1, 8, 9], "replay_steps": [4, 5, 12], "replays": 5,
+    }  # fmt: skip
+    captures = [
+        {"stage": "training", "step": 11, "mib": 90.0},
+        {"stage": "optimizer", "step": 11, "mib": 7.0},
+        {"stage": "training", "step": 3, "mib": 100.0},
+    ]
+    [out] = bucket_rows([row], captures)
+    assert out["pool_mib"] == 90.0
+    assert out["capture_seconds"] == 2.0

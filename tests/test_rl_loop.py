@@ -176,6 +176,19 @@ def _reloads_land_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_ParamAndGradBuffer, "reload_from_cpu", reload_from_cpu)
 
 
+def test_a_run_that_ends_in_the_warmup_after_a_reload_reports_no_graph_held(bucket_fakes, tmp_path):
+    """The reload before step 8 frees every bucket graph; the run ends at step 8, in the
+    warm-up: the report's "held now" says none, as its bucket rows do (review finding: it
+    kept the count of the last capture)."""
+    _, report = run(
+        tmp_path, *GRAPHS, "--cuda-graph-buckets", "16,32,48", "--train-iters", "9",
+        "--offload-interval", "8", "--invalidate-after-reload",
+    )  # fmt: skip
+    [event] = report["invalidations"]
+    assert event["graphs_freed"] > 0
+    assert report["graphs_held"] == 0 == sum(row["graph_held"] for row in report["buckets"])
+
+
 def test_the_fingerprint_check_is_what_catches_the_move(bucket_fakes, tmp_path, monkeypatch):
     """Without the plugin's address check the replay after a reload reads the old
     gradient buffers: the fake graph refuses it (a real one would read freed memory)."""

@@ -61,6 +61,7 @@ class Invalidation:
     def bucket_invalidated(self, step: int | None, reason: str, freed: int) -> None:
         """The bucket graphs were invalidated: on the host's word or because the address
         check saw memory move (``BucketGraphs.on_invalidate``)."""
+        self.captures.graph_count = self.state.graphs_held()  # the report's "held now"
         self._record(reason, freed, "recaptured after their warm-up", step=step)
 
     def _record(self, reason: str, freed: int, then: str, step: int | None = None) -> None:

@@ -79,12 +79,17 @@ def bucket_rows(
     summary: Sequence[Mapping[str, Any]], captures: Sequence[Mapping[str, Any]]
 ) -> list[dict[str, Any]]:
     """The bucket graphs' summary with, per bucket, its speed-up, break-even, graph memory
-    (what its captures added to the allocated memory: with one shared pool, a later bucket
-    adds little) and whether it earned its capture back within the run."""
+    (what its last capture added to the allocated memory: with one shared pool, a later
+    bucket adds little; an earlier capture's was freed when it was invalidated) and whether
+    it earned its capture back within the run (every capture's cost counts there)."""
     rows = []
     for row in summary:
         steps = set(row["capture_steps"])
-        mib = [c.get("mib") for c in captures if c["stage"] == "training" and c["step"] in steps]
+        mib = [
+            c.get("mib")
+            for c in sorted(captures, key=lambda c: c["step"])
+            if c["stage"] == "training" and c["step"] in steps
+        ][-1:]
         eager_ms, replay_ms = row["eager_step_ms"], row["replay_step_ms"]
         capture_seconds = sum(row["capture_seconds"]) if row["capture_seconds"] else None
         even = break_even_steps(capture_seconds, eager_ms, replay_ms)
@@ -93,7 +98,7 @@ def bucket_rows(
                 **row,
                 "capture_seconds": capture_seconds,
                 "speedup": eager_ms / replay_ms if eager_ms and replay_ms else None,
-                "pool_mib": sum(m for m in mib if m is not None) if mib else None,
+                "pool_mib": mib[0] if mib else None,
                 "break_even_steps": even,
                 # the replays of the capture calls save nothing: replayed steps only
                 "paid_off": pays_off(even, len(row["replay_steps"])) if capture_seconds else None,
