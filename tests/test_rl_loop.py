@@ -137,6 +137,52 @@ def test_offload_and_reload_recapture_every_bucket_and_train_as_eager(
     assert graphs["losses"] == eager["losses"]
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_optimizer_reload_recaptures_exactly_when_it_moves_the_weights(
+    bucket_fakes, tmp_path, caplog, monkeypatch, precision
+):
+    """Review finding. Without a main copy (fp32, no distributed optimizer) megatron-core's
+    optimizer offload moves the model's own weights, one tensor at a time (``p.data =
+    p.data.cuda()``), and the bucket graphs read them. Here no weight is in the address
+    sample and the gradient buffers stay: only the watch on the offload API sees the move
+    (it was on only with the optimizer graph); a stale replay would raise in the fake. With
+    bf16 the optimizer moves only its fp32 main copy, which no bucket graph reads: no
+    recapture."""
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    from cudagraph_plugin.runtime.fingerprint import AddressFingerprint
+
+    kwdefaults = {**AddressFingerprint.__init__.__kwdefaults__, "params_per_chunk": 0}
+    monkeypatch.setattr(AddressFingerprint.__init__, "__kwdefaults__", kwdefaults)
+    restore = MegatronOptimizer.restore_from_cpu
+
+    def restore_elsewhere(self):  # the weights come back elsewhere, as on a GPU
+        restore(self)
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                param.data = param.data.clone()
+
+    monkeypatch.setattr(MegatronOptimizer, "restore_from_cpu", restore_elsewhere)
+    from megatron.core.distributed import DistributedDataParallel
+
+    for name in ("offload_grad_buffers", "restore_grad_buffers"):
+        monkeypatch.setattr(DistributedDataParallel, name, lambda self, *a, **k: None)
+    caplog.set_level(logging.WARNING, logger="cudagraph_plugin")
+    offload = ["--offload-interval", "8", "--pad-to-buckets", "16,32,48"]
+    offload += ["--bf16"] if precision == "bf16" else []
+    graphs, report = run(tmp_path, *GRAPHS, "--cuda-graph-buckets", "16,32,48", *offload)
+    eager, _ = run(tmp_path, *offload)
+    if precision == "fp32":
+        assert [e["step"] for e in report["invalidations"]] == [8, 16]
+        assert all("restore_from_cpu() ran" in e["reason"] for e in report["invalidations"])
+    else:
+        assert report["invalidations"] == []
+        assert schedule_of(report) == expected_schedule(
+            graphs["seq_lengths"], {16, 32, 48}, WARMUP
+        )  # each bucket captured once, replayed ever after
+    assert graphs["losses"] == eager["losses"]
+
+
 def _reloads_land_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU a freed block of the same size usually comes back at the same address;
     while megatron-core's offload has the gradient storage shrunk to nothing, a block of

@@ -17,7 +17,7 @@ Lazy imports only: importing this module imports neither torch nor megatron-core
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from cudagraph_plugin import compat
@@ -146,6 +146,19 @@ def optimizer_state_tensors(optimizer: Any) -> list[tuple[str, str, Any]]:
             if hasattr(value, "data_ptr") and getattr(value, "dim", lambda: 0)() > 0:
                 found.append(("optimizer state", f"optimizer {index} state {key!r}", value))
     return found
+
+
+def optimizer_holds_model_params(optimizer: Any, model: Sequence[Any]) -> bool:
+    """Whether the optimizer's main parameters are the model's own (megatron-core's fp32
+    optimizer without the distributed optimizer keeps no main copy): its offload API then
+    moves the weights every forward/backward reads."""
+    own = {id(param) for chunk in model for param in chunk.parameters()}
+    for megatron_optimizer in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        torch_optimizer = getattr(megatron_optimizer, "optimizer", None)
+        for group in getattr(torch_optimizer, "param_groups", None) or []:
+            if any(id(param) in own for param in group["params"]):
+                return True
+    return False
 
 
 OFFLOAD_METHODS = ("offload_to_cpu", "restore_from_cpu")

@@ -231,9 +231,11 @@ class BucketGraphs:
             self._reference = self.fingerprint.take()
 
     def watch_optimizer_offload(self, optimizer: Any) -> None:
-        """The optimizer graph reads every main parameter and state tensor, which
-        megatron-core's offload API moves one by one (the fingerprint samples a few): each
-        call of it frees the graphs at the next training call, whatever the sample says."""
+        """megatron-core's offload API moves every main parameter and state tensor one by
+        one (the fingerprint samples a few): the optimizer graph reads them all, and without
+        a separate main copy (an fp32 model, no distributed optimizer) the main parameters
+        are the model's own, which every bucket graph reads. Each call of it frees the
+        graphs at the next training call, whatever the sample says."""
         self._unwatch = bucket_compat.watch_optimizer_offload(optimizer, self._offloaded)
 
     def _offloaded(self, what: str) -> None:

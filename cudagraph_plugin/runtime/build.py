@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cudagraph_plugin import compat
+from cudagraph_plugin.compat import buckets as bucket_compat
 from cudagraph_plugin.compat import grad_norm
 from cudagraph_plugin.config.errors import MCORE, CudaGraphConfigError, Violation
 from cudagraph_plugin.config.logs import JOB_WIDE
@@ -129,6 +130,12 @@ def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer
             optimizer=optimizer,
             fingerprint=fingerprint,
         )
+        # the offload API moves what the optimizer graph reads, and without a main copy the
+        # weights every bucket graph reads (a moved gradient buffer is the fingerprint's)
+        if optimizer is not None and (
+            state.optimizer_graph or bucket_compat.optimizer_holds_model_params(optimizer, model)
+        ):
+            state.buckets.watch_optimizer_offload(optimizer)
     if state.te_mode:
         state.te = TEGraphs(
             model, state.model_config, state.seq_length, state.micro_batch_size, [optimizer]
@@ -178,7 +185,6 @@ def build_optimizer_graph(
         # moved memory frees the optimizer graph with the bucket graphs; it is captured again
         state.buckets.tie(state.optim)
         state.optim.on_capture.append(state.buckets.tied_captured)
-        state.buckets.watch_optimizer_offload(optimizer)
     logger.info(
         "optimizer CUDA graph: optimizer.step is captured at its call number %d "
         "(step start_step + %d)",
