@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import functools
 import inspect
 import logging
@@ -75,65 +74,21 @@ from typing import Any, Protocol
 
 from cudagraph_plugin.compat import buckets as bucket_compat
 from cudagraph_plugin.config.buckets import check_buckets, padding_waste_percent
+from cudagraph_plugin.runtime.bucket_keys import (
+    BUCKET_FIX,
+    Action,
+    BucketKey,
+    BucketStats,
+    Route,
+    key_of,
+    sort_key,
+)
 from cudagraph_plugin.runtime.fingerprint import AddressFingerprint, Fingerprint
 from cudagraph_plugin.runtime.guard import ShapeGuard, StaticShapeError
 from cudagraph_plugin.runtime.release import ReleaseStep, release_each, settle
 from cudagraph_plugin.runtime.timing import median_or_none
 
 logger = logging.getLogger("cudagraph_plugin")
-
-BUCKET_FIX = (
-    "with CUDA graph buckets, pad every micro-batch of a step to the bucket length passed as "
-    "seq_length (cudagraph_plugin.runtime.padding.pad_step), and keep micro_batch_size and the "
-    "tensor dtypes of a bucket fixed"
-)
-
-
-class Action(enum.Enum):
-    """What a training call does."""
-
-    EAGER = "eager"  # the host's own call: outside every bucket, forward-only, ranks disagree
-    WARMUP = "warmup"  # eager on the key's static buffers, counted towards its capture
-    CAPTURE = "capture"  # captured, then replayed once
-    REPLAY = "replay"
-
-
-@dataclasses.dataclass(frozen=True)
-class BucketKey:
-    """The shape a graph is captured for."""
-
-    seq_length: int
-    micro_batch_size: int | None
-    num_microbatches: int
-
-    def __str__(self) -> str:
-        return (
-            f"seq_length {self.seq_length}, micro_batch_size {self.micro_batch_size}, "
-            f"{self.num_microbatches} micro-batch(es)"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class Route:
-    """The decision for one call; ``key`` is ``None`` for forward-only calls."""
-
-    action: Action
-    key: BucketKey | None
-    reason: str | None = None
-
-
-@dataclasses.dataclass
-class BucketStats:
-    """What happened to one key: each call's step and action, capture times, replays."""
-
-    key: BucketKey
-    in_bucket: bool
-    calls: list[tuple[int | None, Action]] = dataclasses.field(default_factory=list)
-    capture_seconds: list[float] = dataclasses.field(default_factory=list)
-    replays: int = 0
-
-    def steps(self, *actions: Action) -> list[int]:
-        return [step for step, action in self.calls if action in actions and step is not None]
 
 
 @dataclasses.dataclass
@@ -268,7 +223,7 @@ class BucketGraphs:
                 "the training step is captured per bucket",
             )
             return Route(Action.EAGER, None, "forward-only")
-        key = _key(kwargs)
+        key = key_of(kwargs)
         moved = self._moved()
         mbs = key.micro_batch_size if key.micro_batch_size is not None else -1
         shape = [key.seq_length, mbs, key.num_microbatches]
@@ -491,7 +446,7 @@ class BucketGraphs:
         the medians."""
         durations = durations_ms or {}
         rows = []
-        for key, stats in sorted(self.stats.items(), key=lambda item: _sort_key(item[0])):
+        for key, stats in sorted(self.stats.items(), key=lambda item: sort_key(item[0])):
             first = stats.calls[0][0] if stats.calls else None
             eager = [s for s in stats.steps(Action.EAGER, Action.WARMUP) if s != first]
             replay = stats.steps(Action.REPLAY)
@@ -564,24 +519,6 @@ class BucketGraphs:
         if what not in self._logged:
             self._logged.add(what)
             logger.info("%s", message)
-
-
-def _key(kwargs: Mapping[str, Any]) -> BucketKey:
-    for name in ("seq_length", "num_microbatches"):
-        if not isinstance(kwargs.get(name), int):
-            raise ValueError(
-                f"forward_backward_func called with {name}={kwargs.get(name)!r}; CUDA graph "
-                f"buckets route each training call by its seq_length and num_microbatches. "
-                f"Fix: pass {name} as an int (megatron-core's schedules take it)"
-            )
-    return BucketKey(
-        kwargs["seq_length"], kwargs.get("micro_batch_size"), kwargs["num_microbatches"]
-    )
-
-
-def _sort_key(key: BucketKey) -> tuple[int, int, int]:
-    mbs = key.micro_batch_size if key.micro_batch_size is not None else -1
-    return (key.seq_length, mbs, key.num_microbatches)
 
 
 def _liveness_kwargs(check: bool) -> dict[str, bool]:

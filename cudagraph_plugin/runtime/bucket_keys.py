@@ -1,0 +1,83 @@
+"""The vocabulary of bucket routing: a call's key (its shape), what a call does with it
+(:class:`Action`, :class:`Route`) and what happened to each key (:class:`BucketStats`).
+The graphs themselves are :mod:`cudagraph_plugin.runtime.buckets`'."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+BUCKET_FIX = (
+    "with CUDA graph buckets, pad every micro-batch of a step to the bucket length passed as "
+    "seq_length (cudagraph_plugin.runtime.padding.pad_step), and keep micro_batch_size and the "
+    "tensor dtypes of a bucket fixed"
+)
+
+
+class Action(enum.Enum):
+    """What a training call does."""
+
+    EAGER = "eager"  # the host's own call: outside every bucket, forward-only, ranks disagree
+    WARMUP = "warmup"  # eager on the key's static buffers, counted towards its capture
+    CAPTURE = "capture"  # captured, then replayed once
+    REPLAY = "replay"
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketKey:
+    """The shape a graph is captured for."""
+
+    seq_length: int
+    micro_batch_size: int | None
+    num_microbatches: int
+
+    def __str__(self) -> str:
+        return (
+            f"seq_length {self.seq_length}, micro_batch_size {self.micro_batch_size}, "
+            f"{self.num_microbatches} micro-batch(es)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """The decision for one call; ``key`` is ``None`` for forward-only calls."""
+
+    action: Action
+    key: BucketKey | None
+    reason: str | None = None
+
+
+@dataclasses.dataclass
+class BucketStats:
+    """What happened to one key: each call's step and action, capture times, replays."""
+
+    key: BucketKey
+    in_bucket: bool
+    calls: list[tuple[int | None, Action]] = dataclasses.field(default_factory=list)
+    capture_seconds: list[float] = dataclasses.field(default_factory=list)
+    replays: int = 0
+
+    def steps(self, *actions: Action) -> list[int]:
+        return [step for step, action in self.calls if action in actions and step is not None]
+
+
+def key_of(kwargs: Mapping[str, Any]) -> BucketKey:
+    """The key of one ``forward_backward_func`` call (its keyword arguments)."""
+    for name in ("seq_length", "num_microbatches"):
+        if not isinstance(kwargs.get(name), int):
+            raise ValueError(
+                f"forward_backward_func called with {name}={kwargs.get(name)!r}; CUDA graph "
+                f"buckets route each training call by its seq_length and num_microbatches. "
+                f"Fix: pass {name} as an int (megatron-core's schedules take it)"
+            )
+    return BucketKey(
+        kwargs["seq_length"], kwargs.get("micro_batch_size"), kwargs["num_microbatches"]
+    )
+
+
+def sort_key(key: BucketKey) -> tuple[int, int, int]:
+    """Keys in the order of their shapes (the report's rows)."""
+    mbs = key.micro_batch_size if key.micro_batch_size is not None else -1
+    return (key.seq_length, mbs, key.num_microbatches)
