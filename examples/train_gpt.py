@@ -81,6 +81,12 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
         default="local",
         help="layer spec: megatron-core's own modules, or Transformer Engine's (needs TE + CUDA)",
     )
+    model.add_argument(
+        "--position-embedding-type",
+        choices=["learned_absolute", "rope"],
+        default="learned_absolute",
+        help="rope: rotary tables, which megatron-core caches per sequence length",
+    )
     model.add_argument("--bf16", action="store_true", help="bf16 parameters and compute")
     model.add_argument(
         "--fp8-format",
@@ -450,6 +456,7 @@ def _build_model(training: TrainingRun, args: argparse.Namespace, config: Any) -
             transformer_layer_spec=_layer_spec(args),
             vocab_size=args.vocab_size,
             max_sequence_length=args.seq_length,
+            position_embedding_type=args.position_embedding_type,
             share_embeddings_and_output_weights=True,
             pre_process=first,
             post_process=last,

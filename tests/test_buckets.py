@@ -513,6 +513,37 @@ def test_graphs_keep_the_scratch_buffers_megatron_core_replaces(graphs):
     assert result.invalidations == [] and result.kept_scratch_buffers() == []
 
 
+def test_graphs_keep_the_rotary_tables_megatron_cores_cache_drops(graphs):
+    """RoPE: megatron-core caches each length's rotary table (``RotaryEmbedding.forward``,
+    ``lru_cache(maxsize=32)``) and a graph reads its bucket's table from there. An RL host's
+    eager rollouts at 32 other lengths evict it, and its memory would be free for anything
+    while the graph still reads it: the graph keeps it (review finding)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    with megatron_gpt("--position-embedding-type", "rope") as host:
+        [rotary] = [m for c in host.model for m in c.modules() if isinstance(m, RotaryEmbedding)]
+        tables: dict[int, Any] = {}
+        hook = rotary.register_forward_hook(lambda m, a, out: tables.setdefault(len(tables), out))
+        bucketed = BucketGraphs(BUCKETS, 1, model=host.model, optimizer=host.optimizer)
+        try:
+            for step in range(2):  # warm-up, then the capture of bucket 16
+                train_step(host, step_kwargs(host, step, [10]), bucketed, step)
+            hook.remove()
+            assert tables[0] is tables[1]  # the capture read the warm-up's cached table
+            [captured] = bucketed._graphs.values()
+            assert len(captured.cached) == 1 and captured.cached[0] is tables[1]
+            for length in range(33, 33 + 32):  # rollouts at 32 other lengths evict it
+                rotary(length)
+            train_step(host, step_kwargs(host, 2, [12]), bucketed, 2)
+            assert [a for _, a in actions(bucketed, 16)] == [
+                Action.WARMUP, Action.CAPTURE, Action.REPLAY
+            ]  # fmt: skip
+            assert captured.cached[0] is tables[1]  # still held by the graph
+        finally:
+            assert not release_each(bucketed.release_steps()).failures
+        assert captured.cached == []  # let go with the graph
+
+
 def test_the_host_can_invalidate_the_graphs_explicitly(graphs, caplog):
     def invalidate(host, bucketed):
         assert bucketed.invalidate("weights reloaded after the rollout", step=5) == 2

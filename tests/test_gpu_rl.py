@@ -10,6 +10,8 @@ each run its own process, as users start it (issue 23).
   told by the host (``--invalidate-after-reload``) or seen by the plugin's address check
   (fp32: megatron-core's ``restore_from_cpu`` gives the parameters new memory), no illegal
   memory access, losses equal the eager run with the same offloads;
+* RoPE, with rollouts at so many lengths that megatron-core's cache of rotary tables drops
+  the buckets' ones: the graphs keep theirs, losses equal the eager run;
 * DP=2 (two GPUs): the same on both ranks.
 
 The results go to the suite's results file with per-bucket speed-ups, capture times,
@@ -127,6 +129,26 @@ def test_three_buckets_replay_after_capture_train_as_eager_and_share_one_pool(jo
 INVALIDATED = "CUDA graph buckets: gradient buffers and optimizer state reloaded after the rollout"
 MOVED = "CUDA graph buckets: memory the graphs point at moved"
 AT_NEW_ADDRESSES = "training state reloaded, gradient buffers at new addresses"
+
+
+ROPE = ("--position-embedding-type", "rope", "--rollout-batches", "40")
+
+
+@pytest.mark.xdist_group("rl_rope")
+def test_rope_tables_outlive_megatron_cores_cache_through_rollouts_at_many_lengths(jobs_root):
+    """RoPE: a bucket graph reads its length's rotary table from megatron-core's cache
+    (``RotaryEmbedding.forward``, ``lru_cache(maxsize=32)``); replays never touch the cache,
+    and each round's 40 rollouts at random lengths evict the table. The graphs keep the
+    tables they read: every step after its bucket's capture replays, and the losses equal
+    the eager twin's."""
+    argv = (*LOOP, *BF16, *ROPE)
+    graphed = _job(
+        "rl_rope", "graphed", (*argv, *GRAPHS, "--cuda-graph-buckets", BUCKETS), jobs_root
+    )
+    eager = _job("rl_rope", "eager", argv, jobs_root)
+    assert "illegal memory access" not in graphed.result.output()
+    _check_schedule(graphed.record(0)["report"])
+    _same_losses(graphed, eager)
 
 
 @pytest.mark.parametrize("explicit", [True, False], ids=["host-invalidates", "address-check"])

@@ -116,6 +116,38 @@ def global_memory_buffer_tensors() -> list[tuple[str, str, Any]]:
     ]
 
 
+@contextlib.contextmanager
+def cached_forward_outputs(model: Sequence[Any], into: list[Any]) -> Iterator[None]:
+    """Record in ``into`` the tensors returned, while this is entered, by every module of
+    ``model`` whose ``forward`` megatron-core caches with ``functools.lru_cache`` (the
+    rotary embeddings' tables: ``RotaryEmbedding.forward``, ``YarnRotaryEmbedding.forward``,
+    32 entries). A graph captured meanwhile reads them from the cache; once 32 other lengths
+    ran eagerly (an RL host's rollouts) the cache drops them and their memory is freed
+    under the graph, unless something else keeps them."""
+    import torch
+
+    def record(module: Any, args: Any, output: Any) -> None:
+        into.extend(t for t in _tensors(output) if isinstance(t, torch.Tensor))
+
+    handles = [
+        module.register_forward_hook(record)
+        for chunk in (model if isinstance(model, (list, tuple)) else [model])
+        for module in chunk.modules()
+        if hasattr(type(module).forward, "cache_info")  # an lru_cache wrapper
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _tensors(value: Any) -> list[Any]:
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return [value]
+
+
 def loss_scale_tensor(optimizer: Any) -> Any:
     """The loss-scale tensor the captured backward multiplies by (``config.grad_scale_func``
     is the optimizer's ``scale_loss``), or ``None``."""

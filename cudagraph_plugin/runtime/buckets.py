@@ -26,7 +26,11 @@ its own graph, following megatron-core's rules for each:
 * the graphs keep megatron-core's global scratch buffers they were captured with: a
   longer sequence makes megatron-core replace a buffer with a larger one (its local
   attention takes the ``"mpu"`` buffer for every step, sized by the sequence length
-  squared), which would free the memory the earlier graphs use as scratch.
+  squared), which would free the memory the earlier graphs use as scratch;
+* and what megatron-core's cached forwards gave them: the rotary embeddings' tables
+  (``RotaryEmbedding.forward`` is an ``lru_cache(maxsize=32)``: once 32 other lengths ran
+  eagerly, an RL host's rollouts, a bucket's table is evicted and would be freed, since
+  replays never touch the cache).
 
 A step outside every bucket runs eagerly with one log line per new shape (never a crash,
 never a stale replay); forward-only (validation) calls run eagerly (see :meth:`route`).
@@ -51,11 +55,8 @@ with one small all-reduce; on disagreement the step runs eagerly on every rank.
 
 What the fingerprint cannot see (the host then calls :meth:`BucketGraphs.invalidate`, or a
 debugging run captures with ``check_input_liveness``): a parameter outside every DDP
-buffer moved alone and not sampled; cached tensors freed behind the graphs' back, e.g.
-megatron-core's rotary-embedding table (``RotaryEmbedding.forward`` is an
-``lru_cache(maxsize=32)``: once 32 other lengths ran eagerly, a bucket's table is evicted
-and freed, since replays never touch the cache), or cuBLAS workspaces cleared while
-graphs live.
+buffer moved alone and not sampled; other cached tensors freed behind the graphs' back,
+or cuBLAS workspaces cleared while graphs live.
 
 None of this fires hooks: the plugin brackets :meth:`BucketGraphs.run` of a
 ``Action.CAPTURE`` route with its capture hooks, timing and memory snapshots.
@@ -97,6 +98,7 @@ class _Captured:
     result: Any  # the capture's outputs, which every replay refills; kept with the graph
     step: int | None
     scratch: list[tuple[str, Any]]  # megatron-core's scratch buffers at capture, kept alive
+    cached: list[Any]  # what megatron-core's cached forwards gave the capture, kept alive
 
 
 class TiedGraphs(Protocol):
@@ -312,6 +314,7 @@ class BucketGraphs:
         logger.info("capturing the full-iteration CUDA graph for %s at step %s", key, step)
         start = time.perf_counter()
         graph = None
+        cached: list[Any] = []
         try:
             with bucket_compat.stale_capture_streams_overridden():
                 bucket_compat.barrier()
@@ -319,12 +322,15 @@ class BucketGraphs:
                 for state in bucket_compat.rng_generator_states():
                     graph.register_generator_state(state)
                 torch.cuda.synchronize()
-                with torch.cuda.graph(
-                    graph,
-                    pool=pool,
-                    stream=stream,
-                    capture_error_mode="thread_local",
-                    **self._liveness,
+                with (
+                    torch.cuda.graph(
+                        graph,
+                        pool=pool,
+                        stream=stream,
+                        capture_error_mode="thread_local",
+                        **self._liveness,
+                    ),
+                    bucket_compat.cached_forward_outputs(kwargs["model"], cached),
                 ):
                     result = eager(**kwargs)
                 torch.cuda.synchronize()
@@ -337,7 +343,7 @@ class BucketGraphs:
             raise
         seconds = time.perf_counter() - start
         self._pool = pool
-        self._graphs[key] = _Captured(graph, result, step, self._scratch())
+        self._graphs[key] = _Captured(graph, result, step, self._scratch(), cached)
         self._calls[key] += 1
         self._reference = self.fingerprint.take()
         stats = self.stats[key]
@@ -497,7 +503,7 @@ class BucketGraphs:
     def _free(self, key: BucketKey) -> int:
         captured = self._graphs.pop(key)
         captured.result = None  # its tensors live in the pool
-        captured.scratch = []
+        captured.scratch = captured.cached = []
         captured.graph.reset()
         return 1
 
