@@ -28,7 +28,6 @@ from cudagraph_plugin.compat import buckets as bucket_compat
 from cudagraph_plugin.runtime import buckets
 from cudagraph_plugin.runtime.buckets import Action, BucketGraphs, BucketKey
 from cudagraph_plugin.runtime.fingerprint import AddressFingerprint
-from cudagraph_plugin.runtime.guard import StaticShapeError
 from cudagraph_plugin.runtime.padding import pad_step
 from cudagraph_plugin.runtime.release import release_each
 from hookspecs import get_plugin_manager
@@ -274,21 +273,25 @@ def test_forward_only_calls_run_eagerly(graphs, caplog):
     assert len(set(outputs)) == 3
 
 
-def test_a_replay_checks_the_micro_batches_against_its_capture(graphs):
+def test_a_call_is_checked_against_its_buckets_micro_batches_before_any_replay(graphs, caplog):
+    """A micro-batch left unpadded (20 tokens) in a call that says seq_length 32: the
+    bucket's graph would replay on a copy broadcast or refused into its 32-token buffers.
+    The call runs eagerly, said once with what differs and the fix."""
     with megatron_gpt() as host:
         bucketed = BucketGraphs(BUCKETS, 1, model=host.model, optimizer=host.optimizer)
         try:
             for step in range(2):
                 train_step(host, step_kwargs(host, step, [20]), bucketed, step)
             unpadded = {**step_kwargs(host, 2, [20], pad=False), "seq_length": 32}
-            with pytest.raises(StaticShapeError, match=r"changed after CUDA graph capture") as e:
+            with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
                 train_step(host, unpadded, bucketed, 2)
-            assert "shape (2, 32)" in str(e.value) and "now shape (2, 20)" in str(e.value)
-            assert any("pad every micro-batch" in note for note in e.value.__notes__)
         finally:
             release_each(bucketed.release_steps())
         [graph] = graphs.graphs
-        assert graph.replays == 1  # the capture call's; the refused call did not replay
+        assert graph.replays == 1  # the capture call's; the unlike call did not replay
+    assert [a for _, a in actions(bucketed, 32)][-1] is Action.EAGER
+    [said] = [r.getMessage() for r in caplog.records if "unlike those" in r.getMessage()]
+    assert "shape (2, 32)" in said and "now shape (2, 20)" in said and "pad every" in said
 
 
 # -- capture details -----------------------------------------------------------------------
@@ -544,6 +547,47 @@ def test_graphs_keep_the_rotary_tables_megatron_cores_cache_drops(graphs):
         assert captured.cached == []  # let go with the graph
 
 
+def short(batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The micro-batches with one row fewer (a host's last, partial batch)."""
+    return [{k: v[:-1] if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]
+
+
+@pytest.mark.parametrize("when", ["warm-up", "replay"])
+def test_a_micro_batch_unlike_its_buckets_first_runs_eagerly(graphs, caplog, when):
+    """Review finding: routing looked only at the call's arguments, so a micro-batch with a
+    row fewer than micro_batch_size, at a bucket length, was broadcast into the bucket's
+    static buffers during the warm-up (training on a duplicated row) and stopped the run
+    after the capture (StaticShapeError). It now runs eagerly, said once; the bucket goes
+    on as before."""
+    odd = 1 if when == "warm-up" else 3
+    losses = {}
+    for bucketed in (False, True):
+        with megatron_gpt() as host:
+            bucket_graphs = (
+                BucketGraphs(BUCKETS, 2, model=host.model, optimizer=host.optimizer)
+                if bucketed
+                else None
+            )
+            try:
+                with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
+                    for step in range(6):
+                        kwargs = step_kwargs(host, step, [10])
+                        if step == odd:
+                            kwargs["data_iterator"] = iter(short(list(kwargs["data_iterator"])))
+                        losses.setdefault(bucketed, []).append(
+                            train_step(host, kwargs, bucket_graphs, step)
+                        )
+            finally:
+                if bucket_graphs is not None:
+                    assert not release_each(bucket_graphs.release_steps()).failures
+    assert losses[True] == losses[False]  # the short step trained on its own rows
+    W, C, R, E = Action.WARMUP, Action.CAPTURE, Action.REPLAY, Action.EAGER
+    expected = [W, E, W, C, R, R] if when == "warm-up" else [W, W, C, E, R, R]
+    assert [a for _, a in bucket_graphs.stats[BucketKey(16, MBS, 1)].calls] == expected
+    said = [r.getMessage() for r in caplog.records if "unlike those its bucket" in r.getMessage()]
+    assert len(said) == 1 and "shape (2, 16)" in said[0] and "shape (1, 16)" in said[0], said
+
+
 def test_the_host_can_invalidate_the_graphs_explicitly(graphs, caplog):
     def invalidate(host, bucketed):
         assert bucketed.invalidate("weights reloaded after the rollout", step=5) == 2
@@ -573,16 +617,23 @@ def test_a_graph_limit_runs_further_shapes_eagerly(graphs, caplog):
 class OtherRank:
     """The element-wise maximum with what another rank sends, as the all-reduce returns."""
 
-    def __init__(self, seq_length: int | None = None, moved_at: int | None = None) -> None:
+    def __init__(
+        self,
+        seq_length: int | None = None,
+        moved_at: int | None = None,
+        unlike_at: int | None = None,
+    ) -> None:
         self.seq_length = seq_length
         self.moved_at = moved_at
+        self.unlike_at = unlike_at
         self.calls = 0
 
     def __call__(self, values: list[int]) -> list[int]:
         self.calls += 1
         s, m, c = values[:3]
         other_s = self.seq_length if self.seq_length is not None else s
-        other = [other_s, m, c, -other_s, -m, -c, int(self.calls == self.moved_at)]
+        other = [other_s, m, c, -other_s, -m, -c]
+        other += [int(self.calls == self.moved_at), int(self.calls == self.unlike_at)]
         return [max(a, b) for a, b in zip(values, other, strict=True)]
 
 
@@ -607,6 +658,13 @@ def test_memory_moved_on_another_rank_frees_the_graphs_here_too(graphs):
     ]
     assert [(s, f) for s, _, f in result.invalidations] == [(3, 1)]
     assert "another rank found memory moved" in result.invalidations[0][1]
+
+
+def test_micro_batches_unlike_on_another_rank_run_the_step_eagerly_here_too(graphs):
+    _, result = train([[10]] * 4, bucketed=True, warmup=1, agree=OtherRank(unlike_at=3))
+    assert [a for _, a in actions(result, 16)] == [
+        Action.WARMUP, Action.CAPTURE, Action.EAGER, Action.REPLAY
+    ]  # fmt: skip
 
 
 def test_single_rank_agreement_is_the_values_themselves():

@@ -1,5 +1,6 @@
 """The vocabulary of bucket routing: a call's key (its shape), what a call does with it
-(:class:`Action`, :class:`Route`) and what happened to each key (:class:`BucketStats`).
+(:class:`Action`, :class:`Route`), what happened to each key (:class:`BucketStats`) and a
+call's micro-batches drawn ahead (:func:`draw_micro_batches`).
 The graphs themselves are :mod:`cudagraph_plugin.runtime.buckets`'."""
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ class Route:
     action: Action
     key: BucketKey | None
     reason: str | None = None
+    drawn: list[Any] | None = None
+    """The call's micro-batches, drawn by the routing to compare them with the bucket's
+    (each call then passes iterators over these)."""
+    listed: bool = False  # the call passed its data iterator in a list (one per chunk)
 
 
 @dataclasses.dataclass
@@ -81,3 +86,21 @@ def sort_key(key: BucketKey) -> tuple[int, int, int]:
     """Keys in the order of their shapes (the report's rows)."""
     mbs = key.micro_batch_size if key.micro_batch_size is not None else -1
     return (key.seq_length, mbs, key.num_microbatches)
+
+
+def draw_micro_batches(data_iterator: Any, count: int) -> tuple[list[Any] | None, bool]:
+    """Draw a call's ``count`` micro-batches from its data iterator (a single one, or one in
+    a list: one model chunk); ``(None, False)`` where there is none to draw from (a list of
+    several, a stage without data). The second item: the iterator came in a list."""
+    listed = isinstance(data_iterator, list) and len(data_iterator) == 1
+    iterator = data_iterator[0] if listed else data_iterator
+    if iterator is None or isinstance(iterator, list):
+        return None, False
+    return [next(iterator) for _ in range(count)], listed
+
+
+def iterators_over(drawn: list[Any], listed: bool) -> Any:
+    """What the call passes on instead of its data iterator, once its micro-batches were
+    drawn: an iterator over them, in a list where the call's was."""
+    inputs = iter(drawn)
+    return [inputs] if listed else inputs

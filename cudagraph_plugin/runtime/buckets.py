@@ -34,8 +34,10 @@ its own graph, following megatron-core's rules for each:
 
 A step outside every bucket runs eagerly with one log line per new shape (never a crash,
 never a stale replay); forward-only (validation) calls run eagerly (see :meth:`route`).
-The shape guard (``guard.ShapeGuard``) checks each replayed call against its graph's
-capture call.
+Each call of a bucket is first compared with the micro-batches its static buffers were made
+from (a short or unpadded micro-batch would be broadcast into them): unlike ones run
+eagerly, said once. The shape guard (``guard.ShapeGuard``) checks each replayed call
+against its graph's capture call too.
 
 Memory that moves: before every training call while graphs are held, an
 :class:`AddressFingerprint` (``data_ptr()`` of DDP's parameter and gradient buffers, a
@@ -81,11 +83,19 @@ from cudagraph_plugin.runtime.bucket_keys import (
     BucketKey,
     BucketStats,
     Route,
+    draw_micro_batches,
+    iterators_over,
     key_of,
     sort_key,
 )
 from cudagraph_plugin.runtime.fingerprint import AddressFingerprint, Fingerprint
-from cudagraph_plugin.runtime.guard import ShapeGuard, StaticShapeError
+from cudagraph_plugin.runtime.guard import (
+    ShapeGuard,
+    StaticShapeError,
+    difference,
+    fingerprint,
+    signature,
+)
 from cudagraph_plugin.runtime.release import ReleaseStep, release_each, settle
 from cudagraph_plugin.runtime.timing import median_or_none
 
@@ -166,6 +176,8 @@ class BucketGraphs:
         self._graphs: dict[BucketKey, _Captured] = {}
         self._calls: collections.Counter[BucketKey] = collections.Counter()
         self._buffers: dict[tuple[int, int | None], list[Any]] = {}
+        # per buffer list: (fingerprint, signature) of each micro-batch they were made from
+        self._shapes: dict[tuple[int, int | None], list[tuple[Any, Any]]] = {}
         self._reference: Fingerprint | None = None
         self._reader: Any = None
         self._pool: Any = None
@@ -227,13 +239,39 @@ class BucketGraphs:
             return Route(Action.EAGER, None, "forward-only")
         key = key_of(kwargs)
         moved = self._moved()
+        drawn, listed, unlike = self._draw(key, kwargs.get("data_iterator"))
         mbs = key.micro_batch_size if key.micro_batch_size is not None else -1
         shape = [key.seq_length, mbs, key.num_microbatches]
-        agreed = self._agree([*shape, *(-v for v in shape), int(bool(moved))])
+        agreed = self._agree([*shape, *(-v for v in shape), int(bool(moved)), int(bool(unlike))])
         if agreed[6] and not moved:
             moved = ["another rank found memory moved"]
         if moved:
             self.invalidate("memory the graphs point at moved: " + "; ".join(moved), step=step)
+        route = self._decide(key, agreed, step)
+        if agreed[7] and route.action is not Action.EAGER:
+            self._log_once(
+                ("unlike", key, unlike),
+                f"a training step with {key} has micro-batches unlike those its bucket's "
+                f"static buffers were made from ({unlike or 'on another rank'}): it runs "
+                f"eagerly on every rank. Fix: {BUCKET_FIX}",
+            )
+            route = Route(Action.EAGER, key, "micro-batches unlike the bucket's")
+        return dataclasses.replace(route, drawn=drawn, listed=listed)
+
+    def _draw(self, key: BucketKey, data_iterator: Any) -> tuple[list[Any] | None, bool, str]:
+        """Draw the call's micro-batches of a bucket whose static buffers exist and say how
+        they differ from those the buffers were made from (megatron-core's loader would
+        broadcast a short micro-batch into them, or convert a dtype, without a word)."""
+        seen = self._shapes.get((key.seq_length, key.micro_batch_size))
+        if not seen:
+            return None, False, ""
+        drawn, listed = draw_micro_batches(data_iterator, key.num_microbatches)
+        for (made_from, described), batch in zip(seen, drawn or [], strict=False):
+            if fingerprint(batch) != made_from:
+                return drawn, listed, difference(described, signature(batch), "at first")
+        return drawn, listed, ""
+
+    def _decide(self, key: BucketKey, agreed: list[int], step: int | None) -> Route:
         if agreed[:3] != [-v for v in agreed[3:6]]:
             self._log_once(
                 ("ranks", key),
@@ -271,10 +309,13 @@ class BucketGraphs:
         if key is not None:
             stats = self.stats.setdefault(key, BucketStats(key, key.seq_length in self.buckets))
             stats.calls.append((step, route.action))
+        kwargs = dict(kwargs)
+        if route.drawn is not None:
+            kwargs["data_iterator"] = iterators_over(route.drawn, route.listed)
         if route.action is Action.EAGER:
             return eager(**kwargs)
         assert key is not None
-        kwargs = dict(kwargs)
+        self._made_from(key, route.drawn, kwargs)
         label = f"training (bucket {key})"
         capturing = route.action is Action.CAPTURE
         data_iterator = self.guard.check_call(label, step, kwargs, record=capturing)
@@ -299,6 +340,17 @@ class BucketGraphs:
         captured.graph.replay()
         stats.replays += 1
         return captured.result
+
+    def _made_from(self, key: BucketKey, drawn: list[Any] | None, kwargs: dict[str, Any]) -> None:
+        """Remember what the bucket's static buffers are made from, on its first call (the
+        call then passes iterators over its micro-batches, drawn here)."""
+        shapes = (key.seq_length, key.micro_batch_size)
+        if drawn is not None or shapes in self._shapes:
+            return
+        drawn, listed = draw_micro_batches(kwargs.get("data_iterator"), key.num_microbatches)
+        if drawn is not None:
+            self._shapes[shapes] = [(fingerprint(b), signature(b)) for b in drawn]
+            kwargs["data_iterator"] = iterators_over(drawn, listed)
 
     # -- capture ----------------------------------------------------------------------------
 
@@ -495,6 +547,7 @@ class BucketGraphs:
             *self.graph_release_steps(),
             ReleaseStep("bucket warm-up counters", self._calls.clear),
             ReleaseStep("bucket static input buffers", self._buffers.clear),
+            ReleaseStep("what they were made from", self._shapes.clear),
             ReleaseStep("bucket static-shape guard", self.guard.disarm),
             ReleaseStep("the optimizer's offload methods", self._unwatch_offload),
             ReleaseStep("bucket model and optimizer references", self._drop_references),

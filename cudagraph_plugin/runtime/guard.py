@@ -139,11 +139,12 @@ def _tensor_type() -> Any:
 _TENSOR_TYPE: Any = None
 
 
-def _difference(expected: tuple, actual: tuple) -> str:
+def difference(expected: tuple, actual: tuple, then: str = "at capture") -> str:
+    """The first item two :func:`signature` results differ in, as a phrase."""
     exp, act = dict(expected), dict(actual)
     for key in sorted(set(exp) | set(act)):
         if exp.get(key) != act.get(key):
-            return f"{key}: {exp.get(key, 'absent')} at capture, now {act.get(key, 'absent')}"
+            return f"{key}: {exp.get(key, 'absent')} {then}, now {act.get(key, 'absent')}"
     return "the structure changed"
 
 
@@ -244,7 +245,7 @@ class ShapeGuard:
         if seen != known[0]:
             raise StaticShapeError(
                 f"{stage} micro-batch {index} (model chunk {chunk}) changed after CUDA graph "
-                f"capture (step {ref.step}): {_difference(known[1], signature(batch))}; "
+                f"capture (step {ref.step}): {difference(known[1], signature(batch))}; "
                 f"replaying the graph would use stale buffers. Fix: {FIX}"
             )
 
