@@ -235,6 +235,26 @@ def test_a_run_that_ends_in_the_warmup_after_a_reload_reports_no_graph_held(buck
     assert report["graphs_held"] == 0 == sum(row["graph_held"] for row in report["buckets"])
 
 
+def test_invalidations_that_come_faster_than_the_warmup_are_said_once(
+    bucket_fakes, tmp_path, caplog
+):
+    """Rounds of 2 steps, a reload and the host's invalidation after each, a warm-up of 2:
+    every bucket's warm-up starts over before it ends, nothing is ever captured. Said once,
+    with the fix, instead of a run that asked for graphs staying eager without a word."""
+    caplog.set_level(logging.WARNING, logger="cudagraph_plugin")
+    argv = ["--steps-per-round", "2", "--offload-interval", "2", "--invalidate-after-reload"]
+    _, report = run(tmp_path, *GRAPHS, "--cuda-graph-buckets", "16,32,48", *argv)
+    assert report["graphs_captured"] is False and len(report["invalidations"]) > 2
+    said = [r.getMessage() for r in caplog.records if "nothing is ever captured" in r.getMessage()]
+    assert len(said) == 1 and "--cuda-graph-warmup-steps" in said[0], said
+    # a pace the warm-up fits in says nothing
+    caplog.clear()
+    paced = ["--offload-interval", "8", "--invalidate-after-reload"]
+    _, report = run(tmp_path, *GRAPHS, "--cuda-graph-buckets", "16,32,48", *paced)
+    assert report["graphs_captured"] is True
+    assert not [r for r in caplog.records if "nothing is ever captured" in r.getMessage()]
+
+
 def test_the_fingerprint_check_is_what_catches_the_move(bucket_fakes, tmp_path, monkeypatch):
     """Without the plugin's address check the replay after a reload reads the old
     gradient buffers: the fake graph refuses it (a real one would read freed memory)."""

@@ -245,6 +245,21 @@ def test_a_forward_backward_not_taken_from_the_run_stops_at_the_capture_step(fak
     assert [e for e in rec.events if e[0] == "step"][-1] == ("step", 2)  # the capture step
 
 
+def test_with_buckets_a_forward_backward_not_taken_from_the_run_stops_at_the_capture_step(
+    bucket_fakes,
+):
+    rec = Recorder()
+    buckets = ["--cuda-graph-buckets", "32", "--cuda-graph-warmup-steps", "2"]
+    with pytest.raises(CudaGraphWiringError, match="without a training call through the CUDA"):
+        train_gpt.run(
+            ["--train-iters", "6", "--log-interval", "0", *FULL, *buckets],
+            plugins=[rec, PlainForwardBackward()],
+        )
+    assert [e for e in rec.events if e[0] == "step"][-1] == ("step", 2)
+    summary, _ = run(*FULL, *buckets)  # through the run: captured, no complaint
+    assert summary["shutdown_reason"] == "completed"
+
+
 def test_accepting_eager_lets_a_plain_forward_backward_run_to_the_end(fake_graphs):
     summary, rec = run(*FULL, *EAGER_OK, plugins=[PlainForwardBackward()])
     assert summary["shutdown_reason"] == "completed"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 
+from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.fallback import go_eager
 from cudagraph_plugin.runtime.guard import ShapeGuard
@@ -30,6 +31,7 @@ class Invalidation:
         self.guard = guard
         self.graphs_freed = 0
         self.events: list[dict[str, object]] = []
+        self.starved = False  # said that invalidations come too often for any capture
 
     def invalidate(self, reason: str) -> None:
         state = self.state
@@ -62,7 +64,23 @@ class Invalidation:
         """The bucket graphs were invalidated: on the host's word or because the address
         check saw memory move (``BucketGraphs.on_invalidate``)."""
         self.captures.graph_count = self.state.graphs_held()  # the report's "held now"
+        before = self.events[-1] if self.events else None
         self._record(reason, freed, "recaptured after their warm-up", step=step)
+        if freed or before is None or before["graphs_freed"] or self.starved:
+            return
+        # twice in a row nothing to free: each invalidation restarts every warm-up
+        self.starved = True
+        logger.warning(
+            "CUDA graph buckets: invalidated at steps %s and %s with no graph captured in "
+            "between: each invalidation starts every bucket's warm-up of %d step(s) over, so "
+            "at this pace nothing is ever captured and the run stays eager. Fix: lower "
+            "cuda_graph_warmup_steps (--cuda-graph-warmup-steps) below the steps between "
+            "invalidations, or invalidate less often",
+            before["step"],
+            self.events[-1]["step"],
+            self.state.settings.warmup_steps,
+            extra=JOB_WIDE,
+        )
 
     def _record(self, reason: str, freed: int, then: str, step: int | None = None) -> None:
         self.graphs_freed += freed

@@ -110,7 +110,16 @@ class Wiring:
         if state.start_step is None or step - state.start_step != state.settings.warmup_steps:
             return
         stages = self._stages()
-        # (bucketed graphs are captured each after its own warm-up, whatever the step)
+        # (bucketed graphs are captured each after its own warm-up, whatever the step, but
+        # every training call goes through their routing)
+        if state.buckets is not None and not state.buckets.stats:
+            self._nothing(
+                f"the capture step {step} ended without a training call through the CUDA "
+                "graph buckets: the training forward_backward_func did not come from "
+                "run.forward_backward_func(), or was not called",
+                "call the function run.forward_backward_func(get_forward_backward_func()) "
+                "returns, once per training step",
+            )
         if state.full_iteration_mode and state.buckets is None and "training" not in stages:
             self._nothing(
                 f"the capture step {step} ended without a full-iteration capture: the training "
