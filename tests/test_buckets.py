@@ -588,6 +588,58 @@ def test_a_micro_batch_unlike_its_buckets_first_runs_eagerly(graphs, caplog, whe
     assert len(said) == 1 and "shape (2, 16)" in said[0] and "shape (1, 16)" in said[0], said
 
 
+def test_micro_batches_beyond_the_buckets_first_call_are_compared_too(graphs, caplog):
+    """Second review: a later call of the bucket with more micro-batches was compared only
+    on those its first call had; the extra ones made their buffers unchecked (a short one
+    broadcast into them)."""
+    losses = {}
+    for bucketed in (False, True):
+        with megatron_gpt() as host:
+            bucket_graphs = (
+                BucketGraphs(BUCKETS, 2, model=host.model, optimizer=host.optimizer)
+                if bucketed
+                else None
+            )
+            try:
+                with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
+                    for step, lengths in enumerate([[10], [10, 12], [10, 12], [10, 12]]):
+                        kwargs = step_kwargs(host, step, lengths)
+                        if step == 1:
+                            first, second = kwargs["data_iterator"]
+                            kwargs["data_iterator"] = iter([first, *short([second])])
+                        losses.setdefault(bucketed, []).append(
+                            train_step(host, kwargs, bucket_graphs, step)
+                        )
+            finally:
+                if bucket_graphs is not None:
+                    assert not release_each(bucket_graphs.release_steps()).failures
+    assert losses[True] == losses[False]
+    W, C, E = Action.WARMUP, Action.CAPTURE, Action.EAGER
+    assert [a for _, a in bucket_graphs.stats[BucketKey(16, MBS, 2)].calls] == [E, W, W]
+    assert [a for _, a in bucket_graphs.stats[BucketKey(16, MBS, 1)].calls] == [W]
+    assert C not in [a for _, a in bucket_graphs.stats[BucketKey(16, MBS, 2)].calls]
+
+
+def test_an_offload_seen_before_a_call_whose_data_iterator_raises_is_not_forgotten(graphs):
+    """Second review: the routing took the offload API's record before drawing the call's
+    micro-batches; a data iterator that raised (and a host that went on) lost it, and the
+    next call replayed onto the moved state."""
+    with megatron_gpt() as host:
+        bucketed = BucketGraphs(BUCKETS, 1, model=host.model, optimizer=host.optimizer)
+        try:
+            for step in range(2):  # warm-up, capture
+                train_step(host, step_kwargs(host, step, [10]), bucketed, step)
+            bucketed._offloaded("MegatronOptimizer.restore_from_cpu()")  # the watch's call
+            with pytest.raises(StopIteration):
+                bucketed.route({**step_kwargs(host, 2, [10]), "data_iterator": iter([])}, 2)
+            train_step(host, step_kwargs(host, 3, [10]), bucketed, 3)
+        finally:
+            release_each(bucketed.release_steps())
+    [(step, reason, freed)] = bucketed.invalidations
+    assert (step, freed) == (3, 1) and "restore_from_cpu() ran" in reason
+    assert [a for _, a in actions(bucketed, 16)][-1] is Action.WARMUP
+
+
 def test_the_host_can_invalidate_the_graphs_explicitly(graphs, caplog):
     def invalidate(host, bucketed):
         assert bucketed.invalidate("weights reloaded after the rollout", step=5) == 2

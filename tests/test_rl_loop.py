@@ -24,7 +24,7 @@ from bucket_schedule import expected_schedule, lengths_of, schedule_of
 from cpu_only import needs_mcore_on_cpu
 
 from cudagraph_plugin.runtime import buckets as bucket_runtime
-from hookspecs import get_plugin_manager
+from hookspecs import get_plugin_manager, hookimpl
 from jobs import torchrun_command
 
 pytestmark = needs_mcore_on_cpu
@@ -251,6 +251,42 @@ def test_invalidations_that_come_faster_than_the_warmup_are_said_once(
     caplog.clear()
     paced = ["--offload-interval", "8", "--invalidate-after-reload"]
     _, report = run(tmp_path, *GRAPHS, "--cuda-graph-buckets", "16,32,48", *paced)
+    assert report["graphs_captured"] is True
+    assert not [r for r in caplog.records if "nothing is ever captured" in r.getMessage()]
+
+
+class InvalidatesTwice:
+    """Tells the plugins twice at the end of one step that memory moved (weights, then the
+    optimizer's state: a host's two calls after one reload)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.pm: Any = None
+
+    @hookimpl
+    def mcgraph_configure(self, config, pluginmanager):
+        self.pm = pluginmanager
+
+    @hookimpl
+    def mcgraph_train_step_end(self, step, metrics):
+        if step == self.step:
+            for what in ("weights", "optimizer state"):
+                self.pm.hook.mcgraph_invalidate_graphs(reason=f"{what} reloaded")
+
+
+def test_two_invalidations_in_one_step_are_not_taken_for_a_starved_warmup(
+    bucket_fakes, tmp_path, caplog
+):
+    """Second review: two invalidations in a row freeing nothing, in the same step, raised
+    the "nothing is ever captured" warning (for good: it is said once)."""
+    caplog.set_level(logging.WARNING, logger="cudagraph_plugin")
+    path = tmp_path / "report.json"
+    rl_loop.run(
+        [*LOOP, *GRAPHS, "--cuda-graph-buckets", "16,32,48", "--cuda-graph-report-json", str(path)],
+        plugins=[InvalidatesTwice(0)],
+    )
+    report = json.loads(path.read_text())
+    assert [e["step"] for e in report["invalidations"]] == [0, 0]
     assert report["graphs_captured"] is True
     assert not [r for r in caplog.records if "nothing is ever captured" in r.getMessage()]
 

@@ -238,8 +238,9 @@ class BucketGraphs:
             )
             return Route(Action.EAGER, None, "forward-only")
         key = key_of(kwargs)
-        moved = self._moved()
+        # (drawn first: a data iterator that raises must not take the offload record along)
         drawn, listed, unlike = self._draw(key, kwargs.get("data_iterator"))
+        moved = self._moved()
         mbs = key.micro_batch_size if key.micro_batch_size is not None else -1
         shape = [key.seq_length, mbs, key.num_microbatches]
         agreed = self._agree([*shape, *(-v for v in shape), int(bool(moved)), int(bool(unlike))])
@@ -266,7 +267,10 @@ class BucketGraphs:
         if not seen:
             return None, False, ""
         drawn, listed = draw_micro_batches(data_iterator, key.num_microbatches)
-        for (made_from, described), batch in zip(seen, drawn or [], strict=False):
+        for index, batch in enumerate(drawn or []):
+            # (a micro-batch beyond those seen so far: against the first, as its buffer
+            # is yet to be made from it)
+            made_from, described = seen[index if index < len(seen) else 0]
             if fingerprint(batch) != made_from:
                 return drawn, listed, difference(described, signature(batch), "at first")
         return drawn, listed, ""
@@ -344,13 +348,13 @@ class BucketGraphs:
     def _made_from(self, key: BucketKey, drawn: list[Any] | None, kwargs: dict[str, Any]) -> None:
         """Remember what the bucket's static buffers are made from, on its first call (the
         call then passes iterators over its micro-batches, drawn here)."""
-        shapes = (key.seq_length, key.micro_batch_size)
-        if drawn is not None or shapes in self._shapes:
-            return
-        drawn, listed = draw_micro_batches(kwargs.get("data_iterator"), key.num_microbatches)
-        if drawn is not None:
-            self._shapes[shapes] = [(fingerprint(b), signature(b)) for b in drawn]
-            kwargs["data_iterator"] = iterators_over(drawn, listed)
+        seen = self._shapes.setdefault((key.seq_length, key.micro_batch_size), [])
+        if drawn is None and not seen:
+            drawn, listed = draw_micro_batches(kwargs.get("data_iterator"), key.num_microbatches)
+            if drawn is not None:
+                kwargs["data_iterator"] = iterators_over(drawn, listed)
+        # the buffers of micro-batches beyond the earlier calls' are made from this call's
+        seen += [(fingerprint(b), signature(b)) for b in (drawn or [])[len(seen) :]]
 
     # -- capture ----------------------------------------------------------------------------
 

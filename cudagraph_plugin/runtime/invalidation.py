@@ -66,19 +66,26 @@ class Invalidation:
         self.captures.graph_count = self.state.graphs_held()  # the report's "held now"
         before = self.events[-1] if self.events else None
         self._record(reason, freed, "recaptured after their warm-up", step=step)
-        if freed or before is None or before["graphs_freed"] or self.starved:
+        now, warmup = self.events[-1]["step"], self.state.settings.warmup_steps
+        if freed or self.starved or before is None or before["graphs_freed"]:
             return
-        # twice in a row nothing to free: each invalidation restarts every warm-up
+        then = before["step"]
+        if not isinstance(now, int) or not isinstance(then, int) or not 0 < now - then <= warmup:
+            return
+        # nothing to free twice in a row, too few steps apart for any bucket's warm-up and
+        # capture: every invalidation starts every warm-up over
         self.starved = True
         logger.warning(
-            "CUDA graph buckets: invalidated at steps %s and %s with no graph captured in "
-            "between: each invalidation starts every bucket's warm-up of %d step(s) over, so "
-            "at this pace nothing is ever captured and the run stays eager. Fix: lower "
-            "cuda_graph_warmup_steps (--cuda-graph-warmup-steps) below the steps between "
-            "invalidations, or invalidate less often",
-            before["step"],
-            self.events[-1]["step"],
-            self.state.settings.warmup_steps,
+            "CUDA graph buckets: invalidated at steps %s and %s, %d step(s) apart, with no "
+            "graph captured in between: a bucket needs its warm-up of %d step(s) and its "
+            "capture step between two invalidations, so at this pace nothing is ever captured "
+            "and the run stays eager. Fix: lower cuda_graph_warmup_steps "
+            "(--cuda-graph-warmup-steps) below the steps between invalidations, or invalidate "
+            "less often",
+            then,
+            now,
+            now - then,
+            warmup,
             extra=JOB_WIDE,
         )
 

@@ -54,13 +54,15 @@ def release_each(steps: Iterable[ReleaseStep]) -> ReleaseResult:
 
 def _release_pending(pending: collections.deque[ReleaseStep], result: ReleaseResult) -> None:
     while pending:
-        step = pending.popleft()
+        step = pending[0]  # taken off once run: an interruption before that runs it again
         try:
             freed = step.release()
         except BaseException as exc:
+            pending.popleft()
             logger.error("cleanup: releasing %s failed: %r", step.resource, exc, exc_info=exc)
             result.failures.append((step.resource, exc))
             continue
+        pending.popleft()
         if step.frees_graphs:
             result.graphs_freed += freed
 
