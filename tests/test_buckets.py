@@ -552,6 +552,33 @@ def short(batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v[:-1] if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]
 
 
+def with_and_without_buckets(
+    schedule: list[list[int]], alter: Any
+) -> tuple[dict[bool, list[float]], BucketGraphs]:
+    """The losses of ``schedule`` (warm-up 2) eagerly and through bucket graphs, each step's
+    micro-batches passed through ``alter(step, batches)``; and the bucket graphs."""
+    losses: dict[bool, list[float]] = {}
+    for bucketed in (False, True):
+        with megatron_gpt() as host:
+            bucket_graphs = (
+                BucketGraphs(BUCKETS, 2, model=host.model, optimizer=host.optimizer)
+                if bucketed
+                else None
+            )
+            try:
+                for step, lengths in enumerate(schedule):
+                    kwargs = step_kwargs(host, step, lengths)
+                    kwargs["data_iterator"] = iter(alter(step, list(kwargs["data_iterator"])))
+                    losses.setdefault(bucketed, []).append(
+                        train_step(host, kwargs, bucket_graphs, step)
+                    )
+            finally:
+                if bucket_graphs is not None:
+                    assert not release_each(bucket_graphs.release_steps()).failures
+    assert bucket_graphs is not None
+    return losses, bucket_graphs
+
+
 @pytest.mark.parametrize("when", ["warm-up", "replay"])
 def test_a_micro_batch_unlike_its_buckets_first_runs_eagerly(graphs, caplog, when):
     """Review finding: routing looked only at the call's arguments, so a micro-batch with a
@@ -560,26 +587,12 @@ def test_a_micro_batch_unlike_its_buckets_first_runs_eagerly(graphs, caplog, whe
     after the capture (StaticShapeError). It now runs eagerly, said once; the bucket goes
     on as before."""
     odd = 1 if when == "warm-up" else 3
-    losses = {}
-    for bucketed in (False, True):
-        with megatron_gpt() as host:
-            bucket_graphs = (
-                BucketGraphs(BUCKETS, 2, model=host.model, optimizer=host.optimizer)
-                if bucketed
-                else None
-            )
-            try:
-                with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
-                    for step in range(6):
-                        kwargs = step_kwargs(host, step, [10])
-                        if step == odd:
-                            kwargs["data_iterator"] = iter(short(list(kwargs["data_iterator"])))
-                        losses.setdefault(bucketed, []).append(
-                            train_step(host, kwargs, bucket_graphs, step)
-                        )
-            finally:
-                if bucket_graphs is not None:
-                    assert not release_each(bucket_graphs.release_steps()).failures
+
+    def shortened(step: int, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return short(batches) if step == odd else batches
+
+    with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
+        losses, bucket_graphs = with_and_without_buckets([[10]] * 6, shortened)
     assert losses[True] == losses[False]  # the short step trained on its own rows
     W, C, R, E = Action.WARMUP, Action.CAPTURE, Action.REPLAY, Action.EAGER
     expected = [W, E, W, C, R, R] if when == "warm-up" else [W, W, C, E, R, R]
@@ -588,31 +601,16 @@ def test_a_micro_batch_unlike_its_buckets_first_runs_eagerly(graphs, caplog, whe
     assert len(said) == 1 and "shape (2, 16)" in said[0] and "shape (1, 16)" in said[0], said
 
 
-def test_micro_batches_beyond_the_buckets_first_call_are_compared_too(graphs, caplog):
+def test_micro_batches_beyond_the_buckets_first_call_are_compared_too(graphs):
     """Second review: a later call of the bucket with more micro-batches was compared only
     on those its first call had; the extra ones made their buffers unchecked (a short one
     broadcast into them)."""
-    losses = {}
-    for bucketed in (False, True):
-        with megatron_gpt() as host:
-            bucket_graphs = (
-                BucketGraphs(BUCKETS, 2, model=host.model, optimizer=host.optimizer)
-                if bucketed
-                else None
-            )
-            try:
-                with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
-                    for step, lengths in enumerate([[10], [10, 12], [10, 12], [10, 12]]):
-                        kwargs = step_kwargs(host, step, lengths)
-                        if step == 1:
-                            first, second = kwargs["data_iterator"]
-                            kwargs["data_iterator"] = iter([first, *short([second])])
-                        losses.setdefault(bucketed, []).append(
-                            train_step(host, kwargs, bucket_graphs, step)
-                        )
-            finally:
-                if bucket_graphs is not None:
-                    assert not release_each(bucket_graphs.release_steps()).failures
+
+    def second_short(step: int, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [batches[0], *short(batches[1:])] if step == 1 else batches
+
+    schedule = [[10], [10, 12], [10, 12], [10, 12]]
+    losses, bucket_graphs = with_and_without_buckets(schedule, second_short)
     assert losses[True] == losses[False]
     W, C, E = Action.WARMUP, Action.CAPTURE, Action.EAGER
     assert [a for _, a in bucket_graphs.stats[BucketKey(16, MBS, 2)].calls] == [E, W, W]
