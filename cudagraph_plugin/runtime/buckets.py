@@ -260,14 +260,14 @@ class BucketGraphs:
         return dataclasses.replace(route, drawn=drawn, listed=listed)
 
     def _draw(self, key: BucketKey, data_iterator: Any) -> tuple[list[Any] | None, bool, str]:
-        """Draw the call's micro-batches of a bucket whose static buffers exist and say how
-        they differ from those the buffers were made from (megatron-core's loader would
-        broadcast a short micro-batch into them, or convert a dtype, without a word)."""
-        seen = self._shapes.get((key.seq_length, key.micro_batch_size))
-        if not seen:
+        """Draw the micro-batches of a call in a bucket and say how they differ from those
+        its static buffers were made from (megatron-core's loader would broadcast a short
+        micro-batch into them, or convert a dtype, without a word)."""
+        if key.seq_length not in self.buckets:
             return None, False, ""
         drawn, listed = draw_micro_batches(data_iterator, key.num_microbatches)
-        for index, batch in enumerate(drawn or []):
+        seen = self._shapes.get((key.seq_length, key.micro_batch_size))
+        for index, batch in enumerate(drawn if drawn and seen else []):
             # (a micro-batch beyond those seen so far: against the first, as its buffer
             # is yet to be made from it)
             made_from, described = seen[index if index < len(seen) else 0]
@@ -319,7 +319,7 @@ class BucketGraphs:
         if route.action is Action.EAGER:
             return eager(**kwargs)
         assert key is not None
-        self._made_from(key, route.drawn, kwargs)
+        self._made_from(key, route.drawn)
         label = f"training (bucket {key})"
         capturing = route.action is Action.CAPTURE
         data_iterator = self.guard.check_call(label, step, kwargs, record=capturing)
@@ -345,15 +345,10 @@ class BucketGraphs:
         stats.replays += 1
         return captured.result
 
-    def _made_from(self, key: BucketKey, drawn: list[Any] | None, kwargs: dict[str, Any]) -> None:
-        """Remember what the bucket's static buffers are made from, on its first call (the
-        call then passes iterators over its micro-batches, drawn here)."""
+    def _made_from(self, key: BucketKey, drawn: list[Any] | None) -> None:
+        """Remember what the bucket's static buffers are made from: each micro-batch index's
+        buffer from the first call that reached that index."""
         seen = self._shapes.setdefault((key.seq_length, key.micro_batch_size), [])
-        if drawn is None and not seen:
-            drawn, listed = draw_micro_batches(kwargs.get("data_iterator"), key.num_microbatches)
-            if drawn is not None:
-                kwargs["data_iterator"] = iterators_over(drawn, listed)
-        # the buffers of micro-batches beyond the earlier calls' are made from this call's
         seen += [(fingerprint(b), signature(b)) for b in (drawn or [])[len(seen) :]]
 
     # -- capture ----------------------------------------------------------------------------

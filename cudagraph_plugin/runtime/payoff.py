@@ -85,11 +85,11 @@ def bucket_rows(
     rows = []
     for row in summary:
         steps = set(row["capture_steps"])
-        mib = [
-            c.get("mib")
-            for c in sorted(captures, key=lambda c: c["step"])
-            if c["stage"] == "training" and c["step"] in steps
-        ][-1:]
+        last = max(
+            (c for c in captures if c["stage"] == "training" and c["step"] in steps),
+            key=lambda c: c["step"],
+            default=None,
+        )
         eager_ms, replay_ms = row["eager_step_ms"], row["replay_step_ms"]
         capture_seconds = sum(row["capture_seconds"]) if row["capture_seconds"] else None
         even = break_even_steps(capture_seconds, eager_ms, replay_ms)
@@ -98,7 +98,7 @@ def bucket_rows(
                 **row,
                 "capture_seconds": capture_seconds,
                 "speedup": eager_ms / replay_ms if eager_ms and replay_ms else None,
-                "pool_mib": mib[0] if mib else None,
+                "pool_mib": None if last is None else last.get("mib"),
                 "break_even_steps": even,
                 # the replays of the capture calls save nothing: replayed steps only
                 "paid_off": pays_off(even, len(row["replay_steps"])) if capture_seconds else None,

@@ -75,12 +75,14 @@ class StepListener:
         measurement.timer.stop(step)
         state = self.state
         start = state.start_step
-        wiring = self.wiring
         # (nothing to check after the capture step, but an optimizer capture that an
         # invalidation during the warm-up put off)
-        if start is None or step - start <= state.settings.warmup_steps:
-            wiring.capture_step_ended(step)
-        elif step == wiring.optimizer_due:
+        wiring = self.wiring
+        if (
+            start is None
+            or step - start <= state.settings.warmup_steps
+            or (step == wiring.optimizer_due)
+        ):
             wiring.capture_step_ended(step)
         fallback = self.fallback
         deciding = state.settings.fallback_on_slowdown and fallback.pending
