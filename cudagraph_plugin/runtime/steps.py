@@ -81,7 +81,7 @@ class StepListener:
         if (
             start is None
             or step - start <= state.settings.warmup_steps
-            or (step == wiring.optimizer_due)
+            or step == wiring.optimizer_due
         ):
             wiring.capture_step_ended(step)
         fallback = self.fallback
