@@ -59,13 +59,14 @@ def test_rank_0_alone_says_job_wide_lines_and_every_rank_tags_its_own(records, m
     assert said == (["advice: the same everywhere", *expected] if rank == "0" else expected)
 
 
-def test_every_rank_says_job_wide_lines_on_request(records, monkeypatch):
-    monkeypatch.setenv("RANK", "1")
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_every_rank_says_job_wide_lines_on_request_each_with_its_rank(records, monkeypatch, rank):
+    monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("WORLD_SIZE", "2")
     _log_both(every_rank=True)
     assert [r.getMessage() for r in records] == [
-        "advice: the same everywhere",
-        "[rank 1] captured 1 graph(s)",
+        f"[rank {rank}] advice: the same everywhere",
+        f"[rank {rank}] captured 1 graph(s)",
     ]
 
 

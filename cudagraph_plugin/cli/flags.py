@@ -210,7 +210,10 @@ def add_cuda_graph_arguments(parser: argparse.ArgumentParser, *, lenient: bool =
             "cuda_graph_log_all_ranks",
             dict(
                 action="store_true",
-                help="every rank logs the job-wide lines too (by default rank 0 alone does)",
+                help=(
+                    "every rank logs the job-wide lines too, each with its rank (by default "
+                    "rank 0 alone does)"
+                ),
             ),
         ),
         (

@@ -2,9 +2,10 @@
 
 :class:`RankFilter`, installed on the plugin's logger for the length of one run, lets rank
 0 alone log the job-wide lines (``extra=JOB_WIDE``, see :mod:`cudagraph_plugin.config.logs`)
-and prefixes every other line with its rank. The rank comes from ``torch.distributed`` once
-it is initialised, before that from the launcher's ``RANK``/``WORLD_SIZE`` (torchrun sets
-them), so configuration lines are sorted too.
+and prefixes every other line with its rank; where every rank logs them (``log_all_ranks``),
+they carry the rank too, or N copies of a line would not say whose each is. The rank comes
+from ``torch.distributed`` once it is initialised, before that from the launcher's
+``RANK``/``WORLD_SIZE`` (torchrun sets them), so configuration lines are sorted too.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ class RankFilter(logging.Filter):
         rank, world = rank_and_world()
         if world <= 1:
             return True
-        if getattr(record, "mcgraph_job_wide", False):
-            return self.every_rank or rank == 0
+        if getattr(record, "mcgraph_job_wide", False) and not self.every_rank:
+            return rank == 0  # (logged by every rank, they carry it as the others do)
         if not getattr(record, "mcgraph_rank_tagged", False):
             record.msg = f"[rank {rank}] {record.msg}"
             record.mcgraph_rank_tagged = True
