@@ -833,6 +833,61 @@ def test_asked_for_graphs_got_none(name, graphs, env, phrase, accept_eager, jobs
     assert "faster than eager" not in output
 
 
+@pytest.mark.multigpu
+@pytest.mark.skipif(DEVICE_COUNT < 2, reason=f"needs 2 CUDA devices (found {DEVICE_COUNT})")
+@pytest.mark.parametrize("accept_eager", [False, True], ids=["error", "accept-eager"])
+@pytest.mark.parametrize("name,graphs,env,phrase", NOTHING_CAPTURED)
+def test_asked_for_graphs_got_none_on_two_ranks(name, graphs, env, phrase, accept_eager, jobs_root):
+    """The same over NCCL, DP=2: every rank stops at the capture step (with its own refusal,
+    or told of the rank that got there first), each runs its shutdown, and the job says the
+    problem once, without a worker's traceback, and ends at once; under
+    ``--cuda-graph-accept-eager`` each rank warns for itself and the job-wide lines are said
+    once."""
+    if "transformer_engine" in graphs and not HAS_TE:
+        pytest.skip("needs Transformer Engine")
+    argv = ["--train-iters", str(STEPS), *MODEL, *graphs]
+    if accept_eager:
+        argv.append("--cuda-graph-accept-eager")
+    role = "accept-eager" if accept_eager else "error"
+    job = launch(
+        f"{name}_dp2/{role}",
+        argv,
+        job_dir=jobs_root / f"nothing-{name}-dp2-{role}-{uuid.uuid4().hex[:6]}",
+        timeout_s=GOOD_TIMEOUT_S if accept_eager else FAILURE_TIMEOUT_S,
+        nproc=2,
+        env=dict(env),
+        dump_signal=signal.SIGUSR1,
+    )
+    append_result(result_line(job, f"nothing_captured_{name}_dp2", role, test=_current_test()))
+    check_job_ended_cleanly(job)
+    output = job.result.output()
+    for rank in (0, 1):
+        record = job.record(rank)  # the probe's shutdown hook ran on every rank
+        report = record["report"]
+        assert report is not None and not report["graphs_captured"], (rank, job.context())
+        assert report["verdict"] == "unknown" and report["speedup"] is None, (rank, report)
+        assert record["graph_plugin"]["graphs_freed"] == 0, (rank, job.context())
+        ends = ("completed",) if accept_eager else ("exception", "peer_failed")
+        assert record["shutdown_reason"] in ends, (rank, job.context())
+    if not accept_eager:
+        assert job.result.rc != 0 and job.result.wall_s < NO_HANG_S, job.context()
+        said = [line for line in output.splitlines() if line.startswith("error: ")]
+        assert len(said) == 1, (said, job.context())  # rank 0 alone, once
+        assert "CUDA graphs were asked for but" in said[0] and phrase in said[0], said
+        assert "--cuda-graph-accept-eager" in said[0], said
+        # torchrun's own ChildFailedError at most; nothing from a worker
+        assert output.count("Traceback") <= 1, job.context()
+        assert 'train_gpt.py", line' not in output and "pluggy" not in output, job.context()
+        return
+    assert job.result.rc == 0, job.context()
+    check_said_once(job)
+    for rank in (0, 1):
+        warning = f"[rank {rank}] CUDA graphs were asked for but"
+        assert output.count(warning) == 1, (rank, job.context())
+    assert output.count("running eagerly as cuda_graph_accept_eager allows") == 2, job.context()
+    assert "faster than eager" not in output
+
+
 # -------------------------------------------------------------------------------------------
 # The optimizer graph's learning rate (issue 21): megatron-core's schedule, and a Python float
 # written by the host, reach the captured step: the losses equal an eager optimizer step of the
