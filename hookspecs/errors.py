@@ -21,27 +21,41 @@ REFUSAL_GRACE_S = 30.0
 
 
 class ConfigurationError(ValueError):
-    """A plugin refuses the run as configured; the message lists every problem and its fix."""
+    """A plugin refuses the run as configured; the message lists every problem and its fix.
+
+    ``said_here`` tells :func:`print_refusal` which rank of a multi-rank job says it:
+    ``None`` (not known: rank 0 does, as every rank usually has the same to say), ``True``
+    (this rank's refusal was the job's first failure, which a plugin watching the job
+    found: this rank says it) or ``False`` (another rank refused first and says it)."""
 
     exit_code = 2
+    said_here: bool | None = None
 
 
 def print_refusal(
     error: ConfigurationError | PeerRefused, stream: Any = None, grace_s: float = REFUSAL_GRACE_S
 ) -> int:
     """Say a refused configuration as a command-line tool does and return its exit status:
-    the message alone (no traceback), printed once per job — by rank 0 of a launcher's job
-    (``RANK``), every rank having the same to say — to ``stream`` (standard error). A
-    :class:`~hookspecs.reasons.PeerRefused` (rank 0 was told of another rank's refusal
-    before it reached its own) says that rank's refusal, naming the rank.
+    the message alone (no traceback), printed once per job, to ``stream`` (standard error).
+    The rank that says it is the one whose refusal was the job's first failure where a
+    plugin watching the job found that out (``error.said_here``; a rank other than 0 names
+    itself), else rank 0 of a launcher's job (``RANK``), every rank having the same to
+    say. A :class:`~hookspecs.reasons.PeerRefused` (this rank was told of another rank's
+    refusal) is said by that rank, never here.
 
-    The other ranks of a job (``WORLD_SIZE`` > 1) return only after ``grace_s`` seconds. A
-    launcher that ends the whole job at the first worker that exits (torchrun) would
-    otherwise stop rank 0, when it reaches its refusal a moment later, before it has said
-    anything. Rank 0 exits first and the launcher ends the waiting ranks, so a job under
-    torchrun ends as soon as rank 0 has spoken."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {error}", file=stream if stream is not None else sys.stderr, flush=True)
+    The ranks that do not say it (``WORLD_SIZE`` > 1) return only after ``grace_s``
+    seconds. A launcher that ends the whole job at the first worker that exits (torchrun)
+    would otherwise stop the rank that says it, when it gets there a moment later, before
+    it has said anything. That rank exits first and the launcher ends the waiting ranks, so
+    a job under torchrun ends as soon as it has spoken. (The first refusing rank speaks
+    itself rather than a told rank 0: over gloo a rank blocked in a collective is released
+    only by its peer's exit, which an abort of its process group does not replace.)"""
+    rank = os.environ.get("RANK", "0")
+    said_here = error.said_here if error.said_here is not None else rank == "0"
+    if said_here:
+        who = f"rank {rank} refused the run: " if rank != "0" else ""
+        out = stream if stream is not None else sys.stderr
+        print(f"error: {who}{error}", file=out, flush=True)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         time.sleep(grace_s)
     return error.exit_code

@@ -73,11 +73,12 @@ class PeerRefused(PeerFailed):
     ``ConfigurationError``, the same refusal each rank usually reaches, that one sooner).
     ``refusal`` is that rank's message. A host hands it to ``print_refusal`` like its own
     ``ConfigurationError`` (``except (ConfigurationError, PeerRefused)``): the refusal is
-    then printed once per job, without a traceback, exit status 2, whichever rank got there
-    first.
+    then printed once per job, by the rank that refused first, without a traceback, and
+    every rank exits with status 2 (this one says nothing: ``said_here`` is False).
     """
 
     exit_code = 2
+    said_here: bool | None = False
 
     def __init__(
         self, rank: int, reason: str, message: str | None = None, refusal: str = ""

@@ -46,8 +46,8 @@ REFUSAL = (
     + "every problem is listed with its fix; " * 20
     + "the end of the refusal"
 )
-"""A refusal longer than a failure's reason (``MAX_REASON_CHARS``): the told ranks print it
-whole."""
+"""A refusal longer than a failure's reason (``MAX_REASON_CHARS``): printed whole, once (by
+the refusing rank), and marked whole for the told ranks' ``PeerRefused``."""
 
 
 def _pairs(values: list[str]) -> dict[int, str]:

@@ -143,12 +143,14 @@ def test_a_peer_mark_aborts_and_then_interrupts_the_blocked_main_thread(store, w
 
 
 @pytest.mark.parametrize("refused", [True, False], ids=["refusal", "exception"])
-def test_a_peers_refusal_reaches_this_rank_whole_and_is_printed_as_its_own(
+def test_a_peers_refusal_reaches_this_rank_whole_and_is_said_once_by_the_refusing_rank(
     store, watches, monkeypatch, capsys, refused
 ):
     """A rank that refused the run as configured (a ``ConfigurationError``) marks its
-    message whole; the told rank raises ``PeerRefused``, which the host prints as its own
-    refusal (exit status 2). Any other failure stays a plain ``PeerFailed``."""
+    message whole; the told rank raises ``PeerRefused``, which the host hands to
+    ``print_refusal`` as its own refusal: exit status 2, nothing said (it waits, as a rank
+    that does not speak does). The refusing rank, the job's first failure, says it, naming
+    itself, although it is not rank 0. Any other failure stays a plain ``PeerFailed``."""
     stand_in = StandIn()
     watch = start(watches, store, abort=Aborts(stand_in))
     message = "2 problem(s) with the CUDA graph configuration: " + "a problem and its fix; " * 40
@@ -162,10 +164,42 @@ def test_a_peers_refusal_reaches_this_rank_whole_and_is_printed_as_its_own(
         return
     assert info.value.refusal == message  # the refusal is not
     assert info.value.rank == 1
-    monkeypatch.setenv("RANK", "0")
+    slept: list[float] = []
+    monkeypatch.setattr(hookspecs.errors.time, "sleep", slept.append)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert hookspecs.print_refusal(info.value) == 2
+    monkeypatch.setenv("RANK", "0")
+    assert hookspecs.print_refusal(info.value, grace_s=7.5) == 2
+    assert (capsys.readouterr().err, slept) == ("", [7.5])  # told: silent, waits
+    assert error.said_here is True  # the refusing rank's mark was the job's first failure
+    monkeypatch.setenv("RANK", "1")
+    assert hookspecs.print_refusal(error, grace_s=7.5) == 2
     assert capsys.readouterr().err == f"error: rank 1 refused the run: {message}\n"
+    assert slept == [7.5]  # the speaker does not wait
+
+
+@pytest.mark.parametrize(
+    "exception,first,said_here",
+    [
+        # this rank's refusal was the job's first failure: it says it
+        (hookspecs.ConfigurationError("bad"), (1, "mine", "bad"), True),
+        # another rank refused first: that rank says it
+        (hookspecs.ConfigurationError("bad"), (0, "other", "worse"), False),
+        # another rank failed first, not by a refusal: nobody else says this one (rank 0 does)
+        (hookspecs.ConfigurationError("bad"), (0, "other", ""), None),
+        # the store did not answer: not known
+        (hookspecs.ConfigurationError("bad"), None, None),
+        # not a refusal: nothing to say
+        (RuntimeError("boom"), (1, "mine", ""), None),
+    ],
+)
+def test_the_mark_tells_print_refusal_which_rank_says_the_refusal(exception, first, said_here):
+    pids = {"mine": os.getpid(), "other": os.getpid() + 1}
+    found = None
+    if first is not None:
+        rank, whose, refusal = first
+        found = peer_mark.PeerFailure(rank, "exception", "host", pids[whose], refusal)
+    peer_mark.note_speaker(exception, found, 1)
+    assert getattr(exception, "said_here", None) is said_here
 
 
 def test_the_interrupt_alone_does_not_end_a_wait_in_c_the_abort_does(store, watches):
@@ -787,9 +821,10 @@ def test_sigterm_to_rank_1_ends_the_blocked_rank_0_with_peer_failed(jobs):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("peer_failure_jobs")
-def test_a_refusal_on_rank_1_is_printed_once_by_the_told_rank_0_without_a_traceback(jobs):
+def test_a_refusal_on_rank_1_is_printed_once_by_rank_1_without_a_traceback(jobs):
     # rank 1 refuses the run at step 2 while rank 0 waits on the device: rank 0 hears of it
-    # before it could reach a refusal of its own, and says rank 1's as a refusal (exit 2)
+    # before it could reach a refusal of its own (PeerRefused: it says nothing, exit 2);
+    # rank 1, the first to refuse, says its refusal, naming itself, and exits 2 first
     job = jobs["refused"]
     ended_in_time(job)
     told_by(job, 0, 1, "CUDA graphs were asked for but rank 1 refused step 2")
@@ -801,7 +836,7 @@ def test_a_refusal_on_rank_1_is_printed_once_by_the_told_rank_0_without_a_traceb
     assert output.count("the end of the refusal") == 1, job.context()  # whole, once
     # the one traceback is torchrun's own ChildFailedError: none from a worker
     assert output.count("Traceback") == 1 and "ChildFailedError" in output, job.context()
-    assert "exitcode  : 2" in output and "local_rank: 0" in output, job.context()
+    assert "failed (exitcode: 2) local_rank: 1" in output, job.context()  # rank 1 said it
 
 
 @pytest.mark.slow

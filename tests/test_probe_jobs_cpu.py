@@ -184,3 +184,41 @@ def test_two_gloo_ranks_end_non_zero_in_time_when_rank_1_raises(tmp_path: Path) 
     assert failing["world_size"] == 2
     # rank 0 cannot complete without rank 1: its watch of the job ends it (issue 22)
     assert job.records[0]["shutdown_reason"] == "peer_failed", job.context()
+
+
+def test_two_gloo_ranks_say_rank_1s_refusal_once_and_exit_2(tmp_path: Path) -> None:
+    # Rank 1 alone refuses the run at step 2 (as a check of that step does) while rank 0
+    # waits in a gloo all-reduce, which neither rank's abort of its process groups releases:
+    # only rank 1's exit does. So rank 1, the first to refuse, says it (naming itself) and
+    # exits 2; rank 0, told by its watch (PeerRefused), runs its shutdown and says nothing
+    # (issue 22). Before: rank 1 waited 30 s for rank 0 to say it, rank 0 stayed in the
+    # all-reduce until its exit deadline (status 70), and nobody said the refusal.
+    job = launch(
+        "gloo-refuse",
+        [*SHORT, *FULL],
+        nproc=2,
+        job_dir=tmp_path,
+        timeout_s=90,
+        env={**CPU, "MCGRAPH_PROBE_REFUSE": "2:1"},
+        dump_signal=signal.SIGUSR1,
+    )
+    result = job.result
+    assert not result.timed_out, f"HANG\n{job.context()}"
+    assert result.rc != 0 and result.wall_s < 60, job.context()
+    assert result.leftovers == [] and result.survivors == []
+    refusing = job.record(1)
+    assert refusing["shutdown_reason"] == "exception", job.context()
+    assert "ConfigurationError" in refusing["exception"], refusing["exception"]
+    told = job.record(0)
+    assert told["shutdown_reason"] == "peer_failed", job.context()
+    assert "PeerRefused" in told["exception"], told["exception"]
+    output = result.output()
+    said = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert said == [
+        "error: rank 1 refused the run: mcgraph probe: rank 1 refuses the run at step 2. "
+        "Fix: unset MCGRAPH_PROBE_REFUSE"
+    ], job.context()
+    assert "failed (exitcode: 2) local_rank: 1" in output, job.context()
+    assert "cuda_graph_peer_exit_deadline" not in output, job.context()  # no rank timed out
+    # the one traceback is torchrun's own ChildFailedError; none from a worker
+    assert output.count("Traceback") == 1 and "ChildFailedError" in output, job.context()

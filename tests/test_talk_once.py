@@ -81,11 +81,19 @@ def test_one_process_is_left_as_it_was(records, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "rank,world_size,said,waited",
-    [("0", "2", True, []), ("1", "2", False, [7.5]), ("1", "1", False, []), (None, None, True, [])],
+    "rank,world_size,said_here,said,waited",
+    [
+        ("0", "2", None, "error: 1 problem(s): scope attn", []),
+        ("1", "2", None, "", [7.5]),
+        ("1", "1", None, "", []),
+        (None, None, None, "error: 1 problem(s): scope attn", []),
+        # a plugin watching the job found whose refusal came first (issue 22)
+        ("1", "2", True, "error: rank 1 refused the run: 1 problem(s): scope attn", []),
+        ("0", "2", False, "", [7.5]),
+    ],
 )
-def test_print_refusal_rank_0_says_it_and_the_other_ranks_wait_before_exiting(
-    monkeypatch, capsys, rank, world_size, said, waited
+def test_print_refusal_one_rank_says_it_and_the_other_ranks_wait_before_exiting(
+    monkeypatch, capsys, rank, world_size, said_here, said, waited
 ):
     from hookspecs import errors
 
@@ -97,8 +105,10 @@ def test_print_refusal_rank_0_says_it_and_the_other_ranks_wait_before_exiting(
     slept: list[float] = []
     monkeypatch.setattr(errors.time, "sleep", slept.append)
     refused = errors.ConfigurationError("1 problem(s): scope attn needs impl transformer_engine")
+    refused.said_here = said_here
     assert errors.print_refusal(refused, grace_s=7.5) == 2
-    assert ("error: 1 problem(s): scope attn" in capsys.readouterr().err) is said
+    err = capsys.readouterr().err
+    assert err.startswith(said) and (err != "") is bool(said), err
     assert slept == waited
     assert errors.REFUSAL_GRACE_S >= 10  # a loaded machine starts ranks seconds apart
 

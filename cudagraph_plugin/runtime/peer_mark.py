@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -140,6 +141,18 @@ def refusal_of(exception: BaseException | None) -> str:
     if not isinstance(exception, ConfigurationError):
         return ""
     return (str(exception) or type(exception).__name__)[:MAX_REFUSAL_CHARS]
+
+
+def note_speaker(exception: BaseException | None, first: PeerFailure | None, rank: int) -> None:
+    """Tell ``print_refusal`` whether this rank (``rank``, this process) says the job's
+    refusal (``ConfigurationError.said_here``), from the job's first failure its mark
+    found: this rank's own (it says it), another rank's refusal (that rank says it), else
+    not known (rank 0 says it, as before the ranks watched each other)."""
+    if not isinstance(exception, ConfigurationError) or first is None:
+        return
+    first_is_mine = (first.rank, first.pid) == (rank, os.getpid())
+    if first_is_mine or first.refusal:
+        exception.said_here = first_is_mine
 
 
 def own_connection(store: Any) -> Any:

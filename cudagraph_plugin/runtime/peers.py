@@ -9,7 +9,9 @@ the bounded store calls are :mod:`~cudagraph_plugin.runtime.peer_mark`):
   fail claims one key (``compare_set``), so two ranks failing at once agree on which was
   first; each also leaves its own record. A refused configuration (``ConfigurationError``)
   is marked with its whole message: the told ranks raise :class:`PeerRefused`, which the
-  host prints as its own refusal.
+  host hands to ``print_refusal`` as its own refusal (it then says nothing and exits 2),
+  and the refusing rank learns from the mark that its refusal came first
+  (``said_here``): it says it for the job.
 * **Watch.** A daemon thread on every rank polls that key over its own connection to the
   store (:meth:`PeerWatch.start`). A store that is gone (connection refused or reset) stops
   the watch quietly; a store that no longer answers can stall only that thread: the main
@@ -69,6 +71,7 @@ from cudagraph_plugin.runtime.peer_mark import (
     default_interrupt_signal,
     describe_end,
     first_line,
+    note_speaker,
     own_connection,
     refusal_of,
     run_is_shutting_down,
@@ -241,7 +244,8 @@ class PeerWatch:
         as ended (what :meth:`wait_for_peers` waits for)."""
         reason = ShutdownReason(reason)
         if reason.abnormal and reason is not ShutdownReason.PEER_FAILED:
-            self.mark_failed(describe_end(reason, exception), refusal_of(exception))
+            first = self.mark_failed(describe_end(reason, exception), refusal_of(exception))
+            note_speaker(exception, first, self.rank)
             return
         self.stop()
         if self.peer_failure is not None and reason is not ShutdownReason.PEER_FAILED:

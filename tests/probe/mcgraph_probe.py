@@ -31,6 +31,10 @@ Environment contract (``R`` is the ``RANK`` variable, 0 without torchrun):
     (``all`` for every rank).
 ``MCGRAPH_PROBE_SIGTERM=<step>:<rank>``
     Send SIGTERM to this process at the end of that step, on that rank.
+``MCGRAPH_PROBE_REFUSE=<step>:<rank>``
+    Raise ``hookspecs.ConfigurationError`` at the end of that step, on that rank, as a
+    plugin's check of that step refuses the run (the CUDA graph plugin's "asked for graphs,
+    got none", reached by one rank first): the other ranks are told with ``PeerRefused``.
 ``MCGRAPH_PROBE_SCALE_LR=<step>:<factor>[:fill]``
     At the start of training step ``<step>`` (every rank), write each param group's
     learning rate back multiplied by ``<factor>`` as a Python float, as many custom loops
@@ -72,12 +76,21 @@ from hookspecs import hookimpl
 DIR_VAR = "MCGRAPH_PROBE_DIR"
 RAISE_VAR = "MCGRAPH_PROBE_RAISE"
 SIGTERM_VAR = "MCGRAPH_PROBE_SIGTERM"
+REFUSE_VAR = "MCGRAPH_PROBE_REFUSE"
 FAIL_CAPTURE_VAR = "MCGRAPH_PROBE_FAIL_CAPTURE"
 FAIL_CAPTURE_AT_VAR = "MCGRAPH_PROBE_FAIL_CAPTURE_AT"
 SCALE_LR_VAR = "MCGRAPH_PROBE_SCALE_LR"
 PLAIN_VAR = "MCGRAPH_PROBE_PLAIN_FWD_BWD"
 DUMP_EVERY_VAR = "MCGRAPH_PROBE_DUMP_EVERY"
-PROBE_VARS = (DIR_VAR, RAISE_VAR, SIGTERM_VAR, FAIL_CAPTURE_VAR, SCALE_LR_VAR, PLAIN_VAR)
+PROBE_VARS = (
+    DIR_VAR,
+    RAISE_VAR,
+    SIGTERM_VAR,
+    REFUSE_VAR,
+    FAIL_CAPTURE_VAR,
+    SCALE_LR_VAR,
+    PLAIN_VAR,
+)
 RUN_NAME = "mcgraph-probe-run"
 MIB = 1024 * 1024
 # Losses are read from the device only for these reasons (see the module docstring).
@@ -175,6 +188,7 @@ class Probe:
         self.path = Path(probe_dir) / f"rank{self.rank}.json" if probe_dir else None
         self.raise_at = _step_rank(environ, RAISE_VAR)
         self.sigterm_at = _step_rank(environ, SIGTERM_VAR)
+        self.refuse_at = _step_rank(environ, REFUSE_VAR)
         self.scale_lr = _step_factor(environ.get(SCALE_LR_VAR))
         self.plain_fwd_bwd = environ.get(PLAIN_VAR) == "1"
         self.optimizer: Any = None
@@ -275,6 +289,15 @@ class Probe:
             self.events.append(["fault", "sigterm", step])
             self.record["fault_at"] = time.time()
             os.kill(os.getpid(), signal.SIGTERM)
+        if self.refuse_at is not None and self._due(self.refuse_at, step):
+            from hookspecs import ConfigurationError
+
+            self.events.append(["fault", "refuse", step])
+            self.record["fault_at"] = time.time()
+            raise ConfigurationError(
+                f"mcgraph probe: rank {self.rank} refuses the run at step {step}. Fix: unset "
+                f"{REFUSE_VAR}"
+            )
 
     def _due(self, spec: tuple[int, str], step: int) -> bool:
         return spec[0] == step and _applies(spec[1], self.rank)
