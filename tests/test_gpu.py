@@ -191,11 +191,17 @@ class Scenario:
 
     @property
     def fault_step(self) -> int | None:
-        """The step a raise or SIGTERM is injected at (``None`` for a capture failure)."""
+        """The step a raise, SIGTERM or refusal is injected at (``None`` for a capture
+        failure)."""
         for var, value in self.fault:
-            if var.endswith(("_RAISE", "_SIGTERM")):
+            if var.endswith(("_RAISE", "_SIGTERM", "_REFUSE")):
                 return int(value.split(":")[0])
         return None
+
+    @property
+    def refusal(self) -> bool:
+        """The fault is a refused run (``MCGRAPH_PROBE_REFUSE``): said once, by that rank."""
+        return any(var.endswith("_REFUSE") for var, _ in self.fault)
 
     def argv(self) -> list[str]:
         return ["--train-iters", str(STEPS), *MODEL, *self.base, *self.graphs]
@@ -321,6 +327,17 @@ SCENARIOS: tuple[Scenario, ...] = (
         FULL,
         end="signal",
         fault=_fault("SIGTERM", "6:0"),
+        failing_ranks=(0,),
+        parity=False,
+    ),
+    Scenario(
+        # a check of step 6 refuses the run after the capture: the graphs freed, the refusal
+        # said once without a traceback, exit status 2
+        "refuse_full_iteration",
+        (),
+        FULL,
+        end="exception",
+        fault=_fault("REFUSE", "6:0"),
         failing_ranks=(0,),
         parity=False,
     ),
@@ -456,6 +473,19 @@ SCENARIOS: tuple[Scenario, ...] = (
         toggles=HOST_TOGGLES,
         end="exception",
         fault=_fault("RAISE", "6:1"),
+        failing_ranks=(1,),
+        parity=False,
+    ),
+    Scenario(
+        # Rank 1 alone refuses the run at step 6 (as a check of that step does) while rank 0
+        # replays: rank 1 says it, once, and exits 2; rank 0 is told (PeerRefused), runs
+        # its shutdown and says nothing.
+        "dp2_refuse_rank1_full_iteration",
+        (),
+        FULL,
+        nproc=2,
+        end="exception",
+        fault=_fault("REFUSE", "6:1"),
         failing_ranks=(1,),
         parity=False,
     ),
@@ -699,6 +729,8 @@ def check_failure(scenario: Scenario, job: TrainJob) -> None:
     assert result.rc != 0, f"the job succeeded despite the fault\n{job.context()}"
     if scenario.nproc == 1 and scenario.end == "signal":
         assert result.signal == signal.SIGTERM, job.context()
+    if scenario.nproc == 1 and scenario.refusal:
+        assert result.rc == 2, job.context()  # print_refusal's exit status
     assert result.wall_s < NO_HANG_S, f"took {result.wall_s:.1f} s to end\n{job.context()}"
     after_fault = end_after_fault_s(job)
     assert after_fault is not None and after_fault < PEER_END_S, (after_fault, job.context())
@@ -726,6 +758,25 @@ def check_failure(scenario: Scenario, job: TrainJob) -> None:
         assert scenario.end in reasons, job.context()
     for rank in sorted(set(range(scenario.nproc)) - set(scenario.failing_ranks)):
         check_peer_ended(scenario, job, rank)
+    if scenario.refusal:
+        check_refusal_said_once(scenario, job)
+
+
+def check_refusal_said_once(scenario: Scenario, job: TrainJob) -> None:
+    """A run refused at a step by one rank: the refusal said once, by that rank (naming
+    itself unless it is rank 0), with no worker's traceback."""
+    [rank] = scenario.failing_ranks
+    output = job.result.output()
+    said = [line for line in output.splitlines() if line.startswith("error: ")]
+    who = f"rank {rank} refused the run: " if rank else ""
+    refusal = (
+        f"mcgraph probe: rank {rank} refuses the run at step {scenario.fault_step}. "
+        "Fix: unset MCGRAPH_PROBE_REFUSE"
+    )
+    assert said == [f"error: {who}{refusal}"], (said, job.context())
+    # torchrun's own ChildFailedError at most; nothing from a worker
+    assert output.count("Traceback") <= 1, job.context()
+    assert 'train_gpt.py", line' not in output, job.context()
 
 
 def check_peer_ended(scenario: Scenario, job: TrainJob, rank: int) -> None:

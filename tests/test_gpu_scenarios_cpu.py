@@ -79,7 +79,7 @@ def test_the_scenario_agrees_with_its_flags(scenario: Scenario) -> None:
             )
             hit = run.fail_capture or any(
                 spec is not None and probe._applies(spec[1], rank)
-                for spec in (run.raise_at, run.sigterm_at)
+                for spec in (run.raise_at, run.sigterm_at, run.refuse_at)
             )
             assert hit == (rank in scenario.failing_ranks)
         if scenario.fault_step is not None:
@@ -312,20 +312,51 @@ def peer_record(s: Scenario) -> dict[str, Any]:
     }
 
 
+def refusal_output(tmp_path: Path, lines: list[str]) -> Path:
+    """A job's standard error with a refusal scenario's ``error:`` lines (the rest of what
+    such a job prints: log lines, torchrun's one traceback)."""
+    path = tmp_path / f"stderr-{len(list(tmp_path.iterdir()))}.log"
+    text = "[cudagraph_plugin] [rank 1] shutdown (exception): 1 CUDA graph(s) freed\n"
+    text += "".join(f"{line}\n" for line in lines)
+    path.write_text(text + "Traceback (most recent call last):\nChildFailedError\n")
+    return path
+
+
 @pytest.mark.parametrize("s", FAILURES, ids=lambda s: s.name)
-def test_the_failure_checks_pass_an_ended_job_and_catch_a_hang_or_a_leak(s: Scenario) -> None:
+def test_the_failure_checks_pass_an_ended_job_and_catch_a_hang_or_a_leak(
+    s: Scenario, tmp_path: Path
+) -> None:
     rc = -15 if s.nproc == 1 and s.end == "signal" else 1
+    if s.nproc == 1 and s.refusal:
+        rc = 2  # print_refusal's exit status
     records = {rank: failure_record(s) for rank in s.failing_ranks}
     peers = sorted(set(range(s.nproc)) - set(s.failing_ranks))
     records.update({rank: peer_record(s) for rank in peers})
     ended = FAULT_AT + 3.0  # the job ended 3 s after the fault
-    test_gpu.check_failure(s, job_of(s, records, rc=rc, wall_s=12.0, ended_at=ended))
+    said: dict[str, Any] = {}  # a refusal scenario's output: said once, by the refusing rank
+    bad_output: list[Path] = []
+    if s.refusal:
+        [who] = s.failing_ranks
+        refusal = (
+            f"mcgraph probe: rank {who} refuses the run at step 6. Fix: unset MCGRAPH_PROBE_REFUSE"
+        )
+        named = f"rank {who} refused the run: " if who else ""
+        line = f"error: {named}{refusal}"
+        said = {"stderr": refusal_output(tmp_path, [line])}
+        misnamed = f"error: {'' if who else 'rank 1 refused the run: '}{refusal}"
+        bad_output = [refusal_output(tmp_path, lines) for lines in ([], [line, line], [misnamed])]
+
+    def job_of_s(records: dict[int, dict[str, Any]], **result: Any) -> TrainJob:
+        return job_of(s, records, **{**said, **result})
+
+    test_gpu.check_failure(s, job_of_s(records, rc=rc, wall_s=12.0, ended_at=ended))
     bad_jobs = [
-        job_of(s, records, rc=0, ended_at=ended),
-        job_of(s, records, rc=rc, wall_s=61.0, ended_at=ended),
-        job_of(s, records, rc=-9, timed_out=True, wall_s=90.0, ended_at=ended),
-        job_of(s, {}, rc=rc, ended_at=ended),
-        job_of(s, records, rc=rc, wall_s=40.0, ended_at=FAULT_AT + 20.0),  # not within 15 s
+        *(job_of_s(records, rc=rc, ended_at=ended, stderr=path) for path in bad_output),
+        job_of_s(records, rc=0, ended_at=ended),
+        job_of_s(records, rc=rc, wall_s=61.0, ended_at=ended),
+        job_of_s(records, rc=-9, timed_out=True, wall_s=90.0, ended_at=ended),
+        job_of_s({}, rc=rc, ended_at=ended),
+        job_of_s(records, rc=rc, wall_s=40.0, ended_at=FAULT_AT + 20.0),  # not within 15 s
     ]
     for peer in peers:
         for path, value in (
@@ -335,9 +366,9 @@ def test_the_failure_checks_pass_an_ended_job_and_catch_a_hang_or_a_leak(s: Scen
             ("graph_plugin.allocated_after_free_mib", 300.0),
         ):
             changed = {**records, peer: _set(records[peer], path, value)}
-            bad_jobs.append(job_of(s, changed, rc=rc, ended_at=ended))
+            bad_jobs.append(job_of_s(changed, rc=rc, ended_at=ended))
         bad_jobs.append(
-            job_of(s, {r: v for r, v in records.items() if r != peer}, rc=rc, ended_at=ended)
+            job_of_s({r: v for r, v in records.items() if r != peer}, rc=rc, ended_at=ended)
         )
     rank = s.failing_ranks[-1]
     for path, value in (
@@ -347,10 +378,10 @@ def test_the_failure_checks_pass_an_ended_job_and_catch_a_hang_or_a_leak(s: Scen
         ("losses", [1.0]),
     ):
         bad_jobs.append(
-            job_of(s, {**records, rank: _set(records[rank], path, value)}, rc=rc, ended_at=ended)
+            job_of_s({**records, rank: _set(records[rank], path, value)}, rc=rc, ended_at=ended)
         )
-    if rc == -15:
-        bad_jobs.append(job_of(s, records, rc=1, ended_at=ended))
+    if rc in (-15, 2):
+        bad_jobs.append(job_of_s(records, rc=1, ended_at=ended))
     for job in bad_jobs:
         assert fails(lambda job=job: test_gpu.check_failure(s, job)), job
 
