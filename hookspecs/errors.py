@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # a leaf at run time
     from hookspecs.reasons import PeerRefused
 
-# How long a rank other than 0 waits before it exits after a refusal (see print_refusal).
+# How long a rank that does not say a refusal waits before it exits (see print_refusal).
 REFUSAL_GRACE_S = 30.0
 
 
@@ -26,7 +26,10 @@ class ConfigurationError(ValueError):
     ``said_here`` tells :func:`print_refusal` which rank of a multi-rank job says it:
     ``None`` (not known: rank 0 does, as every rank usually has the same to say), ``True``
     (this rank's refusal was the job's first failure, which a plugin watching the job
-    found: this rank says it) or ``False`` (another rank refused first and says it)."""
+    found, or the plugin could not find out: this rank says it) or ``False`` (another rank
+    refused first and says it). A plugin that tells the other ranks of a refusal with
+    :class:`~hookspecs.reasons.PeerRefused` (which they do not say) sets it on the refusing
+    rank's error, or nobody says it where that rank is not rank 0."""
 
     exit_code = 2
     said_here: bool | None = None

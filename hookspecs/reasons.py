@@ -74,7 +74,9 @@ class PeerRefused(PeerFailed):
     ``refusal`` is that rank's message. A host hands it to ``print_refusal`` like its own
     ``ConfigurationError`` (``except (ConfigurationError, PeerRefused)``): the refusal is
     then printed once per job, by the rank that refused first, without a traceback, and
-    every rank exits with status 2 (this one says nothing: ``said_here`` is False).
+    every rank exits with status 2 (this one says nothing: ``said_here`` is False). A
+    plugin that raises it sets ``said_here = True`` on the refusing rank's
+    ``ConfigurationError`` (the CUDA graph plugin's watch does, from the job's failure mark).
     """
 
     exit_code = 2

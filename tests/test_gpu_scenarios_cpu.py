@@ -338,7 +338,8 @@ def test_the_failure_checks_pass_an_ended_job_and_catch_a_hang_or_a_leak(
     if s.refusal:
         [who] = s.failing_ranks
         refusal = (
-            f"mcgraph probe: rank {who} refuses the run at step 6. Fix: unset MCGRAPH_PROBE_REFUSE"
+            f"mcgraph probe: rank {who} refuses the run at step {s.fault_step}. Fix: unset "
+            "MCGRAPH_PROBE_REFUSE"
         )
         named = f"rank {who} refused the run: " if who else ""
         line = f"error: {named}{refusal}"

@@ -187,8 +187,8 @@ def test_a_peers_refusal_reaches_this_rank_whole_and_is_said_once_by_the_refusin
         (hookspecs.ConfigurationError("bad"), (0, "other", "worse"), False),
         # another rank failed first, not by a refusal: nobody else says this one (rank 0 does)
         (hookspecs.ConfigurationError("bad"), (0, "other", ""), None),
-        # the store did not answer: not known
-        (hookspecs.ConfigurationError("bad"), None, None),
+        # the store did not answer in time (the mark may still land): this rank says it
+        (hookspecs.ConfigurationError("bad"), None, True),
         # not a refusal: nothing to say
         (RuntimeError("boom"), (1, "mine", ""), None),
     ],

@@ -186,39 +186,57 @@ def test_two_gloo_ranks_end_non_zero_in_time_when_rank_1_raises(tmp_path: Path) 
     assert job.records[0]["shutdown_reason"] == "peer_failed", job.context()
 
 
-def test_two_gloo_ranks_say_rank_1s_refusal_once_and_exit_2(tmp_path: Path) -> None:
-    # Rank 1 alone refuses the run at step 2 (as a check of that step does) while rank 0
-    # waits in a gloo all-reduce, which neither rank's abort of its process groups releases:
-    # only rank 1's exit does. So rank 1, the first to refuse, says it (naming itself) and
-    # exits 2; rank 0, told by its watch (PeerRefused), runs its shutdown and says nothing
-    # (issue 22). Before: rank 1 waited 30 s for rank 0 to say it, rank 0 stayed in the
-    # all-reduce until its exit deadline (status 70), and nobody said the refusal.
+def _refusal(rank: int) -> str:
+    return f"mcgraph probe: rank {rank} refuses the run at step 2. Fix: unset MCGRAPH_PROBE_REFUSE"
+
+
+# what the job says of each refusal: rank 1's names it, rank 0's is said as rank 0's own
+SAID = {1: f"error: rank 1 refused the run: {_refusal(1)}", 0: f"error: {_refusal(0)}"}
+
+
+@pytest.mark.parametrize("refusing", ["1", "0", "all"])
+def test_two_gloo_ranks_say_a_refusal_once_by_the_rank_that_refused_first(
+    tmp_path: Path, refusing: str
+) -> None:
+    # A check of step 2 refuses the run on rank 1, rank 0 or both at once, while the other
+    # rank waits in a gloo all-reduce, which neither rank's abort of its process groups
+    # releases: only the refusing rank's exit does. So the rank whose refusal came first
+    # (the job's failure mark says which; both at once: whichever claimed it) says it,
+    # naming itself unless it is rank 0, and exits 2; the other is told by its watch
+    # (PeerRefused), or finds its own refusal second, runs its shutdown and says nothing
+    # (issue 22). Before: for rank 1's refusal, rank 1 waited 30 s for rank 0 to say it,
+    # rank 0 stayed in the all-reduce until its exit deadline (status 70), and nobody said
+    # the refusal.
     job = launch(
-        "gloo-refuse",
+        f"gloo-refuse-{refusing}",
         [*SHORT, *FULL],
         nproc=2,
         job_dir=tmp_path,
         timeout_s=90,
-        env={**CPU, "MCGRAPH_PROBE_REFUSE": "2:1"},
+        env={**CPU, "MCGRAPH_PROBE_REFUSE": f"2:{refusing}"},
         dump_signal=signal.SIGUSR1,
     )
     result = job.result
     assert not result.timed_out, f"HANG\n{job.context()}"
     assert result.rc != 0 and result.wall_s < 60, job.context()
     assert result.leftovers == [] and result.survivors == []
-    refusing = job.record(1)
-    assert refusing["shutdown_reason"] == "exception", job.context()
-    assert "ConfigurationError" in refusing["exception"], refusing["exception"]
-    told = job.record(0)
-    assert told["shutdown_reason"] == "peer_failed", job.context()
-    assert "PeerRefused" in told["exception"], told["exception"]
     output = result.output()
     said = [line for line in output.splitlines() if line.startswith("error: ")]
-    assert said == [
-        "error: rank 1 refused the run: mcgraph probe: rank 1 refuses the run at step 2. "
-        "Fix: unset MCGRAPH_PROBE_REFUSE"
-    ], job.context()
-    assert "failed (exitcode: 2) local_rank: 1" in output, job.context()
+    assert len(said) == 1 and said[0] in SAID.values(), job.context()
+    speaker = 1 if said[0] == SAID[1] else 0
+    if refusing != "all":
+        assert speaker == int(refusing), job.context()
+    for rank in (0, 1):
+        record = job.record(rank)  # every rank's shutdown ran
+        if rank == speaker:
+            assert record["shutdown_reason"] == "exception", job.context()
+            assert "ConfigurationError" in record["exception"], record["exception"]
+        elif refusing == "all":  # its own refusal second, or told of the first
+            assert record["shutdown_reason"] in ("exception", "peer_failed"), job.context()
+        else:
+            assert record["shutdown_reason"] == "peer_failed", job.context()
+            assert "PeerRefused" in record["exception"], record["exception"]
+    assert f"failed (exitcode: 2) local_rank: {speaker}" in output, job.context()
     assert "cuda_graph_peer_exit_deadline" not in output, job.context()  # no rank timed out
     # the one traceback is torchrun's own ChildFailedError; none from a worker
     assert output.count("Traceback") == 1 and "ChildFailedError" in output, job.context()

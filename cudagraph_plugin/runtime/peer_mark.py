@@ -146,9 +146,14 @@ def refusal_of(exception: BaseException | None) -> str:
 def note_speaker(exception: BaseException | None, first: PeerFailure | None, rank: int) -> None:
     """Tell ``print_refusal`` whether this rank (``rank``, this process) says the job's
     refusal (``ConfigurationError.said_here``), from the job's first failure its mark
-    found: this rank's own (it says it), another rank's refusal (that rank says it), else
-    not known (rank 0 says it, as before the ranks watched each other)."""
-    if not isinstance(exception, ConfigurationError) or first is None:
+    found: this rank's own (it says it), another rank's refusal (that rank says it), another
+    rank's failure of another kind (not known: rank 0 says it). A mark the store did not
+    answer in time (``first`` is None) may still land and tell the other ranks, who then
+    say nothing: this rank says it (said twice, at worst, rather than never)."""
+    if not isinstance(exception, ConfigurationError):
+        return
+    if first is None:
+        exception.said_here = True
         return
     first_is_mine = (first.rank, first.pid) == (rank, os.getpid())
     if first_is_mine or first.refusal:

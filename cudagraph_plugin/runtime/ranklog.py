@@ -37,7 +37,8 @@ class RankFilter(logging.Filter):
         if world <= 1:
             return True
         if getattr(record, "mcgraph_job_wide", False) and not self.every_rank:
-            return rank == 0  # (logged by every rank, they carry it as the others do)
+            return rank == 0
+        # (a job-wide line logged by every rank carries its rank, as the others do)
         if not getattr(record, "mcgraph_rank_tagged", False):
             record.msg = f"[rank {rank}] {record.msg}"
             record.mcgraph_rank_tagged = True
