@@ -6,10 +6,10 @@ entry-point discovery and blocking (``manager``), the host's default implementat
 the hooks in order and guarantees the shutdown hook on every exit path (``run``).
 
 Leaf modules come first and nothing imports this package's ``__init__`` from inside it:
-``markers`` (the name and pluggy markers), ``reasons`` (why a run ended) and ``errors``
-(:class:`ConfigurationError`) import nothing
-of the contract; ``spec`` and ``host_defaults`` import ``markers``; ``manager`` imports
-them; ``run`` imports ``manager`` and ``reasons``.
+``markers`` (the name and pluggy markers) and ``reasons`` (why a run ended) import nothing
+of the contract; ``errors`` (:class:`ConfigurationError`) imports ``reasons``; ``spec`` and
+``host_defaults`` import ``markers``; ``manager`` imports them; ``run`` imports ``manager``
+and ``reasons``.
 
 It imports neither torch nor megatron at run time, so a plugin author can depend on it alone:
 it is its own distribution, ``mcgraph-hookspecs`` (built by ``hookspecs/pyproject.toml``;

@@ -1,4 +1,4 @@
-"""Errors of the contract (a leaf: imports nothing).
+"""Errors of the contract (imports only :mod:`hookspecs.reasons`, itself a leaf).
 
 :class:`ConfigurationError` is what a plugin raises when it refuses the run as configured
 (its message lists every problem with its fix). A host catches it and hands it to
@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # a leaf at run time
-    from hookspecs.reasons import PeerRefused
+from hookspecs.reasons import PeerRefused, refused_by
 
 # How long a rank that does not say a refusal waits before it exits (see print_refusal).
 REFUSAL_GRACE_S = 30.0
@@ -56,9 +55,9 @@ def print_refusal(
     rank = os.environ.get("RANK", "0")
     said_here = error.said_here if error.said_here is not None else rank == "0"
     if said_here:
-        who = f"rank {rank} refused the run: " if rank != "0" else ""
+        said = refused_by(rank, str(error)) if rank != "0" else str(error)
         out = stream if stream is not None else sys.stderr
-        print(f"error: {who}{error}", file=out, flush=True)
+        print(f"error: {said}", file=out, flush=True)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         time.sleep(grace_s)
     return error.exit_code

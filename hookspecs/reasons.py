@@ -68,6 +68,11 @@ class PeerFailed(BaseException):
         super().__init__(message or f"rank {rank} failed: {reason}")
 
 
+def refused_by(rank: int | str, refusal: str) -> str:
+    """A refusal as said by (or for) a rank other than 0: ``rank N refused the run: ...``."""
+    return f"rank {rank} refused the run: {refusal}"
+
+
 class PeerRefused(PeerFailed):
     """A :class:`PeerFailed` whose rank refused the run as configured (it raised a
     ``ConfigurationError``, the same refusal each rank usually reaches, that one sooner).
@@ -86,4 +91,4 @@ class PeerRefused(PeerFailed):
         self, rank: int, reason: str, message: str | None = None, refusal: str = ""
     ) -> None:
         self.refusal = refusal
-        super().__init__(rank, reason, message or f"rank {rank} refused the run: {refusal}")
+        super().__init__(rank, reason, message or refused_by(rank, refusal))

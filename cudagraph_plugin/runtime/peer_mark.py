@@ -23,6 +23,7 @@ from typing import Any
 from hookspecs import ConfigurationError, ShutdownReason
 from hookspecs import PeerFailed as _ContractPeerFailed
 from hookspecs import PeerRefused as _ContractPeerRefused
+from hookspecs.reasons import refused_by
 from hookspecs.run import TrainingRun
 
 logger = logging.getLogger("cudagraph_plugin")
@@ -122,7 +123,7 @@ class PeerRefused(PeerFailed, _ContractPeerRefused):
     2), with the failure record."""
 
     def __init__(self, failure: PeerFailure) -> None:
-        super().__init__(failure, f"rank {failure.rank} refused the run: {failure.refusal}")
+        super().__init__(failure, refused_by(failure.rank, failure.refusal))
         self.refusal = failure.refusal
 
 
