@@ -77,6 +77,7 @@ from train_jobs import (
     check_job_ended_cleanly,
     end_after_fault_s,
     launch,
+    probe_refusal_said,
     result_line,
     single_gpu_env,
 )
@@ -766,14 +767,10 @@ def check_refusal_said_once(scenario: Scenario, job: TrainJob) -> None:
     """A run refused at a step by one rank: the refusal said once, by that rank (naming
     itself unless it is rank 0), with no worker's traceback."""
     [rank] = scenario.failing_ranks
+    assert scenario.fault_step is not None
     output = job.result.output()
     said = [line for line in output.splitlines() if line.startswith("error: ")]
-    who = f"rank {rank} refused the run: " if rank else ""
-    refusal = (
-        f"mcgraph probe: rank {rank} refuses the run at step {scenario.fault_step}. "
-        "Fix: unset MCGRAPH_PROBE_REFUSE"
-    )
-    assert said == [f"error: {who}{refusal}"], (said, job.context())
+    assert said == [probe_refusal_said(rank, scenario.fault_step)], (said, job.context())
     # torchrun's own ChildFailedError at most; nothing from a worker
     assert output.count("Traceback") <= 1, job.context()
     assert 'train_gpt.py", line' not in output, job.context()
@@ -850,26 +847,43 @@ def _single_gpu_env() -> dict[str, str]:
     return single_gpu_env(DEVICE_COUNT)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("accept_eager", [False, True], ids=["error", "accept-eager"])
-@pytest.mark.parametrize("name,graphs,env,phrase", NOTHING_CAPTURED)
-def test_asked_for_graphs_got_none(name, graphs, env, phrase, accept_eager, jobs_root):
+def run_nothing_captured(
+    name: str,
+    graphs: tuple[str, ...],
+    env: dict[str, str],
+    accept_eager: bool,
+    jobs_root: Path,
+    nproc: int = 1,
+) -> TrainJob:
+    """One job of the "asked for graphs, got none" tests, on one GPU or ``nproc`` ranks."""
     if "transformer_engine" in graphs and not HAS_TE:
         pytest.skip("needs Transformer Engine")
     argv = ["--train-iters", str(STEPS), *MODEL, *graphs]
     if accept_eager:
         argv.append("--cuda-graph-accept-eager")
     role = "accept-eager" if accept_eager else "error"
+    suffix = "" if nproc == 1 else f"_dp{nproc}"
     job = launch(
-        f"{name}/{role}",
+        f"{name}{suffix}/{role}",
         argv,
-        job_dir=jobs_root / f"nothing-{name}-{role}-{uuid.uuid4().hex[:6]}",
-        timeout_s=GOOD_TIMEOUT_S,
-        env={**env, **_single_gpu_env()},
+        job_dir=jobs_root / f"nothing-{name}{suffix}-{role}-{uuid.uuid4().hex[:6]}",
+        timeout_s=FAILURE_TIMEOUT_S if nproc > 1 and not accept_eager else GOOD_TIMEOUT_S,
+        nproc=nproc,
+        env={**env, **(_single_gpu_env() if nproc == 1 else {})},
+        dump_signal=signal.SIGUSR1 if nproc > 1 else None,
     )
-    append_result(result_line(job, f"nothing_captured_{name}", role, test=_current_test()))
+    scenario = f"nothing_captured_{name}{suffix}"
+    append_result(result_line(job, scenario, role, test=_current_test()))
     check_job_ended_cleanly(job)
+    return job
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("accept_eager", [False, True], ids=["error", "accept-eager"])
+@pytest.mark.parametrize("name,graphs,env,phrase", NOTHING_CAPTURED)
+def test_asked_for_graphs_got_none(name, graphs, env, phrase, accept_eager, jobs_root):
+    job = run_nothing_captured(name, graphs, env, accept_eager, jobs_root)
     output = job.result.output()
     report = job.record(0)["report"]
     assert report is not None and not report["graphs_captured"], job.context()
@@ -894,23 +908,7 @@ def test_asked_for_graphs_got_none_on_two_ranks(name, graphs, env, phrase, accep
     problem once, without a worker's traceback, and ends at once; under
     ``--cuda-graph-accept-eager`` each rank warns for itself and the job-wide lines are said
     once."""
-    if "transformer_engine" in graphs and not HAS_TE:
-        pytest.skip("needs Transformer Engine")
-    argv = ["--train-iters", str(STEPS), *MODEL, *graphs]
-    if accept_eager:
-        argv.append("--cuda-graph-accept-eager")
-    role = "accept-eager" if accept_eager else "error"
-    job = launch(
-        f"{name}_dp2/{role}",
-        argv,
-        job_dir=jobs_root / f"nothing-{name}-dp2-{role}-{uuid.uuid4().hex[:6]}",
-        timeout_s=GOOD_TIMEOUT_S if accept_eager else FAILURE_TIMEOUT_S,
-        nproc=2,
-        env=dict(env),
-        dump_signal=signal.SIGUSR1,
-    )
-    append_result(result_line(job, f"nothing_captured_{name}_dp2", role, test=_current_test()))
-    check_job_ended_cleanly(job)
+    job = run_nothing_captured(name, graphs, env, accept_eager, jobs_root, nproc=2)
     output = job.result.output()
     for rank in (0, 1):
         record = job.record(rank)  # the probe's shutdown hook ran on every rank

@@ -29,7 +29,7 @@ from cudagraph_plugin.config.errors import CudaGraphConfigError
 from cudagraph_plugin.entry import RUN_PLUGIN_NAME
 from hookspecs import TrainingRun, get_plugin_manager
 from jobs import JobResult
-from train_jobs import PROBE_PATH, REPO, TrainJob, pinned_device
+from train_jobs import PROBE_PATH, REPO, TrainJob, pinned_device, probe_refusal_said
 
 GOOD = [s for s in SCENARIOS if not s.failure]
 FAILURES = [s for s in SCENARIOS if s.failure]
@@ -337,14 +337,15 @@ def test_the_failure_checks_pass_an_ended_job_and_catch_a_hang_or_a_leak(
     bad_output: list[Path] = []
     if s.refusal:
         [who] = s.failing_ranks
-        refusal = (
-            f"mcgraph probe: rank {who} refuses the run at step {s.fault_step}. Fix: unset "
-            "MCGRAPH_PROBE_REFUSE"
-        )
-        named = f"rank {who} refused the run: " if who else ""
-        line = f"error: {named}{refusal}"
+        assert s.fault_step is not None
+        line = probe_refusal_said(who, s.fault_step)
         said = {"stderr": refusal_output(tmp_path, [line])}
-        misnamed = f"error: {'' if who else 'rank 1 refused the run: '}{refusal}"
+        # the same refusal, its rank named where it should not be, or not where it should
+        if who:
+            misnamed = line.replace(f"rank {who} refused the run: ", "")
+        else:
+            misnamed = line.replace("error: ", "error: rank 1 refused the run: ", 1)
+        assert misnamed != line
         bad_output = [refusal_output(tmp_path, lines) for lines in ([], [line, line], [misnamed])]
 
     def job_of_s(records: dict[int, dict[str, Any]], **result: Any) -> TrainJob:

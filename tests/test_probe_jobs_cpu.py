@@ -21,7 +21,7 @@ import pytest
 from cpu_only import needs_mcore_on_cpu
 
 from cudagraph_plugin.entry import RUN_PLUGIN_NAME
-from train_jobs import REPO, TrainJob, append_result, launch, result_line
+from train_jobs import REPO, TrainJob, append_result, launch, probe_refusal_said, result_line
 
 # One pytest-xdist worker takes the module (make test runs --dist loadgroup), so the jobs
 # fixture runs its jobs once, not once on each worker.
@@ -186,12 +186,8 @@ def test_two_gloo_ranks_end_non_zero_in_time_when_rank_1_raises(tmp_path: Path) 
     assert job.records[0]["shutdown_reason"] == "peer_failed", job.context()
 
 
-def _refusal(rank: int) -> str:
-    return f"mcgraph probe: rank {rank} refuses the run at step 2. Fix: unset MCGRAPH_PROBE_REFUSE"
-
-
-# what the job says of each refusal: rank 1's names it, rank 0's is said as rank 0's own
-SAID = {1: f"error: rank 1 refused the run: {_refusal(1)}", 0: f"error: {_refusal(0)}"}
+# what the job says of each refusal at step 2: rank 1's names it, rank 0's is rank 0's own
+SAID = {rank: probe_refusal_said(rank, 2) for rank in (0, 1)}
 
 
 @pytest.mark.parametrize("refusing", ["1", "0", "all"])

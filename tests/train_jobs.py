@@ -99,6 +99,16 @@ def check_job_ended_cleanly(job: TrainJob) -> None:
     assert result.survivors == [], f"processes that would not die: {result.survivors}"
 
 
+def probe_refusal_said(rank: int, step: int) -> str:
+    """The one line a job says of the probe's refusal on ``rank`` at ``step``
+    (``MCGRAPH_PROBE_REFUSE``): ``print_refusal``'s, naming the rank unless it is rank 0."""
+    refusal = (
+        f"mcgraph probe: rank {rank} refuses the run at step {step}. Fix: unset "
+        "MCGRAPH_PROBE_REFUSE"
+    )
+    return f"error: rank {rank} refused the run: {refusal}" if rank else f"error: {refusal}"
+
+
 def load_records(probe_dir: Path) -> dict[int, dict[str, Any]]:
     records = {}
     for path in sorted(probe_dir.glob("rank*.json")):
