@@ -57,7 +57,10 @@ def print_refusal(
     if said_here:
         said = refused_by(rank, str(error)) if rank != "0" else str(error)
         out = stream if stream is not None else sys.stderr
-        print(f"error: {said}", file=out, flush=True)
+        # one write: print() writes the line and its newline apart, and on an unbuffered
+        # stream (PYTHONUNBUFFERED) another process's log line can land between them
+        out.write(f"error: {said}\n")
+        out.flush()
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         time.sleep(grace_s)
     return error.exit_code

@@ -69,6 +69,7 @@ import torch
 
 from cudagraph_plugin import compat
 from cudagraph_plugin.entry import RUN_PLUGIN_NAME
+from hookspecs.reasons import refused_by
 from train_jobs import (
     HAS_TE,
     TE_SPEC,
@@ -771,6 +772,8 @@ def check_refusal_said_once(scenario: Scenario, job: TrainJob) -> None:
     output = job.result.output()
     said = [line for line in output.splitlines() if line.startswith("error: ")]
     assert said == [probe_refusal_said(rank, scenario.fault_step)], (said, job.context())
+    if scenario.nproc > 1:  # the speaker exited first, with the refusal's status
+        assert f"failed (exitcode: 2) local_rank: {rank}" in output, job.context()
     # torchrun's own ChildFailedError at most; nothing from a worker
     assert output.count("Traceback") <= 1, job.context()
     assert 'train_gpt.py", line' not in output, job.context()
@@ -783,7 +786,12 @@ def check_peer_ended(scenario: Scenario, job: TrainJob, rank: int) -> None:
     context = f"rank {rank}\n{job.context()}"
     assert record["shutdown_reason"] == "peer_failed", context
     failing = ", ".join(str(r) for r in scenario.failing_ranks)
-    assert f"rank {failing}" in (record["exception"] or ""), context
+    exception = record["exception"] or ""
+    if scenario.refusal:  # told of the refusal, not of a failure (the probe names rank 1 too)
+        assert exception.startswith("PeerRefused("), context
+        assert refused_by(failing, "") in exception, context
+    else:
+        assert f"rank {failing}" in exception, context
     report, facts = record["report"], record["graph_plugin"]
     assert report is not None and facts is not None, context
     assert facts["graphs_freed"] == report["graph_count"], (facts, report)
@@ -923,6 +931,9 @@ def test_asked_for_graphs_got_none_on_two_ranks(name, graphs, env, phrase, accep
         said = [line for line in output.splitlines() if line.startswith("error: ")]
         assert len(said) == 1, (said, job.context())  # once, by the rank whose mark came first
         assert "CUDA graphs were asked for but" in said[0] and phrase in said[0], said
+        speaker = 1 if said[0].startswith("error: " + refused_by(1, "")) else 0
+        # the speaker exited first, with the refusal's status
+        assert f"failed (exitcode: 2) local_rank: {speaker}" in output, job.context()
         assert "--cuda-graph-accept-eager" in said[0], said
         # torchrun's own ChildFailedError at most; nothing from a worker
         assert output.count("Traceback") <= 1, job.context()

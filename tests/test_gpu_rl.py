@@ -21,6 +21,7 @@ padding waste and pool memory (BENCHMARKS.md).
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,13 @@ OFFLOAD = ("--offload-interval", str(OFFLOAD_EVERY))
 RELOADS_BEFORE = set(range(OFFLOAD_EVERY, STEPS, OFFLOAD_EVERY))
 RTOL = 1e-5
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not CUDA, reason="needs a CUDA device"),
+    # up to three jobs a test, each ended by its own timeout: pytest's (300 s, thread
+    # method: it ends the whole session) only as a backstop beyond them
+    pytest.mark.timeout(3 * TIMEOUT_S + 60),
+]
 
 
 def _job(name: str, role: str, argv: tuple[str, ...], jobs_root: Path, nproc: int = 1) -> TrainJob:
@@ -75,6 +82,7 @@ def _job(name: str, role: str, argv: tuple[str, ...], jobs_root: Path, nproc: in
         nproc=nproc,
         env=env,
         script=RL_LOOP,
+        dump_signal=signal.SIGUSR1 if nproc > 1 else None,  # a hang's stacks (the probe's)
     )
     append_result(result_line(job, name, role, test=os.environ.get("PYTEST_CURRENT_TEST")))
     check_job_ended_cleanly(job)
@@ -254,3 +262,4 @@ def test_two_data_parallel_ranks_with_buckets_and_offload(jobs_root):
         _check_schedule(report, RELOADS_BEFORE, every_bucket=False)
         _same_losses(graphed, eager, rank)
     assert lengths_of(graphed.record(0)["report"]) == lengths_of(graphed.record(1)["report"])
+    assert "illegal memory access" not in graphed.result.output()

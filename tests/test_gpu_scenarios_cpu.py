@@ -28,6 +28,7 @@ import train_gpt
 from cudagraph_plugin.config.errors import CudaGraphConfigError
 from cudagraph_plugin.entry import RUN_PLUGIN_NAME
 from hookspecs import TrainingRun, get_plugin_manager
+from hookspecs.reasons import refused_by
 from jobs import JobResult
 from train_jobs import PROBE_PATH, REPO, TrainJob, pinned_device, probe_refusal_said
 
@@ -300,10 +301,13 @@ def failure_record(s: Scenario) -> dict[str, Any]:
 def peer_record(s: Scenario) -> dict[str, Any]:
     """What a rank the fault did not hit writes: its watch ended it (issue 22)."""
     failing = ", ".join(str(r) for r in s.failing_ranks)
+    told = f"PeerFailed('rank {failing} (h, pid 7) failed: exception: ...')"
+    if s.refusal:  # told of a refusal: the refusal itself, the probe's own words naming the rank
+        told = f"PeerRefused('{refused_by(failing, f'mcgraph probe: rank {failing} refuses')}')"
     return {
         "shutdown_reason": "peer_failed",
         "fault_at": None,
-        "exception": f"PeerFailed('rank {failing} (h, pid 7) failed: exception: ...')",
+        "exception": told,
         "losses": None,
         "events": [["step", 6], ["report"], ["shutdown", "peer_failed"]],
         "report": {"graphs_captured": True, "graph_count": 2},
@@ -312,12 +316,18 @@ def peer_record(s: Scenario) -> dict[str, Any]:
     }
 
 
-def refusal_output(tmp_path: Path, lines: list[str]) -> Path:
+def refusal_output(
+    tmp_path: Path, lines: list[str], first_exit: tuple[int, int] | None = None
+) -> Path:
     """A job's standard error with a refusal scenario's ``error:`` lines (the rest of what
-    such a job prints: log lines, torchrun's one traceback)."""
+    such a job prints: log lines, torchrun's one traceback) and, under torchrun,
+    ``first_exit``: its line for the first worker that exited (exit status, local rank)."""
     path = tmp_path / f"stderr-{len(list(tmp_path.iterdir()))}.log"
     text = "[cudagraph_plugin] [rank 1] shutdown (exception): 1 CUDA graph(s) freed\n"
     text += "".join(f"{line}\n" for line in lines)
+    if first_exit is not None:
+        status, rank = first_exit
+        text += f"E1204 api.py:1002] failed (exitcode: {status}) local_rank: {rank} (pid: 7)\n"
     path.write_text(text + "Traceback (most recent call last):\nChildFailedError\n")
     return path
 
@@ -339,14 +349,24 @@ def test_the_failure_checks_pass_an_ended_job_and_catch_a_hang_or_a_leak(
         [who] = s.failing_ranks
         assert s.fault_step is not None
         line = probe_refusal_said(who, s.fault_step)
-        said = {"stderr": refusal_output(tmp_path, [line])}
+        # under torchrun the speaker exits first, with the refusal's status
+        first = (2, who) if s.nproc > 1 else None
+        said = {"stderr": refusal_output(tmp_path, [line], first)}
         # the same refusal, its rank named where it should not be, or not where it should
         if who:
             misnamed = line.replace(f"rank {who} refused the run: ", "")
         else:
             misnamed = line.replace("error: ", "error: rank 1 refused the run: ", 1)
         assert misnamed != line
-        bad_output = [refusal_output(tmp_path, lines) for lines in ([], [line, line], [misnamed])]
+        bad_output = [
+            refusal_output(tmp_path, lines, first) for lines in ([], [line, line], [misnamed])
+        ]
+        if s.nproc > 1:  # said, but another rank exited first, or the speaker with status 1
+            other = 1 - who
+            bad_output += [
+                refusal_output(tmp_path, [line], exit_line)
+                for exit_line in (None, (2, other), (1, who))
+            ]
 
     def job_of_s(records: dict[int, dict[str, Any]], **result: Any) -> TrainJob:
         return job_of(s, records, **{**said, **result})
@@ -364,6 +384,11 @@ def test_the_failure_checks_pass_an_ended_job_and_catch_a_hang_or_a_leak(
         for path, value in (
             ("shutdown_reason", "signal"),  # ended by torchrun, not by its watch
             ("exception", "PeerFailed('rank 9 failed')"),
+            *(  # told of a failure, not of the refusal (the probe's words name the rank)
+                [("exception", "PeerFailed('rank 1 failed: mcgraph probe: rank 1 refuses')")]
+                if s.refusal
+                else []
+            ),
             ("graph_plugin.graphs_freed", 0),
             ("graph_plugin.allocated_after_free_mib", 300.0),
         ):

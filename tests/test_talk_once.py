@@ -179,3 +179,26 @@ def test_a_refusal_is_said_even_when_rank_0_gets_there_last(tmp_path, job_env):
     assert "pluggy" not in output and 'train_gpt.py", line' not in output, job.tail()
     # rank 0 said it and exited first; torchrun then ended rank 1, still waiting
     assert "exitcode  : 2" in output and "local_rank: 0" in output, job.tail()
+
+
+def test_print_refusal_writes_its_line_in_one_piece(monkeypatch):
+    # On an unbuffered stream (PYTHONUNBUFFERED, as the GPU jobs run) each write is a
+    # system call: print() wrote the line and its newline apart, so another rank's log
+    # line sharing the stream could land between them and split the refusal's line.
+    from hookspecs import errors
+
+    class Unbuffered:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            self.writes.append("<flush>")
+
+    monkeypatch.setenv("RANK", "0")
+    stream = Unbuffered()
+    errors.print_refusal(errors.ConfigurationError("scope attn: fix it"), stream=stream)
+    assert stream.writes == ["error: scope attn: fix it\n", "<flush>"]
