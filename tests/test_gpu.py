@@ -131,6 +131,9 @@ PEER_END_S = 15.0
 GOOD_TIMEOUT_S = float(os.environ.get("MCGRAPH_GPU_JOB_TIMEOUT", "180"))
 # Longer than NO_HANG_S, so that a slow exit is reported with its time rather than as a hang.
 FAILURE_TIMEOUT_S = 90.0
+# A test launches two jobs at most (a scenario and its eager twin), each ended by its own
+# timeout: pytest's (300 s, thread method: it ends the whole session) only as a backstop.
+pytestmark = pytest.mark.timeout(2 * GOOD_TIMEOUT_S + 60)
 
 
 def te(scope: str) -> tuple[str, ...]:
