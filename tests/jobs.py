@@ -302,6 +302,12 @@ def torchrun_command(nproc: int, script: str | Path, *args: str) -> list[str]:
     ]
 
 
+def first_failure(status: int, local_rank: int) -> str:
+    """What torchrun logs of the first worker it saw fail (``failed (exitcode: 2)
+    local_rank: 1 (pid: ...) of binary: ...``): which rank ended the job, and how."""
+    return f"failed (exitcode: {status}) local_rank: {local_rank}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python tests/jobs.py --kill-tags FILE``: kill what is left of the jobs listed."""
     import argparse

@@ -70,6 +70,7 @@ import torch
 from cudagraph_plugin import compat
 from cudagraph_plugin.entry import RUN_PLUGIN_NAME
 from hookspecs.reasons import refused_by
+from jobs import first_failure
 from train_jobs import (
     HAS_TE,
     TE_SPEC,
@@ -776,7 +777,7 @@ def check_refusal_said_once(scenario: Scenario, job: TrainJob) -> None:
     said = [line for line in output.splitlines() if line.startswith("error: ")]
     assert said == [probe_refusal_said(rank, scenario.fault_step)], (said, job.context())
     if scenario.nproc > 1:  # the speaker exited first, with the refusal's status
-        assert f"failed (exitcode: 2) local_rank: {rank}" in output, job.context()
+        assert first_failure(2, rank) in output, job.context()
     # torchrun's own ChildFailedError at most; nothing from a worker
     assert output.count("Traceback") <= 1, job.context()
     assert 'train_gpt.py", line' not in output, job.context()
@@ -936,7 +937,7 @@ def test_asked_for_graphs_got_none_on_two_ranks(name, graphs, env, phrase, accep
         assert "CUDA graphs were asked for but" in said[0] and phrase in said[0], said
         speaker = 1 if said[0].startswith("error: " + refused_by(1, "")) else 0
         # the speaker exited first, with the refusal's status
-        assert f"failed (exitcode: 2) local_rank: {speaker}" in output, job.context()
+        assert first_failure(2, speaker) in output, job.context()
         assert "--cuda-graph-accept-eager" in said[0], said
         # torchrun's own ChildFailedError at most; nothing from a worker
         assert output.count("Traceback") <= 1, job.context()

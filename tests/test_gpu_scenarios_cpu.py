@@ -29,7 +29,7 @@ from cudagraph_plugin.config.errors import CudaGraphConfigError
 from cudagraph_plugin.entry import RUN_PLUGIN_NAME
 from hookspecs import TrainingRun, get_plugin_manager
 from hookspecs.reasons import refused_by
-from jobs import JobResult
+from jobs import JobResult, first_failure
 from train_jobs import PROBE_PATH, REPO, TrainJob, pinned_device, probe_refusal_said
 
 GOOD = [s for s in SCENARIOS if not s.failure]
@@ -327,7 +327,7 @@ def refusal_output(
     text += "".join(f"{line}\n" for line in lines)
     if first_exit is not None:
         status, rank = first_exit
-        text += f"E1204 api.py:1002] failed (exitcode: {status}) local_rank: {rank} (pid: 7)\n"
+        text += f"E1204 api.py:1002] {first_failure(status, rank)} (pid: 7)\n"
     path.write_text(text + "Traceback (most recent call last):\nChildFailedError\n")
     return path
 

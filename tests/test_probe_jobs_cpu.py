@@ -21,6 +21,7 @@ import pytest
 from cpu_only import needs_mcore_on_cpu
 
 from cudagraph_plugin.entry import RUN_PLUGIN_NAME
+from jobs import first_failure
 from train_jobs import REPO, TrainJob, append_result, launch, probe_refusal_said, result_line
 
 # One pytest-xdist worker takes the module (make test runs --dist loadgroup), so the jobs
@@ -232,7 +233,7 @@ def test_two_gloo_ranks_say_a_refusal_once_by_the_rank_that_refused_first(
         else:
             assert record["shutdown_reason"] == "peer_failed", job.context()
             assert "PeerRefused" in record["exception"], record["exception"]
-    assert f"failed (exitcode: 2) local_rank: {speaker}" in output, job.context()
+    assert first_failure(2, speaker) in output, job.context()
     assert "cuda_graph_peer_exit_deadline" not in output, job.context()  # no rank timed out
     # the one traceback is torchrun's own ChildFailedError; none from a worker
     assert output.count("Traceback") == 1 and "ChildFailedError" in output, job.context()
