@@ -968,6 +968,15 @@ LR_CASES = [
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.skipif(not HAS_OPTIMIZER_GRAPH, reason="megatron-core < 0.17 has no optimizer graph")
+@pytest.mark.skipif(
+    not HAS_TE,
+    reason="the twin equals the graphed run only with Transformer Engine's FusedAdam: without "
+    "TE megatron-core builds torch's AdamW, whose graphed run reads a tensor lr from the "
+    "capture on (promote_lr_to_tensor) while the twin keeps a Python float: two code paths "
+    "of torch's capturable Adam, whose roundings differ (2026-12-04, one H200, 0.19.2 "
+    "without TE: 22 of 32 losses off by up to 5%, the same before and after that session's "
+    "change)",
+)
 @pytest.mark.parametrize("schedule,write", LR_CASES)
 def test_the_optimizer_graph_follows_the_learning_rate(schedule, write, jobs_root):
     """With ``write``, the host writes the learning rate x0.1 at step 10: a Python float in the

@@ -265,12 +265,12 @@ def test_host_writes_into_a_tensor_lr_reach_the_captured_step(write):
         assert _differ(_run(_host_writes(write), "graph", lr=lr.clone()), eager)
 
 
-def test_the_captured_tensor_is_put_back_and_kept_alive():
+def test_a_written_number_is_filled_in_and_the_captured_tensor_put_back():
     params = _params()
     optimizer = _adam(params, torch.tensor(1e-2))
     captured = optimizer.param_groups[0]["lr"]
     sync = lrs.HyperparameterSync.watch(optimizer)
-    optimizer.param_groups[0]["lr"] = 0.1 * optimizer.param_groups[0]["lr"]
+    optimizer.param_groups[0]["lr"] = 1e-3
 
     sync.before_replay()
 
@@ -280,6 +280,27 @@ def test_the_captured_tensor_is_put_back_and_kept_alive():
     assert "host writes copied before replays: 1" in sync.description
     sync.before_replay()  # nothing new written: nothing copied
     assert sync.copies == 1
+
+
+def test_a_host_tensor_stays_in_the_group_and_its_later_in_place_writes_are_copied(caplog):
+    """A host that puts its own tensor in the group once and then fills it in place (a
+    scheduler holding its tensor): every replay reads the host's latest value."""
+    optimizer = _adam(_params(), torch.tensor(1e-2))
+    captured = optimizer.param_groups[0]["lr"]
+    sync = lrs.HyperparameterSync.watch(optimizer)
+    mine = torch.tensor(5e-4)
+    optimizer.param_groups[0]["lr"] = mine
+
+    with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
+        sync.before_replay()
+    assert optimizer.param_groups[0]["lr"] is mine
+    assert captured.item() == pytest.approx(5e-4)
+    assert "the host's tensor stays in the group" in caplog.text
+
+    mine.fill_(1e-5)
+    sync.before_replay()
+    assert captured.item() == pytest.approx(1e-5)
+    assert sync.copies == 2
 
 
 def test_a_fill_in_place_needs_no_copy_and_logs_nothing(caplog):
@@ -384,6 +405,81 @@ def test_added_param_groups_are_refused():
         sync.before_replay()
 
 
+@pytest.mark.parametrize("where", ["a watched group", "a group empty at capture"])
+def test_parameters_added_to_a_group_are_refused(where):
+    """The captured step never updates a parameter it was not captured with."""
+    optimizer = _adam(_params(), torch.tensor(1e-2))
+    optimizer.add_param_group({"params": [], "lr": torch.tensor(1e-2)})
+    sync = lrs.HyperparameterSync.watch(optimizer)
+    index = 0 if where == "a watched group" else 1
+    optimizer.param_groups[index]["params"].append(_params(3)[0])
+    before = len(optimizer.param_groups[index]["params"]) - 1
+    with pytest.raises(
+        lrs.HyperparameterChangedError,
+        match=rf"param_groups\[{index}\] has {before + 1} parameter\(s\), {before} at capture",
+    ):
+        sync.before_replay()
+
+
+def _two_groups(lr: Any) -> Any:
+    params = _params()
+    return torch.optim.AdamW(
+        [{"params": [params[0]]}, {"params": [params[1]]}], lr=lr, capturable=True
+    )
+
+
+def test_groups_sharing_one_lr_tensor_given_different_values_are_refused():
+    """torch puts the optimizer's lr tensor in every group that names none: a replay can
+    give those groups one value only, not the two a per-group schedule writes."""
+    optimizer = _two_groups(torch.tensor(1e-2))
+    shared = optimizer.param_groups[0]["lr"]
+    assert optimizer.param_groups[1]["lr"] is shared
+    sync = lrs.HyperparameterSync.watch(optimizer)
+    optimizer.param_groups[0]["lr"] = 1e-3
+    optimizer.param_groups[1]["lr"] = 1e-4
+    with pytest.raises(lrs.HyperparameterChangedError, match="read one captured tensor") as err:
+        sync.before_replay()
+    assert "[0] float 0.001; [1] float 0.0001" in str(err.value)
+    assert "give each param group its own lr tensor" in str(err.value)
+    assert shared.item() == pytest.approx(1e-2)  # nothing changed
+
+    optimizer.param_groups[0]["lr"] = 1e-3  # one group written, the other still the tensor
+    optimizer.param_groups[1]["lr"] = shared
+    with pytest.raises(lrs.HyperparameterChangedError, match="the captured tensor, unchanged"):
+        sync.before_replay()
+
+
+@pytest.mark.parametrize("same", ["number", "tensor"])
+def test_groups_sharing_one_lr_tensor_given_one_value_are_fine(same):
+    optimizer = _two_groups(torch.tensor(1e-2))
+    shared = optimizer.param_groups[0]["lr"]
+    sync = lrs.HyperparameterSync.watch(optimizer)
+    value = 1e-3 if same == "number" else torch.tensor(1e-3)
+    for group in optimizer.param_groups:
+        group["lr"] = value
+    sync.before_replay()
+    assert shared.item() == pytest.approx(1e-3)
+
+
+def test_two_groups_swapping_their_captured_tensors_get_each_others_values():
+    params = _params()
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [params[0]], "lr": torch.tensor(1e-3)},
+            {"params": [params[1]], "lr": torch.tensor(1e-4)},
+        ],
+        capturable=True,
+    )
+    first, second = (group["lr"] for group in optimizer.param_groups)
+    sync = lrs.HyperparameterSync.watch(optimizer)
+    optimizer.param_groups[0]["lr"], optimizer.param_groups[1]["lr"] = second, first
+    sync.before_replay()
+    assert (first.item(), second.item()) == pytest.approx((1e-4, 1e-3))
+    assert optimizer.param_groups[0]["lr"] is first  # each captured tensor is back in place
+    sync.before_replay()  # and stays swapped, not swapped back
+    assert (first.item(), second.item()) == pytest.approx((1e-4, 1e-3))
+
+
 def test_groups_without_parameters_are_not_watched():
     optimizer = _adam(_params(), torch.tensor(1e-2))
     optimizer.add_param_group({"params": [], "lr": 1.0})
@@ -405,8 +501,11 @@ def test_a_replaced_group_dict_is_followed_by_position():
 
     sync.before_replay()
 
-    assert optimizer.param_groups[0]["lr"] is captured
+    assert optimizer.param_groups[0]["lr"] is not captured  # the loaded tensor stays
     assert captured.item() == pytest.approx(4e-3)
+    optimizer.param_groups[0]["lr"].fill_(2e-3)  # megatron-core 0.19's scheduler, next step
+    sync.before_replay()
+    assert captured.item() == pytest.approx(2e-3)
 
 
 def test_the_sync_keeps_the_captured_tensor_alive_until_release():

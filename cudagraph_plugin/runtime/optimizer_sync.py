@@ -16,8 +16,12 @@ A captured optimizer step reads its hyperparameters as they were at capture:
 :class:`HyperparameterSync` holds the captured tensors (so their memory is never reused while
 the graph lives), and before every replay copies a value the host wrote in their place into
 them (``fill_``/``copy_``, on the device, ordered before the replay on the current stream),
-puts the captured tensor back into the param group and says so once per key in the log; a
-changed Python number, or a value it cannot copy, raises :class:`HyperparameterChangedError`
+and says so once per key in the log. A number written in its place is filled in and the
+captured tensor is put back into the param group; a tensor the host put there stays there
+(the host may keep filling it in place) and is copied before every replay. A changed Python
+number, a value it cannot copy, different values written to groups that read one captured
+tensor (torch gives every group the optimizer's ``lr`` tensor unless the group names its own),
+or parameters added to or removed from a group, raise :class:`HyperparameterChangedError`
 naming the group, key, both values and the fix, before the replay.
 :func:`promote_lr_to_tensor` gives a capturable torch Adam a tensor learning rate before the
 capture, so a scheduled learning rate keeps working.
@@ -53,8 +57,15 @@ FIX_BAKED = (
     "constant), or turn the optimizer graph off"
 )
 FIX_GROUPS = (
-    "build all param groups before the capture and keep them (no add_param_group, no "
-    "removed groups) while the optimizer graph lives, or turn the optimizer graph off"
+    "build all param groups and their parameters before the capture and keep them (no "
+    "add_param_group, no removed groups, no parameters added to or removed from a group) "
+    "while the optimizer graph lives, or turn the optimizer graph off"
+)
+FIX_SHARED = (
+    "give each param group its own {key} tensor before the capture (e.g. "
+    "{{'params': [...], '{key}': torch.tensor(value, device='cuda')}} per group, or a float "
+    "{key} and cudagraph_plugin.runtime.optimizer_sync.promote_lr_to_tensor(optimizer)), or "
+    "write the same value to every group that shares it"
 )
 
 
@@ -119,6 +130,7 @@ class _Group:
     group: dict[str, Any]
     tensors: dict[str, Any]  # key -> the captured device tensor
     baked: dict[str, Any]  # key -> the captured Python value
+    n_params: int = 0  # how many parameters the captured step updates in this group
 
 
 class HyperparameterSync:
@@ -132,6 +144,12 @@ class HyperparameterSync:
     def __init__(self, optimizer: Any, groups: list[_Group | None]) -> None:
         self.optimizer = optimizer
         self._groups: list[_Group | None] = groups
+        # id of a captured tensor read by more than one (group, key) -> those slots
+        slots: dict[int, list[tuple[int, str]]] = {}
+        for index, watched in enumerate(groups):
+            for key, captured in (watched.tensors if watched else {}).items():
+                slots.setdefault(id(captured), []).append((index, key))
+        self._shared = {ident: where for ident, where in slots.items() if len(where) > 1}
         self._logged: set[str] = set()
         self.copies = 0
         self._released = False
@@ -155,7 +173,7 @@ class HyperparameterSync:
                     tensors[key] = value
                 elif key in WATCHED_KEYS:
                     baked[key] = value
-            groups.append(_Group(group, tensors, baked))
+            groups.append(_Group(group, tensors, baked, len(group["params"])))
         return cls(optimizer, groups)
 
     @property
@@ -200,7 +218,15 @@ class HyperparameterSync:
         problems: list[str] = []
         copies: list[tuple[int, str, Any, Any]] = []
         for index, (watched, group) in enumerate(zip(self._groups, current, strict=True)):
-            if watched is None:
+            n_params = len(group.get("params") or ())
+            if watched is None and not n_params:
+                continue
+            if watched is None or n_params != watched.n_params:
+                problems.append(
+                    f"param_groups[{index}] has {n_params} parameter(s), "
+                    f"{watched.n_params if watched else 0} at capture: the captured step "
+                    f"updates only the parameters it was captured with; fix: {FIX_GROUPS}"
+                )
                 continue
             for key, captured in watched.tensors.items():
                 value = group.get(key, _MISSING)
@@ -223,27 +249,67 @@ class HyperparameterSync:
                         f"{_show(captured)} at capture: a Python value is baked into the "
                         f"captured kernels; fix: {fix}"
                     )
+        problems += self._shared_problems(current)
         if problems:
             raise HyperparameterChangedError(problems)
+        captured_ids = {id(t) for g in self._groups if g is not None for t in g.tensors.values()}
+        # a captured tensor written into another slot (two groups' tensors swapped) is read
+        # before any copy overwrites it
+        copies = [
+            (i, k, c, v.clone() if _is_tensor(v) and id(v) in captured_ids else v)
+            for i, k, c, v in copies
+        ]
         for index, key, captured, value in copies:
             if _is_tensor(value):
                 captured.copy_(value.reshape(captured.shape))
             else:
                 captured.fill_(value)
-            current[index][key] = captured
+            kept = _is_tensor(value) and id(current[index][key]) not in captured_ids
+            if not kept:  # a number (or another group's captured tensor) has no later writes
+                current[index][key] = captured
             self.copies += 1
             if key not in self._logged:
                 self._logged.add(key)
                 logger.info(
                     "optimizer graph: the host replaced param_groups[%d][%r] (now %s) after the "
                     "capture; its value is copied into the captured device tensor before each "
-                    "replay and that tensor is put back in the group (logged once per key; "
-                    "filling the tensor in place, as megatron-core 0.19's scheduler does, "
-                    "needs no copy)",
+                    "replay (%s; logged once per key; filling the tensor in place, as "
+                    "megatron-core 0.19's scheduler does, needs no copy)",
                     index,
                     key,
                     _show(value),
+                    "the host's tensor stays in the group, so later in-place writes to it are "
+                    "copied too"
+                    if kept
+                    else "the captured tensor is put back in the group",
                 )
+
+    def _shared_problems(self, current: list[Any]) -> list[str]:
+        """Groups that read one captured tensor must be given one value: a replay can give
+        them nothing else. Only numbers are compared (equal) and tensors by identity, so
+        nothing is read from the device."""
+        problems = []
+        for where in self._shared.values():
+            captured = self._groups[where[0][0]].tensors[where[0][1]]  # type: ignore[union-attr]
+            values = [current[i].get(k, _MISSING) for i, k in where]
+            if all(v is captured for v in values):
+                continue
+            first = values[0]
+            if all(v is first for v in values) or (
+                all(_is_number(v) for v in values) and all(v == first for v in values)
+            ):
+                continue
+            names = ", ".join(f"param_groups[{i}][{k!r}]" for i, k in where)
+            shown = "; ".join(
+                f"[{i}] {'the captured tensor, unchanged' if v is captured else _show(v)}"
+                for (i, _), v in zip(where, values, strict=True)
+            )
+            problems.append(
+                f"{names} read one captured tensor, and they now hold different values "
+                f"({shown}); a replay can give them only one; fix: "
+                + FIX_SHARED.format(key=where[0][1])
+            )
+        return problems
 
     def _unchanged(self, current: Any) -> bool:
         """Every watched value is what the captured step reads: the captured tensor itself,
@@ -254,7 +320,11 @@ class HyperparameterSync:
             return False
         for watched, group in zip(self._groups, current, strict=True):
             if watched is None:
+                if group.get("params"):
+                    return False
                 continue
+            if len(group.get("params") or ()) != watched.n_params:
+                return False
             for key, captured in watched.tensors.items():
                 if group.get(key, _MISSING) is not captured:
                     return False
