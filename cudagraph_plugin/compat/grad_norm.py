@@ -80,8 +80,9 @@ def multi_tensor_l2norm(
     ``(norm, per_tensor_norms)``, ``norm`` a float32 tensor of shape ``[1]``,
     ``per_tensor_norms`` float32 of shape ``[len(tensors)]`` when ``per_tensor`` is true and
     of shape ``[0]`` otherwise (megatron-core's local fallback returns ``None`` there; its
-    callers discard it). Like those kernels it sets ``noop_flag`` to 1 when the norm is not
-    finite, and leaves it alone otherwise. ``chunk_size`` is accepted for the signature only.
+    callers discard it). It sets ``noop_flag`` to 1 when the norm is not finite and leaves it
+    alone otherwise (Apex's kernel leaves it alone either way; megatron-core's clip-grad path
+    passes a flag it never reads). ``chunk_size`` is accepted for the signature only.
     An empty list has norm 0, on ``noop_flag``'s device.
     """
     import torch
