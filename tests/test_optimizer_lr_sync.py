@@ -303,6 +303,28 @@ def test_a_host_tensor_stays_in_the_group_and_its_later_in_place_writes_are_copi
     assert sync.copies == 2
 
 
+def test_a_loaded_step_counter_is_copied_once_and_the_captured_one_keeps_counting():
+    """Transformer Engine's capturable FusedAdam keeps ``group["step"]`` in a device tensor
+    that the captured step increments in place; a ``load_state_dict`` while the graph lives
+    puts a new one in the group. Kept there, it would be copied over the captured counter
+    before every replay and the step would stand still (a wrong bias correction)."""
+    optimizer = _adam(_params(), torch.tensor(1e-2))
+    optimizer.param_groups[0]["step"] = torch.tensor([3], dtype=torch.int)
+    counter = optimizer.param_groups[0]["step"]
+    sync = lrs.HyperparameterSync.watch(optimizer)
+    loaded = counter.clone() + 1  # the checkpoint's step
+    optimizer.param_groups[0]["step"] = loaded
+
+    seen = []
+    for _ in range(3):
+        sync.before_replay()
+        counter.add_(1)  # what the captured kernel does
+        seen.append(int(counter))
+    assert optimizer.param_groups[0]["step"] is counter
+    assert seen == [5, 6, 7]
+    assert sync.copies == 1
+
+
 def test_a_fill_in_place_needs_no_copy_and_logs_nothing(caplog):
     optimizer = _adam(_params(), torch.tensor(1e-2))
     sync = lrs.HyperparameterSync.watch(optimizer)

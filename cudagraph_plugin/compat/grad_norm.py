@@ -82,8 +82,8 @@ def multi_tensor_l2norm(
     of shape ``[0]`` otherwise (megatron-core's local fallback returns ``None`` there; its
     callers discard it). It sets ``noop_flag`` to 1 when the norm is not finite and leaves it
     alone otherwise, as older Apex kernels do (newer ones leave it alone either way;
-    megatron-core's clip-grad path passes a flag it never reads). ``chunk_size`` is accepted for the signature only.
-    An empty list has norm 0, on ``noop_flag``'s device.
+    megatron-core's clip-grad path passes a flag it never reads). ``chunk_size`` is accepted
+    for the signature only. An empty list has norm 0, on ``noop_flag``'s device.
     """
     import torch
 

@@ -17,8 +17,11 @@ A captured optimizer step reads its hyperparameters as they were at capture:
 the graph lives), and before every replay copies a value the host wrote in their place into
 them (``fill_``/``copy_``, on the device, ordered before the replay on the current stream),
 and says so once per key in the log. A number written in its place is filled in and the
-captured tensor is put back into the param group; a tensor the host put there stays there
-(the host may keep filling it in place) and is copied before every replay. A changed Python
+captured tensor is put back into the param group; a tensor the host put in place of a
+hyperparameter (``lr``, ``weight_decay``, ``betas``, ``eps``) on the same device stays there
+(the host may keep filling it in place) and is copied before every replay; any other
+(a loaded ``step`` counter, which the captured step keeps counting on, or a tensor on another
+device) is copied once and the captured tensor put back. A changed Python
 number, a value it cannot copy, different values written to groups that read one captured
 tensor (torch gives every group the optimizer's ``lr`` tensor unless the group names its own),
 or parameters added to or removed from a group, raise :class:`HyperparameterChangedError`
@@ -150,7 +153,7 @@ class HyperparameterSync:
             for key, captured in (watched.tensors if watched else {}).items():
                 slots.setdefault(id(captured), []).append((index, key))
         self._shared = {ident: where for ident, where in slots.items() if len(where) > 1}
-        self._logged: set[str] = set()
+        self._logged: set[tuple[str, bool]] = set()
         self.copies = 0
         self._released = False
 
@@ -264,16 +267,21 @@ class HyperparameterSync:
                 captured.copy_(value.reshape(captured.shape))
             else:
                 captured.fill_(value)
-            kept = _is_tensor(value) and id(current[index][key]) not in captured_ids
-            if not kept:  # a number (or another group's captured tensor) has no later writes
-                current[index][key] = captured
+            kept = (
+                key in WATCHED_KEYS  # read, never written, by the step ("step" counts on)
+                and _is_tensor(value)
+                and id(current[index][key]) not in captured_ids
+                and value.device == captured.device  # no host-to-device copy every step
+            )
+            if not kept:  # a number, a loaded step counter, a tensor on another device, or
+                current[index][key] = captured  # another group's captured tensor
             self.copies += 1
-            if key not in self._logged:
-                self._logged.add(key)
+            if (key, kept) not in self._logged:
+                self._logged.add((key, kept))
                 logger.info(
                     "optimizer graph: the host replaced param_groups[%d][%r] (now %s) after the "
                     "capture; its value is copied into the captured device tensor before each "
-                    "replay (%s; logged once per key; filling the tensor in place, as "
+                    "replay (%s; logged once per key and way; filling the tensor in place, as "
                     "megatron-core 0.19's scheduler does, needs no copy)",
                     index,
                     key,
