@@ -147,12 +147,14 @@ class HyperparameterSync:
     def __init__(self, optimizer: Any, groups: list[_Group | None]) -> None:
         self.optimizer = optimizer
         self._groups: list[_Group | None] = groups
-        # id of a captured tensor read by more than one (group, key) -> those slots
-        slots: dict[int, list[tuple[int, str]]] = {}
+        # id of each captured tensor -> the tensor and the (group, key) slots that read it
+        slots: dict[int, tuple[Any, list[tuple[int, str]]]] = {}
         for index, watched in enumerate(groups):
             for key, captured in (watched.tensors if watched else {}).items():
-                slots.setdefault(id(captured), []).append((index, key))
-        self._shared = {ident: where for ident, where in slots.items() if len(where) > 1}
+                slots.setdefault(id(captured), (captured, []))[1].append((index, key))
+        self._captured_ids = frozenset(slots)
+        # the captured tensors read by more than one slot, with those slots
+        self._shared = [(captured, where) for captured, where in slots.values() if len(where) > 1]
         self._logged: set[tuple[str, bool]] = set()
         self.copies = 0
         self._released = False
@@ -255,7 +257,7 @@ class HyperparameterSync:
         problems += self._shared_problems(current)
         if problems:
             raise HyperparameterChangedError(problems)
-        captured_ids = {id(t) for g in self._groups if g is not None for t in g.tensors.values()}
+        captured_ids = self._captured_ids
         # a captured tensor written into another slot (two groups' tensors swapped) is read
         # before any copy overwrites it
         copies = [
@@ -297,8 +299,7 @@ class HyperparameterSync:
         them nothing else. Only numbers are compared (equal) and tensors by identity, so
         nothing is read from the device."""
         problems = []
-        for where in self._shared.values():
-            captured = self._groups[where[0][0]].tensors[where[0][1]]  # type: ignore[union-attr]
+        for captured, where in self._shared:
             values = [current[i].get(k, _MISSING) for i, k in where]
             if all(v is captured for v in values):
                 continue
