@@ -104,6 +104,16 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
     model.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     model.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
     model.add_argument("--recompute-num-layers", type=int, default=1)
+    model.add_argument(
+        "--recompute-modules",
+        nargs="+",
+        default=None,
+        help="selective recompute's modules (megatron-core's default: core_attn)",
+    )
+    # megatron-core's defaults; the plugin reads these fields to check a recomputed module
+    # inside a graph (its dropout mask would be replayed)
+    model.add_argument("--attention-dropout", type=float, default=0.1)
+    model.add_argument("--hidden-dropout", type=float, default=0.1)
 
     moe = parser.add_argument_group("mixture of experts")
     moe.add_argument("--num-experts", type=int, default=None, help="MoE layers when set")
@@ -397,6 +407,8 @@ def _transformer_config_fields(args: argparse.Namespace, use_cuda: bool) -> dict
         "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
         "batch_p2p_comm": args.batch_p2p_comm,
         "sequence_parallel": args.sequence_parallel,
+        "attention_dropout": args.attention_dropout,
+        "hidden_dropout": args.hidden_dropout,
         "use_cpu_initialization": not use_cuda,
         "bf16": args.bf16,
         "params_dtype": torch.bfloat16 if args.bf16 else torch.float32,
@@ -408,6 +420,8 @@ def _transformer_config_fields(args: argparse.Namespace, use_cuda: bool) -> dict
         fields.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)
     if args.recompute_granularity is not None:
         fields["recompute_granularity"] = args.recompute_granularity
+        if args.recompute_modules is not None:
+            fields["recompute_modules"] = args.recompute_modules
         if args.recompute_granularity == "full":
             fields["recompute_method"] = args.recompute_method
             fields["recompute_num_layers"] = args.recompute_num_layers

@@ -580,3 +580,46 @@ def test_a_teardown_whose_abort_does_not_end_skips_the_rest(monkeypatch, caplog)
     assert waited == [train_gpt.ABORT_TIMEOUT_S]
     assert destroyed == []
     assert "did not end within" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "extra, refused",
+    [
+        ([], True),  # megatron-core's attention dropout (0.1) with core_attn recomputed
+        (["--attention-dropout", "0"], False),
+        (["--recompute-modules", "mlp", "--hidden-dropout", "0"], False),
+        (["--recompute-modules", "mlp"], True),  # the hidden dropout (0.1) this time
+    ],
+    ids=["defaults", "no-attention-dropout", "mlp-no-hidden-dropout", "mlp"],
+)
+def test_the_plugin_judges_the_example_s_recompute_as_megatron_core_does(extra, refused) -> None:
+    """The example builds its TransformerConfig from the fields the plugin checks, so the
+    plugin refuses exactly what megatron-core would refuse at build time, and its fix names
+    flags the example has."""
+    from megatron.core.transformer import TransformerConfig
+
+    from cudagraph_plugin import check_config
+    from cudagraph_plugin.compat import model_config_kwargs
+
+    parser = train_gpt.build_parser(get_plugin_manager())
+    argv = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
+    args = parser.parse_args([*argv, "--recompute-granularity", "selective", *extra])
+    args.virtual_pipeline_model_parallel_size = train_gpt._virtual_stages(parser, args)
+    result = check_config(args, te_version=None)
+    assert result.ok is not refused
+    s = result.settings
+    fields = train_gpt._transformer_config_fields(args, False)
+    fields.update(model_config_kwargs(s.impl, s.scope, s.warmup_steps))  # as the plugin's hook
+    try:
+        TransformerConfig(**fields)
+    except AssertionError as error:
+        mcore_refused = "dropout is not supported with graphed" in str(error)
+    else:
+        mcore_refused = False
+    assert mcore_refused is refused
+    if refused:
+        (problem,) = result.problems
+        assert "fix: set --attention-dropout=0.0" in problem.format() or (
+            "fix: set --hidden-dropout=0.0" in problem.format()
+        )
+        assert "--recompute-modules" in problem.format()

@@ -313,7 +313,7 @@ def test_none_values_fall_back_to_defaults():
     )
     s = read_settings(cfg)
     assert s.warmup_steps == DEFAULT_WARMUP_STEPS
-    assert (s.attention_dropout, s.hidden_dropout) == (0.0, 0.0)
+    assert (s.attention_dropout, s.hidden_dropout) == (0.1, 0.1)  # megatron-core's defaults
     assert s.moe_token_dispatcher_type == "allgather" and s.moe_layer_freq == 1
     assert s.cpu_offloading is False
     assert s.recompute_modules == ("core_attn", "mlp")

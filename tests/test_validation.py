@@ -830,7 +830,7 @@ def test_attention_dropout_with_graphed_attention_recompute_rejected(modules):
         fields=["model.attention_dropout", "model.recompute_modules", "model.cuda_graph_scope"],
         value=repr((0.1, shown, "attn")),
         phrase="attention dropout is not supported with graphed attention recomputation",
-        fix="set attention_dropout=0.0, or drop core_attn from recompute_modules",
+        fix="set model.attention_dropout=0.0, or drop core_attn from model.recompute_modules",
     )
 
 
@@ -841,7 +841,7 @@ def test_attention_dropout_with_full_iteration_selective_recompute_rejected():
         fields=["model.attention_dropout", "recompute_modules", "model.cuda_graph_scope"],
         value="(0.1, ['core_attn'], 'full_iteration')",
         phrase="attention dropout is not supported with graphed attention recomputation",
-        fix="set attention_dropout=0.0",
+        fix="set model.attention_dropout=0.0",
     )
 
 
@@ -887,7 +887,7 @@ def test_hidden_dropout_with_graphed_mlp_or_moe_recompute_rejected(scope, module
         fields=["model.hidden_dropout", "model.recompute_modules", "model.cuda_graph_scope"],
         value=repr((0.1, modules, scope)),
         phrase="hidden dropout is not supported with graphed MLP/MoE recomputation",
-        fix="set hidden_dropout=0.0, or drop mlp/moe from recompute_modules",
+        fix="set model.hidden_dropout=0.0, or drop mlp/moe from model.recompute_modules",
     )
 
 
@@ -922,7 +922,7 @@ def test_moe_input_jitter_with_graphed_moe_recompute_rejected():
         ],
         value="(0.01, ['moe'], 'attn,moe')",
         phrase="moe_input_jitter_eps is not supported with graphed moe recomputation",
-        fix="unset moe_input_jitter_eps, or drop moe from recompute_modules",
+        fix="unset model.moe_input_jitter_eps, or drop moe from model.recompute_modules",
     )
 
 
@@ -1105,8 +1105,6 @@ def test_many_problems_all_reported():
 
 # -- megatron-core agrees: same verdict, same key phrase --------------------------------------
 
-MCORE_DEFAULTS = dict(attention_dropout=0.1, hidden_dropout=0.1, add_bias_linear=True)
-
 
 def _mcore_config(**kwargs):
     from megatron.core.transformer import TransformerConfig
@@ -1215,7 +1213,9 @@ def test_megatron_core_rejects_the_same_configs_with_the_same_phrase(case):
     with pytest.raises((AssertionError, ValueError)) as mcore:
         _mcore_config(**kwargs)
     assert phrase in str(mcore.value)
-    plugin_view = NS(**{**MCORE_DEFAULTS, **kwargs, "use_te_rng_tracker": True})
+    # The plugin reads the very fields megatron-core was given: a field left out holds
+    # megatron-core's default for both (dropout 0.1, linear biases on).
+    plugin_view = NS(**{**kwargs, "use_te_rng_tracker": True})
     with pytest.raises(CudaGraphConfigError) as ours:
         validate(read_settings(plugin_view))
     assert phrase in str(ours.value)
@@ -1552,7 +1552,7 @@ def test_recompute_modules_as_a_string_is_a_list_of_names_and_the_rules_fire():
         fields=["model.attention_dropout", "model.recompute_modules", "model.cuda_graph_scope"],
         value="(0.1, ['core_attn'], 'attn')",
         phrase="attention dropout is not supported with graphed attention recomputation",
-        fix="set attention_dropout=0.0",
+        fix="set model.attention_dropout=0.0",
     )
     rejected(
         bridge(
@@ -1892,6 +1892,59 @@ def test_full_iteration_with_pipeline_parallelism_needs_unsynchronised_p2p(field
         phrase="To protect against race condition when using batch_isend_irecv()",
         fix="set batch_p2p_comm=False",
     )
+
+
+def megatron_lm_args(**fields):
+    """A Megatron-LM args namespace asking for full_iteration graphs: no batch_p2p_comm
+    field there (it passes ``not overlap_p2p_comm``; --no-overlap-p2p-communication stores
+    False, the default is True)."""
+    values = dict(
+        cuda_graph_impl="local",
+        cuda_graph_scope=["full_iteration"],
+        te_rng_tracker=True,
+        check_for_nan_in_loss_and_grad=False,
+        attention_dropout=0.1,
+        hidden_dropout=0.1,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=None,
+        overlap_p2p_comm=True,
+    )
+    return argparse.Namespace(**{**values, **fields})
+
+
+@pytest.mark.parametrize(
+    "fields, ok",
+    [
+        (dict(virtual_pipeline_model_parallel_size=2), True),  # overlapped: batch_p2p_comm=False
+        (dict(virtual_pipeline_model_parallel_size=2, overlap_p2p_comm=False), False),
+        # read before validate_args, which turns the overlap off without virtual stages
+        (dict(), False),
+        (dict(pipeline_model_parallel_size=1), True),
+        (dict(virtual_pipeline_model_parallel_size=2, batch_p2p_sync=False), True),
+    ],
+    ids=["interleaved", "no-overlap", "no-virtual-stages", "no-pipeline", "no-sync"],
+)
+def test_full_iteration_pipeline_check_reads_megatron_lm_s_overlap_flag(fields, ok):
+    config = megatron_lm_args(**fields)
+    if ok:
+        accepted(config)
+        return
+    vpp = config.virtual_pipeline_model_parallel_size
+    err = rejected(
+        config,
+        fields=(
+            "--pipeline-model-parallel-size",
+            "--virtual-pipeline-model-parallel-size",
+            "overlap_p2p_comm (--no-overlap-p2p-communication)",
+        ),
+        value=repr((2, vpp, config.overlap_p2p_comm)),
+        phrase="To protect against race condition when using batch_isend_irecv()",
+        fix="use virtual pipeline stages (--num-layers-per-virtual-pipeline-stage or "
+        "--num-virtual-stages-per-pipeline-rank) without --no-overlap-p2p-communication",
+    )
+    # the fix names only flags Megatron-LM has
+    (violation,) = [v for v in err.violations if "batch_isend_irecv" in v.text]
+    assert "batch_p2p" not in violation.fix
 
 
 def test_te_scopes_with_pipeline_parallelism_are_fine():

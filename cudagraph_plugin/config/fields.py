@@ -97,6 +97,8 @@ FIELD_PATHS: dict[str, tuple[str, ...]] = {
     ),
     "batch_p2p_comm": ("model.batch_p2p_comm", "batch_p2p_comm"),
     "batch_p2p_sync": ("model.batch_p2p_sync", "batch_p2p_sync"),
+    # Megatron-LM's args: no batch_p2p_comm there, it passes ``not overlap_p2p_comm``
+    "overlap_p2p_comm": ("overlap_p2p_comm",),
     "overlap_param_gather_with_optimizer_step": (
         "optimizer.overlap_param_gather_with_optimizer_step",
         "overlap_param_gather_with_optimizer_step",
@@ -166,6 +168,7 @@ INVERTED_FLAGS = {
     "gradient_accumulation_fusion": "--no-gradient-accumulation-fusion",
     "check_for_nan_in_loss": "--no-check-for-nan-in-loss",
     "check_for_nan_in_loss_and_grad": "--no-check-for-nan-in-loss-and-grad",
+    "overlap_p2p_comm": "--no-overlap-p2p-communication",
 }
 
 

@@ -69,19 +69,20 @@ class Settings:
     recompute_modules: tuple[str, ...] | None = None
     recompute_num_layers: int | None = None
     recompute_method: str | None = None
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.1  # megatron-core's defaults: a host config without the
+    hidden_dropout: float = 0.1  # field builds its TransformerConfig with them
     cpu_offloading: bool = False
     overlap_moe_expert_parallel_comm: bool = False
     delay_wgrad_compute: bool = False
     gradient_accumulation_fusion: bool = False
     add_qkv_bias: bool = False
-    add_bias_linear: bool = False
+    add_bias_linear: bool = True  # megatron-core's default
     fp16: bool = False
     pipeline_model_parallel_size: int | None = None
     virtual_pipeline_model_parallel_size: int | None = None
     batch_p2p_comm: bool = True  # megatron-core's defaults
     batch_p2p_sync: bool = True
+    overlap_p2p_comm: bool | None = None  # Megatron-LM's args only
     overlap_param_gather_with_optimizer_step: bool = False
     optimizer_cuda_graph: bool = False
     optimizer: str = "adam"
@@ -129,6 +130,12 @@ class Settings:
     @property
     def pipeline_parallel(self) -> bool:
         return (self.pipeline_model_parallel_size or 1) > 1
+
+    @property
+    def p2p_from_overlap(self) -> bool:
+        """``batch_p2p_comm`` was derived from Megatron-LM's ``overlap_p2p_comm`` (its args
+        hold no ``batch_p2p_comm``)."""
+        return "batch_p2p_comm" not in self.paths and self.overlap_p2p_comm is not None
 
     @property
     def is_moe(self) -> bool:
@@ -225,6 +232,13 @@ def read_settings(config: Any) -> Settings:
             continue
         if value is not MISSING:
             values[setting] = value
+    if "batch_p2p_comm" not in paths and values.get("overlap_p2p_comm") is not None:
+        # Megatron-LM builds batch_p2p_comm=not overlap_p2p_comm, and its validate_args turns
+        # the overlap off without virtual stages (read here before or after that call alike)
+        values["batch_p2p_comm"] = not (
+            values["overlap_p2p_comm"]
+            and values.get("virtual_pipeline_model_parallel_size") is not None
+        )
     baseline = values.get("baseline_steps")
     if baseline is not None:
         given = values.get("warmup_steps", DEFAULT_WARMUP_STEPS)

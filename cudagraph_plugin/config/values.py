@@ -364,6 +364,7 @@ BOOL_SETTINGS = (
     "fp16",
     "batch_p2p_comm",
     "batch_p2p_sync",
+    "overlap_p2p_comm",
     "overlap_param_gather_with_optimizer_step",
     "optimizer_cuda_graph",
     "optimizer_cpu_offload",

@@ -186,7 +186,8 @@ def _selective_recompute(s: Settings, env: Environment) -> Iterator[Violation]:
             ("attention_dropout", "recompute_modules", "scope"),
             (s.attention_dropout, list(modules), scope_value(s)),
             "recomputed attention inside a graph would replay its dropout mask",
-            "set attention_dropout=0.0, or drop core_attn from recompute_modules",
+            f"set {s.field('attention_dropout')}=0.0, or drop core_attn from "
+            f"{s.field('recompute_modules')}",
             (MCORE, "attention dropout is not supported with graphed attention recomputation"),
         )
     if s.hidden_dropout != 0.0 and (
@@ -198,7 +199,8 @@ def _selective_recompute(s: Settings, env: Environment) -> Iterator[Violation]:
             ("hidden_dropout", "recompute_modules", "scope"),
             (s.hidden_dropout, list(modules), scope_value(s)),
             "recomputed MLP/MoE inside a graph would replay its dropout mask",
-            "set hidden_dropout=0.0, or drop mlp/moe from recompute_modules",
+            f"set {s.field('hidden_dropout')}=0.0, or drop mlp/moe from "
+            f"{s.field('recompute_modules')}",
             (MCORE, "hidden dropout is not supported with graphed MLP/MoE recomputation"),
         )
     if s.moe_input_jitter_eps is not None and "moe" in modules and (whole or "moe" in scope):
@@ -207,6 +209,7 @@ def _selective_recompute(s: Settings, env: Environment) -> Iterator[Violation]:
             ("moe_input_jitter_eps", "recompute_modules", "scope"),
             (s.moe_input_jitter_eps, list(modules), scope_value(s)),
             "recomputed MoE inside a graph would replay its input jitter",
-            "unset moe_input_jitter_eps, or drop moe from recompute_modules",
+            f"unset {s.field('moe_input_jitter_eps')}, or drop moe from "
+            f"{s.field('recompute_modules')}",
             (MCORE, "moe_input_jitter_eps is not supported with graphed moe recomputation"),
         )

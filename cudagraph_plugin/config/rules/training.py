@@ -116,18 +116,43 @@ def _pipeline_full_iteration(s: Settings, env: Environment) -> Iterator[Violatio
     if not (s.enabled and s.full_iteration):
         return
     if s.pipeline_parallel and s.batch_p2p_comm and s.batch_p2p_sync:
-        yield violation(
-            s,
-            ("pipeline_model_parallel_size", "batch_p2p_comm", "batch_p2p_sync"),
-            (s.pipeline_model_parallel_size, True, True),
+        problem = (
             "full_iteration with pipeline parallelism: megatron-core synchronises the device "
             "after every batched p2p exchange between stages, which a capture forbids (seen on "
-            'an H200: "operation not permitted when stream is capturing")',
-            f"set {s.field('batch_p2p_comm')}=False (Megatron-LM: --overlap-p2p-communication "
-            f"with virtual stages) or {s.field('batch_p2p_sync')}=False, or use TE scopes such "
-            "as attn,mlp",
-            (MCORE, "To protect against race condition when using batch_isend_irecv()"),
+            'an H200: "operation not permitted when stream is capturing")'
         )
+        reference = (MCORE, "To protect against race condition when using batch_isend_irecv()")
+        if s.p2p_from_overlap:  # Megatron-LM: batch_p2p_comm = not overlap_p2p_comm
+            yield violation(
+                s,
+                (
+                    "pipeline_model_parallel_size",
+                    "virtual_pipeline_model_parallel_size",
+                    "overlap_p2p_comm",
+                ),
+                (
+                    s.pipeline_model_parallel_size,
+                    s.virtual_pipeline_model_parallel_size,
+                    s.overlap_p2p_comm,
+                ),
+                problem + "; Megatron-LM batches them unless it overlaps them, which it does "
+                "only with virtual pipeline stages",
+                "use virtual pipeline stages (--num-layers-per-virtual-pipeline-stage or "
+                "--num-virtual-stages-per-pipeline-rank) without --no-overlap-p2p-communication, "
+                "or use TE scopes such as attn,mlp",
+                reference,
+            )
+        else:
+            yield violation(
+                s,
+                ("pipeline_model_parallel_size", "batch_p2p_comm", "batch_p2p_sync"),
+                (s.pipeline_model_parallel_size, True, True),
+                problem,
+                f"set {s.field('batch_p2p_comm')}=False or {s.field('batch_p2p_sync')}=False, "
+                "or use TE scopes such as attn,mlp (Megatron-LM passes batch_p2p_comm=False "
+                "with virtual pipeline stages, unless --no-overlap-p2p-communication)",
+                reference,
+            )
     if s.overlap_param_gather_with_optimizer_step:
         yield violation(
             s,
