@@ -281,3 +281,50 @@ def test_the_check_command_prints_check_configs_verdict(argv):
         assert f"  auto-fix: {fix.message}\n" in out.getvalue()
     if not result.ok:
         assert str(CudaGraphConfigError(list(result.problems))) in out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "field, given, written",
+    [
+        ("cuda_graph_scope", "attn, mlp", "attn,mlp"),
+        ("cuda_graph_scope", ("attn", "mlp"), ["attn", "mlp"]),
+        ("cuda_graph_impl", " transformer_engine ", "transformer_engine"),
+    ],
+    ids=["spaces", "tuple", "impl-spaces"],
+)
+def test_a_spelling_only_the_plugin_reads_is_written_in_megatron_core_s(
+    caplog, field, given, written
+):
+    """A provider's own impl/scope fields are parsed by megatron-core, which splits the scope
+    on commas alone (``KeyError: ' mlp'``) and asserts a string or a list: the plugin, which
+    reads the other spellings too, writes megatron-core's back and says so."""
+    from megatron.core.transformer import TransformerConfig
+
+    from cudagraph_plugin import check_config
+
+    config = recipe(**{field: given})
+    result = check_config(config)
+    assert result.ok and (result.settings.impl, result.settings.scope) == (
+        "transformer_engine",
+        ("attn", "mlp"),
+    )
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        result.apply(config)
+    assert getattr(config.model, field) == written
+    assert f"set model.{field}={written!r} (was {given!r}" in caplog.text
+    mcore = dict(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
+    fields = {name: getattr(config.model, name) for name in ("cuda_graph_impl", "cuda_graph_scope")}
+    TransformerConfig(**mcore, **fields, use_te_rng_tracker=True)  # parses what was written
+    with pytest.raises((KeyError, AssertionError)):  # ... and not what was given
+        TransformerConfig(**mcore, **{**fields, field: given}, use_te_rng_tracker=True)
+
+
+def test_respelling_keeps_the_settings_read_from_megatron_core_0_18_s_impl():
+    from cudagraph_plugin import check_config
+
+    config = recipe(impl=" full_iteration ", scope=None)
+    result = check_config(config)
+    assert (result.settings.impl, result.settings.scope) == ("local", ("full_iteration",))
+    assert [(fix.path, fix.value) for fix in result.autofixes if fix.setting == "impl"] == [
+        ("model.cuda_graph_impl", "full_iteration")
+    ]

@@ -1,7 +1,8 @@
 """The one place that plans and writes automatic fixes.
 
 The documented auto-fixes (DESIGN.md, "configure"): with CUDA graphs on, every TE RNG
-tracker flag the config has is set to True; with ``impl="none"`` the scope is cleared; on a
+tracker flag the config has is set to True and the impl and scope fields are written in
+the spelling megatron-core parses; with ``impl="none"`` the scope is cleared; on a
 command line (Megatron-Bridge's performance harness) ``full_iteration`` also turns the NaN
 checks off; and in the environment, ``NCCL_GRAPH_REGISTER=0`` when expandable segments are
 on and NCCL has not read its environment yet.
@@ -52,6 +53,7 @@ class AutoFix:
     value: Any
     message: str
     environment: bool = False
+    respelled: bool = False  # the same setting in megatron-core's spelling: nothing changes
 
 
 def _readable_bool(value: Any) -> bool | None:
@@ -64,7 +66,9 @@ def _readable_bool(value: Any) -> bool | None:
 def plan_autofixes(config: Any, settings: Settings, *, harness: bool = False) -> list[AutoFix]:
     """The documented auto-fixes ``config`` needs, without touching it.
 
-    * CUDA graphs on: every TE RNG tracker flag the config has is set to True.
+    * CUDA graphs on: every TE RNG tracker flag the config has is set to True, and the
+      impl and scope fields are written in megatron-core's spelling (no spaces around
+      names, a list for a tuple of scope names).
     * ``impl="none"``: the scope is cleared.
     * ``harness`` (a command line, as Megatron-Bridge's performance harness): local
       ``full_iteration`` also turns the loss and gradient NaN checks off (Megatron-LM
@@ -74,6 +78,7 @@ def plan_autofixes(config: Any, settings: Settings, *, harness: bool = False) ->
     """
     fixes: list[AutoFix] = []
     if settings.enabled:
+        fixes += _respelled(config)
         for setting in ("model_te_rng_tracker", "rng_te_rng_tracker"):
             for path in existing_paths(config, setting):
                 value = resolve(config, path)
@@ -121,11 +126,42 @@ def plan_autofixes(config: Any, settings: Settings, *, harness: bool = False) ->
     return fixes
 
 
+def _respelled(config: Any) -> list[AutoFix]:
+    """The impl and scope fields in a spelling megatron-core parses, where the host wrote one
+    only the plugin reads: spaces around names (``"attn, mlp"``: megatron-core splits on the
+    commas alone, ``KeyError: ' mlp'``) and a tuple of names (it asserts a string or a
+    list). That matters wherever megatron-core parses the host's own field (a Bridge
+    provider, a TransformerConfig built from the host's dict)."""
+    fixes: list[AutoFix] = []
+    for setting in ("impl", "scope"):
+        for path in existing_paths(config, setting):
+            value = resolve(config, path)
+            if isinstance(value, str):
+                names = value.split(",") if setting == "scope" else [value]
+                tidy: Any = ",".join(name.strip() for name in names)
+            elif setting == "scope" and isinstance(value, tuple):
+                tidy = list(value)
+            else:
+                continue
+            if tidy != value:
+                fixes.append(
+                    AutoFix(
+                        setting,
+                        path,
+                        tidy,
+                        f"set {display_name(config, path)}={tidy!r} (was {value!r}: "
+                        "megatron-core reads only that spelling)",
+                        respelled=True,
+                    )
+                )
+    return fixes
+
+
 def settings_after(settings: Settings, fixes: list[AutoFix]) -> Settings:
     """``settings`` as they read once ``fixes`` are applied to the config: every setting
     read from a path a fix writes (Megatron-LM's ``check_for_nan_in_loss_and_grad`` holds
     both NaN checks) takes the written value."""
-    written = {fix.path: fix.value for fix in fixes if not fix.environment}
+    written = {fix.path: fix.value for fix in fixes if not (fix.environment or fix.respelled)}
     changed = {
         setting: (() if setting == "scope" else written[path])
         for setting, path in settings.paths.items()
