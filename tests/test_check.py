@@ -547,3 +547,11 @@ def test_installed_te_is_used_without_te_version(monkeypatch):
     assert "Transformer Engine 2.11.0 (megatron" not in out
     assert lines(out)[0].endswith("Transformer Engine 2.11.0)")
     assert "a run needs Transformer Engine" not in out
+
+
+@pytest.mark.parametrize("flag", ["--check-for-large-grads", "--check-for-spiky-loss"])
+def test_a_history_check_with_full_iteration_fails_the_check(flag):
+    code, out = check([*DENSE_FULL_ITERATION, flag])
+    assert code == 1
+    assert f"{flag} = True: full_iteration CUDA graph with" in out
+    assert f"fix: turn {flag} off" in out

@@ -86,6 +86,24 @@ def rejected(config, *, fields, value, phrase, fix):
     return err
 
 
+def megatron_lm_args(**fields):
+    """A Megatron-LM args namespace asking for full_iteration graphs: no batch_p2p_comm
+    field there (it passes ``not overlap_p2p_comm``; --no-overlap-p2p-communication stores
+    False, the default is True)."""
+    values = dict(
+        cuda_graph_impl="local",
+        cuda_graph_scope=["full_iteration"],
+        te_rng_tracker=True,
+        check_for_nan_in_loss_and_grad=False,
+        attention_dropout=0.1,
+        hidden_dropout=0.1,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=None,
+        overlap_p2p_comm=True,
+    )
+    return argparse.Namespace(**{**values, **fields})
+
+
 # -- every rule is covered, both ways -----------------------------------------------------------
 
 # rule name -> (a config it accepts, a config it rejects); the detailed tests below check the
@@ -142,6 +160,10 @@ RULE_CASES = {
         bridge(scope="attn", delay_wgrad_compute=True, gradient_accumulation_fusion=False),
     ),
     "_nan_grad_check": (full_iteration(), bridge("local", "full_iteration", nan_grad=True)),
+    "_history_checks": (
+        megatron_lm_args(pipeline_model_parallel_size=1),
+        megatron_lm_args(pipeline_model_parallel_size=1, check_for_spiky_loss=True),
+    ),
     "_full_iteration_warmup": (
         bridge(scope="attn", cuda_graph_warmup_steps=0),
         full_iteration(cuda_graph_warmup_steps=0),
@@ -1894,24 +1916,6 @@ def test_full_iteration_with_pipeline_parallelism_needs_unsynchronised_p2p(field
     )
 
 
-def megatron_lm_args(**fields):
-    """A Megatron-LM args namespace asking for full_iteration graphs: no batch_p2p_comm
-    field there (it passes ``not overlap_p2p_comm``; --no-overlap-p2p-communication stores
-    False, the default is True)."""
-    values = dict(
-        cuda_graph_impl="local",
-        cuda_graph_scope=["full_iteration"],
-        te_rng_tracker=True,
-        check_for_nan_in_loss_and_grad=False,
-        attention_dropout=0.1,
-        hidden_dropout=0.1,
-        pipeline_model_parallel_size=2,
-        virtual_pipeline_model_parallel_size=None,
-        overlap_p2p_comm=True,
-    )
-    return argparse.Namespace(**{**values, **fields})
-
-
 @pytest.mark.parametrize(
     "fields, ok",
     [
@@ -2117,3 +2121,31 @@ def test_baseline_steps_raise_the_warmup_and_say_so():
     longer = bridge(cuda_graph_warmup_steps=9)
     longer.cuda_graph_baseline_steps = 6
     assert read_settings(longer).warmup_steps == 9
+
+
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        (megatron_lm_args(pipeline_model_parallel_size=1, check_for_large_grads=True),
+         "--check-for-large-grads"),
+        (megatron_lm_args(pipeline_model_parallel_size=1, check_for_spiky_loss=True),
+         "--check-for-spiky-loss"),
+    ],
+    ids=["large-grads", "spiky-loss"],
+)  # fmt: skip
+def test_full_iteration_refuses_the_checks_that_read_a_history_on_the_host(config, field):
+    """Both run megatron-core's rerun state machine on a device value (a host read) inside
+    the captured forward/backward, as the NaN checks do."""
+    rejected(
+        config,
+        fields=(field,),
+        value="True",
+        phrase="with its history on the host",
+        fix=f"turn {field} off",
+    )
+    setattr(config, field[2:].replace("-", "_"), False)
+    accepted(config)
+    bridge_config = bridge(scope="attn,mlp")
+    bridge_config.ddp.check_for_large_grads = True
+    bridge_config.rerun_state_machine.check_for_spiky_loss = True
+    accepted(bridge_config)  # per-layer graphs leave both outside

@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     switch("--no-check-for-nan-in-loss", "check_for_nan_in_loss", on=False)
     switch("--no-check-for-nan-in-loss-and-grad", "check_for_nan_in_loss", on=False)
     switch("--check-for-nan-in-grad", "check_for_nan_in_grad")
+    switch("--check-for-large-grads", "check_for_large_grads")
+    switch("--check-for-spiky-loss", "check_for_spiky_loss")
     value(
         "fp8_format",
         metavar="{e4m3,hybrid}",

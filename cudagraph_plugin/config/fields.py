@@ -38,6 +38,11 @@ FIELD_PATHS: dict[str, tuple[str, ...]] = {
         "check_for_nan_in_grad",
         "check_for_nan_in_loss_and_grad",
     ),
+    "check_for_large_grads": ("ddp.check_for_large_grads", "check_for_large_grads"),
+    "check_for_spiky_loss": (
+        "rerun_state_machine.check_for_spiky_loss",
+        "check_for_spiky_loss",
+    ),
     "enable_cuda_graph": ("model.enable_cuda_graph", "enable_cuda_graph"),
     "external_cuda_graph": ("model.external_cuda_graph", "external_cuda_graph"),
     "seq_length": ("model.seq_length", "dataset.sequence_length", "seq_length"),

@@ -50,6 +50,8 @@ class Settings:
     rng_te_rng_tracker: bool | None = None
     check_for_nan_in_loss: bool | None = None
     check_for_nan_in_grad: bool | None = None
+    check_for_large_grads: bool = False
+    check_for_spiky_loss: bool = False
     enable_cuda_graph: bool = False
     external_cuda_graph: bool = False
     seq_length: int | None = None

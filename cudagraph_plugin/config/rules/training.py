@@ -80,6 +80,26 @@ def _nan_grad_check(s: Settings, env: Environment) -> Iterator[Violation]:
 
 
 @rule
+def _history_checks(s: Settings, env: Environment) -> Iterator[Violation]:
+    if not (s.impl == "local" and s.full_iteration):
+        return
+    for setting, what in (
+        ("check_for_large_grads", "DDP compares the reduced gradients' norm"),
+        ("check_for_spiky_loss", "the loss function compares the loss"),
+    ):
+        if getattr(s, setting):
+            yield violation(
+                s,
+                (setting,),
+                True,
+                f"full_iteration CUDA graph with {setting}: {what} with its history on the "
+                "host (megatron-core's rerun state machine, a device synchronisation) inside "
+                "the captured iteration",
+                f"turn {s.field(setting)} off, or use TE scopes such as attn,mlp",
+            )
+
+
+@rule
 def _full_iteration_warmup(s: Settings, env: Environment) -> Iterator[Violation]:
     if s.enabled and s.full_iteration and s.warmup_steps == 0:
         yield violation(
