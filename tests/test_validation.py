@@ -1186,6 +1186,10 @@ MCORE_REJECTS = {
         ),
         "moe recompute is not supported with moe_router CUDA graph",
     ),
+    "moe-layer-recompute": (  # deprecated: megatron-core reads it as selective moe recompute
+        dict(cuda_graph_scope=["moe_router"], moe_layer_recompute=True, **MOE_MCORE),
+        "moe recompute is not supported with moe_router CUDA graph",
+    ),
     "attention-dropout": (
         dict(cuda_graph_scope=["attn"], recompute_granularity="selective"),
         "attention dropout is not supported with graphed attention recomputation",

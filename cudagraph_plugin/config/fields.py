@@ -75,6 +75,7 @@ FIELD_PATHS: dict[str, tuple[str, ...]] = {
     "moe_input_jitter_eps": ("model.moe_input_jitter_eps", "moe_input_jitter_eps"),
     "recompute_granularity": ("model.recompute_granularity", "recompute_granularity"),
     "recompute_modules": ("model.recompute_modules", "recompute_modules"),
+    "moe_layer_recompute": ("model.moe_layer_recompute", "moe_layer_recompute"),
     "recompute_num_layers": ("model.recompute_num_layers", "recompute_num_layers"),
     "recompute_method": ("model.recompute_method", "recompute_method"),
     "attention_dropout": ("model.attention_dropout", "attention_dropout"),

@@ -69,6 +69,7 @@ class Settings:
     moe_input_jitter_eps: float | None = None
     recompute_granularity: str | None = None
     recompute_modules: tuple[str, ...] | None = None
+    moe_layer_recompute: bool = False  # deprecated; read into the two above
     recompute_num_layers: int | None = None
     recompute_method: str | None = None
     attention_dropout: float = 0.1  # megatron-core's defaults: a host config without the
@@ -241,6 +242,14 @@ def read_settings(config: Any) -> Settings:
             values["overlap_p2p_comm"]
             and values.get("virtual_pipeline_model_parallel_size") is not None
         )
+    if values.get("moe_layer_recompute") and values.get("recompute_granularity") != "full":
+        # megatron-core's __post_init__ turns the deprecated flag into selective recompute of
+        # moe before its CUDA graph checks (with full recompute it raises on its own)
+        values["recompute_granularity"] = "selective"
+        modules = values.get("recompute_modules") or ("core_attn",)
+        values["recompute_modules"] = tuple(dict.fromkeys((*modules, "moe")))
+        given = sources.get("recompute_modules", "recompute_modules")
+        sources["recompute_modules"] = f"{given} (+moe from {sources['moe_layer_recompute']})"
     baseline = values.get("baseline_steps")
     if baseline is not None:
         given = values.get("warmup_steps", DEFAULT_WARMUP_STEPS)

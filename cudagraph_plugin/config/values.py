@@ -339,6 +339,7 @@ _PARSERS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "weight_decay_incr_style": (_to_choice("constant", "linear", "cosine"), True),
 }
 BOOL_SETTINGS = (
+    "moe_layer_recompute",
     "check_for_large_grads",
     "check_for_spiky_loss",
     "enable_cuda_graph",

@@ -176,7 +176,10 @@ def _selective_recompute(s: Settings, env: Environment) -> Iterator[Violation]:
             (list(modules), scope_value(s)),
             "recomputing the MoE layer would re-run the graphed router with "
             "--cuda-graph-impl transformer_engine",
-            "drop 'moe' from recompute_modules, or moe_router from the scope",
+            f"turn {s.field('moe_layer_recompute')} off (it recomputes moe) and leave 'moe' "
+            "out of recompute_modules, or drop moe_router from the scope"
+            if s.moe_layer_recompute
+            else "drop 'moe' from recompute_modules, or moe_router from the scope",
             (MCORE, "moe recompute is not supported with moe_router CUDA graph"),
         )
     whole = s.full_iteration
