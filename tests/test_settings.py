@@ -681,3 +681,10 @@ def test_deprecated_full_scope_and_both_scope_fields_are_recorded():
 def test_command_line_origin_is_recorded():
     assert read_settings(argparse.Namespace()).from_command_line
     assert not read_settings(NS()).from_command_line
+
+
+def test_a_scope_the_0_18_impl_adds_is_not_one_the_user_listed_twice():
+    s = read_settings(NS(cuda_graph_impl="full_iteration", cuda_graph_modules=["full_iteration"]))
+    assert (s.impl, s.scope, s.duplicated_scopes) == ("local", ("full_iteration",), ())
+    s = read_settings(NS(cuda_graph_impl="full_iteration", cuda_graph_modules="mlp,mlp"))
+    assert (s.scope, s.duplicated_scopes) == (("full_iteration", "mlp"), ("mlp",))

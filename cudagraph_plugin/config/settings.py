@@ -260,7 +260,8 @@ def read_settings(config: Any) -> Settings:
     names = parse_scope(values.pop("scope", None))
     impl, scope = canonical_impl_and_scope(values.pop("impl", "none"), names)
     # megatron-core accepts a scope listed twice; the plugin uses each once and says so.
-    duplicated = tuple(dict.fromkeys(n for n in scope if n and scope.count(n) > 1))
+    # counted in the names the user wrote: the 0.18+ impl full_iteration adds its own
+    duplicated = tuple(dict.fromkeys(n for n in names if n and names.count(n) > 1))
     scope = tuple(dict.fromkeys(scope))
     return Settings(
         impl=impl,
