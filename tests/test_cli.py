@@ -438,3 +438,20 @@ def test_overrides_from_parsed_flags_round_trip():
     s = read_settings(config)
     assert (s.impl, s.scope, s.warmup_steps) == ("transformer_engine", ("attn", "mlp"), 3)
     assert find_violations(s) == []
+
+
+def test_a_scope_flag_given_twice_keeps_the_last_and_says_which_was_dropped(caplog):
+    p = parser()
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        args = p.parse_args(["--cuda-graph-scope", "attn", "--cuda_graph_scope", "mlp"])
+    assert args.cuda_graph_scope == ["mlp"]
+    (record,) = [r for r in caplog.records if r.name == "cudagraph_plugin"]
+    assert record.getMessage().startswith(
+        "--cuda_graph_scope given twice: using the last (mlp); the earlier one (attn) is dropped"
+    )
+    assert vars(args).keys() == vars(p.parse_args([])).keys()  # nothing added to the args
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        p.parse_args(["--cuda-graph-scope", "attn"])  # the same parser, a new command line
+        p.parse_args(["--cuda-graph-scope", "attn", "mlp"])
+    assert [r for r in caplog.records if r.name == "cudagraph_plugin"] == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import weakref
 from typing import Any
 
 from cudagraph_plugin.config.values import normalise, parse_scope
@@ -63,9 +64,17 @@ def parse_scope_arg(text: str) -> list[str]:
 
 class ScopeAction(argparse.Action):
     """``--cuda-graph-scope S [S ...]``: the tokens joined and checked (a bad value is a
-    usage error naming the flag)."""
+    usage error naming the flag). Given twice, the last one holds, as argparse has it (a
+    launcher may append an override), and a warning names the one dropped."""
 
     lenient = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # the namespaces this flag was given for, with the text: kept off the namespace,
+        # which hosts save with their checkpoints
+        # (a Namespace is unhashable: by id, with a weak reference to tell a reused id)
+        self._given: dict[int, tuple[weakref.ref[Any], str]] = {}
 
     def __call__(
         self,
@@ -75,6 +84,18 @@ class ScopeAction(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         text = join_scope_tokens(list(values))
+        ref, earlier = self._given.get(id(namespace), (None, None))
+        if ref is not None and ref() is namespace:
+            logger.warning(
+                "%s given twice: using the last (%s); the earlier one (%s) is dropped; "
+                "give every scope in one flag, e.g. %s attn mlp",
+                option_string,
+                text,
+                earlier,
+                option_string,
+            )
+        self._given = {key: seen for key, seen in self._given.items() if seen[0]() is not None}
+        self._given[id(namespace)] = (weakref.ref(namespace), text)
         if self.lenient:
             setattr(namespace, self.dest, text)
             return
