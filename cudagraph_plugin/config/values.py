@@ -293,10 +293,17 @@ _WARMUP = _to_int(0, 3)
 
 
 def _to_optimizer_name(value: Any) -> str:
-    """Megatron-LM's ``--optimizer`` / Bridge's ``optimizer.optimizer``: a name."""
+    """Megatron-LM's ``--optimizer`` / Bridge's ``optimizer.optimizer``: a name, spelled as
+    megatron-core compares it (``config.optimizer == 'adam'``: case and spaces count)."""
     if not isinstance(value, str) or not value.strip():
         raise _Unreadable("not an optimizer name", "give the optimizer's name, e.g. adam")
-    return value.strip().lower()
+    if value != value.strip().lower():
+        raise _Unreadable(
+            "not a name megatron-core knows: it compares optimizer names as written, in "
+            "lower case",
+            f"write it as {value.strip().lower()!r}",
+        )
+    return value
 
 
 # setting -> (parser, optional). ``optional``: None and the words none/null/"" mean "not set"
