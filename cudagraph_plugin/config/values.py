@@ -299,8 +299,7 @@ def _to_optimizer_name(value: Any) -> str:
         raise _Unreadable("not an optimizer name", "give the optimizer's name, e.g. adam")
     if value != value.strip().lower():
         raise _Unreadable(
-            "not a name megatron-core knows: it compares optimizer names as written, in "
-            "lower case",
+            "not a name megatron-core knows: it compares optimizer names as written, in lower case",
             f"write it as {value.strip().lower()!r}",
         )
     return value
