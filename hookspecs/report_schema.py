@@ -69,8 +69,9 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "no_graph_reason",
         "str | None",
         "",
-        "why no graph was captured (graphs off, no CUDA device, the run ended before the "
-        "capture step, or the capture produced no graph)",
+        "why no graph was captured (graphs off, no CUDA device, the run ended before its first "
+        "training step or before the capture step, a capture that raised, with its error, or "
+        "the capture produced no graph)",
         "a graph was captured",
     ),
     ReportField(
@@ -92,8 +93,9 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "int | None",
         "step",
         "the training step that captured the graphs (its post-warmup hook for "
-        "`transformer_engine`, its forward/backward for `full_iteration`)",
-        "no graph was captured during training",
+        "`transformer_engine`, its forward/backward for `full_iteration`), else the step "
+        "that captured the optimizer graph",
+        "no graph was captured during training (a capture that produced no graph does not count)",
     ),
     ReportField(
         "capture_seconds",
@@ -111,8 +113,10 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "step",
         "the steps behind `eager_step_ms`: before the capture step, without the run's first "
         "step (it pays one-off costs); every timed step but the first when nothing was "
-        "captured; with buckets, each bucket's warm-up steps but its first, of the buckets "
-        "that replayed",
+        "captured (also after a capture that produced no graph); with buckets, each bucket's "
+        "warm-up steps but its first, of the buckets that replayed. Never a step whose timed "
+        "span held a capture (the optimizer graph's, captured after its own warm-up; a "
+        "validation graph is captured in an evaluation, outside it)",
     ),
     ReportField(
         "eager_step_ms",
@@ -126,8 +130,11 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "replay_steps",
         "list[int]",
         "step",
-        "the steps behind `replay_step_ms`: after the capture step (up to `fallback_step`); "
-        "with buckets, the steps that replayed a bucket's graph",
+        "the steps behind `replay_step_ms`: after the capture step, up to the last step that "
+        "replayed (`fallback_step`, or the step after which `run.invalidate_graphs` freed the "
+        "graphs for the rest of the run; later steps ran eagerly and are in neither list); "
+        "with buckets, the steps that replayed a bucket's graph (also of a bucket with no "
+        "eager step to compare with). Never a step whose timed span held a capture",
     ),
     ReportField(
         "replay_step_ms",
@@ -164,7 +171,9 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "memory_before_capture",
         "dict[str, float] | None",
         "MiB",
-        "the CUDA allocator right before the first capture (keys: `allocated_mib`, "
+        "the CUDA allocator right before the captures of `capture_step` (the training "
+        "graph's, and the optimizer graph's when it is captured in the same step; a "
+        "validation graph captured at another step is not in it) (keys: `allocated_mib`, "
         "`reserved_mib`, `peak_allocated_mib`)",
         _NO_CAPTURE,
     ),
@@ -172,7 +181,7 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "memory_after_capture",
         "dict[str, float] | None",
         "MiB",
-        "the same, right after the first capture",
+        "the same, right after the captures of `capture_step`",
         _NO_CAPTURE,
     ),
     ReportField(
@@ -186,7 +195,8 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "memory_overhead_mib",
         "float | None",
         "MiB",
-        "allocated memory after minus before the first capture",
+        "allocated memory after minus before the captures of `capture_step`: what the "
+        "training graph (and the optimizer graph captured with it) holds",
         _NO_CAPTURE,
     ),
     ReportField(
@@ -200,7 +210,7 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "peak_overhead_mib",
         "float | None",
         "MiB",
-        "`peak_allocated_at_end_mib` minus the peak before the first capture",
+        "`peak_allocated_at_end_mib` minus the peak before the captures of `capture_step`",
         _NO_CAPTURE,
     ),
     ReportField(
@@ -231,7 +241,8 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "replays of each captured graph after its capture, by stage (`training` — the "
         "full-iteration graph or the TE layers' graphs, counted per forward/backward call —, "
         "`validation`, `optimizer`); a stage appears once captured, so a graph captured but "
-        "never replayed shows 0; `{}` without a capture",
+        "never replayed shows 0; the capture call's own replay is not counted; `{}` without "
+        "a capture (or when the capture produced no graph)",
     ),
     ReportField(
         "notes",
@@ -261,9 +272,12 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "pays_off",
         "bool | None",
         "",
-        "whether the run replayed at least `break_even_steps` steps after the capture (the "
-        "report warns when not)",
-        "nothing was captured, training steps are unknown, or buckets (see `buckets`)",
+        "whether the steps the run did replay, from the step after `capture_step` to the last "
+        "step that ran (one that raised counts), or to `fallback_step` or an invalidation, are "
+        "at least `break_even_steps` (the report warns when not); `False` also when replay "
+        "saves nothing",
+        "nothing was captured, no training step ran, either median is missing (nothing "
+        "known about the saving), or buckets (see `buckets`)",
     ),
     ReportField(
         "buckets",
@@ -271,11 +285,13 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "",
         "one entry per shape the bucketed full-iteration graphs saw (`--cuda-graph-buckets`): "
         "`seq_length`, `micro_batch_size`, `num_microbatches`, `in_bucket`, `eager_steps`, "
-        "`capture_steps`, `replay_steps`, `capture_seconds`, `replays`, `graph_held`, "
-        "`eager_step_ms`, `replay_step_ms`, `speedup`, `padding_waste_percent` (padded "
-        "positions of all positions, from `run.step_padded`), `pool_mib` (what its last capture "
-        "added to allocated memory; one pool serves every bucket), `break_even_steps`, "
-        "`paid_off`; `[]` without buckets",
+        "`capture_steps`, `replay_steps` (the steps of each action), `capture_seconds`, "
+        "`replays` (after its capture calls, as `replays` counts them: they add up to its "
+        "`training`), `graph_held`, `eager_step_ms`, `replay_step_ms` (medians without its "
+        "first step and without steps that held another capture), `speedup`, "
+        "`padding_waste_percent` (padded positions of all positions, from `run.step_padded`), "
+        "`pool_mib` (what its last capture added to allocated memory; one pool serves every "
+        "bucket), `break_even_steps`, `paid_off` (`None` as `pays_off`); `[]` without buckets",
     ),
     ReportField(
         "invalidations",

@@ -259,9 +259,9 @@ def test_table_when_nothing_was_captured():
 
 
 def test_a_bucket_has_paid_off_only_after_enough_replayed_steps():
-    """A bucket's capture (10 ms) is earned back after 2 steps saving 5 ms each. Its row
-    counts the replay at the end of the capture call too; that call saves nothing, so one
-    replayed step is not enough."""
+    """A bucket's capture (10 ms) is earned back after 2 steps saving 5 ms each: one
+    replayed step is not enough (the capture call's own replay saves nothing and is not
+    counted)."""
     from cudagraph_plugin.runtime.payoff import bucket_rows
 
     row = {
@@ -269,7 +269,7 @@ def test_a_bucket_has_paid_off_only_after_enough_replayed_steps():
         "eager_step_ms": 10.0, "replay_step_ms": 5.0, "eager_steps": [0, 1],
     }  # fmt: skip
     once, twice = (
-        bucket_rows([{**row, "replay_steps": steps, "replays": len(steps) + 1}], [])[0]
+        bucket_rows([{**row, "replay_steps": steps, "replays": len(steps)}], [])[0]
         for steps in ([3], [3, 4])
     )
     assert once["break_even_steps"] == twice["break_even_steps"] == 2

@@ -57,7 +57,8 @@ def test_each_bucket_replays_every_step_after_its_capture_and_trains_as_eager(
     assert set(counts) == {16, 32, 48} and min(counts.values()) >= WARMUP + 2, counts
     assert schedule_of(report) == expected_schedule(lengths, {16, 32, 48}, WARMUP)
     replays = sum(row["replays"] for row in report["buckets"])
-    assert replays == len(lengths) - WARMUP * 3  # every step after its bucket's warm-up
+    # every step after its bucket's warm-up and capture step, as the report counts them
+    assert replays == len(lengths) - (WARMUP + 1) * 3 == report["replays"]["training"]
     assert graphs["losses"] == eager["losses"]  # bitwise: the same work on the same values
     assert graphs["rollout_losses"] == eager["rollout_losses"]
     assert graphs["losses"][-1] < graphs["losses"][0]

@@ -72,7 +72,7 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from cudagraph_plugin.compat import buckets as bucket_compat
@@ -405,8 +405,8 @@ class BucketGraphs:
             seconds,
             len(self._graphs),
         )
+        # (not counted in stats.replays: the report's replays are those after the capture)
         graph.replay()
-        stats.replays += 1
         return result
 
     @staticmethod
@@ -496,17 +496,23 @@ class BucketGraphs:
         counts[0] += real_tokens
         counts[1] += padded_tokens
 
-    def summary(self, durations_ms: Mapping[int, float] | None = None) -> list[dict[str, Any]]:
-        """Per key: its steps by action, capture seconds, replays, padding waste, and with
-        the host's step durations the median eager and replay step times. A key's first
-        call (its static buffers, lazy allocations) and its capture steps are left out of
-        the medians."""
+    def summary(
+        self,
+        durations_ms: Mapping[int, float] | None = None,
+        holding_captures: Collection[int] = (),
+    ) -> list[dict[str, Any]]:
+        """Per key: its steps by action, capture seconds, replays (after the capture call,
+        which replays once too), padding waste, and with the host's step durations the
+        median eager and replay step times. A key's first call (its static buffers, lazy
+        allocations), its capture steps and the steps in ``holding_captures`` (another
+        capture ran in them: the optimizer graph's) are left out of the medians."""
         durations = durations_ms or {}
         rows = []
         for key, stats in sorted(self.stats.items(), key=lambda item: sort_key(item[0])):
-            first = stats.calls[0][0] if stats.calls else None
-            eager = [s for s in stats.steps(Action.EAGER, Action.WARMUP) if s != first]
-            replay = stats.steps(Action.REPLAY)
+            # (no sample: its first call, and the steps that held another capture)
+            skip = {stats.calls[0][0] if stats.calls else None, *holding_captures}
+            eager = [s for s in stats.steps(Action.EAGER, Action.WARMUP) if s not in skip]
+            replay = [s for s in stats.steps(Action.REPLAY) if s not in skip]
             real, padded = self.padding.get(key.seq_length, [0, 0])
             rows.append(
                 {
@@ -516,7 +522,7 @@ class BucketGraphs:
                     "in_bucket": stats.in_bucket,
                     "eager_steps": stats.steps(Action.EAGER, Action.WARMUP),
                     "capture_steps": stats.steps(Action.CAPTURE),
-                    "replay_steps": replay,
+                    "replay_steps": stats.steps(Action.REPLAY),
                     "capture_seconds": list(stats.capture_seconds),
                     "replays": stats.replays,
                     "graph_held": key in self._graphs,

@@ -4,7 +4,8 @@
 ``create_cudagraphs()``, the optimizer's capture call) between the ``mcgraph_before_capture``
 and ``mcgraph_after_capture`` hooks, with a device synchronisation on each side, its
 duration and memory snapshots; it records which stage was captured at which step and how
-many graphs the run holds. The report and the fallback read these records.
+many graphs the run holds, and a capture that raised. The report and the fallback read
+these records.
 """
 
 from __future__ import annotations
@@ -30,10 +31,16 @@ class Captures:
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     graph_count: int = 0
     graphs_held_max: int = 0
-    memory_before: MemorySnapshot | None = None
-    memory_after: MemorySnapshot | None = None
+    # (before, after) memory snapshots of each record, in the same order
+    snapshots: list[tuple[MemorySnapshot, MemorySnapshot]] = dataclasses.field(default_factory=list)
     # replays after the capture, per captured stage (training, validation, optimizer)
     replays: dict[str, int] = dataclasses.field(default_factory=dict)
+    # the last step that could replay before the graphs were freed for the rest of the run
+    # (the fallback, the host's invalidation without buckets): later steps ran eagerly
+    replay_end: int | None = None
+    # (stage, step, "Type: message") of a capture that raised, for the report's "why no
+    # graph"; the words only: the exception's frames would keep what the capture held alive
+    failed: tuple[str, int | None, str] | None = None
 
     def bracket(self, stage: str, capture: Callable[[], Any]) -> Any:
         """Run ``capture`` bracketed by the capture hooks, timing and memory snapshots."""
@@ -47,16 +54,15 @@ class Captures:
         torch.cuda.synchronize()
         before = MemorySnapshot.take()
         start = time.perf_counter()
-        result = capture()
-        torch.cuda.synchronize()
+        try:
+            result = capture()
+            torch.cuda.synchronize()
+        except BaseException as error:
+            self.failed = (stage, step, _error_line(error))
+            raise
         seconds = time.perf_counter() - start
-        # The report's memory numbers span the captures of the first capture step (a
-        # full-iteration or TE capture and the optimizer's, in the same step).
         after = MemorySnapshot.take()
-        if not self.records:
-            self.memory_before = before
-        if not self.records or self.records[0]["step"] == step:
-            self.memory_after = after
+        self.snapshots.append((before, after))
         self.records.append(
             {
                 "stage": stage,
@@ -105,3 +111,36 @@ class Captures:
 
     def seconds(self) -> float | None:
         return sum(c["seconds"] for c in self.records) if self.records else None
+
+    def capture_step_memory(self) -> tuple[MemorySnapshot | None, MemorySnapshot | None]:
+        """The memory right before and right after the captures of the capture step
+        (:meth:`training_capture_step`): its training and optimizer captures, in the order
+        they ran. A validation graph captured at another step (an evaluation before the
+        training capture) or after them is not in it: the figures are the training graph's."""
+        step = self.training_capture_step()
+        around = [
+            snapshot
+            for record, snapshot in zip(self.records, self.snapshots, strict=True)
+            if record["step"] == step and record["stage"] in ("training", "optimizer")
+        ]
+        if not around:
+            return None, None
+        return around[0][0], around[-1][1]
+
+    def steps_holding_a_capture(self) -> set[int]:
+        """The training steps whose timed span holds a capture: the training graph's and the
+        optimizer graph's (captured after its own warm-up, at whatever step that falls on).
+        A validation graph is captured in an evaluation, after its step was timed."""
+        return {r["step"] for r in self.records if r["stage"] in ("training", "optimizer")}
+
+    @property
+    def memory_before(self) -> MemorySnapshot | None:
+        """Memory right before the run's first capture, whatever its stage (the shutdown
+        log line's baseline)."""
+        return self.snapshots[0][0] if self.snapshots else None
+
+
+def _error_line(error: BaseException) -> str:
+    """``Type: first line of the message`` (CUDA errors run over several lines)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

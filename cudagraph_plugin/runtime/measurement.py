@@ -1,8 +1,11 @@
 """Measurement of one run: the training steps timed, split into eager and replayed steps.
 
 The step whose capture splits them is the training graph's (full iteration or TE), else the
-optimizer graph's (:meth:`Captures.training_capture_step`); replays end where the opt-in
-fallback freed the graph.
+optimizer graph's (:meth:`Captures.training_capture_step`); replays end where the graphs
+were freed for the rest of the run (the opt-in fallback, the host's invalidation without
+buckets: :attr:`Captures.replay_end`). A step whose timed span held a capture (the optimizer
+graph's, captured after its own warm-up) is neither; a validation graph is captured in an
+evaluation, outside the timed step.
 
 Which steps are timed (:meth:`Measurement.times`): every step up to
 :data:`DENSE_REPLAY_STEPS` steps after the capture (the warm-up, the capture, and the
@@ -61,10 +64,26 @@ class Measurement:
         """(eager steps, replayed steps, milliseconds per timed step); ``sync=False`` leaves
         out steps still in flight on the device."""
         durations = self.timer.durations_ms(sync=sync)
+        captures = self.captures
         eager, replay = split_samples(
             sorted(durations),
             self.state.start_step,
-            self.captures.training_capture_step(),
-            self.fallback_step,
+            captures.training_capture_step(),
+            captures.replay_end,
+            holding_captures=captures.steps_holding_a_capture(),
         )
         return eager, replay, durations
+
+    def steps_replayed(self) -> int | None:
+        """Training steps that ran on the graphs: from the step after the capture step to
+        the last step that started (a step that raised counts), or to the end of the
+        replays (:attr:`Captures.replay_end`); None before the first step or without a
+        capture. Counted from step numbers, not from the timed steps (those stop
+        :data:`DENSE_REPLAY_STEPS` after the capture)."""
+        capture, last = self.captures.training_capture_step(), self.state.step
+        if capture is None or last is None:
+            return None
+        end = self.captures.replay_end
+        if end is not None:
+            last = min(last, end)
+        return max(0, last - capture)

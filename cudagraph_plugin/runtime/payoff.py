@@ -10,7 +10,7 @@ steps (never, when replay saves nothing).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 THIN_SAMPLE = 5
@@ -41,37 +41,52 @@ def break_even_steps(
     return max(1, math.ceil(capture_seconds * 1000.0 / saving))
 
 
-def pays_off(break_even: int | None, replays_left: int | None) -> bool | None:
-    """Whether the run replays enough steps to earn the capture back (None: not known)."""
-    if replays_left is None:
+def pays_off(
+    eager_ms: float | None, replay_ms: float | None, break_even: int | None, replayed: int | None
+) -> bool | None:
+    """Whether the steps the run replayed (``replayed``) earned the capture back; None when
+    it is not known: a median is missing (nothing is known about the saving) or the
+    replayed steps are unknown. False when replay saves nothing (no break-even)."""
+    if eager_ms is None or replay_ms is None or replayed is None:
         return None
-    return break_even is not None and replays_left >= break_even
+    return break_even is not None and replayed >= break_even
 
 
 def bucket_samples(
-    summary: Sequence[Mapping[str, Any]], durations_ms: Mapping[int, float]
+    summary: Sequence[Mapping[str, Any]],
+    durations_ms: Mapping[int, float],
+    holding_captures: Collection[int] = (),
 ) -> tuple[list[int], list[int], list[float], list[float]]:
     """What the run's eager-vs-replay verdict compares with buckets: each bucket's replayed
     steps against its own eager steps, never one length against another. Returns the
-    eager and replayed steps (of the buckets that have both) and their durations divided
-    by their bucket's median eager step (so the eager ones lie around 1)."""
+    eager steps (of the buckets that replayed) and the replayed steps (of every bucket),
+    and the durations of those of the buckets with an eager median, divided by it (so the
+    eager ones lie around 1): a bucket without one (warm-up 1: its only warm-up step is its
+    first) keeps its replayed steps, but has nothing to compare them with. A step in
+    ``holding_captures`` (its time includes a capture: the optimizer graph's, captured after
+    its own warm-up, whatever bucket the step is in) is no sample."""
     eager_steps: list[int] = []
     replay_steps: list[int] = []
     eager: list[float] = []
     replay: list[float] = []
     for row in summary:
-        base = row["eager_step_ms"]
-        if not row["in_bucket"] or not base:
+        if not row["in_bucket"]:
             continue
         # a bucket's first call (its static buffers, lazy allocations) is no sample
-        own_eager = [s for s in row["eager_steps"][1:] if s in durations_ms]
-        own_replay = [s for s in row["replay_steps"] if s in durations_ms]
+        own_eager = [
+            s for s in row["eager_steps"][1:] if s in durations_ms and s not in holding_captures
+        ]
+        own_replay = [
+            s for s in row["replay_steps"] if s in durations_ms and s not in holding_captures
+        ]
         if not own_replay:
             continue
         eager_steps += own_eager
         replay_steps += own_replay
-        eager += [durations_ms[s] / base for s in own_eager]
-        replay += [durations_ms[s] / base for s in own_replay]
+        base = row["eager_step_ms"]
+        if base:
+            eager += [durations_ms[s] / base for s in own_eager]
+            replay += [durations_ms[s] / base for s in own_replay]
     return sorted(eager_steps), sorted(replay_steps), eager, replay
 
 
@@ -101,7 +116,11 @@ def bucket_rows(
                 "pool_mib": None if last is None else last.get("mib"),
                 "break_even_steps": even,
                 # the replays of the capture calls save nothing: replayed steps only
-                "paid_off": pays_off(even, len(row["replay_steps"])) if capture_seconds else None,
+                "paid_off": (
+                    pays_off(eager_ms, replay_ms, even, len(row["replay_steps"]))
+                    if capture_seconds
+                    else None
+                ),
             }
         )
     return rows

@@ -29,7 +29,7 @@ from cudagraph_plugin.runtime.payoff import (
     thin_sample_note,
 )
 from cudagraph_plugin.runtime.state import RunState
-from cudagraph_plugin.runtime.timing import MemorySnapshot, median_or_none
+from cudagraph_plugin.runtime.timing import MemorySnapshot, median_or_none, split_samples
 from hookspecs import call_hook
 from hookspecs.report_schema import REPORT_SCHEMA_VERSION
 
@@ -213,11 +213,11 @@ class RunReport:
                     (
                         f"allocated {self.memory_before_capture.allocated_mib:.0f} -> "
                         f"{self.memory_after_capture.allocated_mib:.0f} MiB "
-                        f"(+{d['memory_overhead_mib']:.0f} MiB, "
+                        f"({d['memory_overhead_mib']:+.0f} MiB, "
                         f"{_fmt_pct(d['memory_overhead_pct'])}); "
                         f"peak {self.memory_before_capture.peak_allocated_mib:.0f} -> "
                         f"{self.peak_allocated_at_end_mib:.0f} MiB "
-                        f"(+{d['peak_overhead_mib']:.0f} MiB, "
+                        f"({d['peak_overhead_mib']:+.0f} MiB, "
                         f"{_fmt_pct(d['peak_overhead_pct'])})"
                     ),
                 )
@@ -291,6 +291,8 @@ class Reporter:
     captures: Captures
     invalidations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     report: RunReport | None = None
+    # training steps that ran on the graphs (Measurement.steps_replayed), for the warning
+    replayed: int | None = None
 
     def emit(self, reason: str, *, sync: bool) -> None:
         peak_at_end = MemorySnapshot.take().peak_allocated_mib if self.captures.records else None
@@ -300,7 +302,7 @@ class Reporter:
         logger.log(
             logging.INFO if rank == 0 else logging.DEBUG,
             "CUDA graph report%s:\n%s",
-            f" (rank 0 of {world_size})" if world_size > 1 else "",
+            f" (rank {rank} of {world_size})" if world_size > 1 else "",
             self.report.format_table(),
             extra=JOB_WIDE,
         )
@@ -309,12 +311,15 @@ class Reporter:
                 "CUDA graphs did not pay off: %s", self.report.verdict_text, extra=JOB_WIDE
             )
         elif self.report.pays_off is False and rank == 0:
+            even = self.report.break_even_steps
             logger.warning(
-                "CUDA graphs did not pay off within this run: the capture took %.3f s and is "
-                "earned back after %s replayed step(s); this run replayed %s",
+                "CUDA graphs did not pay off within this run: the capture took %.3f s and %s; "
+                "this run replayed %s step(s)",
                 self.report.capture_seconds,
-                self.report.break_even_steps or "no number of",
-                len(self.report.replay_steps),
+                "replay saves no time per step"
+                if even is None
+                else f"is earned back after {even} replayed step(s)",
+                self.replayed,
                 extra=JOB_WIDE,
             )
         settings = self.state.settings
@@ -326,22 +331,31 @@ class Reporter:
     def build(self, reason: str, peak_at_end: float | None, *, sync: bool) -> RunReport:
         state, captures = self.state, self.captures
         rank, world_size = state.rank_and_world()
+        # A capture that produced no graph (a scope matching no layer) buys nothing: the
+        # report reads as if nothing was captured (no capture step, replays or memory; the
+        # steps after it ran eagerly), and no speed-up is claimed for it.
+        captured = bool(captures.records) and captures.graphs_held_max > 0
+        # a step whose time includes a capture is no sample on either side
+        holding = captures.steps_holding_a_capture()
         eager, replay, durations = self.measurement.samples(sync=sync)
+        if not captured:
+            eager, replay = split_samples(sorted(durations), state.start_step, None, None, holding)
         eager_samples = [durations[s] for s in eager]
         replay_samples = [durations[s] for s in replay]
-        bucket_summary = [] if state.buckets is None else state.buckets.summary(durations)
-        per_bucket = state.buckets is not None and any(
-            c["stage"] == "training" for c in captures.records
+        bucket_summary = [] if state.buckets is None else state.buckets.summary(durations, holding)
+        per_bucket = (
+            captured
+            and state.buckets is not None
+            and any(c["stage"] == "training" for c in captures.records)
         )  # else only the optimizer graph was captured: the split at its capture holds
         if per_bucket:
             # Every step after the first capture is not a replay with buckets (other
             # buckets warm up and capture later, lengths outside every bucket run eagerly,
             # an invalidation starts over): each bucket's replays against its own eager
             # steps, as fractions of that bucket's eager median.
-            eager, replay, eager_samples, replay_samples = bucket_samples(bucket_summary, durations)
-        # A capture that produced no graph (a scope matching no layer) buys nothing: no
-        # speed-up is claimed for it.
-        captured = bool(captures.records) and captures.graphs_held_max > 0
+            eager, replay, eager_samples, replay_samples = bucket_samples(
+                bucket_summary, durations, holding
+            )
         thin = None
         if captured:
             result, speedup, noise, text = verdict(
@@ -350,32 +364,24 @@ class Reporter:
             if per_bucket and result != "unknown":
                 text += " (each bucket's replayed steps against its own eager steps)"
             no_graph_reason = None
-            thin = thin_sample_note(len(eager), len(replay))
+            thin = thin_sample_note(len(eager_samples), len(replay_samples))
             if thin is not None and result != "unknown":
                 text += f" ({thin})"
         else:
             result, speedup, noise = "unknown", None, 0.0
-            if captures.records:
-                no_graph_reason = (
-                    f"the capture at step {captures.records[0]['step']} produced no graph "
-                    "(nothing in the model matched the scope)"
-                )
-            else:
-                no_graph_reason = state.no_graph_reason() or (
-                    f"the run ended (after step {state.step}) before the capture step "
-                    f"(start_step + {state.settings.warmup_steps})"
-                )
+            no_graph_reason = self.no_graph_reason()
             text = f"no graph captured: {no_graph_reason}"
         eager_ms = median_or_none([durations[s] for s in eager])
         replay_ms = median_or_none([durations[s] for s in replay])
         # with buckets, break-even is each bucket's own (its capture against its saving)
-        even = None
+        even = paid = None
+        self.replayed = self.measurement.steps_replayed() if captured else None
         if captured and state.buckets is None:
             even = break_even_steps(captures.seconds(), eager_ms, replay_ms)
-        capture_step = captures.training_capture_step()
-        left = None
-        if captured and state.train_iters is not None and capture_step is not None:
-            left = state.train_iters - capture_step - 1
+            # the steps that did replay (up to a fallback or an invalidation, or where the
+            # run ended early), not the ones train_iters planned
+            paid = pays_off(eager_ms, replay_ms, even, self.replayed)
+        memory_before, memory_after = captures.capture_step_memory() if captured else (None, None)
         return RunReport(
             impl=state.settings.impl,
             scope=list(state.settings.scope),
@@ -383,8 +389,8 @@ class Reporter:
             no_graph_reason=no_graph_reason,
             warmup_steps=state.settings.warmup_steps,
             start_step=state.start_step,
-            capture_step=capture_step,
-            capture_seconds=captures.seconds(),
+            capture_step=captures.training_capture_step() if captured else None,
+            capture_seconds=captures.seconds() if captured else None,
             graph_count=captures.graphs_held_max,
             steps_timed=len(durations),
             eager_steps=eager,
@@ -395,16 +401,16 @@ class Reporter:
             verdict=result,
             verdict_text=text,
             noise=noise,
-            memory_before_capture=captures.memory_before,
-            memory_after_capture=captures.memory_after,
-            peak_allocated_at_end_mib=peak_at_end,
+            memory_before_capture=memory_before,
+            memory_after_capture=memory_after,
+            peak_allocated_at_end_mib=peak_at_end if captured else None,
             fallback_step=self.measurement.fallback_step,
             graphs_held=captures.graph_count,
-            replays=dict(captures.replays),
+            replays=dict(captures.replays) if captured else {},
             notes=self.notes(),
             thin_sample=thin is not None,
             break_even_steps=even,
-            pays_off=pays_off(even, left) if captured and state.buckets is None else None,
+            pays_off=paid,
             buckets=bucket_rows(bucket_summary, captures.records),
             invalidations=list(self.invalidations),
             shutdown_reason=reason,
@@ -412,6 +418,28 @@ class Reporter:
             versions=compat.versions(),
             rank=rank,
             world_size=world_size,
+        )
+
+    def no_graph_reason(self) -> str:
+        """Why the run holds no graph: a capture that raised, one that produced none, graphs
+        off or no device, or a run that ended before its capture step."""
+        state, captures = self.state, self.captures
+        if captures.failed is not None:
+            stage, step, error = captures.failed
+            return f"the {stage} capture at step {step} failed ({error})"
+        if captures.records:
+            return (
+                f"the capture at step {captures.records[0]['step']} produced no graph "
+                "(nothing in the model matched the scope)"
+            )
+        reason = state.no_graph_reason()
+        if reason is not None:
+            return reason
+        if state.step is None:
+            return "the run ended before its first training step"
+        return (
+            f"the run ended (after step {state.step}) before the capture step "
+            f"(start_step + {state.settings.warmup_steps})"
         )
 
     def notes(self) -> list[str]:

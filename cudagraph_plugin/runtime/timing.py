@@ -6,7 +6,8 @@ read) and ``time.perf_counter`` on the CPU; which steps it times is the measurem
 choice (:meth:`~cudagraph_plugin.runtime.measurement.Measurement.times`).
 :func:`split_samples` divides the timed steps into eager ones (the warm-up steps without the
 first one, which pays one-off costs) and replayed ones (after the capture step, which pays
-for the capture).
+for the capture, up to where the graphs were freed), leaving out every step that held a
+capture.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import collections
 import dataclasses
 import statistics
 import time
+from collections.abc import Collection
 from typing import Any
 
 MIB = 1024 * 1024
@@ -132,14 +134,22 @@ def median_or_none(samples: list[float]) -> float | None:
 
 
 def split_samples(
-    steps: list[int], first: int | None, capture_step: int | None, last_replay: int | None
+    steps: list[int],
+    first: int | None,
+    capture_step: int | None,
+    last_replay: int | None,
+    holding_captures: Collection[int] = (),
 ) -> tuple[list[int], list[int]]:
-    """(eager steps, replayed steps) of the timed ``steps``: the first step is neither;
-    without a capture every other step is eager; replays end at ``last_replay`` (the
-    fallback step) when given."""
+    """(eager steps, replayed steps) of the timed ``steps``: the first step is neither, nor
+    is a step in ``holding_captures`` (its time includes a capture: the optimizer graph's,
+    captured after its own warm-up); without a capture every other
+    step is eager; replays end at ``last_replay`` (where the graphs were freed for the rest
+    of the run: the fallback, an invalidation) when given, and the steps after it ran
+    eagerly but are no eager sample either (the warm-up's are the baseline)."""
+    steps = [s for s in steps if s != first and s not in holding_captures]
     if capture_step is None:
-        return [s for s in steps if s != first], []
+        return steps, []
     end = float("inf") if last_replay is None else last_replay
-    eager = [s for s in steps if s < capture_step and s != first]
+    eager = [s for s in steps if s < capture_step]
     replay = [s for s in steps if capture_step < s <= end]
     return eager, replay

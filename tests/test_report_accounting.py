@@ -1,0 +1,370 @@
+"""What the run report counts: which steps are eager and replayed samples, whether the capture
+paid off, whose memory the overhead is, and what it says when no graph exists, through the
+example loops on the CPU with fake graphs.
+
+Step times on the CPU say nothing about graphs (the fake replay runs the work in Python), so
+the tests that need a saving give the step timer fixed durations and the capture a fixed
+cost; the others assert which steps are counted, never how long they took.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+
+import pytest
+from cpu_only import needs_mcore_on_cpu
+from test_report import make_report
+
+import fake_optimizer_graph
+import train_gpt
+from cudagraph_plugin.runtime import capture as capture_module
+from cudagraph_plugin.runtime import state as state_module
+from cudagraph_plugin.runtime import timing
+from cudagraph_plugin.runtime.payoff import bucket_samples, pays_off
+from cudagraph_plugin.runtime.timing import MemorySnapshot, split_samples
+from hookspecs import hookimpl
+from hookspecs.report_schema import schema_problems
+from recording import FULL, RaiseAt, Recorder, run_recorded
+
+pytestmark = needs_mcore_on_cpu
+
+CAPTURE = 2  # the capture step with --cuda-graph-warmup-steps 2
+WARMUP = ["--cuda-graph-warmup-steps", str(CAPTURE)]
+
+
+class InvalidateAfter:
+    """The host's ``run.invalidate_graphs(reason)`` after ``step`` (a checkpoint reload)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @hookimpl
+    def mcgraph_configure(self, config, pluginmanager):
+        self.pm = pluginmanager
+
+    @hookimpl
+    def mcgraph_train_step_end(self, step, metrics):
+        if step == self.step:
+            self.pm.hook.mcgraph_invalidate_graphs(reason="checkpoint reloaded")
+
+
+@pytest.fixture
+def saving(monkeypatch):
+    """Eager steps of 20 ms and replayed ones of 10 ms, a capture of 0.1 s: the capture is
+    earned back after 10 replayed steps."""
+    timed = timing.StepTimer.durations_ms
+
+    def durations_ms(self, sync=True):
+        return {s: 20.0 if s <= CAPTURE else 10.0 for s in timed(self, sync)}
+
+    monkeypatch.setattr(timing.StepTimer, "durations_ms", durations_ms)
+    monkeypatch.setattr(
+        capture_module.Captures, "seconds", lambda self: 0.1 if self.records else None
+    )
+
+
+# -- eager steps after an invalidation are no replays -------------------------------------
+
+
+def test_steps_after_an_invalidation_without_buckets_are_no_replay_samples(fake_graphs):
+    _, rec = run_recorded(*FULL, *WARMUP, plugins=[InvalidateAfter(4)], steps=12)
+    report = rec.report
+    [graph] = fake_graphs.graphs
+    assert graph.replays == 1 + 2  # the capture call's, steps 3 and 4; 5-11 ran eagerly
+    assert report.replay_steps == [3, 4]
+    assert report.eager_steps == [1]  # the warm-up's: the steps after are on neither side
+    assert report.replays == {"training": 2}
+    assert report.invalidations[0]["step"] == 4
+
+
+# -- paid off by the steps that replayed, not the ones planned ----------------------------
+
+
+@pytest.mark.parametrize(
+    "argv,plugins,replayed,timed",
+    [
+        (["--exit-interval", "7"], [], 4, [3, 4, 5, 6]),  # then the host exits early
+        # step 5 raised at its end, after its replay: counted, but not timed
+        ([], [RaiseAt(5, RuntimeError("boom"))], 3, [3, 4]),
+        ([], [InvalidateAfter(6)], 4, [3, 4, 5, 6]),  # then eager
+    ],
+    ids=["early-exit", "exception", "invalidated"],
+)
+def test_a_run_that_replayed_fewer_steps_than_break_even_did_not_pay_off(
+    fake_graphs, saving, caplog, argv, plugins, replayed, timed
+):
+    recorder = Recorder()
+    raises = any(isinstance(plugin, RaiseAt) for plugin in plugins)
+    with (
+        caplog.at_level(logging.WARNING, logger="cudagraph_plugin"),
+        pytest.raises(RuntimeError, match="boom") if raises else contextlib.nullcontext(),
+    ):
+        train_gpt.run(
+            ["--train-iters", "400", "--log-interval", "0", *FULL, *WARMUP, *argv],
+            plugins=[recorder, *plugins],
+        )
+    report = recorder.report
+    assert report.break_even_steps == 10 and report.replay_steps == timed
+    assert report.pays_off is False  # the 397 steps train_iters planned would have paid off
+    [warning] = [r.getMessage() for r in caplog.records if "within this run" in r.getMessage()]
+    assert "earned back after 10 replayed step(s)" in warning
+    assert f"this run replayed {replayed} step(s)" in warning
+
+
+def test_a_run_longer_than_its_timed_steps_counts_every_replayed_step(fake_graphs, saving):
+    """Only 50 steps after the capture are timed; the steps that replayed are counted from
+    the step numbers: 77 here, beyond a break-even of 60 timed steps could not reach."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(capture_module.Captures, "seconds", lambda self: 0.6)
+        _, rec = run_recorded(*FULL, *WARMUP, steps=80)
+    report = rec.report
+    assert report.break_even_steps == 60 and len(report.replay_steps) == 50
+    assert report.pays_off is True
+
+
+# -- unknown, not False, without an eager median ------------------------------------------
+
+
+def test_without_an_eager_median_whether_it_paid_off_is_unknown(fake_graphs, caplog):
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        _, rec = run_recorded(*FULL, "--cuda-graph-warmup-steps", "1", steps=12)
+    report = rec.report
+    assert report.eager_step_ms is None and report.replay_step_ms is not None
+    assert report.verdict == "unknown" and report.break_even_steps is None
+    assert report.pays_off is None
+    assert not [r for r in caplog.records if "did not pay off" in r.getMessage()]
+
+
+def test_pays_off_is_unknown_when_a_median_is_missing_and_false_without_a_saving():
+    assert pays_off(None, 10.0, None, 100) is None
+    assert pays_off(20.0, None, None, 100) is None
+    assert pays_off(20.0, 10.0, 5, None) is None
+    assert pays_off(10.0, 20.0, None, 100) is False  # replay saves nothing
+    assert (pays_off(20.0, 10.0, 5, 4), pays_off(20.0, 10.0, 5, 5)) == (False, True)
+
+
+# -- the memory overhead is the training graph's ------------------------------------------
+
+
+def test_memory_figures_are_the_training_captures_when_evaluation_captured_first(
+    fake_graphs, monkeypatch
+):
+    """An evaluation after step 0 captures the validation graph (10 MiB) before the training
+    graph (500 MiB) is captured at step 3: the report's memory is the training graph's."""
+    allocated = [1000.0]
+    adds = {"training": 500.0, "validation": 10.0}
+    monkeypatch.setattr(
+        capture_module.MemorySnapshot,
+        "take",
+        staticmethod(lambda: MemorySnapshot(allocated[0], allocated[0], allocated[0])),
+    )
+    bracket = capture_module.Captures.bracket
+
+    def allocating(self, stage, capture):
+        def body():
+            result = capture()
+            allocated[0] += adds[stage]
+            return result
+
+        return bracket(self, stage, body)
+
+    monkeypatch.setattr(capture_module.Captures, "bracket", allocating)
+    _, rec = run_recorded(
+        *FULL, "--cuda-graph-warmup-steps", "3", "--eval-interval", "1", "--eval-iters", "4",
+        steps=8,
+    )  # fmt: skip
+    stages = [(c["stage"], c["step"]) for c in rec.graph_plugin.capture.records]
+    assert stages == [("validation", 0), ("training", 3)]
+    data = rec.report.to_dict()
+    assert data["capture_step"] == 3
+    assert data["memory_before_capture"]["allocated_mib"] == 1010.0
+    assert data["memory_after_capture"]["allocated_mib"] == 1510.0
+    assert data["memory_overhead_mib"] == 500.0
+
+
+def test_a_validation_capture_in_an_evaluation_leaves_its_step_a_replay_sample(fake_graphs):
+    """The evaluation that captures the validation graph runs after its training step was
+    timed (the GPU suite's full_iteration_eval): that step stays a replay sample."""
+    _, rec = run_recorded(*FULL, "--eval-interval", "4", "--eval-iters", "2", steps=12)
+    stages = [(c["stage"], c["step"]) for c in rec.graph_plugin.capture.records]
+    assert stages == [("training", 3), ("validation", 7)]
+    data = rec.report.to_dict()
+    assert (data["eager_steps"], data["replay_steps"]) == ([1, 2], list(range(4, 12)))
+
+
+# -- a capture that produced no graph is no capture ---------------------------------------
+
+
+def test_a_capture_that_produced_no_graph_is_reported_as_no_capture(fake_graphs):
+    _, rec = run_recorded(
+        "--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "mamba",
+        "--cuda-graph-accept-eager", *WARMUP, steps=10,
+    )  # fmt: skip
+    data = rec.report.to_dict()
+    assert data["graphs_captured"] is False
+    assert "the capture at step 2 produced no graph" in data["no_graph_reason"]
+    for key in (
+        "capture_step", "capture_seconds", "replay_step_ms", "memory_before_capture",
+        "memory_after_capture", "memory_overhead_mib", "peak_allocated_at_end_mib",
+        "break_even_steps", "pays_off", "speedup",
+    ):  # fmt: skip
+        assert data[key] is None, key
+    assert (data["replay_steps"], data["replays"], data["graph_count"]) == ([], {}, 0)
+    # every step ran eagerly: all but the first, and the step that held the (empty) capture
+    assert data["eager_steps"] == [1, 3, 4, 5, 6, 7, 8, 9]
+    assert schema_problems(data) == []
+    table = rec.report.format_table()
+    assert "NO GRAPH CAPTURED" in table and "replays" not in table
+
+
+# -- why no graph ------------------------------------------------------------------
+
+
+def test_a_capture_that_raised_is_reported_as_failed_and_the_error_still_ends_the_run(
+    fake_graphs, monkeypatch
+):
+    import torch
+
+    @contextlib.contextmanager
+    def failing_graph(*args, **kwargs):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", failing_graph)
+    recorder = Recorder()
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        train_gpt.run(
+            ["--train-iters", "8", "--log-interval", "0", *FULL, "--cuda-graph-warmup-steps", "3"],
+            plugins=[recorder],
+        )
+    report = recorder.report
+    assert report.shutdown_reason == "exception" and not report.graphs_captured
+    assert report.no_graph_reason == (
+        "the training capture at step 3 failed (RuntimeError: CUDA error: operation not "
+        "permitted when stream is capturing)"
+    )
+
+
+def test_a_run_without_a_training_step_says_so(fake_graphs):
+    _, rec = run_recorded(*FULL, steps=0)
+    assert rec.report.no_graph_reason == "the run ended before its first training step"
+
+
+# -- the table --------------------------------------------------------------------
+
+
+def test_each_ranks_table_is_headed_with_its_own_rank(fake_graphs, monkeypatch, caplog):
+    monkeypatch.setattr(state_module.RunState, "rank_and_world", lambda self: (2, 4))
+    with caplog.at_level(logging.DEBUG, logger="cudagraph_plugin"):
+        run_recorded(*FULL, *WARMUP, steps=6)
+    [header] = [
+        r.getMessage().splitlines()[0]
+        for r in caplog.records
+        if r.getMessage().startswith("CUDA graph report")
+    ]
+    assert header == "CUDA graph report (rank 2 of 4):"
+
+
+def test_memory_that_went_down_is_printed_with_one_sign():
+    report = make_report(
+        memory_before_capture=MemorySnapshot(1000.0, 1200.0, 1500.0),
+        memory_after_capture=MemorySnapshot(976.0, 1200.0, 1500.0),
+        peak_allocated_at_end_mib=1400.0,
+    )
+    [line] = [row for row in report.format_table().splitlines() if "memory" in row]
+    assert "(-24 MiB, -2.4%)" in line and "(-100 MiB, -6.7%)" in line
+    assert "+-" not in line
+
+
+# -- bucketed graphs -------------------------------------------------------------
+
+
+def test_buckets_with_warmup_1_keep_their_replays_and_count_them_as_the_report(bucket_fakes):
+    """Warm-up 1: a bucket's only warm-up step is its first, no eager sample; its replayed
+    steps still count, and its row counts the replays the report counts (not the capture
+    call's own)."""
+    _, rec = run_recorded(*FULL, "--cuda-graph-warmup-steps", "1", "--cuda-graph-buckets", "32",
+                          steps=10)  # fmt: skip
+    data = rec.report.to_dict()
+    [row] = data["buckets"]
+    assert row["capture_steps"] == [1]
+    assert data["replay_steps"] == row["replay_steps"] == list(range(2, 10))
+    assert data["replay_step_ms"] is not None and data["eager_steps"] == []
+    assert data["replays"]["training"] == row["replays"] == 8
+    assert data["verdict"] == "unknown" and data["thin_sample"] is True
+
+
+def test_split_samples_leaves_out_every_step_that_held_a_capture():
+    steps = list(range(12))
+    eager, replay = split_samples(steps, 0, 5, None, holding_captures={3, 5, 8})
+    assert (eager, replay) == ([1, 2, 4], [6, 7, 9, 10, 11])
+    assert split_samples(steps, 0, 5, 7) == ([1, 2, 3, 4], [6, 7])  # replays ended at 7
+    assert split_samples(steps, 0, None, None, {4}) == ([1, 2, 3, *range(5, 12)], [])
+
+
+def test_bucket_samples_keep_a_bucket_without_eager_median_and_drop_capture_steps():
+    durations = {step: 10.0 for step in range(10)}
+    rows = [
+        {"in_bucket": True, "eager_step_ms": 10.0, "eager_steps": [0, 2, 4],
+         "replay_steps": [6, 7, 8]},
+        {"in_bucket": True, "eager_step_ms": None, "eager_steps": [1], "replay_steps": [5, 9]},
+        {"in_bucket": False, "eager_step_ms": 10.0, "eager_steps": [3], "replay_steps": []},
+    ]  # fmt: skip
+    eager, replay, eager_samples, replay_samples = bucket_samples(rows, durations, {4, 7})
+    assert eager == [2] and replay == [5, 6, 8, 9]
+    assert eager_samples == [1.0] and replay_samples == [1.0, 1.0]  # the first bucket's only
+
+
+RL_LOOP = [
+    "--seq-length", "48", "--min-length", "4", "--max-length", "48", "--train-iters", "12",
+    "--steps-per-round", "4", "--rollout-batches", "2", "--log-interval", "0",
+    "--cuda-graph-warmup-steps", "2", "--lr-decay-style", "constant",
+    "--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration",
+    "--cuda-graph-buckets", "16,32,48", "--optimizer-cuda-graph",
+]  # fmt: skip
+SEED_WITH_OPTIMIZER_CAPTURE_IN_A_WARMUP = "6"  # bucket 48 warms up at steps 1 and 2
+
+
+def test_a_step_that_held_the_optimizer_capture_is_no_buckets_sample(
+    fake_graphs, bucket_fakes, monkeypatch
+):
+    """The optimizer graph is captured after its own warm-up, whatever bucket the step is
+    in: with this seed, in a bucket's warm-up step. That step's time includes the capture:
+    it is neither an eager nor a replayed sample, in the report or in its bucket's row."""
+    import rl_loop
+    from test_optimizer_graph import _clip_grads
+
+    # the optimizer graph's stand-ins, as tests/test_optimizer_graph.py sets them up
+    fake_graphs.wrapper = fake_optimizer_graph.install(monkeypatch)
+    monkeypatch.setattr(_clip_grads(), "multi_tensor_scale_tensor_impl", None, raising=False)
+    monkeypatch.setattr(train_gpt, "_build_optimizer", _capturable(train_gpt._build_optimizer))
+    recorder = Recorder()
+    rl_loop.run([*RL_LOOP, "--seed", SEED_WITH_OPTIMIZER_CAPTURE_IN_A_WARMUP], plugins=[recorder])
+    plugin = recorder.graph_plugin
+    [held] = [c["step"] for c in plugin.capture.records if c["stage"] == "optimizer"]
+    data = recorder.report.to_dict()
+    [row] = [r for r in data["buckets"] if held in r["eager_steps"] + r["replay_steps"]]
+    assert held in row["eager_steps"][1:], "the seed no longer puts the capture in a warm-up"
+    assert held not in data["eager_steps"] and held not in data["replay_steps"]
+    durations = plugin.measurement.timer.durations_ms()
+    own = [s for s in row["eager_steps"][1:] if s != held]
+    expected = statistics.median(durations[s] for s in own) if own else None
+    assert row["eager_step_ms"] == expected
+
+
+def _capturable(build):
+    """Build the host's optimizer as megatron-core 0.17+ does for optimizer_cuda_graph
+    (0.16.1's OptimizerConfig has no such field: built without it, then marked)."""
+
+    def without_flag(args, model):
+        flag, args.optimizer_cuda_graph = args.optimizer_cuda_graph, False
+        try:
+            optimizer = build(args, model)
+        finally:
+            args.optimizer_cuda_graph = flag
+        optimizer.config.optimizer_cuda_graph = flag
+        return optimizer
+
+    return without_flag
