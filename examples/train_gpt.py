@@ -87,7 +87,14 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
         default="learned_absolute",
         help="rope: rotary tables, which megatron-core caches per sequence length",
     )
-    model.add_argument("--bf16", action="store_true", help="bf16 parameters and compute")
+    precision = model.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true", help="bf16 parameters and compute")
+    precision.add_argument(
+        "--fp16",
+        action="store_true",
+        help="fp16 parameters and compute, the loss scaled (dynamically unless --loss-scale)",
+    )
+    model.add_argument("--loss-scale", type=float, default=None, help="fp16: a constant loss scale")
     model.add_argument(
         "--fp8-format",
         choices=["hybrid", "e4m3"],
@@ -230,6 +237,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, use_c
         parser.error(("--cpu: " if args.cpu else "no CUDA device: ") + blocker)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         parser.error("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.loss_scale is not None and not args.fp16:
+        parser.error("--loss-scale needs --fp16 (bf16 and fp32 scale no loss)")
     if args.fp8_format is not None and args.transformer_impl != "transformer_engine":
         parser.error("--fp8-format needs --transformer-impl transformer_engine (TE's FP8 GEMMs)")
     args.virtual_pipeline_model_parallel_size = _virtual_stages(parser, args)
@@ -397,6 +406,10 @@ def _end_distributed(reason: ShutdownReason | None) -> None:
 # -------------------------------------------------------------------------------------------
 
 
+def _params_dtype(args: argparse.Namespace) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
 def _transformer_config_fields(args: argparse.Namespace, use_cuda: bool) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "num_layers": args.num_layers,
@@ -411,8 +424,9 @@ def _transformer_config_fields(args: argparse.Namespace, use_cuda: bool) -> dict
         "hidden_dropout": args.hidden_dropout,
         "use_cpu_initialization": not use_cuda,
         "bf16": args.bf16,
-        "params_dtype": torch.bfloat16 if args.bf16 else torch.float32,
-        "pipeline_dtype": torch.bfloat16 if args.bf16 else torch.float32,
+        "fp16": args.fp16,
+        "params_dtype": _params_dtype(args),
+        "pipeline_dtype": _params_dtype(args),
     }
     if args.ffn_hidden_size is not None:
         fields["ffn_hidden_size"] = args.ffn_hidden_size
@@ -477,8 +491,8 @@ def _build_model(training: TrainingRun, args: argparse.Namespace, config: Any) -
             vp_stage=stage,
         )
         module.cuda(torch.cuda.current_device())
-        if args.bf16:
-            # Without the wrapper the first matmul sees float inputs and bf16 weights.
+        if args.bf16 or args.fp16:
+            # Without the wrapper the first matmul sees float inputs and half weights.
             module = Float16Module(config, module)
         chunks.append(module)
     ddp_config = DistributedDataParallelConfig(
@@ -515,7 +529,9 @@ def _build_optimizer(args: argparse.Namespace, model: list[Any]) -> Any:
         weight_decay=0.01,
         clip_grad=args.clip_grad,
         bf16=args.bf16,
-        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        fp16=args.fp16,
+        loss_scale=args.loss_scale,
+        params_dtype=_params_dtype(args),
         use_distributed_optimizer=args.use_distributed_optimizer,
         **fields,
     )

@@ -84,7 +84,8 @@ from train_jobs import (
     single_gpu_env,
 )
 
-# A small bf16 GPT: big enough to launch real kernels, quick to build.
+# A small bf16 GPT: big enough to launch real kernels, quick to build (--bf16 first:
+# Scenario.precision replaces it).
 MODEL = (
     "--bf16",
     "--num-layers",
@@ -166,6 +167,7 @@ class Scenario:
         parallelism only the last stage's).
     :ivar tolerance: The loss parity tolerance (bf16 by default, wider for FP8).
     :ivar needs_optimizer_graph: Skipped where megatron-core has no optimizer graph (< 0.17).
+    :ivar precision: Flags that replace the model's ``--bf16`` (``None``: bf16).
     """
 
     name: str
@@ -186,6 +188,7 @@ class Scenario:
     loss_ranks: tuple[int, ...] | None = None
     tolerance: tuple[tuple[str, float], ...] = tuple(PARITY_TOLERANCE.items())
     needs_optimizer_graph: bool = False
+    precision: tuple[str, ...] | None = None
 
     def computes_loss(self, rank: int) -> bool:
         """Only the last pipeline stage computes the loss."""
@@ -210,10 +213,11 @@ class Scenario:
         return any(var.endswith("_REFUSE") for var, _ in self.fault)
 
     def argv(self) -> list[str]:
-        return ["--train-iters", str(STEPS), *MODEL, *self.base, *self.graphs]
+        return [*self.eager_argv(), *self.graphs]
 
     def eager_argv(self) -> list[str]:
-        return ["--train-iters", str(STEPS), *MODEL, *self.base]
+        model = MODEL if self.precision is None else (*MODEL[1:], *self.precision)
+        return ["--train-iters", str(STEPS), *model, *self.base]
 
     @property
     def twin_key(self) -> str:
@@ -299,6 +303,13 @@ SCENARIOS: tuple[Scenario, ...] = (
         FULL,
         te=True,
         tolerance=tuple(FP8_PARITY_TOLERANCE.items()),
+    ),
+    Scenario(
+        # fp16 with a constant loss scale: one scale tensor for the run, read by the graph.
+        "full_iteration_fp16_constant_scale",
+        (),
+        FULL,
+        precision=("--fp16", "--loss-scale", "4096"),
     ),
     Scenario(
         # Full-iteration and optimizer graphs, captured in the same step (megatron-core 0.17+).

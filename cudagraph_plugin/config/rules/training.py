@@ -116,15 +116,19 @@ def _full_iteration_warmup(s: Settings, env: Environment) -> Iterator[Violation]
 
 @rule
 def _fp16_full_iteration(s: Settings, env: Environment) -> Iterator[Violation]:
-    if s.enabled and s.full_iteration and s.fp16:
+    # A constant loss_scale keeps one scale tensor for the whole run (megatron-core's
+    # ConstantGradScaler), which the captured iteration may read.
+    if s.enabled and s.full_iteration and s.fp16 and s.loss_scale is None:
         yield violation(
             s,
-            ("fp16",),
-            True,
-            "fp16 training scales the loss dynamically: the scaler checks the gradients for "
-            "inf/NaN on the host and replaces its scale tensor when it changes the scale, so a "
-            "captured iteration would go on using the scale it was captured with",
-            "train in bf16 (bf16=True, fp16=False), or use TE scopes such as attn,mlp",
+            ("fp16", "loss_scale"),
+            (True, None),
+            "fp16 training without a constant loss scale scales the loss dynamically: the "
+            "scaler checks the gradients for inf/NaN on the host and replaces its scale tensor "
+            "when it changes the scale, so a captured iteration would go on using the scale it "
+            "was captured with",
+            f"set a constant {s.field('loss_scale')} (e.g. 4096), train in bf16 (bf16=True, "
+            "fp16=False), or use TE scopes such as attn,mlp",
         )
 
 
