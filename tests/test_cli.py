@@ -455,3 +455,8 @@ def test_a_scope_flag_given_twice_keeps_the_last_and_says_which_was_dropped(capl
         p.parse_args(["--cuda-graph-scope", "attn"])  # the same parser, a new command line
         p.parse_args(["--cuda-graph-scope", "attn", "mlp"])
     assert [r for r in caplog.records if r.name == "cudagraph_plugin"] == []
+
+
+def test_a_host_namespace_without_weak_references_still_parses():
+    args = parser().parse_args(["--cuda-graph-scope", "attn"], namespace=NS())
+    assert args.cuda_graph_scope == ["attn"]

@@ -288,9 +288,12 @@ def test_the_check_command_prints_check_configs_verdict(argv):
     [
         ("cuda_graph_scope", "attn, mlp", "attn,mlp"),
         ("cuda_graph_scope", ("attn", "mlp"), ["attn", "mlp"]),
+        ("cuda_graph_scope", ("attn", " mlp"), ["attn", "mlp"]),
+        ("cuda_graph_scope", ["attn", " mlp"], ["attn", "mlp"]),
+        ("cuda_graph_scope", ["attn,mlp"], ["attn", "mlp"]),
         ("cuda_graph_impl", " transformer_engine ", "transformer_engine"),
     ],
-    ids=["spaces", "tuple", "impl-spaces"],
+    ids=["spaces", "tuple", "tuple-spaces", "list-spaces", "list-joined", "impl-spaces"],
 )
 def test_a_spelling_only_the_plugin_reads_is_written_in_megatron_core_s(
     caplog, field, given, written

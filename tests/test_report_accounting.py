@@ -194,6 +194,22 @@ def test_a_validation_capture_in_an_evaluation_leaves_its_step_a_replay_sample(f
     assert (data["eager_steps"], data["replay_steps"]) == ([1, 2], list(range(4, 12)))
 
 
+def test_a_run_that_captured_only_for_evaluation_says_so(fake_graphs):
+    """An evaluation captured the validation graph; the run ended before the training
+    capture step: no capture step, nothing replayed in training, and the table says why."""
+    _, rec = run_recorded(
+        *FULL, "--cuda-graph-warmup-steps", "3", "--eval-interval", "1", "--eval-iters", "4",
+        steps=2,
+    )  # fmt: skip
+    assert [c["stage"] for c in rec.graph_plugin.capture.records] == ["validation"]
+    report = rec.report
+    assert report.graphs_captured and report.capture_step is None
+    assert "graph(s) for evaluation only (the run ended before the training capture)" in (
+        report.format_table()
+    )
+    assert "step None" not in report.format_table()
+
+
 # -- a capture that produced no graph is no capture ---------------------------------------
 
 

@@ -1237,7 +1237,7 @@ def test_megatron_core_rejects_the_same_configs_with_the_same_phrase(case):
     kwargs, phrase = MCORE_REJECTS[case]
     kwargs = {"cuda_graph_impl": "transformer_engine", **kwargs}
     with pytest.raises((AssertionError, ValueError)) as mcore:
-        _mcore_config(**kwargs)
+        _mcore_config(**copy.deepcopy(kwargs))  # (its __post_init__ edits lists in place)
     assert phrase in str(mcore.value)
     # The plugin reads the very fields megatron-core was given: a field left out holds
     # megatron-core's default for both (dropout 0.1, linear biases on).
@@ -1271,12 +1271,29 @@ def test_megatron_core_rejects_the_same_configs_with_the_same_phrase(case):
             cuda_graph_scope=["mlp"],
             recompute_granularity="selective",
         ),
+        dict(  # [] stays empty (only None means core_attn): moe alone is recomputed
+            cuda_graph_impl="transformer_engine",
+            cuda_graph_scope=["attn"],
+            moe_layer_recompute=True,
+            recompute_modules=[],
+            **MOE_MCORE,
+        ),
     ],
-    ids=["dense-te", "full-iteration-full-recompute", "dropless", "drop-pad", "selective"],
+    ids=[
+        "dense-te",
+        "full-iteration-full-recompute",
+        "dropless",
+        "drop-pad",
+        "selective",
+        "moe-layer-recompute-no-modules",
+    ],
 )
 def test_megatron_core_and_plugin_accept_the_same_configs(kwargs):
-    config = _mcore_config(**kwargs, use_te_rng_tracker=True)
+    config = _mcore_config(**copy.deepcopy(kwargs), use_te_rng_tracker=True)
     accepted(config)
+    # ... and the fields as given, before megatron-core's __post_init__ rewrote them (in
+    # place too: it appends moe to the recompute_modules list it was given)
+    accepted(NS(**kwargs, use_te_rng_tracker=True))
 
 
 # -- advice -------------------------------------------------------------------------------------
@@ -1896,6 +1913,14 @@ def test_fp16_is_refused_with_full_iteration_only_when_its_loss_scale_is_dynamic
     accepted(bridge(scope="attn,mlp", fp16=True))
     # one scale tensor for the run (ConstantGradScaler): the captured iteration may read it
     accepted(with_optimizer(full_iteration(fp16=True), loss_scale=4096.0))
+    # megatron-core: `if config.loss_scale:` -- 0 is the dynamic scaler
+    rejected(
+        with_optimizer(full_iteration(fp16=True), loss_scale=0),
+        fields=("model.fp16", "optimizer.loss_scale"),
+        value="(True, 0.0)",
+        phrase="scales the loss dynamically",
+        fix="set a constant optimizer.loss_scale",
+    )
 
 
 @pytest.mark.parametrize(
@@ -1994,6 +2019,7 @@ def test_optimizer_graph_argparse_spelling(monkeypatch):
     "fields,phrase",
     [
         (dict(optimizer="sgd"), "only Adam capturable"),
+        (dict(optimizer="Adam"), "only Adam capturable"),  # megatron-core: == 'adam'
         (dict(optimizer_cpu_offload=True), "offloaded to the CPU"),
     ],
 )
@@ -2155,3 +2181,21 @@ def test_full_iteration_refuses_the_checks_that_read_a_history_on_the_host(confi
     bridge_config.ddp.check_for_large_grads = True
     bridge_config.rerun_state_machine.check_for_spiky_loss = True
     accepted(bridge_config)  # per-layer graphs leave both outside
+
+
+def test_a_zero_loss_scale_builds_no_scaler_for_bf16_and_the_optimizer_graph_takes_it(
+    monkeypatch,
+):
+    """megatron-core tests ``if config.loss_scale:``: 0 (a common spelling of "dynamic")
+    builds no scaler in bf16, so no found_inf.item() in the captured step."""
+    monkeypatch.setattr(environment, "has_optimizer_graph", lambda: True)
+    config = with_optimizer(full_iteration(), optimizer_cuda_graph=True, loss_scale=0)
+    assert find_violations(read_settings(config)) == []
+
+
+def test_an_optimizer_name_is_read_as_written_and_judged_only_by_the_optimizer_graph():
+    """megatron-core compares ``config.optimizer == 'adam'``: "Adam" is kept as written;
+    without the optimizer graph no rule reads it (megatron-core reports an unknown name)."""
+    settings = read_settings(with_optimizer(full_iteration(), optimizer="Adam"))
+    assert settings.optimizer == "Adam" and settings.input_problems == ()
+    accepted(with_optimizer(bridge(scope="attn,mlp"), optimizer="AdamW"))

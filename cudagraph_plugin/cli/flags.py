@@ -95,7 +95,10 @@ class ScopeAction(argparse.Action):
                 option_string,
             )
         self._given = {key: seen for key, seen in self._given.items() if seen[0]() is not None}
-        self._given[id(namespace)] = (weakref.ref(namespace), text)
+        try:
+            self._given[id(namespace)] = (weakref.ref(namespace), text)
+        except TypeError:  # a namespace of the host's without weak references: not tracked
+            pass
         if self.lenient:
             setattr(namespace, self.dest, text)
             return

@@ -129,8 +129,9 @@ def plan_autofixes(config: Any, settings: Settings, *, harness: bool = False) ->
 def _respelled(config: Any) -> list[AutoFix]:
     """The impl and scope fields in a spelling megatron-core parses, where the host wrote one
     only the plugin reads: spaces around names (``"attn, mlp"``: megatron-core splits on the
-    commas alone, ``KeyError: ' mlp'``) and a tuple of names (it asserts a string or a
-    list). That matters wherever megatron-core parses the host's own field (a Bridge
+    commas alone, ``KeyError: ' mlp'``; in a list each item is looked up as written), a
+    list item holding several names (``["attn,mlp"]``) and a tuple of names (it asserts a
+    string or a list). That matters wherever megatron-core parses the host's own field (a Bridge
     provider, a TransformerConfig built from the host's dict)."""
     fixes: list[AutoFix] = []
     for setting in ("impl", "scope"):
@@ -139,11 +140,15 @@ def _respelled(config: Any) -> list[AutoFix]:
             if isinstance(value, str):
                 names = value.split(",") if setting == "scope" else [value]
                 tidy: Any = ",".join(name.strip() for name in names)
-            elif setting == "scope" and isinstance(value, tuple):
-                tidy = list(value)
+            elif (
+                setting == "scope"
+                and isinstance(value, list | tuple)
+                and all(isinstance(item, str) for item in value)
+            ):  # megatron-core looks each item up as written (enum members are left alone)
+                tidy = [name.strip() for item in value for name in item.split(",")]
             else:
                 continue
-            if tidy != value:
+            if tidy != value:  # (a tuple never equals a list: written as one)
                 fixes.append(
                     AutoFix(
                         setting,

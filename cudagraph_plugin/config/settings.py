@@ -237,7 +237,9 @@ def read_settings(config: Any) -> Settings:
             values[setting] = value
     if "batch_p2p_comm" not in paths and values.get("overlap_p2p_comm") is not None:
         # Megatron-LM builds batch_p2p_comm=not overlap_p2p_comm, and its validate_args turns
-        # the overlap off without virtual stages (read here before or after that call alike)
+        # the overlap off without virtual stages; it also derives the virtual stages there
+        # (from --num-layers-per-virtual-pipeline-stage ...): args read before that call
+        # have none, and are judged as without them (the fix says so)
         values["batch_p2p_comm"] = not (
             values["overlap_p2p_comm"]
             and values.get("virtual_pipeline_model_parallel_size") is not None
@@ -246,7 +248,9 @@ def read_settings(config: Any) -> Settings:
         # megatron-core's __post_init__ turns the deprecated flag into selective recompute of
         # moe before its CUDA graph checks (with full recompute it raises on its own)
         values["recompute_granularity"] = "selective"
-        modules = values.get("recompute_modules") or ("core_attn",)
+        modules = values.get("recompute_modules")
+        if modules is None:  # megatron-core's default (an empty list stays empty)
+            modules = ("core_attn",)
         values["recompute_modules"] = tuple(dict.fromkeys((*modules, "moe")))
         given = sources.get("recompute_modules", "recompute_modules")
         sources["recompute_modules"] = f"{given} (+moe from {sources['moe_layer_recompute']})"

@@ -293,15 +293,11 @@ _WARMUP = _to_int(0, 3)
 
 
 def _to_optimizer_name(value: Any) -> str:
-    """Megatron-LM's ``--optimizer`` / Bridge's ``optimizer.optimizer``: a name, spelled as
-    megatron-core compares it (``config.optimizer == 'adam'``: case and spaces count)."""
+    """Megatron-LM's ``--optimizer`` / Bridge's ``optimizer.optimizer``: a name, kept as
+    written: megatron-core compares it so (``config.optimizer == 'adam'``), and the optimizer
+    graph's rule with it (``"Adam"`` is no Adam to megatron-core)."""
     if not isinstance(value, str) or not value.strip():
         raise _Unreadable("not an optimizer name", "give the optimizer's name, e.g. adam")
-    if value != value.strip().lower():
-        raise _Unreadable(
-            "not a name megatron-core knows: it compares optimizer names as written, in lower case",
-            f"write it as {value.strip().lower()!r}",
-        )
     return value
 
 

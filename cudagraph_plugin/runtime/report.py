@@ -184,12 +184,13 @@ class RunReport:
         if not self.graphs_captured:
             rows.append(("captured", f"NO GRAPH CAPTURED: {self.no_graph_reason}"))
         else:
+            at = (
+                f"at step {self.capture_step}"
+                if self.capture_step is not None
+                else "for evaluation only (the run ended before the training capture)"
+            )
             rows.append(
-                (
-                    "captured",
-                    f"{self.graph_count} graph(s) at step {self.capture_step} "
-                    f"in {self.capture_seconds:.3f} s",
-                )
+                ("captured", f"{self.graph_count} graph(s) {at} in {self.capture_seconds:.3f} s")
             )
         rows.append(("eager step", _ms(self.eager_step_ms, self.eager_steps)))
         if self.graphs_captured:

@@ -82,11 +82,11 @@ def optimizer_step_problems(s: Settings) -> Iterator[Violation]:
             s,
             ("fp16", "optimizer_cuda_graph"),
             (True, True),
-            "fp16's dynamic loss scaler checks the gradients for inf/NaN on the host inside "
-            "the optimizer step, which a capture forbids",
+            "fp16's loss scaler (dynamic or constant) checks the gradients for inf/NaN on the "
+            "host inside the optimizer step, which a capture forbids",
             "train in bf16, or turn the optimizer graph off",
         )
-    elif s.loss_scale is not None:
+    elif s.loss_scale:  # megatron-core: `if config.loss_scale:` (0 means no constant scale)
         yield violation(
             s,
             ("loss_scale", "optimizer_cuda_graph"),

@@ -117,12 +117,13 @@ def _full_iteration_warmup(s: Settings, env: Environment) -> Iterator[Violation]
 @rule
 def _fp16_full_iteration(s: Settings, env: Environment) -> Iterator[Violation]:
     # A constant loss_scale keeps one scale tensor for the whole run (megatron-core's
-    # ConstantGradScaler), which the captured iteration may read.
-    if s.enabled and s.full_iteration and s.fp16 and s.loss_scale is None:
+    # ConstantGradScaler), which the captured iteration may read; megatron-core tests
+    # `if config.loss_scale:`, so 0 (a common spelling of "dynamic") is the dynamic scaler.
+    if s.enabled and s.full_iteration and s.fp16 and not s.loss_scale:
         yield violation(
             s,
             ("fp16", "loss_scale"),
-            (True, None),
+            (True, s.loss_scale),
             "fp16 training without a constant loss scale scales the loss dynamically: the "
             "scaler checks the gradients for inf/NaN on the host and replaces its scale tensor "
             "when it changes the scale, so a captured iteration would go on using the scale it "
@@ -163,7 +164,8 @@ def _pipeline_full_iteration(s: Settings, env: Environment) -> Iterator[Violatio
                 "only with virtual pipeline stages",
                 "use virtual pipeline stages (--num-layers-per-virtual-pipeline-stage or "
                 "--num-virtual-stages-per-pipeline-rank) without --no-overlap-p2p-communication, "
-                "or use TE scopes such as attn,mlp",
+                "or use TE scopes such as attn,mlp (the virtual stages are read from the args "
+                "validate_args returns, which derives them)",
                 reference,
             )
         else:
