@@ -153,3 +153,23 @@ def install(monkeypatch: Any) -> type[OptimizerCudaGraphWrapper]:
     monkeypatch.setattr(OptimizerCudaGraphWrapper, "result", None)
     monkeypatch.setattr(StepGraph, "made", [])
     return OptimizerCudaGraphWrapper
+
+
+def capturable_build(build: Any, built: list[Any] | None = None) -> Any:
+    """``build`` (a host's ``_build_optimizer(args, model)``) as megatron-core 0.17+ builds
+    for ``optimizer_cuda_graph``: 0.16.1's OptimizerConfig has no such field, so the
+    optimizer is built without it and then marked; each optimizer built is appended to
+    ``built`` when given."""
+
+    def without_flag(args: Any, model: Any) -> Any:
+        flag, args.optimizer_cuda_graph = args.optimizer_cuda_graph, False
+        try:
+            optimizer = build(args, model)
+        finally:
+            args.optimizer_cuda_graph = flag
+        optimizer.config.optimizer_cuda_graph = flag
+        if built is not None:
+            built.append(optimizer)
+        return optimizer
+
+    return without_flag

@@ -70,6 +70,35 @@ class RaiseAt:
             raise self.exc
 
 
+class InvalidateAt:
+    """The host's ``run.invalidate_graphs(reason)`` between two steps (after a checkpoint
+    load or an offload's reload): ``mcgraph_invalidate_graphs`` once per reason, at the
+    start or the end of ``step``."""
+
+    def __init__(
+        self, step: int, *, at: str = "end", reasons: tuple[str, ...] = ("checkpoint loaded",)
+    ) -> None:
+        self.step, self.at, self.reasons = step, at, reasons
+        self.pm: Any = None
+
+    @hookimpl
+    def mcgraph_configure(self, config, pluginmanager):
+        self.pm = pluginmanager
+
+    def _tell(self, step: int, when: str) -> None:
+        if step == self.step and when == self.at:
+            for reason in self.reasons:
+                self.pm.hook.mcgraph_invalidate_graphs(reason=reason)
+
+    @hookimpl
+    def mcgraph_train_step_start(self, step):
+        self._tell(step, "start")
+
+    @hookimpl
+    def mcgraph_train_step_end(self, step, metrics):
+        self._tell(step, "end")
+
+
 # The example host's flags the CPU lifecycle tests combine.
 FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
 TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp"]

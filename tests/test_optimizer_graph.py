@@ -47,22 +47,9 @@ def graphs(fake_graphs, monkeypatch):
 @pytest.fixture
 def capturable(monkeypatch):
     """Build the host's optimizer as megatron-core 0.17+ does for optimizer_cuda_graph."""
-    built = []
-    original = train_gpt._build_optimizer
-
-    # 0.16.1's OptimizerConfig has no such field: build without it, then mark it
-    def without_flag(args, model):
-        flag = args.optimizer_cuda_graph
-        args.optimizer_cuda_graph = False
-        try:
-            optimizer = original(args, model)
-        finally:
-            args.optimizer_cuda_graph = flag
-        optimizer.config.optimizer_cuda_graph = flag
-        built.append(optimizer)
-        return optimizer
-
-    monkeypatch.setattr(train_gpt, "_build_optimizer", without_flag)
+    built: list = []
+    build = fake_optimizer_graph.capturable_build(train_gpt._build_optimizer, built)
+    monkeypatch.setattr(train_gpt, "_build_optimizer", build)
     return built
 
 

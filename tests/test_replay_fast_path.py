@@ -20,27 +20,10 @@ from cudagraph_plugin import compat
 from cudagraph_plugin.runtime import measurement
 from cudagraph_plugin.runtime.guard import StaticShapeError
 from hookspecs import hookimpl
-from recording import FULL
+from recording import FULL, InvalidateAt
 from recording import run_recorded as run
 
 pytestmark = needs_mcore_on_cpu
-
-
-class InvalidateAt:
-    """Fires ``mcgraph_invalidate_graphs`` at the start of ``step``, as
-    ``TrainingRun.invalidate_graphs`` does between steps (after a checkpoint load)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    @hookimpl
-    def mcgraph_configure(self, config, pluginmanager):
-        self.pm = pluginmanager
-
-    @hookimpl
-    def mcgraph_train_step_start(self, step):
-        if step == self.step:
-            self.pm.hook.mcgraph_invalidate_graphs(reason="checkpoint loaded")
 
 
 @pytest.mark.parametrize("replays_before", [1, 4])
@@ -58,7 +41,7 @@ def test_invalidation_after_replays_runs_the_plain_function_from_the_next_step(
         *FULL,
         "--cuda-graph-warmup-steps",
         str(capture),
-        plugins=[InvalidateAt(invalidate), ChangeInputs(invalidate + 1, seq=16)],
+        plugins=[InvalidateAt(invalidate, at="start"), ChangeInputs(invalidate + 1, seq=16)],
         steps=invalidate + 4,
     )
     [graph] = fake_graphs.graphs

@@ -24,30 +24,13 @@ from cudagraph_plugin.runtime import state as state_module
 from cudagraph_plugin.runtime import timing
 from cudagraph_plugin.runtime.payoff import bucket_samples, pays_off
 from cudagraph_plugin.runtime.timing import MemorySnapshot, split_samples
-from hookspecs import hookimpl
 from hookspecs.report_schema import schema_problems
-from recording import FULL, RaiseAt, Recorder, run_recorded
+from recording import FULL, InvalidateAt, RaiseAt, Recorder, run_recorded
 
 pytestmark = needs_mcore_on_cpu
 
 CAPTURE = 2  # the capture step with --cuda-graph-warmup-steps 2
 WARMUP = ["--cuda-graph-warmup-steps", str(CAPTURE)]
-
-
-class InvalidateAfter:
-    """The host's ``run.invalidate_graphs(reason)`` after ``step`` (a checkpoint reload)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    @hookimpl
-    def mcgraph_configure(self, config, pluginmanager):
-        self.pm = pluginmanager
-
-    @hookimpl
-    def mcgraph_train_step_end(self, step, metrics):
-        if step == self.step:
-            self.pm.hook.mcgraph_invalidate_graphs(reason="checkpoint reloaded")
 
 
 @pytest.fixture
@@ -69,7 +52,7 @@ def saving(monkeypatch):
 
 
 def test_steps_after_an_invalidation_without_buckets_are_no_replay_samples(fake_graphs):
-    _, rec = run_recorded(*FULL, *WARMUP, plugins=[InvalidateAfter(4)], steps=12)
+    _, rec = run_recorded(*FULL, *WARMUP, plugins=[InvalidateAt(4)], steps=12)
     report = rec.report
     [graph] = fake_graphs.graphs
     assert graph.replays == 1 + 2  # the capture call's, steps 3 and 4; 5-11 ran eagerly
@@ -88,7 +71,7 @@ def test_steps_after_an_invalidation_without_buckets_are_no_replay_samples(fake_
         (["--exit-interval", "7"], [], 4, [3, 4, 5, 6]),  # then the host exits early
         # step 5 raised at its end, after its replay: counted, but not timed
         ([], [RaiseAt(5, RuntimeError("boom"))], 3, [3, 4]),
-        ([], [InvalidateAfter(6)], 4, [3, 4, 5, 6]),  # then eager
+        ([], [InvalidateAt(6)], 4, [3, 4, 5, 6]),  # then eager
     ],
     ids=["early-exit", "exception", "invalidated"],
 )
@@ -355,7 +338,8 @@ def test_a_step_that_held_the_optimizer_capture_is_no_buckets_sample(
     # the optimizer graph's stand-ins, as tests/test_optimizer_graph.py sets them up
     fake_graphs.wrapper = fake_optimizer_graph.install(monkeypatch)
     monkeypatch.setattr(_clip_grads(), "multi_tensor_scale_tensor_impl", None, raising=False)
-    monkeypatch.setattr(train_gpt, "_build_optimizer", _capturable(train_gpt._build_optimizer))
+    build = fake_optimizer_graph.capturable_build(train_gpt._build_optimizer)
+    monkeypatch.setattr(train_gpt, "_build_optimizer", build)
     recorder = Recorder()
     rl_loop.run([*RL_LOOP, "--seed", SEED_WITH_OPTIMIZER_CAPTURE_IN_A_WARMUP], plugins=[recorder])
     plugin = recorder.graph_plugin
@@ -368,19 +352,3 @@ def test_a_step_that_held_the_optimizer_capture_is_no_buckets_sample(
     own = [s for s in row["eager_steps"][1:] if s != held]
     expected = statistics.median(durations[s] for s in own) if own else None
     assert row["eager_step_ms"] == expected
-
-
-def _capturable(build):
-    """Build the host's optimizer as megatron-core 0.17+ does for optimizer_cuda_graph
-    (0.16.1's OptimizerConfig has no such field: built without it, then marked)."""
-
-    def without_flag(args, model):
-        flag, args.optimizer_cuda_graph = args.optimizer_cuda_graph, False
-        try:
-            optimizer = build(args, model)
-        finally:
-            args.optimizer_cuda_graph = flag
-        optimizer.config.optimizer_cuda_graph = flag
-        return optimizer
-
-    return without_flag

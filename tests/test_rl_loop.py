@@ -24,8 +24,9 @@ from bucket_schedule import expected_schedule, lengths_of, schedule_of
 from cpu_only import needs_mcore_on_cpu
 
 from cudagraph_plugin.runtime import buckets as bucket_runtime
-from hookspecs import get_plugin_manager, hookimpl
+from hookspecs import get_plugin_manager
 from jobs import torchrun_command
+from recording import InvalidateAt
 
 pytestmark = needs_mcore_on_cpu
 
@@ -256,25 +257,6 @@ def test_invalidations_that_come_faster_than_the_warmup_are_said_once(
     assert not [r for r in caplog.records if "nothing is ever captured" in r.getMessage()]
 
 
-class InvalidatesTwice:
-    """Tells the plugins twice at the end of one step that memory moved (weights, then the
-    optimizer's state: a host's two calls after one reload)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.pm: Any = None
-
-    @hookimpl
-    def mcgraph_configure(self, config, pluginmanager):
-        self.pm = pluginmanager
-
-    @hookimpl
-    def mcgraph_train_step_end(self, step, metrics):
-        if step == self.step:
-            for what in ("weights", "optimizer state"):
-                self.pm.hook.mcgraph_invalidate_graphs(reason=f"{what} reloaded")
-
-
 def test_two_invalidations_in_one_step_are_not_taken_for_a_starved_warmup(
     bucket_fakes, tmp_path, caplog
 ):
@@ -284,7 +266,7 @@ def test_two_invalidations_in_one_step_are_not_taken_for_a_starved_warmup(
     path = tmp_path / "report.json"
     rl_loop.run(
         [*LOOP, *GRAPHS, "--cuda-graph-buckets", "16,32,48", "--cuda-graph-report-json", str(path)],
-        plugins=[InvalidatesTwice(0)],
+        plugins=[InvalidateAt(0, reasons=("weights reloaded", "optimizer state reloaded"))],
     )
     report = json.loads(path.read_text())
     assert [e["step"] for e in report["invalidations"]] == [0, 0]

@@ -273,17 +273,7 @@ def optimizer_graphs(fake_graphs, monkeypatch):
 
     # megatron-core 0.17+'s layout (see tests/test_optimizer_graph.py)
     monkeypatch.setattr(clip_grads, "multi_tensor_scale_tensor_impl", None, raising=False)
-    original = train_gpt._build_optimizer
-
-    def capturable(args, model):  # 0.16.1's OptimizerConfig lacks the field (see there)
-        flag, args.optimizer_cuda_graph = args.optimizer_cuda_graph, False
-        try:
-            optimizer = original(args, model)
-        finally:
-            args.optimizer_cuda_graph = flag
-        optimizer.config.optimizer_cuda_graph = flag
-        return optimizer
-
+    capturable = fake_optimizer_graph.capturable_build(train_gpt._build_optimizer)
     monkeypatch.setattr(train_gpt, "_build_optimizer", capturable)
     yield fake_graphs
     assert not compat.optimizer_graph_state_dirty()
