@@ -310,3 +310,35 @@ def test_single_mempool_comes_from_the_model_config(fake_graphs, monkeypatch, si
 
     run(*FULL, "--cuda-graph-warmup-steps", "1", plugins=[Config()], steps=3)
     assert made == [single]
+
+
+def test_te_graphs_held_when_megatron_core_s_finish_capturing_fails_are_freed(
+    fake_graphs, monkeypatch
+):
+    """megatron-core 0.16's ``_finish_capturing`` runs a barrier, zeroes the gradients and
+    collects garbage after the layers hold their graphs and before ``_graphs_created`` is
+    set: a barrier that fails there (a peer gone, the communicators aborted) must not leave
+    the graphs held by the layers after shutdown."""
+    import torch
+
+    import train_gpt
+
+    barriers = []
+    real_barrier = torch.distributed.barrier
+
+    def barrier(*args, **kwargs):
+        barriers.append(1)
+        if len(barriers) == 2:  # _start_capturing's, then _finish_capturing's
+            raise RuntimeError("NCCL communicator was aborted")
+        return real_barrier(*args, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "barrier", barrier)
+    with pytest.raises(RuntimeError, match="aborted"):
+        train_gpt.run(
+            ["--train-iters", "4", "--log-interval", "0", *TE, "--cuda-graph-warmup-steps", "1"]
+        )
+    [helper] = fake_graphs.helpers
+    assert [name for name, _ in fake_graphs.events].count("create_cudagraphs") == 1
+    layers = [layer for chunk in helper.callables_per_chunk for layer in chunk]
+    assert layers and all(layer.cuda_graphs == [] for layer in layers)
+    assert not helper.graphs_created()

@@ -79,9 +79,17 @@ def end_stuck_te_capture() -> bool:
 
 
 def free_te_graphs(helper: Any) -> int:
-    """Delete the helper's graphs if it created any; returns how many were held."""
-    if not helper.graphs_created():
-        return 0
+    """Delete the graphs the helper's layers hold; returns how many were held.
+
+    Also after a capture that failed in megatron-core's ``_finish_capturing``: the layers
+    hold their graphs before its barrier, gradient zeroing and garbage collection, and
+    ``_graphs_created`` is set only after them. A failed barrier (a peer gone, the
+    communicators aborted) or an interrupt there left every graph held, replayed by the
+    layers, and kept alive what it captured (an NCCL teardown waits for it)."""
     count = te_graph_count(helper)
+    if not helper.graphs_created():
+        if count == 0:
+            return 0
+        helper._graphs_created = True  # delete_cuda_graphs() asserts it; the layers hold graphs
     helper.delete_cuda_graphs()
     return count
