@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_only import needs_mcore_on_cpu
 
 from cudagraph_plugin.runtime.guard import ShapeGuard, StaticShapeError, signature
 
@@ -362,3 +363,100 @@ def test_check_replay_wraps_a_list_subclass_per_chunk_as_check_call_does():
     its = guard.check_replay({"data_iterator": Chunks([batches(1, seq=4)])})
     with pytest.raises(StaticShapeError, match="model chunk 0"):
         next(its[0])
+
+
+def _packed_batch() -> dict:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = torch.tensor([0, 4, 8], dtype=torch.int32)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=8
+    )
+    return {"tokens": torch.zeros(1, 8, dtype=torch.int64), "packed_seq_params": params}
+
+
+def _record_packed(copied: bool) -> list:
+    guard = ShapeGuard()
+    kwargs = {"num_microbatches": 1, "seq_length": 8, "micro_batch_size": 1}
+    kwargs["data_iterator"] = iter([_packed_batch()])
+    iterator = guard.check_call("training", 3, kwargs, record=True, copied=copied)
+    return [next(iterator)]
+
+
+def test_a_full_iteration_capture_refuses_a_tensor_megatron_core_would_not_copy():
+    """megatron-core's full-iteration graph copies a micro-batch into its static buffers
+    through dicts, lists and tuples only: PackedSeqParams' cu_seqlens would be read where
+    they were at the capture on every replay (new packing boundaries silently ignored)."""
+    pytest.importorskip("megatron.core.packed_seq_params")
+    with pytest.raises(StaticShapeError) as info:
+        _record_packed(copied=True)
+    message = str(info.value)
+    assert "holds batch['packed_seq_params'].cu_seqlens_q, batch['packed_seq_params']." in message
+    assert "does not copy into its static buffers" in message
+    assert "Fix: put the tensor itself in the batch dict" in message
+    assert len(_record_packed(copied=False)) == 1  # per-layer TE graphs: the model reads it
+
+
+def test_tensors_inside_objects_are_found_at_any_depth_and_containers_alone_are_fine():
+    from types import SimpleNamespace as NS
+
+    from cudagraph_plugin.runtime.guard import tensors_inside_objects
+
+    t = torch.zeros(2)
+    assert tensors_inside_objects({"a": t, "b": [t, (t, {"c": t})], "n": 3, "m": None}) == []
+    assert tensors_inside_objects({"a": [NS(x=t, y=1, _z=t)], "b": NS(o=NS(v=(t,)))}) == [
+        "batch['a'][0].x",
+        "batch['b'].o.v[0]",
+    ]
+
+
+@needs_mcore_on_cpu
+@pytest.mark.parametrize(
+    "argv, copied",
+    [
+        (["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"], [True]),
+        (["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp"], [False]),
+    ],
+    ids=["full_iteration", "te"],
+)
+def test_the_loop_records_a_full_iteration_capture_as_copied(
+    fake_graphs, monkeypatch, argv, copied
+):
+    """What :func:`test_a_full_iteration_capture_refuses_a_tensor_megatron_core_would_not_copy`
+    relies on: the full-iteration capture call is recorded as copied, a TE reference not."""
+    from recording import run_recorded
+
+    recorded = []
+    check_call = ShapeGuard.check_call
+
+    def spy(self, stage, step, kwargs, *, record, copied=False):
+        if record:
+            recorded.append(copied)
+        return check_call(self, stage, step, kwargs, record=record, copied=copied)
+
+    monkeypatch.setattr(ShapeGuard, "check_call", spy)
+    run_recorded(*argv, "--cuda-graph-warmup-steps", "2", steps=5)
+    assert recorded == copied
+
+
+@needs_mcore_on_cpu
+def test_the_rl_loop_records_each_bucket_capture_as_copied(fake_graphs, bucket_fakes, monkeypatch):
+    import rl_loop
+
+    recorded = []
+    check_call = ShapeGuard.check_call
+
+    def spy(self, stage, step, kwargs, *, record, copied=False):
+        if record:
+            recorded.append((stage, copied))
+        return check_call(self, stage, step, kwargs, record=record, copied=copied)
+
+    monkeypatch.setattr(ShapeGuard, "check_call", spy)
+    rl_loop.run(
+        ["--seq-length", "48", "--min-length", "4", "--max-length", "48", "--train-iters", "12",
+         "--steps-per-round", "4", "--rollout-batches", "2", "--log-interval", "0",
+         "--cuda-graph-warmup-steps", "2", "--cuda-graph-impl", "local", "--cuda-graph-scope",
+         "full_iteration", "--cuda-graph-buckets", "16,32,48"]
+    )  # fmt: skip
+    assert recorded and all(copied for _, copied in recorded), recorded
+    assert all(stage.startswith("training (bucket") for stage, _ in recorded), recorded

@@ -322,7 +322,7 @@ class BucketGraphs:
         self._made_from(key, route.drawn)
         label = f"training (bucket {key})"
         capturing = route.action is Action.CAPTURE
-        data_iterator = self.guard.check_call(label, step, kwargs, record=capturing)
+        data_iterator = self.guard.check_call(label, step, kwargs, record=capturing, copied=True)
         if self._reader is None:
             self._reader = bucket_compat.static_input_reader(eager)
         buffers = self._buffers.setdefault((key.seq_length, key.micro_batch_size), [])

@@ -40,7 +40,9 @@ def signature(batch: Any, path: str = "batch", depth: int = 0) -> tuple[tuple[st
     Values matter for everything that is not a tensor: a captured graph copies new tensor
     contents into its static buffers, but Python scalars (e.g. the ``max_seqlen`` of
     packed-sequence parameters) were baked into the kernels at capture time. Objects
-    (dataclasses, plain objects) are described field by field.
+    (dataclasses, plain objects) are described field by field; a tensor inside one is not
+    copied by a full-iteration graph at all (:func:`tensors_inside_objects`, refused at its
+    capture).
     """
     shape = getattr(batch, "shape", None)
     dtype = getattr(batch, "dtype", None)
@@ -72,6 +74,39 @@ def signature(batch: Any, path: str = "batch", depth: int = 0) -> tuple[tuple[st
         for item in signature(fields[name], f"{path}.{name}", depth + 1)
     )
     return ((path, type(batch).__name__), *described)
+
+
+def tensors_inside_objects(
+    batch: Any, path: str = "batch", depth: int = 0, inside: bool = False
+) -> list[str]:
+    """The paths of the tensors of ``batch`` held by an object (a dataclass such as
+    ``PackedSeqParams``, a plain object) rather than by dicts, lists and tuples alone.
+
+    megatron-core's full-iteration graph copies a new micro-batch into its static buffers
+    through dicts, lists and tuples only (``clone_tensors_in_struct``); an object is put in
+    as it is, so its tensors are read where they were at the capture, whatever a later
+    micro-batch holds."""
+    if getattr(batch, "shape", None) is not None and getattr(batch, "dtype", None) is not None:
+        return [path] if inside else []
+    if isinstance(batch, _SCALARS) or isinstance(batch, enum.Enum) or depth >= _MAX_DEPTH:
+        return []
+    if isinstance(batch, dict):
+        items = [(f"{path}[{key!r}]", value, inside) for key, value in batch.items()]
+    elif isinstance(batch, (list, tuple)):
+        items = [(f"{path}[{i}]", value, inside) for i, value in enumerate(batch)]
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items = [
+            (f"{path}.{f.name}", getattr(batch, f.name), True) for f in dataclasses.fields(batch)
+        ]
+    elif hasattr(batch, "__dict__") and not callable(batch):
+        items = [(f"{path}.{k}", v, True) for k, v in vars(batch).items() if not k.startswith("_")]
+    else:
+        return []
+    return [
+        found
+        for where, value, held in items
+        for found in tensors_inside_objects(value, where, depth + 1, held)
+    ]
 
 
 _TENSOR = object()
@@ -153,6 +188,8 @@ class _Reference:
     step: int | None
     call: dict[str, Any]
     batches: dict[tuple[int, int], tuple] = dataclasses.field(default_factory=dict)
+    # a full-iteration capture: megatron-core copies each micro-batch into static buffers
+    copied: bool = False
 
 
 class ShapeGuard:
@@ -179,14 +216,22 @@ class ShapeGuard:
         self.generation += 1
 
     def check_call(
-        self, stage: str, step: int | None, kwargs: dict[str, Any], *, record: bool
+        self,
+        stage: str,
+        step: int | None,
+        kwargs: dict[str, Any],
+        *,
+        record: bool,
+        copied: bool = False,
     ) -> Any:
         """Check (or, with ``record``, remember) one forward/backward call; returns the
-        data iterator to pass on, wrapped so each micro-batch is checked as it is drawn."""
+        data iterator to pass on, wrapped so each micro-batch is checked as it is drawn.
+        ``copied``: the call captures a full-iteration graph, which megatron-core feeds by
+        copying each micro-batch into static buffers (a tensor it cannot copy is refused)."""
         data_iterator = kwargs.get("data_iterator")
         if record:
             call = {key: kwargs.get(key) for key in self.CALL_KEYS}
-            self._recording[stage] = _Reference(step, call)
+            self._recording[stage] = _Reference(step, call, copied=copied)
             return self._wrap(stage, data_iterator, True)
         ref = self._reference.get(stage)
         if ref is None:
@@ -230,7 +275,19 @@ class ShapeGuard:
 
     def _see(self, stage: str, index: int, chunk: int, batch: Any, record: bool) -> None:
         if record:
-            self._recording[stage].batches[(chunk, index)] = (fingerprint(batch), signature(batch))
+            recording = self._recording[stage]
+            hidden = tensors_inside_objects(batch) if recording.copied else []
+            if hidden:
+                raise StaticShapeError(
+                    f"{stage} micro-batch {index} (model chunk {chunk}) holds "
+                    f"{', '.join(hidden)}: a tensor inside an object, which megatron-core's "
+                    "full-iteration graph does not copy into its static buffers (it copies "
+                    "the tensors of dicts, lists and tuples), so every replay would read it "
+                    "where it was at the capture. Fix: put the tensor itself in the batch "
+                    "dict (e.g. cu_seqlens) and build the object (e.g. PackedSeqParams) in "
+                    "forward_step, as Megatron-LM does; or use TE scopes such as attn,mlp"
+                )
+            recording.batches[(chunk, index)] = (fingerprint(batch), signature(batch))
             return
         ref = self._reference[stage]
         known = ref.batches.get((chunk, index))

@@ -109,7 +109,7 @@ class ForwardBackwardInterceptor:
         wrapper = full.wrapper_for(eager)
         capturing = full.due(stage)
         kwargs["data_iterator"] = self.guard.check_call(
-            stage, self.state.step, kwargs, record=capturing
+            stage, self.state.step, kwargs, record=capturing, copied=True
         )
         if not capturing:
             self.captures.replayed(stage)
