@@ -460,3 +460,39 @@ def test_the_rl_loop_records_each_bucket_capture_as_copied(fake_graphs, bucket_f
     )  # fmt: skip
     assert recorded and all(copied for _, copied in recorded), recorded
     assert all(stage.startswith("training (bucket") for stage, _ in recorded), recorded
+
+
+def _armed_with(batch: dict) -> ShapeGuard:
+    guard = ShapeGuard()
+    kwargs = {"num_microbatches": 1, "seq_length": 8, "micro_batch_size": 2}
+    next(guard.check_call("training", 3, {**kwargs, "data_iterator": iter([batch])}, record=True))
+    guard.commit("training")
+    return guard
+
+
+def _draw(guard: ShapeGuard, batch: dict) -> None:
+    kwargs = {"num_microbatches": 1, "seq_length": 8, "micro_batch_size": 2}
+    next(guard.check_call("training", 4, {**kwargs, "data_iterator": iter([batch])}, record=False))
+
+
+def test_a_numpy_scalar_is_compared_by_value_as_a_python_number_is():
+    """megatron-core does not copy a NumPy scalar (a ``max_seqlen`` from ``np.max``) into
+    the graph's buffers: its capture value is baked in."""
+    np = pytest.importorskip("numpy")
+    tokens = torch.zeros(2, 8, dtype=torch.int64)
+    guard = _armed_with({"tokens": tokens, "max_seqlen": np.int64(4)})
+    _draw(guard, {"tokens": tokens, "max_seqlen": np.int64(4)})
+    with pytest.raises(
+        StaticShapeError, match=r"batch\['max_seqlen'\]: int64 np.int64\(4\) at capture"
+    ):
+        _draw(guard, {"tokens": tokens, "max_seqlen": np.int64(6)})
+    guard = _armed_with({"tokens": tokens, "scale": torch.tensor(2.0)})  # a 0-d torch tensor
+    _draw(guard, {"tokens": tokens, "scale": torch.tensor(3.0)})  # copied: its shape counts
+
+
+def test_the_same_keys_in_another_order_are_the_same_batch():
+    tokens = torch.zeros(2, 8, dtype=torch.int64)
+    guard = _armed_with({"tokens": tokens, "labels": tokens})
+    _draw(guard, {"labels": tokens, "tokens": tokens})  # megatron-core copies by key
+    with pytest.raises(StaticShapeError, match="labels"):
+        _draw(guard, {"labels": tokens[:, :4], "tokens": tokens})

@@ -47,6 +47,8 @@ def signature(batch: Any, path: str = "batch", depth: int = 0) -> tuple[tuple[st
     shape = getattr(batch, "shape", None)
     dtype = getattr(batch, "dtype", None)
     if shape is not None and dtype is not None:
+        if _host_scalar(batch, shape):
+            return ((path, f"{type(batch).__name__} {batch!r}"),)
         return ((path, f"shape {tuple(shape)} dtype {dtype}"),)
     if isinstance(batch, _SCALARS) or isinstance(batch, enum.Enum):
         return ((path, f"{type(batch).__name__} {batch!r}"),)
@@ -109,6 +111,13 @@ def tensors_inside_objects(
     ]
 
 
+def _host_scalar(value: Any, shape: Any) -> bool:
+    """A 0-d array that is no torch tensor (a NumPy scalar such as ``np.int64``):
+    megatron-core does not copy it into a graph's buffers, its value was baked in at the
+    capture like a Python number's, so it is compared by value."""
+    return tuple(shape) == () and not isinstance(value, _TENSOR_TYPE or _tensor_type())
+
+
 _TENSOR = object()
 
 
@@ -123,6 +132,8 @@ def fingerprint(batch: Any, depth: int = 0) -> Any:
     if shape is not None:
         dtype = getattr(batch, "dtype", None)
         if dtype is not None:
+            if _host_scalar(batch, shape):
+                return (type(batch), repr(batch))
             return (_TENSOR, tuple(shape), dtype)
     if isinstance(batch, float):
         return (float, repr(batch))  # NaN != NaN; its repr is stable
@@ -299,7 +310,9 @@ class ShapeGuard:
             )
         # a plain dict, the usual micro-batch, straight to its fingerprint (one call less)
         seen = _dict_fingerprint(batch, 0) if type(batch) is dict else fingerprint(batch)
-        if seen != known[0]:
+        # (a fingerprint follows the dict's key order; the signature sorts: the same keys
+        # in another order are the same batch, megatron-core copies by key)
+        if seen != known[0] and signature(batch) != known[1]:
             raise StaticShapeError(
                 f"{stage} micro-batch {index} (model chunk {chunk}) changed after CUDA graph "
                 f"capture (step {ref.step}): {difference(known[1], signature(batch))}; "
