@@ -347,24 +347,29 @@ class _Layer:
 
 
 class _Helper:
-    """The attributes compat reads from a TECudaGraphHelper."""
+    """The attributes compat reads from a TECudaGraphHelper (its ``_graphs_created`` flag,
+    set at the end of ``_finish_capturing``, and ``delete_cuda_graphs``, which asserts it
+    and empties every layer's graphs)."""
 
     def __init__(self, created: bool, finished: bool) -> None:
         self.callables_per_chunk = [[_Layer(2), _Layer(2)], [_Layer(2)]]
         self.flattened_callables = [layer for c in self.callables_per_chunk for layer in c]
-        self._created, self._finished = created, finished
+        self._graphs_created, self._finished = created, finished
         self.deleted = 0
 
     def graphs_created(self) -> bool:
-        return self._created
+        return self._graphs_created
 
     def capture_finished(self) -> bool:
         return self._finished
 
     def delete_cuda_graphs(self) -> None:
-        assert self._created
+        assert self._graphs_created, "CUDA Graphs have not been created."
+        for layers in self.callables_per_chunk:
+            for layer in layers:
+                layer.cuda_graphs = []
         self.deleted += 1
-        self._created = False
+        self._graphs_created = False
 
 
 class _Helper016(_Helper):
@@ -426,14 +431,16 @@ def test_make_te_helper_passes_the_models_process_groups_where_accepted(monkeypa
     assert "pg_collection" not in made[0]
 
 
-def test_free_te_graphs_only_when_created():
+def test_free_te_graphs_frees_what_the_layers_hold():
     helper = _Helper(created=True, finished=True)
     assert compat.te_graph_count(helper) == 6
     assert compat.te_layer_count(helper) == 3
     assert compat.free_te_graphs(helper) == 6
     assert helper.deleted == 1
-    assert compat.free_te_graphs(helper) == 0
+    assert compat.free_te_graphs(helper) == 0  # nothing held: nothing to delete
     assert helper.deleted == 1
+    # megatron-core's _finish_capturing failed after the layers took their graphs
+    assert compat.free_te_graphs(_Helper(created=False, finished=False)) == 6
 
 
 def _seed(**options):
