@@ -23,6 +23,11 @@ from hookspecs import call_hook
 logger = logging.getLogger("cudagraph_plugin")
 
 
+# The stages captured inside a training step, in the order their capture splits the run
+# (a validation graph is captured in an evaluation, between two steps).
+IN_STEP_STAGES = ("training", "optimizer")
+
+
 @dataclasses.dataclass
 class Captures:
     """What was captured, when, how long it took, and the memory around it."""
@@ -100,10 +105,16 @@ class Captures:
         if stage in self.replays:
             self.replays[stage] += 1
 
+    @property
+    def produced_graphs(self) -> bool:
+        """A capture ran and left graphs (a TE scope that matches no layer captures none):
+        only then do the steps after it replay."""
+        return bool(self.records) and self.graphs_held_max > 0
+
     def training_capture_step(self) -> int | None:
         """The step whose capture splits eager from replay steps: the training graph's
         (full iteration or TE), else the optimizer graph's."""
-        for stage in ("training", "optimizer"):
+        for stage in IN_STEP_STAGES:
             for capture in self.records:
                 if capture["stage"] == stage:
                     return capture["step"]
@@ -121,7 +132,7 @@ class Captures:
         around = [
             snapshot
             for record, snapshot in zip(self.records, self.snapshots, strict=True)
-            if record["step"] == step and record["stage"] in ("training", "optimizer")
+            if record["step"] == step and record["stage"] in IN_STEP_STAGES
         ]
         if not around:
             return None, None
@@ -131,7 +142,7 @@ class Captures:
         """The training steps whose timed span holds a capture: the training graph's and the
         optimizer graph's (captured after its own warm-up, at whatever step that falls on).
         A validation graph is captured in an evaluation, after its step was timed."""
-        return {r["step"] for r in self.records if r["stage"] in ("training", "optimizer")}
+        return {r["step"] for r in self.records if r["stage"] in IN_STEP_STAGES}
 
     @property
     def memory_before(self) -> MemorySnapshot | None:

@@ -310,12 +310,15 @@ class ShapeGuard:
             )
         # a plain dict, the usual micro-batch, straight to its fingerprint (one call less)
         seen = _dict_fingerprint(batch, 0) if type(batch) is dict else fingerprint(batch)
+        if seen == known[0]:
+            return
         # (a fingerprint follows the dict's key order; the signature sorts: the same keys
         # in another order are the same batch, megatron-core copies by key)
-        if seen != known[0] and signature(batch) != known[1]:
+        described = signature(batch)
+        if described != known[1]:
             raise StaticShapeError(
                 f"{stage} micro-batch {index} (model chunk {chunk}) changed after CUDA graph "
-                f"capture (step {ref.step}): {difference(known[1], signature(batch))}; "
+                f"capture (step {ref.step}): {difference(known[1], described)}; "
                 f"replaying the graph would use stale buffers. Fix: {FIX}"
             )
 

@@ -1,7 +1,8 @@
 """Measurement of one run: the training steps timed, split into eager and replayed steps.
 
 The step whose capture splits them is the training graph's (full iteration or TE), else the
-optimizer graph's (:meth:`Captures.training_capture_step`); replays end where the graphs
+optimizer graph's (:meth:`Captures.training_capture_step`), if it produced graphs (a TE
+scope that matches no layer captures none: the run stays eager); replays end where the graphs
 were freed for the rest of the run (the opt-in fallback, the host's invalidation without
 buckets: :attr:`Captures.replay_end`). A step whose timed span held a capture (the optimizer
 graph's, captured after its own warm-up) is neither; a validation graph is captured in an
@@ -68,7 +69,7 @@ class Measurement:
         eager, replay = split_samples(
             sorted(durations),
             self.state.start_step,
-            captures.training_capture_step(),
+            captures.training_capture_step() if captures.produced_graphs else None,
             captures.replay_end,
             holding_captures=captures.steps_holding_a_capture(),
         )

@@ -29,7 +29,7 @@ from cudagraph_plugin.runtime.payoff import (
     thin_sample_note,
 )
 from cudagraph_plugin.runtime.state import RunState
-from cudagraph_plugin.runtime.timing import MemorySnapshot, median_or_none, split_samples
+from cudagraph_plugin.runtime.timing import MemorySnapshot, median_or_none
 from hookspecs import call_hook
 from hookspecs.report_schema import REPORT_SCHEMA_VERSION
 
@@ -335,12 +335,10 @@ class Reporter:
         # A capture that produced no graph (a scope matching no layer) buys nothing: the
         # report reads as if nothing was captured (no capture step, replays or memory; the
         # steps after it ran eagerly), and no speed-up is claimed for it.
-        captured = bool(captures.records) and captures.graphs_held_max > 0
+        captured = captures.produced_graphs
         # a step whose time includes a capture is no sample on either side
         holding = captures.steps_holding_a_capture()
         eager, replay, durations = self.measurement.samples(sync=sync)
-        if not captured:
-            eager, replay = split_samples(sorted(durations), state.start_step, None, None, holding)
         eager_samples = [durations[s] for s in eager]
         replay_samples = [durations[s] for s in replay]
         bucket_summary = [] if state.buckets is None else state.buckets.summary(durations, holding)
