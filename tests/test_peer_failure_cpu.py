@@ -497,12 +497,13 @@ def tcp_store() -> Iterator[tuple[subprocess.Popen[str], Any]]:
 
 def test_a_store_that_is_gone_stops_the_watch_quietly(tcp_store, watches, caplog):
     server, client = tcp_store
+    # before the store goes: the watch may say so before this thread runs again
+    caplog.set_level(logging.INFO, logger="cudagraph_plugin")
     aborts = Aborts()
     watch = start(watches, client, abort=aborts)
     time.sleep(5 * POLL_S)
     server.kill()
     server.wait()
-    caplog.set_level(logging.INFO, logger="cudagraph_plugin")
     watch._thread.join(HANG_S)
     assert not watch._thread.is_alive()
     assert "no longer watching for a peer's failure" in caplog.text
