@@ -171,3 +171,104 @@ def test_bucket_for_and_waste():
     assert padding_waste_percent(0, 0) is None
     with pytest.raises(ValueError, match="overflow must be one of"):
         pad_to_bucket(batch(3), BUCKETS, pad_token_id=0, overflow="drop")
+
+
+# -- every call checks the whole micro-batch, padded or not -----------------------------------
+
+
+def test_labels_without_a_loss_mask_are_refused_unless_the_label_pad_id_is_given():
+    # the default label pad is a real token: without a loss mask padding would count
+    original = batch(5)
+    del original["loss_mask"]
+    for length in (5, 8):  # at a bucket length too: the next step may need padding
+        with pytest.raises(ValueError, match=r"no loss_mask.*Fix: add batch\['loss_mask'\]"):
+            pad_to_bucket(original, BUCKETS, pad_token_id=0, length=length)
+    out = pad_to_bucket(original, BUCKETS, pad_token_id=0, label_pad_id=-100).batch
+    assert out["labels"][:, 5:].eq(-100).all() and "loss_mask" not in out
+
+
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 1, 3), (1, 1, 4, 4), (1, 1, 3, 4)], ids=["key-padding", "longer", "oblong"]
+)
+def test_an_attention_mask_not_of_the_sequence_length_is_refused(shape):
+    original = batch(3, rows=1)
+    original["attention_mask"] = torch.zeros(shape, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"attention_mask.*sequence length is 3.*\[b, 1, 3, 3\]"):
+        pad_to_bucket(original, BUCKETS, pad_token_id=0)
+
+
+@pytest.mark.parametrize("length", [8, 5], ids=["at-a-bucket", "padded"])
+def test_bad_input_is_refused_whether_or_not_the_batch_needs_padding(length):
+    float_mask = batch(length, rows=1)
+    float_mask["attention_mask"] = torch.zeros(1, 1, length, length)
+    with pytest.raises(ValueError, match="boolean"):
+        pad_to_bucket(float_mask, BUCKETS, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"pad_token_id must be an int.*got None"):
+        pad_to_bucket(batch(length), BUCKETS, pad_token_id=None)
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"pad_token_id": 0.7}, r"pad_token_id must be an int.*0\.7"),
+        ({"pad_token_id": 0, "label_pad_id": -100.5}, r"label_pad_id must be an int"),
+        ({"pad_token_id": 0, "extra": {"advantages": None}}, r"extra\['advantages'\]"),
+        ({"pad_token_id": 300}, r"pad_token_id=300 cannot pad batch\['tokens'\].*uint8"),
+        ({"pad_token_id": 0, "extra": {"flags": 2}}, r"extra\['flags'\]=2.*torch.bool"),
+    ],
+)
+def test_pad_values_that_would_change_in_the_tensor_s_dtype_are_refused(options, match):
+    original = batch(5)
+    original["tokens"] = original["tokens"].to(torch.uint8)
+    original["advantages"] = torch.ones(2, 5)
+    original["flags"] = torch.ones(2, 5, dtype=torch.bool)
+    options.setdefault("extra", {"advantages": 0.0, "flags": False})
+    with pytest.raises(ValueError, match=match):
+        pad_to_bucket(original, BUCKETS, **options)
+
+
+def test_extra_keys_must_hold_a_per_token_tensor():
+    original = batch(5)
+    original["rewards"] = torch.ones(2)  # one per sequence
+    with pytest.raises(ValueError, match=r"batch\['rewards'\] \(shape \(2,\)\) is named in extra"):
+        pad_to_bucket(original, BUCKETS, pad_token_id=0, extra={"rewards": 0.0})
+    original["rewards"] = [1.0, 2.0]
+    with pytest.raises(ValueError, match=r"batch\['rewards'\], which is a list"):
+        pad_to_bucket(original, BUCKETS, pad_token_id=0, extra={"rewards": 0.0})
+
+
+def test_a_per_token_tensor_of_a_one_dimensional_batch_is_refused_unless_named():
+    original = {"tokens": torch.arange(5), "loss_mask": torch.ones(5), "weights": torch.ones(5)}
+    with pytest.raises(ValueError, match=r"batch\['weights'\]"):
+        pad_to_bucket(original, BUCKETS, pad_token_id=0)
+
+
+def test_moe_padding_mask_marks_the_padded_positions():
+    original = batch(5)
+    original["padding_mask"] = torch.zeros(2, 5, dtype=torch.bool)  # True = padding
+    out = pad_to_bucket(original, BUCKETS, pad_token_id=0).batch["padding_mask"]
+    assert out.tolist() == [[False] * 5 + [True] * 3] * 2
+
+
+def test_overflow_keep_pads_to_the_length_asked_for():
+    # the step's (or job's) length: every micro-batch of the step, and every rank, agree
+    padded = [
+        pad_to_bucket(batch(n), BUCKETS, pad_token_id=0, length=60, overflow="keep")
+        for n in (50, 60)
+    ]
+    assert [p.seq_length for p in padded] == [60, 60]
+    assert [p.batch["tokens"].shape[-1] for p in padded] == [60, 60]
+    assert padded[0].padding == 2 * 10
+
+
+def test_the_overflow_message_tells_the_length_asked_for_from_the_batch_s_own():
+    with pytest.raises(BucketOverflowError, match=r"length=60 \(this micro-batch: 5 tokens\)"):
+        pad_to_bucket(batch(5), BUCKETS, pad_token_id=0, length=60)
+
+
+def test_buckets_in_the_setting_s_string_form_and_dict_micro_batches_only():
+    assert pad_step([batch(5)], "8,16", pad_token_id=0).seq_length == 8
+    with pytest.raises(ValueError, match=r"^buckets: "):
+        pad_step([batch(5)], "8,x", pad_token_id=0)
+    with pytest.raises(TypeError, match=r"must be a dict of tensors \(.*\), got tuple"):
+        pad_to_bucket((torch.ones(2, 5),), BUCKETS, pad_token_id=0)

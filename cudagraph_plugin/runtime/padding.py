@@ -8,11 +8,16 @@ pads each step's micro-batches to one bucket length and passes that length as
 
 * :func:`pad_to_bucket` pads one micro-batch dict: ``tokens`` with the pad token, ``labels``
   with the label pad id, ``loss_mask`` with zeros (padding never counts in the loss),
-  ``position_ids`` by counting on from each row's last position, a megatron-core attention
+  ``position_ids`` by counting on from each row's last position, megatron-core's MoE
+  ``padding_mask`` (``[b, s]``, ``True`` = padding) with ``True``, a megatron-core attention
   mask (boolean ``[b, 1, s, s]``, ``True`` = masked) with every padded key masked, and any
   key the host names in ``extra``. Padding goes on the right: with megatron-core's causal
   attention no real token attends to a later (padded) one, so the real tokens' outputs and
-  losses are those of the unpadded batch.
+  losses are those of the unpadded batch. With MoE layers that holds only when the host
+  passes the padded ``padding_mask`` to the model (megatron-core then keeps padded tokens
+  out of routing and its auxiliary losses); without it padded tokens are routed too.
+* every call checks the whole micro-batch, whether or not this one needs padding, so a bad
+  input fails on the first step rather than on the first step of another length.
 * :func:`pad_step` pads all micro-batches of one step to one common bucket (the graph of a
   step reads every micro-batch at the same shape).
 * the bucket arithmetic (:func:`bucket_for`, :func:`check_buckets`, :func:`parse_buckets`,
@@ -38,8 +43,9 @@ from cudagraph_plugin.config.buckets import (
     parse_buckets,
 )
 
-SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
-"""The micro-batch keys padded along their last dimension (megatron-core's GPT batch)."""
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
+"""The micro-batch keys padded along their last dimension (megatron-core's GPT batch, and
+the ``padding_mask`` its MoE routing reads)."""
 
 OVERFLOW_CHOICES = ("error", "keep")
 
@@ -54,8 +60,9 @@ class PaddedBatch:
 
     :ivar batch: a new dict (the input is not modified); values that need no padding are
         the input's own objects.
-    :ivar seq_length: the bucket length (the length itself when ``overflow="keep"`` let a
-        too-long batch through): pass it to ``forward_backward_func`` as ``seq_length``.
+    :ivar seq_length: the bucket length (``length``, or the batch's own, when
+        ``overflow="keep"`` let a too-long batch through): pass it to
+        ``forward_backward_func`` as ``seq_length``.
     :ivar padding: padded token positions added (rows x added length).
     :ivar tokens: token positions after padding (rows x ``seq_length``).
     """
@@ -79,6 +86,12 @@ class PaddedStep:
 def sequence_length(batch: Mapping[str, Any]) -> int:
     """The length of a micro-batch: the last dimension of its sequence tensors (which must
     agree)."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"a micro-batch must be a dict of tensors (tokens, labels, loss_mask, "
+            f"position_ids, attention_mask), got {type(batch).__name__}. Fix: pad the dict "
+            "your data iterator yields, before a get_batch() turns it into a tuple"
+        )
     lengths = {
         key: batch[key].shape[-1]
         for key in SEQUENCE_KEYS
@@ -113,24 +126,32 @@ def pad_to_bucket(
     :param batch: the micro-batch: ``tokens``, ``labels``, ``loss_mask``, ``position_ids``
         (``[..., s]``) and ``attention_mask`` (``None`` or megatron-core's boolean
         ``[b, 1, s, s]``, ``True`` = masked) where present; other values pass through.
-    :param buckets: the bucket lengths.
-    :param pad_token_id: the token id of padded positions.
+    :param buckets: the bucket lengths (a list of ints, or the setting's string form
+        ``"256,512"``).
+    :param pad_token_id: the token id of padded positions (an int).
     :param label_pad_id: the label of padded positions (default ``pad_token_id``: a valid
         vocabulary id, which every cross-entropy implementation accepts; ``loss_mask`` is 0
-        there, so it never counts).
+        there, so it never counts). A micro-batch with ``labels`` but no ``loss_mask`` is
+        refused unless ``label_pad_id`` is given: only a loss that ignores that label keeps
+        padded positions out of it.
     :param length: pad as if the batch were this long (at least its own length): the step's
         or the job's longest micro-batch, so that every micro-batch and rank picks the same
         bucket (every rank must run the same graph in each step).
     :param overflow: ``"error"`` (default) raises :class:`BucketOverflowError` above the
-        largest bucket; ``"keep"`` returns the batch unpadded (the step then runs eagerly).
+        largest bucket; ``"keep"`` pads to ``length`` (unpadded without it) and the step
+        runs eagerly.
     :param extra: more keys to pad along their last dimension, each with its pad value
-        (e.g. ``{"advantages": 0.0}``). Any other tensor of two or more dimensions whose last
-        dimension is the sequence length is refused, since leaving it unpadded would break
-        the model's shapes.
+        (e.g. ``{"advantages": 0.0}``); their last dimension must be the sequence length.
+        Any other tensor whose last dimension is the sequence length (of two or more
+        dimensions; of any in a batch of 1-D sequences) is refused, since leaving it
+        unpadded would break the model's shapes.
     """
     if overflow not in OVERFLOW_CHOICES:
-        raise ValueError(f"overflow must be one of {OVERFLOW_CHOICES}, got {overflow!r}")
-    buckets = check_buckets(buckets)
+        raise ValueError(
+            f"overflow must be one of {OVERFLOW_CHOICES}, got {overflow!r}: 'error' raises "
+            "above the largest bucket, 'keep' lets such a batch run eagerly"
+        )
+    buckets = _buckets(buckets)
     extra = dict(extra or {})
     own = sequence_length(batch)
     wanted = own if length is None else length
@@ -139,27 +160,28 @@ def pad_to_bucket(
             f"length={length} is shorter than the micro-batch ({own} tokens); pass the "
             "longest length of the step (or job), or leave length out"
         )
-    _refuse_unnamed_sequence_tensors(batch, own, extra)
+    values = _pad_values(batch, pad_token_id, label_pad_id, extra)
+    _check_batch(batch, own, values, extra)
     bucket = bucket_for(wanted, buckets)
     if bucket is None:
         if overflow == "keep":
-            return PaddedBatch(dict(batch), own, 0, _rows(batch) * own)
-        raise BucketOverflowError(
-            f"a micro-batch of length {wanted} exceeds the largest CUDA graph bucket "
-            f"({buckets[-1]}; buckets: {', '.join(map(str, buckets))}). Fix: add a bucket >= "
-            f"{wanted} (e.g. --cuda-graph-buckets {','.join(map(str, (*buckets, wanted)))}), "
-            "truncate the sequence, or pass overflow='keep' to run such steps eagerly"
-        )
+            bucket = wanted  # no graph: the step runs eagerly, at the length asked for
+        else:
+            what = (
+                f"a micro-batch of length {own}"
+                if length is None
+                else f"length={length} (this micro-batch: {own} tokens)"
+            )
+            raise BucketOverflowError(
+                f"{what} exceeds the largest CUDA graph bucket ({buckets[-1]}; buckets: "
+                f"{', '.join(map(str, buckets))}). Fix: add a bucket >= {wanted} (e.g. "
+                f"--cuda-graph-buckets {','.join(map(str, (*buckets, wanted)))}), truncate "
+                "the sequence, or pass overflow='keep' to run such steps eagerly"
+            )
     added = bucket - own
-    values: dict[str, int | float | bool] = {
-        "tokens": pad_token_id,
-        "labels": pad_token_id if label_pad_id is None else label_pad_id,
-        "loss_mask": 0,
-        **extra,
-    }
     padded = dict(batch)
     if added:
-        for key, value in values.items():
+        for key, (value, _) in values.items():
             if isinstance(batch.get(key), torch.Tensor):
                 padded[key] = _pad_last(batch[key], added, value)
         if isinstance(batch.get("position_ids"), torch.Tensor):
@@ -184,13 +206,11 @@ def pad_step(
     longer: the job-wide longest, agreed across ranks by the host)."""
     if not batches:
         raise ValueError("pad_step needs at least one micro-batch")
-    buckets = check_buckets(buckets)
+    buckets = _buckets(buckets)
     longest = max(sequence_length(batch) for batch in batches)
+    # Above every bucket (overflow="keep") the step runs eagerly, but still at one length
+    # for all its micro-batches (forward_backward_func takes one seq_length).
     target = longest if length is None else max(longest, length)
-    if overflow == "keep" and bucket_for(target, buckets) is None:
-        # Above every bucket the step runs eagerly, but still at one length for all its
-        # micro-batches (forward_backward_func takes one seq_length).
-        buckets = (target,)
     results = [
         pad_to_bucket(
             batch,
@@ -224,19 +244,134 @@ def _rows(batch: Mapping[str, Any]) -> int:
     return 0
 
 
-def _refuse_unnamed_sequence_tensors(
-    batch: Mapping[str, Any], length: int, extra: Mapping[str, Any]
+def _buckets(buckets: Any) -> tuple[int, ...]:
+    try:
+        return parse_buckets(buckets, "buckets")
+    except ValueError as error:
+        message = str(error)
+        if message.startswith("buckets"):
+            raise
+        raise ValueError(
+            f"buckets: {message} (got {buckets!r}); give the bucket lengths as a list of "
+            "ints or a string such as '256,512,1024'"
+        ) from None
+
+
+_PadValues = dict[str, tuple[Any, str]]
+"""Each padded key's pad value and the parameter that gave it."""
+
+
+def _pad_values(
+    batch: Mapping[str, Any],
+    pad_token_id: Any,
+    label_pad_id: Any,
+    extra: Mapping[str, Any],
+) -> _PadValues:
+    for name, value in (("pad_token_id", pad_token_id), ("label_pad_id", label_pad_id)):
+        if name == "label_pad_id" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(
+                f"{name} must be an int (a token id), got {value!r}. Fix: pass the tokenizer's "
+                "pad id (its eos id when it has none)"
+            )
+    for key, value in extra.items():
+        if not isinstance(value, (int, float, bool)):
+            raise ValueError(
+                f"extra[{key!r}] must be the pad value (an int, float or bool), got {value!r}"
+            )
+    if (
+        isinstance(batch.get("labels"), torch.Tensor)
+        and not isinstance(batch.get("loss_mask"), torch.Tensor)
+        and label_pad_id is None
+    ):
+        raise ValueError(
+            "batch['labels'] would be padded but the micro-batch has no loss_mask, so padded "
+            f"positions (label pad_token_id={pad_token_id}, a real token) would count in the "
+            "loss. Fix: add batch['loss_mask'] (ones; padding adds zeros) and weigh the loss "
+            "with it, or pass label_pad_id=<the label your loss ignores>"
+        )
+    return {
+        "tokens": (pad_token_id, "pad_token_id"),
+        "labels": (
+            (pad_token_id, "pad_token_id")
+            if label_pad_id is None
+            else (label_pad_id, "label_pad_id")
+        ),
+        "loss_mask": (0, "loss_mask's zero"),
+        "padding_mask": (True, "padding_mask's True"),
+        **{key: (value, f"extra[{key!r}]") for key, value in extra.items()},
+    }
+
+
+def _check_batch(
+    batch: Mapping[str, Any], length: int, values: _PadValues, extra: Mapping[str, Any]
 ) -> None:
+    for key, (value, source) in values.items():
+        tensor = batch.get(key)
+        if key in extra and tensor is not None and not isinstance(tensor, torch.Tensor):
+            raise ValueError(
+                f"extra names batch[{key!r}], which is a {type(tensor).__name__}, not a "
+                "tensor; pad it yourself or leave it out of extra"
+            )
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        if key in extra and (tensor.dim() == 0 or tensor.shape[-1] != length):
+            raise ValueError(
+                f"batch[{key!r}] (shape {tuple(tensor.shape)}) is named in extra but its last "
+                f"dimension is not the sequence length {length}; extra pads per-token tensors "
+                "only. Fix: drop it from extra (a per-sequence tensor needs no padding)"
+            )
+        _check_fits(key, tensor, value, source)
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
+            described = (
+                f"shape {tuple(mask.shape)} dtype {mask.dtype}"
+                if isinstance(mask, torch.Tensor)
+                else type(mask).__name__
+            )
+            raise ValueError(
+                f"batch['attention_mask'] is {described}; pad_to_bucket pads megatron-core's "
+                "boolean [b, 1, s, s] mask (True = masked) or None. Fix: build that mask, or "
+                "pass attention_mask=None for causal attention"
+            )
+        if tuple(mask.shape[-2:]) != (length, length):
+            raise ValueError(
+                f"batch['attention_mask'] has shape {tuple(mask.shape)} but the sequence "
+                f"length is {length}; pad_to_bucket pads megatron-core's [b, 1, s, s] mask. "
+                f"Fix: build it at [b, 1, {length}, {length}] (a [b, 1, 1, s] key-padding "
+                "mask is not padded here)"
+            )
+    sequence_dims = min(
+        batch[key].dim() for key in SEQUENCE_KEYS if isinstance(batch.get(key), torch.Tensor)
+    )
     known = {*SEQUENCE_KEYS, "attention_mask", *extra}
     for key, value in batch.items():
         if key in known or not isinstance(value, torch.Tensor):
             continue
-        if value.dim() >= 2 and value.shape[-1] == length:
+        if value.dim() >= min(2, sequence_dims) and value.shape[-1] == length:
             raise ValueError(
                 f"batch[{key!r}] (shape {tuple(value.shape)}) has the sequence length {length} "
                 f"in its last dimension but pad_to_bucket does not know how to pad it. Fix: "
                 f"pass extra={{{key!r}: <pad value>}}, or drop it from the micro-batch"
             )
+
+
+def _check_fits(key: str, tensor: torch.Tensor, value: Any, source: str) -> None:
+    """``value`` pads ``tensor`` without being changed by its dtype."""
+    if tensor.dtype == torch.bool:
+        fits = value in (0, 1)
+    elif tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        fits = True
+    else:
+        info = torch.iinfo(tensor.dtype)
+        fits = float(value).is_integer() and info.min <= value <= info.max
+    if not fits:
+        raise ValueError(
+            f"{source}={value!r} cannot pad batch[{key!r}] (dtype {tensor.dtype}) without "
+            f"changing: give a value of that dtype, or convert batch[{key!r}]"
+        )
 
 
 def _pad_last(tensor: torch.Tensor, added: int, value: int | float | bool) -> torch.Tensor:
@@ -254,18 +389,7 @@ def _continue_positions(position_ids: torch.Tensor, added: int) -> torch.Tensor:
     return torch.cat([position_ids, position_ids[..., -1:] + steps], dim=-1)
 
 
-def _pad_attention_mask(mask: Any, added: int) -> torch.Tensor:
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
-        described = (
-            f"shape {tuple(mask.shape)} dtype {mask.dtype}"
-            if isinstance(mask, torch.Tensor)
-            else type(mask).__name__
-        )
-        raise ValueError(
-            f"batch['attention_mask'] is {described}; pad_to_bucket pads megatron-core's "
-            "boolean [b, 1, s, s] mask (True = masked) or None. Fix: build that mask, or "
-            "pass attention_mask=None for causal attention"
-        )
+def _pad_attention_mask(mask: torch.Tensor, added: int) -> torch.Tensor:
     length = mask.shape[-1]
     size = length + added
     padded = torch.ones((*mask.shape[:-2], size, size), dtype=torch.bool, device=mask.device)
