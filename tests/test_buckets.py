@@ -206,8 +206,8 @@ def test_each_bucket_is_captured_after_its_own_warmup_and_replayed_for_its_steps
 
 def test_summary_gives_each_bucket_its_step_times_and_padding_waste(graphs):
     _, bucketed = train(SCHEDULE, bucketed=True, warmup=2)
-    bucketed.record_padding(16, real_tokens=30, padded_tokens=10)
-    bucketed.record_padding(16, real_tokens=30, padded_tokens=10)
+    bucketed.record_padding(16, real_tokens=30, padded_tokens=10, step=5)
+    bucketed.record_padding(16, real_tokens=30, padded_tokens=10, step=9)
     durations = {step: 10.0 + step for step in range(len(SCHEDULE))}
     row16, row32, row48 = bucketed.summary(durations)
     # eager: the warm-up steps but a key's first (its buffers, lazy allocations); no capture
@@ -226,6 +226,38 @@ def test_the_micro_batch_count_is_part_of_the_graph_key(graphs):
     assert actions(bucketed, 16, 1) == [(0, W), (1, C), (2, R)]
     assert actions(bucketed, 16, 2) == [(3, W), (4, C), (5, R)]
     assert [g.replays for g in graphs.graphs] == [2, 2]
+
+
+def test_padding_waste_is_counted_per_key_from_the_steps_it_ran(graphs):
+    # two keys of one length (1 and 2 micro-batches): each row counts its own steps' padding
+    schedule = [[16], [16], [9, 12], [9, 12]]
+    _, bucketed = train(schedule, bucketed=True, warmup=1)
+    for step in (0, 1):
+        bucketed.record_padding(16, real_tokens=32, padded_tokens=0, step=step)
+    for step in (2, 3):
+        bucketed.record_padding(16, real_tokens=8, padded_tokens=24, step=step)
+    one, two = bucketed.summary()
+    assert (one["num_microbatches"], one["padding_waste_percent"]) == (1, 0.0)
+    assert (two["num_microbatches"], two["padding_waste_percent"]) == (2, 75.0)
+
+
+def test_a_micro_batch_with_its_keys_in_another_order_is_the_bucket_s_own(graphs):
+    # megatron-core copies a micro-batch into the static buffers by key: the same tensors
+    # under the same keys, in another order, replay the bucket's graph (not eager)
+    def reordered(kwargs: dict) -> dict:
+        batches = [dict(reversed(list(batch.items()))) for batch in kwargs["data_iterator"]]
+        return {**kwargs, "data_iterator": iter(batches)}
+
+    with megatron_gpt() as host:
+        bucketed = BucketGraphs(BUCKETS, 1, model=host.model, optimizer=host.optimizer)
+        try:
+            for step in range(3):
+                kwargs = step_kwargs(host, step, [10])
+                train_step(host, reordered(kwargs) if step else kwargs, bucketed, step)
+        finally:
+            assert not release_each(bucketed.release_steps()).failures
+    W, C, R = Action.WARMUP, Action.CAPTURE, Action.REPLAY
+    assert actions(bucketed, 16) == [(0, W), (1, C), (2, R)]
 
 
 def test_bucket_graphs_train_exactly_as_eager_with_the_same_padding(graphs):
@@ -807,6 +839,9 @@ def test_routing_needs_integer_shapes():
     bucketed = BucketGraphs(BUCKETS, 1, model=[])
     with pytest.raises(ValueError, match=r"seq_length=None.*pass seq_length as an int"):
         bucketed.route({"num_microbatches": 1, "forward_only": False})
+    # a bool is an int to Python, not a length or a count
+    with pytest.raises(ValueError, match=r"num_microbatches=True"):
+        bucketed.route({"seq_length": 16, "num_microbatches": True, "forward_only": False})
 
 
 def test_fingerprint_samples_parameters_from_first_to_last_and_names_what_moved(graphs):

@@ -1,14 +1,19 @@
 """The vocabulary of bucket routing: a call's key (its shape), what a call does with it
-(:class:`Action`, :class:`Route`), what happened to each key (:class:`BucketStats`) and a
-call's micro-batches drawn ahead (:func:`draw_micro_batches`).
+(:class:`Action`, :class:`Route`), what happened to each key (:class:`BucketStats`), the
+padding the host reported per step (:class:`PaddingLedger`), and a call's micro-batches
+drawn ahead (:func:`draw_micro_batches`) and compared with a bucket's
+(:func:`differs_from_buffers`).
 The graphs themselves are :mod:`cudagraph_plugin.runtime.buckets`'."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
+
+from cudagraph_plugin.config.buckets import padding_waste_percent
+from cudagraph_plugin.runtime.guard import difference, fingerprint, signature
 
 BUCKET_FIX = (
     "with CUDA graph buckets, pad every micro-batch of a step to the bucket length passed as "
@@ -71,7 +76,8 @@ class BucketStats:
 def key_of(kwargs: Mapping[str, Any]) -> BucketKey:
     """The key of one ``forward_backward_func`` call (its keyword arguments)."""
     for name in ("seq_length", "num_microbatches"):
-        if not isinstance(kwargs.get(name), int):
+        value = kwargs.get(name)
+        if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(
                 f"forward_backward_func called with {name}={kwargs.get(name)!r}; CUDA graph "
                 f"buckets route each training call by its seq_length and num_microbatches. "
@@ -80,6 +86,44 @@ def key_of(kwargs: Mapping[str, Any]) -> BucketKey:
     return BucketKey(
         kwargs["seq_length"], kwargs.get("micro_batch_size"), kwargs["num_microbatches"]
     )
+
+
+class PaddingLedger:
+    """Real and padded token positions per (step, length), as the host reports them
+    (``run.step_padded``): a report row (a key) counts the steps it ran, as keys of one
+    length differ in their micro-batch count."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[int | None, int], list[int]] = {}
+
+    def record(self, step: int | None, seq_length: int, real: int, padded: int) -> None:
+        counts = self._counts.setdefault((step, seq_length), [0, 0])
+        counts[0] += real
+        counts[1] += padded
+
+    def waste_percent(self, seq_length: int, steps: Collection[int | None]) -> float | None:
+        """Padded positions of all positions of ``steps`` at ``seq_length``."""
+        real = padded = 0
+        for (step, length), (step_real, step_padded) in self._counts.items():
+            if length == seq_length and step in steps:
+                real, padded = real + step_real, padded + step_padded
+        return padding_waste_percent(real, padded)
+
+
+def differs_from_buffers(seen: list[tuple[Any, Any]], drawn: list[Any]) -> str:
+    """How ``drawn`` differs from the micro-batches a bucket's static buffers were made from
+    (``seen``: each index's fingerprint and signature); ``""`` when alike. A micro-batch
+    beyond those seen is compared with the first (its buffer is yet to be made from it)."""
+    for index, batch in enumerate(drawn if seen else []):
+        made_from, described = seen[index if index < len(seen) else 0]
+        if fingerprint(batch) == made_from:
+            continue
+        # (the fingerprint follows the dict's key order, the signature sorts: the same keys
+        # in another order are the same micro-batch, megatron-core copies by key)
+        now = signature(batch)
+        if now != described:
+            return difference(described, now, "at first")
+    return ""
 
 
 def sort_key(key: BucketKey) -> tuple[int, int, int]:

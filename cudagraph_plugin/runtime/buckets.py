@@ -76,13 +76,15 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from cudagraph_plugin.compat import buckets as bucket_compat
-from cudagraph_plugin.config.buckets import check_buckets, padding_waste_percent
+from cudagraph_plugin.config.buckets import check_buckets
 from cudagraph_plugin.runtime.bucket_keys import (
     BUCKET_FIX,
     Action,
     BucketKey,
     BucketStats,
+    PaddingLedger,
     Route,
+    differs_from_buffers,
     draw_micro_batches,
     iterators_over,
     key_of,
@@ -92,7 +94,6 @@ from cudagraph_plugin.runtime.fingerprint import AddressFingerprint, Fingerprint
 from cudagraph_plugin.runtime.guard import (
     ShapeGuard,
     StaticShapeError,
-    difference,
     fingerprint,
     signature,
 )
@@ -172,7 +173,7 @@ class BucketGraphs:
         self.guard = ShapeGuard()
         self.stats: dict[BucketKey, BucketStats] = {}
         self.invalidations: list[tuple[int | None, str, int]] = []
-        self.padding: dict[int, list[int]] = {}  # seq_length -> [real, padded] tokens
+        self.padding = PaddingLedger()
         self._graphs: dict[BucketKey, _Captured] = {}
         self._calls: collections.Counter[BucketKey] = collections.Counter()
         self._buffers: dict[tuple[int, int | None], list[Any]] = {}
@@ -267,13 +268,7 @@ class BucketGraphs:
             return None, False, ""
         drawn, listed = draw_micro_batches(data_iterator, key.num_microbatches)
         seen = self._shapes.get((key.seq_length, key.micro_batch_size))
-        for index, batch in enumerate(drawn if drawn and seen else []):
-            # (a micro-batch beyond those seen so far: against the first, as its buffer
-            # is yet to be made from it)
-            made_from, described = seen[index if index < len(seen) else 0]
-            if fingerprint(batch) != made_from:
-                return drawn, listed, difference(described, signature(batch), "at first")
-        return drawn, listed, ""
+        return drawn, listed, differs_from_buffers(seen or [], drawn or [])
 
     def _decide(self, key: BucketKey, agreed: list[int], step: int | None) -> Route:
         if agreed[:3] != [-v for v in agreed[3:6]]:
@@ -490,11 +485,11 @@ class BucketGraphs:
                     kept[address] = (name, address, tensor.numel() * tensor.element_size())
         return list(kept.values())
 
-    def record_padding(self, seq_length: int, real_tokens: int, padded_tokens: int) -> None:
+    def record_padding(
+        self, seq_length: int, real_tokens: int, padded_tokens: int, *, step: int | None
+    ) -> None:
         """Count a step's real and padded token positions (from ``padding.pad_step``)."""
-        counts = self.padding.setdefault(seq_length, [0, 0])
-        counts[0] += real_tokens
-        counts[1] += padded_tokens
+        self.padding.record(step, seq_length, real_tokens, padded_tokens)
 
     def summary(
         self,
@@ -513,7 +508,6 @@ class BucketGraphs:
             skip = {stats.calls[0][0] if stats.calls else None, *holding_captures}
             eager = [s for s in stats.steps(Action.EAGER, Action.WARMUP) if s not in skip]
             replay = [s for s in stats.steps(Action.REPLAY) if s not in skip]
-            real, padded = self.padding.get(key.seq_length, [0, 0])
             rows.append(
                 {
                     "seq_length": key.seq_length,
@@ -532,7 +526,9 @@ class BucketGraphs:
                     "replay_step_ms": median_or_none(
                         [durations[s] for s in replay if s in durations]
                     ),
-                    "padding_waste_percent": padding_waste_percent(real, padded),
+                    "padding_waste_percent": self.padding.waste_percent(
+                        key.seq_length, {step for step, _ in stats.calls}
+                    ),
                 }
             )
         return rows

@@ -219,7 +219,7 @@ class CudaGraphPlugin:
         self, step: int, seq_length: int, real_tokens: int, padded_tokens: int
     ) -> None:
         if self.state.buckets is not None:
-            self.state.buckets.record_padding(seq_length, real_tokens, padded_tokens)
+            self.state.buckets.record_padding(seq_length, real_tokens, padded_tokens, step=step)
 
     @hookimpl
     def mcgraph_invalidate_graphs(self, reason: str) -> None:
