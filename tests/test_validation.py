@@ -2143,6 +2143,29 @@ def test_buckets_refuse_what_they_do_not_serve(top, model, phrase):
     assert violation.value.startswith("('256,512', ")
 
 
+@pytest.mark.parametrize(
+    "model,multiple,fields",
+    [
+        (dict(tensor_model_parallel_size=2, sequence_parallel=True), 2, 3),
+        (dict(context_parallel_size=2), 4, 2),
+        (dict(tensor_model_parallel_size=4, sequence_parallel=True, context_parallel_size=2), 8, 4),
+    ],
+    ids=["sequence-parallel", "context-parallel", "both"],
+)
+def test_buckets_the_parallel_layout_cannot_split_are_refused(model, multiple, fields):
+    config = full_iteration(cuda_graph_buckets="250,512,1001", **model)
+    [violation] = [v for v in find_violations(read_settings(config)) if "multiples" in v.text]
+    assert f"not multiples of {multiple}" in violation.text
+    assert len(violation.fields) == fields and violation.fields[0] == "model.cuda_graph_buckets"
+    rounded = ",".join(str(-(-b // multiple) * multiple) for b in (250, 512, 1001))
+    assert f"e.g. {rounded}" in violation.fix
+    even = full_iteration(cuda_graph_buckets=rounded, **model)
+    assert not [v for v in find_violations(read_settings(even)) if "multiples" in v.text]
+    # tensor parallelism alone (no sequence parallelism) splits no sequence
+    plain = full_iteration(cuda_graph_buckets="250", tensor_model_parallel_size=2)
+    assert not [v for v in find_violations(read_settings(plain)) if "multiples" in v.text]
+
+
 def test_baseline_steps_raise_the_warmup_and_say_so():
     config = bridge(scope="attn", cuda_graph_warmup_steps=2)
     config.cuda_graph_baseline_steps = 6

@@ -97,6 +97,12 @@ FIELD_PATHS: dict[str, tuple[str, ...]] = {
         "model.pipeline_model_parallel_size",
         "pipeline_model_parallel_size",
     ),
+    "tensor_model_parallel_size": (
+        "model.tensor_model_parallel_size",
+        "tensor_model_parallel_size",
+    ),
+    "context_parallel_size": ("model.context_parallel_size", "context_parallel_size"),
+    "sequence_parallel": ("model.sequence_parallel", "sequence_parallel"),
     "virtual_pipeline_model_parallel_size": (
         "model.virtual_pipeline_model_parallel_size",
         "virtual_pipeline_model_parallel_size",

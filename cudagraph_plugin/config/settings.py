@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,6 +83,9 @@ class Settings:
     add_bias_linear: bool = True  # megatron-core's default
     fp16: bool = False
     pipeline_model_parallel_size: int | None = None
+    tensor_model_parallel_size: int | None = None
+    context_parallel_size: int | None = None
+    sequence_parallel: bool = False
     virtual_pipeline_model_parallel_size: int | None = None
     batch_p2p_comm: bool = True  # megatron-core's defaults
     batch_p2p_sync: bool = True
@@ -133,6 +137,18 @@ class Settings:
     @property
     def pipeline_parallel(self) -> bool:
         return (self.pipeline_model_parallel_size or 1) > 1
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What every sequence length must be a multiple of: megatron-core splits it over
+        ``2 x context_parallel_size`` chunks (load-balanced causal CP) and, with sequence
+        parallelism, each context-parallel rank's part over the tensor-parallel ranks."""
+        tp = self.tensor_model_parallel_size or 1
+        cp = self.context_parallel_size or 1
+        multiple = 2 * cp if cp > 1 else 1
+        if self.sequence_parallel and tp > 1:
+            multiple = math.lcm(multiple, tp * cp)
+        return multiple
 
     @property
     def p2p_from_overlap(self) -> bool:

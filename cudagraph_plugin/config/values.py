@@ -327,6 +327,8 @@ _PARSERS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "hidden_dropout": (_to_float, False),
     "pipeline_model_parallel_size": (_to_int(1, 2), True),
     "virtual_pipeline_model_parallel_size": (_to_int(1, 2), True),
+    "tensor_model_parallel_size": (_to_int(1, 2), True),
+    "context_parallel_size": (_to_int(1, 2), True),
     "optimizer": (_to_optimizer_name, False),
     "transformer_impl": (_to_choice("local", "transformer_engine", "inference_optimized"), True),
     "loss_scale": (_to_float, True),
@@ -373,6 +375,7 @@ BOOL_SETTINGS = (
     "overlap_param_gather_with_optimizer_step",
     "optimizer_cuda_graph",
     "optimizer_cpu_offload",
+    "sequence_parallel",
 )
 _PARSERS.update({name: (to_bool, False) for name in BOOL_SETTINGS})
 _PROBLEM_TEXT = {

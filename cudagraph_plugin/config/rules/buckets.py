@@ -1,6 +1,7 @@
 """Rules on sequence-length buckets (``cuda_graph_buckets``): one full-iteration graph per
 bucket, so buckets need the full-iteration scope; the fallback policy and pipeline
-parallelism are not served with them yet."""
+parallelism are not served with them yet; each bucket must be a sequence length the model's
+parallel layout can split."""
 
 from __future__ import annotations
 
@@ -44,4 +45,28 @@ def _buckets(s: Settings, env: Environment) -> Iterator[Violation]:
             (_buckets_value(s), s.pipeline_model_parallel_size),
             "bucketed graphs are not served with pipeline parallelism yet",
             "use one sequence length (no buckets) with pipeline parallelism",
+        )
+    multiple = s.sequence_multiple
+    uneven = [bucket for bucket in s.buckets if bucket % multiple]
+    if multiple > 1 and uneven:
+        fields: list[tuple[str, object]] = [("buckets", _buckets_value(s))]
+        splits = []
+        if (s.context_parallel_size or 1) > 1:
+            fields.append(("context_parallel_size", s.context_parallel_size))
+            splits.append(f"2 x {s.context_parallel_size} context-parallel chunks")
+        if s.sequence_parallel and (s.tensor_model_parallel_size or 1) > 1:
+            fields += [
+                ("tensor_model_parallel_size", s.tensor_model_parallel_size),
+                ("sequence_parallel", True),
+            ]
+            splits.append(f"its {s.tensor_model_parallel_size} tensor-parallel ranks")
+        rounded = ",".join(str(-(-b // multiple) * multiple) for b in s.buckets)
+        yield violation(
+            s,
+            tuple(name for name, _ in fields),
+            tuple(value for _, value in fields),
+            f"bucket(s) {', '.join(map(str, uneven))} are not multiples of {multiple}: "
+            f"megatron-core splits each sequence over {' and over '.join(splits)}, and a "
+            "step padded to such a bucket fails in the model",
+            f"give buckets that are multiples of {multiple}, e.g. {rounded}",
         )
