@@ -1,10 +1,12 @@
-"""What the plugin checks and sets up once the host has built its model: the RNG tracker,
-the model config against the configured settings, the DDP build stream, megatron-core's
-micro-batch calculator (TE graphs), the optimizer graph's prerequisites; then the TE helper
-and the optimizer graph.
+"""What the plugin checks and sets up once the host has built its model: the model given as
+a list of chunks, the RNG tracker (again: a host may skip ``run.rng_initialized()`` or
+reseed after it), the model config against the configured settings, the DDP build stream,
+megatron-core's micro-batch calculator and DDP-wrapped chunks (TE graphs), the optimizer
+graph's prerequisites; then the TE helper and the optimizer graph.
 
-Every check raises :class:`~cudagraph_plugin.config.errors.CudaGraphConfigError` listing
-each problem with its fix, before anything is captured.
+The model-build checks raise one
+:class:`~cudagraph_plugin.config.errors.CudaGraphConfigError` listing every problem with
+its fix, before anything is captured.
 """
 
 from __future__ import annotations
@@ -78,48 +80,96 @@ _BUILD_FIX = (
 
 
 def check_rng_tracker() -> None:
+    problem = rng_tracker_problem()
+    if problem is not None:
+        raise CudaGraphConfigError([problem])
+    logger.info("RNG tracker is CUDA-graph safe: %s", compat.rng_tracker_state()[1], extra=JOB_WIDE)
+
+
+def rng_tracker_problem() -> Violation | None:
+    """The active RNG tracker's problem for graphs, if it has one."""
     safe, tracker = compat.rng_tracker_state()
-    if not safe:
-        raise CudaGraphConfigError(
-            [
-                Violation(
-                    ("RNG tracker",),
-                    tracker,
-                    _RNG_PROBLEM,
-                    _RNG_FIX,
-                    ((MCORE, "RNG tracker does not support cudagraphs"),),
-                )
-            ]
-        )
-    logger.info("RNG tracker is CUDA-graph safe: %s", tracker, extra=JOB_WIDE)
+    if safe:
+        return None
+    return Violation(
+        ("RNG tracker",),
+        tracker,
+        _RNG_PROBLEM,
+        _RNG_FIX,
+        ((MCORE, "RNG tracker does not support cudagraphs"),),
+    )
+
+
+_CHUNKS_PROBLEM = (
+    "run.model_built() takes the model as megatron-core's schedules return it from "
+    "get_model(): a list of model chunks (one per virtual pipeline stage), got a {kind}"
+)
+_CHUNKS_FIX = "pass model=[model] (or the list get_model() returned)"
+
+_UNWRAPPED_PROBLEM = (
+    "model chunk(s) {chunks} have no zero_grad_buffer(): megatron-core's TECudaGraphHelper "
+    "calls it on every chunk once the layer graphs are captured, so the capture would fail "
+    "after it finished"
+)
+_UNWRAPPED_FIX = "wrap each model chunk in megatron-core's DistributedDataParallel"
 
 
 def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer: Any) -> None:
-    """Check what the host built for model graphs; create the TE helper for TE scopes, the
-    bucket graphs for ``cuda_graph_buckets``."""
+    """Check what the host built for model graphs (every problem in one error); create the
+    TE helper for TE scopes, the bucket graphs for ``cuda_graph_buckets``."""
     model = state.model
     assert model is not None and state.seq_length is not None
     assert state.micro_batch_size is not None
-    _check_built_config(
-        state.settings, state.model_config, state.seq_length, state.micro_batch_size
-    )
-    if state.te_mode and not compat.num_microbatches_calculator_ready():
-        raise CudaGraphConfigError(
-            [Violation(("num_microbatches_calculator",), "not initialised", *_CALC_FIX)]
-        )
-    missing = build.missing(model)
-    if missing:
-        chunks = ", ".join(map(str, missing))
+    if not isinstance(model, (list, tuple)):
         raise CudaGraphConfigError(
             [
                 Violation(
-                    ("run.model_build_context()",),
-                    "entered" if build.entered else "never entered",
-                    _BUILD_PROBLEM.format(chunks=chunks),
-                    _BUILD_FIX,
+                    ("run.model_built(model=...)",),
+                    type(model).__name__,
+                    _CHUNKS_PROBLEM.format(kind=type(model).__name__),
+                    _CHUNKS_FIX,
                 )
             ]
         )
+    violations = _built_config_problems(
+        state.settings, state.model_config, state.seq_length, state.micro_batch_size
+    )
+    # (checked again here: a host may skip run.rng_initialized(), or reseed after it)
+    rng = rng_tracker_problem()
+    if rng is not None:
+        violations.append(rng)
+    if state.te_mode and not compat.num_microbatches_calculator_ready():
+        violations.append(
+            Violation(("num_microbatches_calculator",), "not initialised", *_CALC_FIX)
+        )
+    if state.te_mode:
+        unwrapped = [
+            index
+            for index, chunk in enumerate(model)
+            if not callable(getattr(chunk, "zero_grad_buffer", None))
+        ]
+        if unwrapped:
+            violations.append(
+                Violation(
+                    ("run.model_built(model=...)",),
+                    ", ".join(type(model[index]).__name__ for index in unwrapped),
+                    _UNWRAPPED_PROBLEM.format(chunks=", ".join(map(str, unwrapped))),
+                    _UNWRAPPED_FIX,
+                )
+            )
+    missing = build.missing(model)
+    if missing:
+        chunks = ", ".join(map(str, missing))
+        violations.append(
+            Violation(
+                ("run.model_build_context()",),
+                "entered" if build.entered else "never entered",
+                _BUILD_PROBLEM.format(chunks=chunks),
+                _BUILD_FIX,
+            )
+        )
+    if violations:
+        raise CudaGraphConfigError(violations)
     if state.settings.buckets:
         # the optimizer graph reads the optimizer's state: its addresses are checked too
         fingerprint = AddressFingerprint(model, optimizer, optimizer_state=state.optimizer_graph)
@@ -137,8 +187,10 @@ def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer
         ):
             state.buckets.watch_optimizer_offload(optimizer)
     if state.te_mode:
+        # (megatron-core's helper zeroes each optimizer's gradients after its capture)
+        optimizers = [] if optimizer is None else [optimizer]
         state.te = TEGraphs(
-            model, state.model_config, state.seq_length, state.micro_batch_size, [optimizer]
+            list(model), state.model_config, state.seq_length, state.micro_batch_size, optimizers
         )
         logger.info(
             "TE CUDA graphs: %d graphable layer(s) for scope %s; capture at step start_step + %d",
@@ -244,10 +296,13 @@ def optimizer_graph_problems(settings: Settings, optimizer: Any) -> list[Violati
     return list(optimizer_step_problems(merged))
 
 
-def _check_built_config(settings: Settings, model_config: Any, seq_length: int, mbs: int) -> None:
+def _built_config_problems(
+    settings: Settings, model_config: Any, seq_length: int, mbs: int
+) -> list[Violation]:
     built = read_settings(model_config)
     violations = []
-    if (built.impl, built.scope) != (settings.impl, settings.scope):
+    # (megatron-core reads the scope as a set: its order is no difference)
+    if (built.impl, set(built.scope)) != (settings.impl, set(settings.scope)):
         violations.append(
             Violation(
                 ("TransformerConfig.cuda_graph_impl", "TransformerConfig.cuda_graph_scope"),
@@ -268,5 +323,4 @@ def _check_built_config(settings: Settings, model_config: Any, seq_length: int, 
                     f"pass the configured {name} to run.model_built()",
                 )
             )
-    if violations:
-        raise CudaGraphConfigError(violations)
+    return violations

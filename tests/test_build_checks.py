@@ -1,0 +1,122 @@
+"""The checks once the host has built its model (``cudagraph_plugin.runtime.build``): every
+problem in one error, the RNG tracker again, the model as a list of chunks, TE chunks that
+megatron-core's helper can finish a capture with."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import pytest
+
+from cudagraph_plugin import compat
+from cudagraph_plugin.config.errors import CudaGraphConfigError
+from cudagraph_plugin.config.settings import read_settings
+from cudagraph_plugin.runtime import build
+from cudagraph_plugin.runtime.state import RunState
+
+FULL = {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"}
+TE = {"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": "attn,mlp"}
+
+
+@pytest.fixture
+def rng_tracker() -> Any:
+    """Sets megatron-core's RNG tracker: graph-safe (its inference tracker, which CPU torch
+    can make) or not (its default); megatron-core's own tracker state is put back after."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    saved = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+
+    def make(safe: bool) -> None:
+        mrandom.initialize_rng_tracker(inference_rng_tracker=safe, force_reset=True)
+        assert compat.rng_tracker_state()[0] is safe
+
+    yield make
+    mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
+
+
+def state_for(settings: dict, model: Any, model_config: Any = None) -> RunState:
+    state = RunState(read_settings(settings), pm=None, cuda=True)
+    state.model = model
+    state.model_config = model_config if model_config is not None else SimpleNamespace(**settings)
+    state.seq_length, state.micro_batch_size = 8, 1
+    return state
+
+
+def test_every_build_problem_is_listed_at_once_with_the_rng_tracker_checked_again(rng_tracker):
+    # a host that skipped run.rng_initialized(), built the config by hand and DDP outside
+    # the build context: three problems, one error
+    rng_tracker(False)
+    state = state_for({**FULL, "seq_length": 16}, [], SimpleNamespace(cuda_graph_impl="none"))
+    with pytest.raises(CudaGraphConfigError) as info:
+        build.build_model_graphs(state, compat.DDPBuildContext(True), optimizer=None)
+    listed = [" ".join(v.fields) for v in info.value.violations]
+    assert any("RNG tracker" in fields for fields in listed)
+    assert any("cuda_graph_impl" in fields for fields in listed)
+    assert any("seq_length" in fields for fields in listed)
+    assert len(listed) == 3
+
+
+def test_a_graph_safe_tracker_and_a_matching_config_pass(rng_tracker):
+    rng_tracker(True)
+    state = state_for(FULL, [], SimpleNamespace(**FULL))
+    build.build_model_graphs(state, compat.DDPBuildContext(True), optimizer=None)
+
+
+def test_the_scope_s_order_in_the_built_config_is_no_difference():
+    # megatron-core reads the scope as a set
+    built = SimpleNamespace(cuda_graph_impl="transformer_engine", cuda_graph_scope=["mlp", "attn"])
+    assert build._built_config_problems(read_settings(TE), built, 8, 1) == []
+    other = SimpleNamespace(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn"])
+    assert len(build._built_config_problems(read_settings(TE), other, 8, 1)) == 1
+
+
+def test_a_model_that_is_not_a_list_of_chunks_is_refused_with_the_fix(rng_tracker):
+    rng_tracker(True)
+    state = state_for(FULL, SimpleNamespace(name="one DDP module"))
+    with pytest.raises(CudaGraphConfigError, match=r"(?s)a list of model chunks.*model=\[model\]"):
+        build.build_model_graphs(state, compat.DDPBuildContext(True), optimizer=None)
+
+
+class _Helper:
+    """Records what megatron-core's TECudaGraphHelper is given (its signature)."""
+
+    made: ClassVar[list[Any]] = []
+
+    def __init__(self, model, config, seq_length, micro_batch_size, optimizers=[]):  # noqa: B006
+        self.optimizers = optimizers
+        self.flattened_callables: list[Any] = []
+        self.made.append(self)
+
+
+@pytest.fixture
+def te_helper(monkeypatch: pytest.MonkeyPatch) -> type[_Helper]:
+    from megatron.core.transformer import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", _Helper)
+    monkeypatch.setattr(compat, "num_microbatches_calculator_ready", lambda: True)
+    monkeypatch.setattr(_Helper, "made", [])
+    return _Helper
+
+
+def test_te_chunks_without_a_ddp_wrapper_are_refused_before_the_capture(rng_tracker, te_helper):
+    # megatron-core's helper calls zero_grad_buffer() on each chunk after capturing
+    rng_tracker(True)
+    chunks = [SimpleNamespace(zero_grad_buffer=lambda: None), SimpleNamespace()]
+    state = state_for(TE, chunks)
+    with pytest.raises(CudaGraphConfigError, match=r"chunk\(s\) 1 have no zero_grad_buffer"):
+        build.build_model_graphs(state, compat.DDPBuildContext(False), optimizer=None)
+    assert te_helper.made == []
+
+
+def test_te_without_an_optimizer_gives_the_helper_no_optimizer(rng_tracker, te_helper):
+    # (the helper zeroes each optimizer's gradients after its capture: None.zero_grad())
+    rng_tracker(True)
+    state = state_for(TE, [SimpleNamespace(zero_grad_buffer=lambda: None)])
+    build.build_model_graphs(state, compat.DDPBuildContext(False), optimizer=None)
+    [helper] = te_helper.made
+    assert helper.optimizers == []
+    optimizer = SimpleNamespace(zero_grad=lambda: None)
+    state = state_for(TE, [SimpleNamespace(zero_grad_buffer=lambda: None)])
+    build.build_model_graphs(state, compat.DDPBuildContext(False), optimizer=optimizer)
+    assert te_helper.made[-1].optimizers == [optimizer]
