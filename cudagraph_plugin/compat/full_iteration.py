@@ -76,6 +76,12 @@ def _wrapper_class() -> Any:
     return module.FullCudaGraphWrapper
 
 
+def is_full_iteration_wrapper(func: Any) -> bool:
+    """``func`` is megatron-core's ``FullCudaGraphWrapper`` (a host that wrapped its
+    forward/backward function itself, as Megatron-LM's ``train()`` does)."""
+    return isinstance(func, _wrapper_class())
+
+
 def full_iteration_graphs() -> dict[str, Any]:
     """megatron-core's graphs per stage, the wrapper class's own dict (``None`` where none is
     held): whoever keeps it sees captures and frees as they happen."""

@@ -26,7 +26,7 @@ from cudagraph_plugin.runtime.guard import FIX, ShapeGuard, StaticShapeError
 from cudagraph_plugin.runtime.mechanisms import FullIterationGraphs, OptimizerGraphs
 from cudagraph_plugin.runtime.state import Phase, RunState
 from cudagraph_plugin.runtime.te_capture import TECapture
-from cudagraph_plugin.runtime.wiring import Wiring
+from cudagraph_plugin.runtime.wiring import CudaGraphWiringError, Wiring
 
 logger = logging.getLogger("cudagraph_plugin")
 
@@ -51,8 +51,23 @@ class ForwardBackwardInterceptor:
 
     def wrap(self, func: Any) -> Any:
         """The callable the host gets for ``func``. Idempotent: asking again for the same
-        function returns the same callable (a new wrapper would reset megatron-core's class
-        state and free live graphs)."""
+        function, or with the callable it returned, gives the same callable (a new wrapper
+        would reset megatron-core's class state and free live graphs; a nested one would
+        count each call twice). megatron-core's own ``FullCudaGraphWrapper`` is refused:
+        two wrappers would share its class-level graphs and counters."""
+        if isinstance(func, ForwardBackward):
+            if func._interceptor is self:
+                return func
+            func = func._eager  # another run's: the host's function under it
+        if compat.is_full_iteration_wrapper(func):
+            raise CudaGraphWiringError(
+                "run.forward_backward_func() was given megatron-core's FullCudaGraphWrapper: "
+                "the CUDA graph plugin makes its own, and two would share megatron-core's "
+                "class-level graphs and step counters (the capture would come a step early "
+                "and then fail). Fix: pass the plain function "
+                "(megatron.core.pipeline_parallel.get_forward_backward_func()), and drop the "
+                "host's own FullCudaGraphWrapper(...) line (Megatron-LM's train() has one)"
+            )
         known = self.wrapped.get(id(func))
         if known is not None:
             return known[1]
@@ -89,7 +104,13 @@ class ForwardBackwardInterceptor:
         if state.full is not None and state.phase is not Phase.FALLEN_BACK:
             return self._full_iteration(state.full, eager, stage, kwargs)
         self.te_capture.check_host_enabled_pre_hooks()
-        if state.te_mode and stage == "training" and state.phase is Phase.CAPTURED:
+        if (
+            state.te_mode
+            and stage == "training"
+            and state.phase is Phase.CAPTURED
+            # (a TE capture that made no graph, accepted eager: nothing to guard)
+            and self.captures.made_graphs("training")
+        ):
             record = not self.guard.is_armed(stage)
             if record:
                 self._check_te_call(kwargs)
@@ -99,7 +120,7 @@ class ForwardBackwardInterceptor:
             result = eager(**kwargs)
             if record:
                 self.guard.commit(stage)
-            self.captures.replayed(stage)
+            self.captures.replayed(stage)  # (counted once the call got through)
             return result
         return eager(**kwargs)
 
@@ -112,10 +133,13 @@ class ForwardBackwardInterceptor:
             stage, self.state.step, kwargs, record=capturing, copied=True
         )
         if not capturing:
-            self.captures.replayed(stage)
             if stage == "training":
                 self._remember_replay(eager, wrapper)
-            return full.call(wrapper, kwargs)
+            result = full.call(wrapper, kwargs)
+            # (counted once the call got through: the guard checks the micro-batches as the
+            # schedule draws them, and a refused call replayed nothing)
+            self.captures.replayed(stage)
+            return result
         self.wiring.full_iteration_capture(stage)
         result = self.captures.bracket(stage, lambda: full.call(wrapper, kwargs))
         self.guard.commit(stage)
@@ -148,9 +172,10 @@ class ForwardBackwardInterceptor:
             return self.captures.bracket(
                 "training", lambda: buckets.run(route, eager, kwargs, step)
             )
+        result = buckets.run(route, eager, kwargs, step)
         if route.action is Action.REPLAY:
             self.captures.replayed("training")
-        return buckets.run(route, eager, kwargs, step)
+        return result
 
     def _check_te_call(self, kwargs: dict[str, Any]) -> None:
         for name, captured in (
@@ -212,10 +237,11 @@ class ForwardBackward:
             and guard.generation == replay.guard_generation
         ):
             kwargs["data_iterator"] = guard.check_replay(kwargs)
-            interceptor.captures.replays["training"] += 1
             if replay.order_copy:
                 compat.order_input_copy_after_replay(replay.wrapper)
-            return replay.wrapper(**kwargs)
+            result = replay.wrapper(**kwargs)
+            interceptor.captures.replays["training"] += 1
+            return result
         return interceptor.call(self._eager, kwargs)
 
 
@@ -237,8 +263,9 @@ class OptimizerStep:
                 # a replay like the last one (megatron-core holds the same graph):
                 # graphs.before_replay(), one call less
                 sync.before_replay()
+                result = graphs.wrapper()
                 self._captures.replays["optimizer"] += 1
-                return graphs.wrapper()
+                return result
             self._replay = None  # stale: never keeps a graph megatron-core dropped alive
         if graphs.due():
             graphs.watch_hyperparameters()
@@ -247,8 +274,6 @@ class OptimizerStep:
             return result
         graphs.before_replay()
         holder = compat.optimizer_graph_holder()
-        if holder.cuda_graph is not None:  # not a warm-up call after an invalidation
-            self._captures.replayed("optimizer")
         # remembered only after a capture the plugin bracketed to its end, with the sync made
         if (
             holder.cuda_graph is not None
@@ -256,7 +281,11 @@ class OptimizerStep:
             and "optimizer" in self._captures.replays
         ):
             self._replay = _OptimizerReplay(holder, holder.cuda_graph)
-        return graphs.call()
+        replaying = holder.cuda_graph is not None  # not a warm-up call after an invalidation
+        result = graphs.call()
+        if replaying:
+            self._captures.replayed("optimizer")
+        return result
 
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
