@@ -377,8 +377,10 @@ def mcgraph_before_capture(step: int, impl: str, scope: list[str]) -> None:
 
     :param step: The training step of the capture (evaluation captures report the last
         training step).
-    :param impl: ``"local"`` or ``"transformer_engine"``.
-    :param scope: The captured scopes, e.g. ``["full_iteration"]`` or ``["attn", "mlp"]``.
+    :param impl: ``"local"`` or ``"transformer_engine"`` (the optimizer graph, megatron-core's
+        own capture: ``"local"``).
+    :param scope: The captured scopes, e.g. ``["full_iteration"]`` or ``["attn", "mlp"]``
+        (``["optimizer"]`` for the optimizer graph).
 
     Result: notification. A hook that raises aborts the capture.
     """

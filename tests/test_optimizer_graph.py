@@ -318,8 +318,9 @@ def test_with_buckets_a_reload_frees_the_optimizer_graph_and_captures_it_again(
     made = fake_optimizer_graph.StepGraph.made
     assert len(made) == 3 and all(g.addresses for g in made)  # captured, then after each reload
     assert [g.resets for g in made] == [1, 1, 1]
-    # each recapture into a fresh pool, not megatron-core's cached handle of the freed one
-    assert len(forgotten) == 2
+    # each recapture into a fresh pool, not megatron-core's cached handle of the freed one;
+    # and the run's release leaves none for the next run
+    assert len(forgotten) == 3
     warmup = 2
     assert report["replays"]["optimizer"] == 24 - 3 * (warmup + 1)
     freed = [r.getMessage() for r in caplog.records if "CUDA graph buckets:" in r.getMessage()]
@@ -422,3 +423,109 @@ def test_a_reload_that_leaves_the_sampled_state_in_place_still_recaptures(
     eager = _rl_eager()
     assert summary["offloads"] == eager["offloads"] == 2
     assert summary["losses"] == eager["losses"]
+
+
+# -- the fallback, an invalidation after it, and the pool handle ----------------------------
+
+
+class _StateMovesAt:
+    """At the start of ``step`` the optimizer's state comes back at new addresses (a
+    checkpoint load, an offload's reload) and the host says so, as documented."""
+
+    def __init__(self, step):
+        self.step, self.pm, self.optimizer = step, None, None
+
+    @hookimpl
+    def mcgraph_configure(self, config, pluginmanager):
+        self.pm = pluginmanager
+
+    @hookimpl
+    def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
+        self.optimizer = optimizer
+
+    @hookimpl
+    def mcgraph_train_step_start(self, step):
+        if step != self.step:
+            return
+        import torch
+
+        for inner in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
+            for state in inner.optimizer.state.values():
+                for key, value in list(state.items()):
+                    if isinstance(value, torch.Tensor):
+                        state[key] = value.clone()
+        self.pm.hook.mcgraph_invalidate_graphs(reason="checkpoint loaded")
+
+
+def test_after_the_fallback_an_invalidation_frees_the_optimizer_graph_it_kept(
+    graphs, capturable, monkeypatch
+):
+    # the fallback frees the full-iteration graph only; the optimizer graph replays on until
+    # the host says its state moved: then it is freed, not replayed onto the moved state
+    from cudagraph_plugin.runtime import fallback
+
+    monkeypatch.setattr(fallback, "verdict", lambda e, r: ("slower", 0.5, 0.02, "slower"))
+    _, rec = run(
+        *FULL, *OPTIM, "--cuda-graph-warmup-steps", "2", "--cuda-graph-fallback-on-slowdown",
+        plugins=[_StateMovesAt(10)], steps=13,
+    )  # fmt: skip
+    assert rec.report.fallback_step == 7
+    [event] = rec.report.invalidations
+    assert event["graphs_freed"] == 1 and event["step"] == 10
+    assert not compat.optimizer_graph_captured()
+
+
+def test_the_report_after_the_fallback_counts_the_optimizer_graph_still_held(
+    graphs, capturable, monkeypatch
+):
+    from cudagraph_plugin.runtime import fallback
+
+    monkeypatch.setattr(fallback, "verdict", lambda e, r: ("slower", 0.5, 0.02, "slower"))
+    seen = {}
+
+    class Look:
+        @hookimpl
+        def mcgraph_report(self, report):
+            seen["held"] = report.graphs_held
+            seen["live"] = compat.optimizer_graph_captured()
+
+    _, rec = run(
+        *FULL, *OPTIM, "--cuda-graph-warmup-steps", "2", "--cuda-graph-fallback-on-slowdown",
+        plugins=[Look()], steps=12,
+    )  # fmt: skip
+    assert rec.report.fallback_step is not None
+    assert seen == {"held": 1, "live": True}
+
+
+def test_the_optimizer_graph_s_capture_hooks_name_megatron_core_s_local_impl(graphs, capturable):
+    # an optimizer-graph-only run has cuda_graph_impl=none; the hooks promise local or TE
+    _, rec = run(*OPTIM, "--cuda-graph-warmup-steps", "2", steps=5)
+    captures = [e for e in rec.events if e[0] == "before_capture"]
+    assert captures and all(e[2] == "local" and e[3] == ("optimizer",) for e in captures)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [[], ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]],
+    ids=["optimizer-only", "full-iteration-and-optimizer"],
+)
+def test_no_run_leaves_megatron_core_s_shared_pool_handle_for_the_next(
+    graphs, capturable, monkeypatch, mode
+):
+    # megatron-core 0.19 caches one process-wide pool handle (cuda_graph_use_single_mempool,
+    # its default); the next run would capture into a released pool
+    from megatron.core import full_cuda_graph
+
+    monkeypatch.setattr(full_cuda_graph, "_shared_graph_pool", None, raising=False)
+    monkeypatch.setattr(compat, "single_mempool", lambda config: True)
+    wrapper = fake_optimizer_graph.OptimizerCudaGraphWrapper
+    original = wrapper.__call__
+
+    def call(self):
+        if self.curr_iter() == self.cuda_graph_warmup_steps and self.use_single_mempool:
+            full_cuda_graph._shared_graph_pool = (0, 12345)  # get_shared_graph_pool()
+        return original(self)
+
+    monkeypatch.setattr(wrapper, "__call__", call)
+    run(*mode, *OPTIM, "--cuda-graph-warmup-steps", "2", steps=5)
+    assert full_cuda_graph._shared_graph_pool is None

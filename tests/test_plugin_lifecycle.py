@@ -768,3 +768,102 @@ def test_fallback_policy_reads_the_timings_once_to_decide(fake_graphs, monkeypat
     monkeypatch.setattr(StepTimer, "durations_ms", counting)
     run(*FULL, "--cuda-graph-warmup-steps", "2", "--cuda-graph-fallback-on-slowdown", steps=12)
     assert len(reads) == 2
+
+
+# -- wrapping twice, counting replays, invalidations around the capture step ----------------
+
+
+def test_asking_again_with_the_returned_callable_gives_it_back(fake_graphs, monkeypatch):
+    # a nested wrapper would count each call twice: the capture a step early, then
+    # megatron-core's "cuda_graph[stage] is None" assertion
+    from hookspecs import TrainingRun
+
+    original = TrainingRun.forward_backward_func
+    same = []
+
+    def twice(self, func):
+        once = original(self, func)
+        again = original(self, once)
+        same.append(again is once)
+        return again
+
+    monkeypatch.setattr(TrainingRun, "forward_backward_func", twice)
+    for argv in (FULL, TE):
+        _, rec = run(*argv, "--cuda-graph-warmup-steps", "2", steps=5)
+        assert [e[1] for e in rec.events if e[0] == "before_capture"] == [2]
+    assert same == [True, True]
+
+
+def test_megatron_core_s_own_full_iteration_wrapper_is_refused_with_the_fix(
+    fake_graphs, monkeypatch
+):
+    # Megatron-LM's train() wraps get_forward_backward_func() itself for local full_iteration
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    from cudagraph_plugin.runtime.wiring import CudaGraphWiringError
+    from hookspecs import TrainingRun
+
+    original = TrainingRun.forward_backward_func
+    monkeypatch.setattr(
+        TrainingRun,
+        "forward_backward_func",
+        lambda self, func: original(self, FullCudaGraphWrapper(func, cuda_graph_warmup_steps=2)),
+    )
+    with pytest.raises(CudaGraphWiringError, match=r"FullCudaGraphWrapper.*Fix: pass the plain"):
+        run(*FULL, "--cuda-graph-warmup-steps", "2", steps=5)
+
+
+@pytest.mark.parametrize("changed_at", [2, 6], ids=["at-the-first-replay", "on-the-fast-path"])
+def test_a_call_the_guard_refuses_is_not_counted_as_a_replay(fake_graphs, changed_at):
+    rec = Recorder()
+    with pytest.raises(StaticShapeError):
+        train_gpt.run(
+            ["--train-iters", "10", "--log-interval", "0", *FULL, "--cuda-graph-warmup-steps", "1"],
+            plugins=[rec, ChangeInputs(changed_at, seq=16)],
+        )
+    [graph] = fake_graphs.graphs
+    assert rec.report.replays["training"] == graph.replays - 1  # not the capture call's
+
+
+def test_an_invalidation_after_an_evaluation_s_capture_goes_eager_without_a_wiring_error(
+    fake_graphs, caplog
+):
+    # the evaluation during the warm-up captured the validation graph; the host's
+    # invalidation frees it and the run goes on eagerly, as it says: the training capture
+    # that never came is no wiring mistake
+    from recording import InvalidateAt
+
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        summary, rec = run(
+            *FULL, "--cuda-graph-warmup-steps", "2", "--eval-interval", "1", "--eval-iters", "3",
+            plugins=[InvalidateAt(1, at="start")], steps=6,
+        )  # fmt: skip
+    assert summary["steps"] == 6
+    assert [e["graphs_freed"] for e in rec.report.invalidations] == [1]
+    assert "the run goes on eagerly" in caplog.text
+
+
+def test_te_graphs_invalidated_at_the_end_of_their_capture_step_are_no_wiring_error(fake_graphs):
+    from recording import InvalidateAt
+
+    summary, rec = run(
+        *TE, "--cuda-graph-warmup-steps", "2", plugins=[InvalidateAt(2, at="end")], steps=6
+    )
+    assert summary["steps"] == 6
+    assert rec.report.invalidations[0]["graphs_freed"] > 0
+
+
+def test_a_te_capture_that_made_no_graph_guards_no_shape(fake_graphs, monkeypatch):
+    # megatron-core 0.19 with no graphable layer, the user accepted eager: a later shape
+    # change is an eager run's business, not a StaticShapeError
+    from megatron.core.transformer import cuda_graphs
+
+    from fakes import FakeTECudaGraphHelper019
+
+    monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", FakeTECudaGraphHelper019)
+    monkeypatch.setattr(cuda_graphs, "_layer_is_graphable", lambda layer, config: False)
+    summary, rec = run(
+        *TE, "--cuda-graph-accept-eager", "--cuda-graph-warmup-steps", "2",
+        plugins=[ChangeInputs(4, seq=16)], steps=6,
+    )  # fmt: skip
+    assert summary["steps"] == 6 and rec.report.graphs_captured is False

@@ -53,11 +53,15 @@ class Captures:
 
         state = self.state
         step = state.step
-        impl = state.settings.impl
-        scope = ["optimizer"] if stage == "optimizer" else list(state.settings.scope)
+        # the optimizer graph is megatron-core's own (local) capture, whatever the model's
+        if stage == "optimizer":
+            impl, scope = "local", ["optimizer"]
+        else:
+            impl, scope = state.settings.impl, list(state.settings.scope)
         call_hook(state.pm, "mcgraph_before_capture", step=step, impl=impl, scope=scope)
         torch.cuda.synchronize()
         before = MemorySnapshot.take()
+        held_before = state.graphs_held()
         start = time.perf_counter()
         try:
             result = capture()
@@ -79,6 +83,7 @@ class Captures:
         )
         self.replays.setdefault(stage, 0)
         self.graph_count = state.graphs_held()
+        self.records[-1]["graphs"] = self.graph_count - held_before
         self.graphs_held_max = max(self.graphs_held_max, self.graph_count)
         if state.phase is Phase.BUILT:
             state.advance((Phase.BUILT,), Phase.CAPTURED)
@@ -104,6 +109,11 @@ class Captures:
         """One replay of ``stage``'s graph(s), if they were captured."""
         if stage in self.replays:
             self.replays[stage] += 1
+
+    def made_graphs(self, stage: str) -> bool:
+        """A capture of ``stage`` made graphs (whether or not they are held now: the host
+        may have invalidated them since)."""
+        return any(r["stage"] == stage and r["graphs"] > 0 for r in self.records)
 
     @property
     def produced_graphs(self) -> bool:

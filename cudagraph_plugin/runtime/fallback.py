@@ -27,15 +27,18 @@ def go_eager(
     state: RunState, captures: Captures, guard: ShapeGuard, steps: list[ReleaseStep]
 ) -> int:
     """Free the captured graphs (``steps``) and go on eagerly for the rest of the run (the
-    fallback, or the host's invalidation of megatron-core's graphs, between steps); returns
-    how many graphs were freed."""
+    fallback, or the host's invalidation of megatron-core's graphs, between steps; after
+    the fallback, an invalidation frees the optimizer graph it kept); returns how many
+    graphs were freed."""
     freed = release_each(steps).graphs_freed
     gc.collect()
     guard.disarm()
-    captures.graph_count = 0
-    # the step that just ran was the last replay: the report's replayed steps end there
-    captures.replay_end = state.step
-    state.advance((Phase.CAPTURED,), Phase.FALLEN_BACK)
+    # the report's "held now": what the steps left (the fallback keeps the optimizer graph)
+    captures.graph_count = state.graphs_held()
+    if state.phase is Phase.CAPTURED:
+        # the step that just ran was the last replay: the report's replayed steps end there
+        captures.replay_end = state.step
+        state.advance((Phase.CAPTURED,), Phase.FALLEN_BACK)
     return freed
 
 

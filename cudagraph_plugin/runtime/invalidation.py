@@ -38,7 +38,8 @@ class Invalidation:
         if state.buckets is not None:
             state.buckets.invalidate(reason, step=state.step)  # recorded by bucket_invalidated
             return
-        if state.phase is not Phase.CAPTURED:
+        # (after the fallback the optimizer graph may still be held, and replay)
+        if state.phase is not Phase.CAPTURED and not state.graphs_held():
             self._record(reason, 0, "no graph was held")
             return
         steps: list[ReleaseStep] = []

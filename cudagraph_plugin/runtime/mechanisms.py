@@ -224,6 +224,9 @@ class OptimizerGraphs:
                 "OptimizerCudaGraphWrapper step counter and result",
                 compat.reset_optimizer_graph_counters,
             ),
+            # (the optimizer graph alone may have made megatron-core's shared pool handle:
+            # the next run in the process would capture into a released pool)
+            ReleaseStep("shared CUDA graph pool handle", compat.forget_shared_graph_pool),
             ReleaseStep("optimizer hyperparameter sync", self._release_sync),
             ReleaseStep("the host's optimizer.step", self._restore_step),
         ]

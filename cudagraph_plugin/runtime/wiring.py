@@ -105,6 +105,8 @@ class Wiring:
     def capture_step_ended(self, step: int) -> None:
         """At the end of the step that had to capture: every requested graph exists."""
         state = self.state
+        if state.phase is Phase.FALLEN_BACK:
+            return  # the graphs were freed for the rest of the run (the host's word), said then
         if step == self.optimizer_due:
             self._optimizer_captured(step, self._stages())
         if state.start_step is None or step - state.start_step != state.settings.warmup_steps:
@@ -128,7 +130,8 @@ class Wiring:
                 "call the function run.forward_backward_func(get_forward_backward_func()) "
                 "returns, once per training step",
             )
-        if state.te_mode and state.te is not None and state.te.graph_count() == 0:
+        # (what the capture made: the host may have invalidated it since, in its step end)
+        if state.te_mode and state.te is not None and not self.captures.made_graphs("training"):
             self._nothing(
                 f"the TE capture at step {step} produced no graph",
                 "check that the scope matches layers the model has",
