@@ -234,11 +234,17 @@ def decisions(args: argparse.Namespace) -> int:
 
     from cudagraph_plugin import compat
     from cudagraph_plugin.runtime.peers import PeerWatch
+    from cudagraph_plugin.runtime.wiring import te_layers_across_ranks
 
     rank, world_size = _init()
     out: dict[str, Any] = {"rank": rank, "world_size": world_size, "any_rank": {}, "watch": {}}
     for holder in [*range(world_size), None]:
         out["any_rank"][str(holder)] = compat.any_rank(rank == holder)
+    # TE scopes: the holder's pipeline stage has no graphable layer ("all": no stage has)
+    out["te_layers"] = {
+        str(holder): te_layers_across_ranks(0 if holder in (rank, "all") else 3)
+        for holder in [*range(world_size), None, "all"]
+    }
     for holder in range(world_size):
         aborted: list[float] = []
         watch = PeerWatch.start(

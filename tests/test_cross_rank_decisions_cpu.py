@@ -64,6 +64,19 @@ def test_any_rank_is_false_everywhere_when_no_rank_says_so(decisions):
     )
 
 
+def test_one_pipeline_stage_without_graphable_layers_is_known_to_every_rank(decisions):
+    # (layers somewhere, a stage without any): what decides whether to capture at all, and
+    # whether megatron-core 0.16's helper is refused, must be the same on every rank
+    nproc, answers = decisions
+    for holder in range(nproc):
+        got = {rank: tuple(answers[rank]["te_layers"][str(holder)]) for rank in range(nproc)}
+        assert got == dict.fromkeys(range(nproc), (True, True)), f"rank {holder} has none"
+    none = {rank: tuple(answers[rank]["te_layers"]["None"]) for rank in range(nproc)}
+    assert none == dict.fromkeys(range(nproc), (True, False))
+    empty = {rank: tuple(answers[rank]["te_layers"]["all"]) for rank in range(nproc)}
+    assert empty == dict.fromkeys(range(nproc), (False, True))
+
+
 def test_one_rank_failure_mark_is_acted_on_by_every_other_rank(decisions):
     nproc, answers = decisions
     for holder in range(nproc):

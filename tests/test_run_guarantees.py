@@ -226,6 +226,65 @@ def test_accepting_eager_runs_warns_once_and_claims_no_speedup(fake_graphs, capl
     assert "no graph" in report["no_graph_reason"]
 
 
+def test_with_no_layer_on_any_rank_and_eager_accepted_no_rank_calls_the_capture(
+    fake_graphs, monkeypatch
+):
+    # megatron-core 0.16's helper would hand Transformer Engine nothing to capture
+    from fakes import FakeTECudaGraphHelper
+
+    created = []
+    monkeypatch.setattr(FakeTECudaGraphHelper, "create_cudagraphs", lambda h: created.append(h))
+    summary, rec = run(*MAMBA, *EAGER_OK, "--cuda-graph-warmup-steps", "1")
+    assert summary["shutdown_reason"] == "completed" and created == []
+    assert rec.report.capture_step is None
+
+
+def test_a_te_capture_that_makes_no_graph_of_the_layers_it_has_stops_the_run(
+    fake_graphs, monkeypatch
+):
+    from fakes import FakeTECudaGraphHelper
+
+    monkeypatch.setattr(FakeTECudaGraphHelper, "_make_graphs", lambda helper: None)
+    with pytest.raises(CudaGraphWiringError, match="the TE capture at step 1 produced no graph"):
+        run(*TE, "--cuda-graph-warmup-steps", "1")
+
+
+def _another_stage(monkeypatch, *, empty: bool, layers: bool) -> None:
+    """The all-reduce of ``te_layers_across_ranks`` as a 2-stage job answers it (this rank's
+    part, and the other stage's); the real one is tested over gloo ranks."""
+    monkeypatch.setattr(
+        compat,
+        "max_across_ranks",
+        lambda values: [max(values[0], int(empty)), max(values[1], int(layers))],
+    )
+
+
+def test_a_pipeline_stage_without_a_layer_of_the_scope_is_refused_where_megatron_core_cannot(
+    fake_graphs, monkeypatch
+):
+    # megatron-core 0.16's helper (the fake mirrors it): no capture on an empty stage
+    _another_stage(monkeypatch, empty=True, layers=True)
+    with pytest.raises(CudaGraphWiringError, match=r"a pipeline stage has no layer.*0\.19"):
+        run(*TE)
+
+
+def test_with_0_19_a_stage_without_a_layer_of_the_scope_captures_none_and_says_so(
+    fake_graphs, monkeypatch, caplog
+):
+    from megatron.core.transformer import cuda_graphs
+
+    from fakes import FakeTECudaGraphHelper019
+
+    monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", FakeTECudaGraphHelper019)
+    monkeypatch.setattr(cuda_graphs, "_layer_is_graphable", lambda layer, config: False)
+    _another_stage(monkeypatch, empty=False, layers=True)  # the other stage has layers
+    with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
+        summary, _ = run(*TE, "--cuda-graph-warmup-steps", "1")
+    assert summary["shutdown_reason"] == "completed"
+    assert "this rank's model chunks have no layer graphable for scope attn,mlp" in caplog.text
+    assert "running eagerly" not in caplog.text  # the job has graphs: nothing to accept
+
+
 class PlainForwardBackward:
     """A host that hands its loop the plain forward/backward, not the run's."""
 

@@ -80,6 +80,7 @@ from cudagraph_plugin.compat.te import (
     te_capture_done,
     te_graph_count,
     te_layer_count,
+    te_skips_empty_stage,
 )
 
 # Pure facts kept under their old names here for one release (they live in config now).
@@ -154,6 +155,7 @@ __all__ = [
     "te_capture_done",
     "te_graph_count",
     "te_layer_count",
+    "te_skips_empty_stage",
     "te_version",
     "uses_forward_pre_hooks",
     "versions",

@@ -48,6 +48,13 @@ def te_graph_count(helper: Any) -> int:
     return sum(len(layer.cuda_graphs) for layers in helper.callables_per_chunk for layer in layers)
 
 
+def te_skips_empty_stage(helper: Any) -> bool:
+    """The helper captures on a rank whose chunks have no graphable layer (0.19: it logs
+    "No graphable layers found" and still meets the other ranks at its barriers); 0.16's
+    hands TE's make_graphed_callables nothing, which fails."""
+    return hasattr(helper, "capture_finished")
+
+
 def te_layer_count(helper: Any) -> int:
     return len(helper.flattened_callables)
 

@@ -115,6 +115,9 @@ class TEGraphs:
     def layer_count(self) -> int:
         return compat.te_layer_count(self.helper)
 
+    def skips_empty_stage(self) -> bool:
+        return compat.te_skips_empty_stage(self.helper)
+
     def capture_done(self) -> bool:
         return compat.te_capture_done(self.helper)
 

@@ -174,7 +174,7 @@ class CudaGraphPlugin:
                 state.buckets.on_invalidate.append(self.invalidation.bucket_invalidated)
                 state.buckets.on_invalidate.append(self.wiring.buckets_invalidated)
             if state.te is not None:
-                self.wiring.te_layers_found(state.te.layer_count())
+                self.wiring.te_layers_found(state.te.layer_count(), state.te.skips_empty_stage())
         if self.settings.device_grad_norm:
             build.install_device_grad_norm(state)
         if state.optimizer_graph:

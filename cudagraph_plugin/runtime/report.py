@@ -431,6 +431,12 @@ class Reporter:
                 f"the capture at step {captures.records[0]['step']} produced no graph "
                 "(nothing in the model matched the scope)"
             )
+        if state.te_mode and not state.te_layers_anywhere:
+            return (
+                f"no graph: no layer of the model is graphable for scope "
+                f"{','.join(state.settings.scope)} on any rank, so nothing was captured (eager, "
+                "as cuda_graph_accept_eager allows)"
+            )
         reason = state.no_graph_reason()
         if reason is not None:
             return reason

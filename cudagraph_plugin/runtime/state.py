@@ -59,6 +59,9 @@ class RunState:
     kernels: Any = None
     # (rank, world size) as seen while the process group lived: an aborted group forgets them
     ranks: tuple[int, int] | None = None
+    # TE scopes: some rank's model chunks have a graphable layer (a pipeline stage may have
+    # none); without any, no rank captures (accepted eager)
+    te_layers_anywhere: bool = True
 
     # the step as the step hooks last said it, for a host that fires them without a
     # TrainingRun (no progress)

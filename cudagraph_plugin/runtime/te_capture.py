@@ -33,6 +33,11 @@ class TECapture:
         assert te is not None  # built in mcgraph_model_built
         if te.capture_done():
             raise RuntimeError(f"TE CUDA graphs were already captured before step {step}")
+        if not state.te_layers_anywhere:
+            # no rank has a layer to capture (accepted eager, said at the model build): every
+            # rank skips alike (0.16's helper would fail on an empty capture)
+            logger.info("TE CUDA graphs: no graphable layer on any rank; nothing captured")
+            return
         uses_hooks = compat.uses_forward_pre_hooks(state.model)
         toggle = uses_hooks and compat.forward_pre_hooks_enabled(state.model)
         if toggle:

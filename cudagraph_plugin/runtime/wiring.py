@@ -38,6 +38,13 @@ class CudaGraphWiringError(ConfigurationError, RuntimeError):
     and a ``RuntimeError``."""
 
 
+def te_layers_across_ranks(layer_count: int) -> tuple[bool, bool]:
+    """(some rank has graphable layers, some rank has none): one all-reduce, the same
+    answer on every rank."""
+    empty, layers = compat.max_across_ranks([int(layer_count == 0), int(layer_count > 0)])
+    return bool(layers), bool(empty)
+
+
 class Wiring:
     def __init__(self, state: RunState, captures: Captures) -> None:
         self.state = state
@@ -88,15 +95,36 @@ class Wiring:
                 "step at which the host enables them"
             )
 
-    def te_layers_found(self, layer_count: int) -> None:
-        if layer_count == 0:
-            scope = ",".join(self.state.settings.scope)
+    def te_layers_found(self, layer_count: int, skips_empty_stage: bool) -> None:
+        """After the TE helper was built on every rank: decided over the whole job, as a
+        pipeline stage may have no layer of the scope (a Mamba stage under ``attn``, the
+        dense first layers under ``moe_router``) while the others have."""
+        anywhere, empty_somewhere = te_layers_across_ranks(layer_count)
+        self.state.te_layers_anywhere = anywhere
+        scope = ",".join(self.state.settings.scope)
+        if not anywhere:
             self._nothing(
-                f"no layer of the model is graphable for scope {scope} (megatron-core: "
-                '"No graphable layers found"): the TE helper would capture nothing',
+                f"no layer of the model is graphable for scope {scope} on any rank "
+                '(megatron-core: "No graphable layers found"): the TE helper would capture '
+                "nothing",
                 "choose scopes the model has (attn,mlp for a dense GPT; mamba only for Mamba "
                 "layers; moe_router,moe_preprocess for MoE), build the layers from Transformer "
                 "Engine modules (--transformer-impl transformer_engine)",
+            )
+            return
+        if empty_somewhere and not skips_empty_stage:
+            raise CudaGraphWiringError(
+                f"a pipeline stage has no layer graphable for scope {scope} (this rank: "
+                f"{layer_count}), and this megatron-core's TECudaGraphHelper cannot capture "
+                "on such a stage (it hands Transformer Engine no layer; 0.19 skips the stage). "
+                "Fix: choose scopes every stage has, or megatron-core 0.19 or later; "
+                "cuda_graph_impl=none runs eagerly"
+            )
+        if layer_count == 0:
+            logger.info(
+                "TE CUDA graphs: this rank's model chunks have no layer graphable for scope "
+                "%s; megatron-core captures none here, the other pipeline stages' are captured",
+                scope,
             )
 
     def _stages(self) -> set[str]:
@@ -130,8 +158,14 @@ class Wiring:
                 "call the function run.forward_backward_func(get_forward_backward_func()) "
                 "returns, once per training step",
             )
-        # (what the capture made: the host may have invalidated it since, in its step end)
-        if state.te_mode and state.te is not None and not self.captures.made_graphs("training"):
+        # (what the capture made: the host may have invalidated it since, in its step end;
+        # a pipeline stage without a layer of the scope makes none, said at the build)
+        if (
+            state.te_mode
+            and state.te is not None
+            and state.te.layer_count()
+            and not self.captures.made_graphs("training")
+        ):
             self._nothing(
                 f"the TE capture at step {step} produced no graph",
                 "check that the scope matches layers the model has",
