@@ -28,7 +28,9 @@ pads the same way without graphs: the eager twin for loss comparisons.
 
 Every ``train_gpt.py`` flag applies (model, parallelism, optimizer, schedule, plugins'
 flags) except ``--eval-interval`` (the rollouts are this loop's forward-only passes);
-``--seq-length`` is the model's longest sequence (its position embeddings)::
+``--seq-length`` is the model's longest sequence (its position embeddings). With
+``--sequence-parallel`` every length drawn is a multiple of ``--tensor-model-parallel-size``
+(megatron-core splits each sequence over those ranks; the rollouts are not padded)::
 
     python examples/rl_loop.py --cuda-graph-impl local --cuda-graph-scope full_iteration \\
         --cuda-graph-buckets 16,32,48 --seq-length 48 --train-iters 60 --offload-interval 10
@@ -118,6 +120,20 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: 
             f"need 1 <= --min-length ({args.min_length}) <= --max-length ({args.max_length}) "
             f"<= --seq-length ({args.seq_length}, the model's longest sequence)"
         )
+    # sequence parallelism splits each sequence over the tensor-parallel ranks: every
+    # length drawn (the rollouts' too, which no bucket pads) is a multiple of their number
+    args.length_multiple = (
+        args.tensor_model_parallel_size
+        if args.sequence_parallel and args.tensor_model_parallel_size > 1
+        else 1
+    )
+    if args.max_length // args.length_multiple * args.length_multiple < args.min_length:
+        parser.error(
+            f"--sequence-parallel with --tensor-model-parallel-size "
+            f"{args.tensor_model_parallel_size} needs a length between --min-length "
+            f"({args.min_length}) and --max-length ({args.max_length}) that is a multiple of "
+            f"{args.length_multiple}; widen the range"
+        )
     if args.steps_per_round < 1 or args.rollout_batches < 1:
         parser.error("--steps-per-round and --rollout-batches must be at least 1")
     if args.offload_interval < 0 or args.offload_interval % args.steps_per_round:
@@ -178,7 +194,11 @@ class _Data:
 
     def micro_batch(self) -> dict[str, Any]:
         args = self.args
-        length = self.lengths.randint(args.min_length, args.max_length)
+        multiple = args.length_multiple  # (sequence parallelism: see _check)
+        length = (
+            self.lengths.randint(-(-args.min_length // multiple), args.max_length // multiple)
+            * multiple
+        )
         rows = args.micro_batch_size
         starts = torch.randint(0, args.vocab_size, (rows, 1), generator=self.tokens)
         sequence = (starts + torch.arange(length + 1)) % args.vocab_size

@@ -378,3 +378,29 @@ def test_the_verdict_compares_each_buckets_replays_with_its_own_eager_steps(
     if verdict == "slower":
         assert "150% of the eager step time" in report["verdict_text"]
     assert report["break_even_steps"] is None  # each bucket has its own
+
+
+def test_with_sequence_parallelism_every_length_drawn_splits_over_the_tensor_parallel_ranks():
+    # megatron-core splits each sequence over the tensor-parallel ranks: a rollout (no bucket
+    # pads it) of an odd length would fail in the model
+    from types import SimpleNamespace
+
+    def data(*argv: str) -> rl_loop._Data:
+        parser = rl_loop.build_parser(get_plugin_manager())
+        args = parser.parse_args(["--seq-length", "64", "--min-length", "5", *argv])
+        rl_loop._check(parser, args, use_cuda=False)
+        return rl_loop._Data(args, SimpleNamespace(device=torch.device("cpu"), dp_rank=0))
+
+    split = data("--sequence-parallel", "--tensor-model-parallel-size", "4")
+    lengths = [split.micro_batch()["tokens"].shape[-1] for _ in range(40)]
+    assert all(n % 4 == 0 and 8 <= n <= 64 for n in lengths) and len(set(lengths)) > 3
+    # without sequence parallelism, the draws are those of before (any length in range)
+    plain = [data().micro_batch()["tokens"].shape[-1] for _ in range(1)]
+    assert plain == [data().lengths.randint(5, 64)]
+    parser = rl_loop.build_parser(get_plugin_manager())
+    narrow = parser.parse_args(
+        ["--seq-length", "64", "--min-length", "5", "--max-length", "7", "--sequence-parallel",
+         "--tensor-model-parallel-size", "4"]
+    )  # fmt: skip
+    with pytest.raises(SystemExit):
+        rl_loop._check(parser, narrow, use_cuda=False)
