@@ -867,3 +867,68 @@ def test_a_te_capture_that_made_no_graph_guards_no_shape(fake_graphs, monkeypatc
         plugins=[ChangeInputs(4, seq=16)], steps=6,
     )  # fmt: skip
     assert summary["steps"] == 6 and rec.report.graphs_captured is False
+
+
+class ForwardOnlyAt:
+    """At ``step``, before its training call, one forward-only call (an RL host's log-probs)
+    with ``seq_length=seq`` (the example's: 32) with the model chunks in training mode, or in
+    eval mode (``eval_mode``)."""
+
+    def __init__(self, step: int, seq: int, *, eval_mode: bool = False):
+        self.step, self.seq, self.eval_mode = step, seq, eval_mode
+        self.current = None
+        self.model = None
+
+    @hookimpl
+    def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
+        self.model = model
+
+    @hookimpl
+    def mcgraph_train_step_start(self, step):
+        self.current = step
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def mcgraph_forward_backward_func(self, forward_backward_func):
+        import itertools
+
+        inner = yield
+
+        def with_forward_only(**kwargs):
+            if self.current == self.step and not kwargs["forward_only"]:
+                first = next(kwargs["data_iterator"])
+                kwargs["data_iterator"] = itertools.chain([first], kwargs["data_iterator"])
+                if self.eval_mode:
+                    for chunk in self.model:
+                        chunk.eval()
+                inner(
+                    **{
+                        **kwargs,
+                        "forward_only": True,
+                        "num_microbatches": 1,
+                        "data_iterator": iter([first]),
+                        "seq_length": self.seq,
+                    }
+                )
+                for chunk in self.model:
+                    chunk.train()
+            return inner(**kwargs)
+
+        return with_forward_only
+
+
+def test_a_forward_only_call_in_training_mode_at_another_shape_is_refused_with_the_fix(
+    fake_graphs,
+):
+    # megatron-core replays the TE layer graphs for any call in training mode
+    with pytest.raises(StaticShapeError, match=r"forward-only \(in training mode\).*eval mode"):
+        run(*TE, "--cuda-graph-warmup-steps", "1", plugins=[ForwardOnlyAt(3, 16)], steps=5)
+
+
+@pytest.mark.parametrize(
+    "plugin",
+    [ForwardOnlyAt(3, 16, eval_mode=True), ForwardOnlyAt(3, 32)],
+    ids=["eval-mode", "captured-shape"],
+)
+def test_a_forward_only_call_in_eval_mode_or_at_the_captured_shape_passes(fake_graphs, plugin):
+    summary, _ = run(*TE, "--cuda-graph-warmup-steps", "1", plugins=[plugin], steps=5)
+    assert summary["shutdown_reason"] == "completed"

@@ -106,6 +106,16 @@ class ForwardBackwardInterceptor:
         self.te_capture.check_host_enabled_pre_hooks()
         if (
             state.te_mode
+            and stage == "validation"
+            and state.phase is Phase.CAPTURED
+            and any(getattr(chunk, "training", False) for chunk in state.model or ())
+            and self.captures.made_graphs("training")
+        ):
+            # megatron-core replays the TE layer graphs for any call in training mode (it
+            # decides by module.training), a forward-only one too (an RL host's log-probs)
+            self._check_te_call(kwargs, "forward-only (in training mode)", _TRAIN_MODE_FIX)
+        if (
+            state.te_mode
             and stage == "training"
             and state.phase is Phase.CAPTURED
             # (a TE capture that made no graph, accepted eager: nothing to guard)
@@ -177,16 +187,24 @@ class ForwardBackwardInterceptor:
             self.captures.replayed("training")
         return result
 
-    def _check_te_call(self, kwargs: dict[str, Any]) -> None:
+    def _check_te_call(
+        self, kwargs: dict[str, Any], what: str = "training", fix: str = FIX
+    ) -> None:
         for name, captured in (
             ("seq_length", self.state.seq_length),
             ("micro_batch_size", self.state.micro_batch_size),
         ):
             if kwargs.get(name) != captured:
                 raise StaticShapeError(
-                    f"training forward_backward_func called with {name}={kwargs.get(name)!r} "
-                    f"but the TE CUDA graphs were captured for {name}={captured!r}. Fix: {FIX}"
+                    f"{what} forward_backward_func called with {name}={kwargs.get(name)!r} "
+                    f"but the TE CUDA graphs were captured for {name}={captured!r}. Fix: {fix}"
                 )
+
+
+_TRAIN_MODE_FIX = (
+    "run forward-only passes with the model in eval mode (chunk.eval() for each model chunk, "
+    "chunk.train() after; megatron-core then runs the layers eagerly), or at the captured shapes"
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
