@@ -71,6 +71,7 @@ from cudagraph_plugin.compat.optimizer import (
     optimizer_graph_state_dirty,
     optimizer_is_capturable,
     reset_optimizer_graph_counters,
+    torch_optimizers,
 )
 from cudagraph_plugin.compat.te import (
     end_stuck_te_capture,
@@ -157,6 +158,7 @@ __all__ = [
     "te_layer_count",
     "te_skips_empty_stage",
     "te_version",
+    "torch_optimizers",
     "uses_forward_pre_hooks",
     "versions",
 ]

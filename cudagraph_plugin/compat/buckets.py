@@ -159,20 +159,19 @@ def loss_scale_tensor(optimizer: Any) -> Any:
 
 
 def optimizer_state_tensors(optimizer: Any) -> list[tuple[str, str, Any]]:
-    """A sample of the optimizer's own memory: per inner optimizer, its first main
-    parameter and that parameter's state tensors (megatron-core's
+    """A sample of the optimizer's own memory: per inner torch optimizer, its first main
+    parameter (of its first group that has one: megatron-core keeps empty groups so that
+    every rank has the same) and that parameter's state tensors (megatron-core's
     ``MegatronOptimizer.offload_to_cpu`` moves all of them together, by ``p.data = ...`` and
     ``state[k] = ...``)."""
     found = []
-    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    for index, megatron_optimizer in enumerate(inner):
-        torch_optimizer = getattr(megatron_optimizer, "optimizer", None)
-        if torch_optimizer is None or not getattr(torch_optimizer, "param_groups", None):
+    for index, torch_optimizer in enumerate(compat.torch_optimizers(optimizer)):
+        first = next(
+            (group["params"][0] for group in torch_optimizer.param_groups if group["params"]),
+            None,
+        )
+        if first is None:
             continue
-        params = torch_optimizer.param_groups[0]["params"]
-        if not params:
-            continue
-        first = params[0]
         found.append(("optimizer state", f"optimizer {index} main parameter 0", first))
         for key, value in sorted(torch_optimizer.state.get(first, {}).items()):
             if hasattr(value, "data_ptr") and getattr(value, "dim", lambda: 0)() > 0:
@@ -185,12 +184,26 @@ def optimizer_holds_model_params(optimizer: Any, model: Sequence[Any]) -> bool:
     optimizer without the distributed optimizer keeps no main copy): its offload API then
     moves the weights every forward/backward reads."""
     own = {id(param) for chunk in model for param in chunk.parameters()}
-    for megatron_optimizer in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        torch_optimizer = getattr(megatron_optimizer, "optimizer", None)
-        for group in getattr(torch_optimizer, "param_groups", None) or []:
-            if any(id(param) in own for param in group["params"]):
-                return True
-    return False
+    return any(
+        id(param) in own
+        for torch_optimizer in compat.torch_optimizers(optimizer)
+        for group in torch_optimizer.param_groups
+        for param in group["params"]
+    )
+
+
+def _placement(optimizer: Any) -> list[tuple[str, int]]:
+    """Where every main parameter and state tensor of ``optimizer`` lives (device and
+    address): what an offload call can change."""
+    placed = []
+    for torch_optimizer in compat.torch_optimizers(optimizer):
+        for group in torch_optimizer.param_groups:
+            for param in group["params"]:
+                placed.append((str(param.device), param.data_ptr()))
+                for value in torch_optimizer.state.get(param, {}).values():
+                    if hasattr(value, "data_ptr"):
+                        placed.append((str(value.device), value.data_ptr()))
+    return placed
 
 
 OFFLOAD_METHODS = ("offload_to_cpu", "restore_from_cpu")
@@ -200,11 +213,13 @@ parameters and the optimizer's state."""
 
 def watch_optimizer_offload(optimizer: Any, moved: Callable[[str], None]) -> Callable[[], None]:
     """Call ``moved(what)`` after each :data:`OFFLOAD_METHODS` call on ``optimizer`` or one
-    of its chained optimizers. They give every main parameter and state tensor new memory,
-    one tensor at a time: a sample of the addresses can come back unchanged while the rest
-    moved (seen on an H200: the first main parameter back at its old address, an optimizer
-    graph replayed onto the others' freed memory, NaN losses). Returns what puts the
-    methods back."""
+    of its chained optimizers that moved anything. They give every main parameter and state
+    tensor new memory, one tensor at a time: a sample of the addresses can come back
+    unchanged while the rest moved (seen on an H200: the first main parameter back at its
+    old address, an optimizer graph replayed onto the others' freed memory, NaN losses), so
+    every tensor's place is compared before and after the call (once per call); a call that
+    moved nothing (a restore with the state on the device already) frees no graph, and a
+    call that raised partway counts what it moved. Returns what puts the methods back."""
     undo: list[tuple[Any, str, Any]] = []
     for target in [optimizer, *(getattr(optimizer, "chained_optimizers", None) or [])]:
         for name in OFFLOAD_METHODS:
@@ -212,10 +227,15 @@ def watch_optimizer_offload(optimizer: Any, moved: Callable[[str], None]) -> Cal
             if not callable(original):
                 continue
 
-            def wrapped(*args: Any, _call: Any = original, _what: str = name, **kw: Any) -> Any:
-                result = _call(*args, **kw)
-                moved(f"MegatronOptimizer.{_what}()")
-                return result
+            def wrapped(
+                *args: Any, _call: Any = original, _what: str = name, _of: Any = target, **kw: Any
+            ) -> Any:
+                before = _placement(_of)
+                try:
+                    return _call(*args, **kw)
+                finally:
+                    if _placement(_of) != before:
+                        moved(f"MegatronOptimizer.{_what}()")
 
             undo.append((target, name, vars(target).get(name)))
             setattr(target, name, wrapped)

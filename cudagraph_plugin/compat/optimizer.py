@@ -92,3 +92,20 @@ def optimizer_is_capturable(optimizer: Any) -> bool | None:
     if config is None:
         return None
     return bool(getattr(config, "optimizer_cuda_graph", False))
+
+
+def torch_optimizers(optimizer: Any) -> list[Any]:
+    """The torch optimizers inside megatron-core's wrappers (``ChainedOptimizer`` →
+    ``chained_optimizers``, nested ones too; ``MegatronOptimizer`` → ``.optimizer``), or
+    ``optimizer`` itself."""
+    import torch
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [inner for part in chained for inner in torch_optimizers(part)]
+    inner = vars(optimizer).get("optimizer") if hasattr(optimizer, "__dict__") else None
+    if inner is None:
+        return []
+    return torch_optimizers(inner)

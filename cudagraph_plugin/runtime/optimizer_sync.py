@@ -41,6 +41,8 @@ import numbers
 import sys
 from typing import Any
 
+from cudagraph_plugin import compat
+
 logger = logging.getLogger("cudagraph_plugin")
 
 # Read by every Adam's step; anything else a param group holds as a tensor is watched too.
@@ -369,22 +371,6 @@ class HyperparameterSync:
         self._released = True
 
 
-def _torch_optimizers(optimizer: Any) -> list[Any]:
-    """The torch optimizers inside megatron-core's wrappers (``ChainedOptimizer`` →
-    ``chained_optimizers``; ``MegatronOptimizer`` → ``.optimizer``), or ``optimizer`` itself."""
-    import torch
-
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    chained = getattr(optimizer, "chained_optimizers", None)
-    if chained is not None:
-        return [inner for part in chained for inner in _torch_optimizers(part)]
-    inner = vars(optimizer).get("optimizer") if hasattr(optimizer, "__dict__") else None
-    if inner is None:
-        return []
-    return _torch_optimizers(inner)
-
-
 def promote_lr_to_tensor(optimizer: Any) -> int:
     """Give every param group of a capturable ``torch.optim.Adam``/``AdamW`` (inside
     megatron-core's wrappers too) whose learning rate is a Python number a float32 tensor
@@ -395,7 +381,7 @@ def promote_lr_to_tensor(optimizer: Any) -> int:
     import torch
 
     changed = 0
-    for inner in _torch_optimizers(optimizer):
+    for inner in compat.torch_optimizers(optimizer):
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue
         for group in inner.param_groups:
