@@ -154,6 +154,13 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: 
     except ValueError as error:
         message = str(error)  # check_buckets' messages start with the field's name
         parser.error(message if message.startswith(source) else f"{source}: {message}")
+    uneven = [b for b in args.buckets or () if b % args.length_multiple]
+    if uneven:
+        parser.error(
+            f"{source}: {', '.join(map(str, uneven))} not a multiple of "
+            f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: with "
+            "--sequence-parallel megatron-core splits each sequence over those ranks"
+        )
     if args.buckets is not None and args.buckets[-1] > args.seq_length:
         parser.error(
             f"{source}: the largest bucket ({args.buckets[-1]}) exceeds --seq-length "

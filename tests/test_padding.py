@@ -178,11 +178,13 @@ def test_bucket_for_and_waste():
 
 def test_labels_without_a_loss_mask_are_refused_unless_the_label_pad_id_is_given():
     # the default label pad is a real token: without a loss mask padding would count
+    for length in (5, 8):  # at a bucket length too: the next step may need padding
+        original = batch(length)
+        del original["loss_mask"]
+        with pytest.raises(ValueError, match=r"no loss_mask.*Fix: add batch\['loss_mask'\]"):
+            pad_to_bucket(original, BUCKETS, pad_token_id=0)
     original = batch(5)
     del original["loss_mask"]
-    for length in (5, 8):  # at a bucket length too: the next step may need padding
-        with pytest.raises(ValueError, match=r"no loss_mask.*Fix: add batch\['loss_mask'\]"):
-            pad_to_bucket(original, BUCKETS, pad_token_id=0, length=length)
     out = pad_to_bucket(original, BUCKETS, pad_token_id=0, label_pad_id=-100).batch
     assert out["labels"][:, 5:].eq(-100).all() and "loss_mask" not in out
 
@@ -272,3 +274,20 @@ def test_buckets_in_the_setting_s_string_form_and_dict_micro_batches_only():
         pad_step([batch(5)], "8,x", pad_token_id=0)
     with pytest.raises(TypeError, match=r"must be a dict of tensors \(.*\), got tuple"):
         pad_to_bucket((torch.ones(2, 5),), BUCKETS, pad_token_id=0)
+
+
+def test_numpy_scalars_are_numbers_here_too():
+    # tokenizers and datasets hand out NumPy integers
+    import numpy as np
+
+    original = batch(5)
+    original["flags"] = torch.ones(2, 5, dtype=torch.bool)
+    out = pad_to_bucket(
+        original,
+        BUCKETS,
+        pad_token_id=np.int64(3),
+        label_pad_id=np.int32(-100),
+        extra={"flags": np.bool_(False)},
+    ).batch
+    assert out["tokens"][:, 5:].eq(3).all() and out["labels"][:, 5:].eq(-100).all()
+    assert not out["flags"][:, 5:].any()

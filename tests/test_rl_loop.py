@@ -404,3 +404,10 @@ def test_with_sequence_parallelism_every_length_drawn_splits_over_the_tensor_par
     )  # fmt: skip
     with pytest.raises(SystemExit):
         rl_loop._check(parser, narrow, use_cuda=False)
+    # the eager twin's --pad-to-buckets too (the plugin's rule checks --cuda-graph-buckets)
+    uneven = parser.parse_args(
+        ["--seq-length", "64", "--sequence-parallel", "--tensor-model-parallel-size", "4",
+         "--pad-to-buckets", "10,32,62"]
+    )  # fmt: skip
+    with pytest.raises(SystemExit):
+        rl_loop._check(parser, uneven, use_cuda=False)

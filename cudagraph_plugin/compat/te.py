@@ -49,10 +49,18 @@ def te_graph_count(helper: Any) -> int:
 
 
 def te_skips_empty_stage(helper: Any) -> bool:
-    """The helper captures on a rank whose chunks have no graphable layer (0.19: it logs
-    "No graphable layers found" and still meets the other ranks at its barriers); 0.16's
-    hands TE's make_graphed_callables nothing, which fails."""
-    return hasattr(helper, "capture_finished")
+    """The helper captures on a rank whose chunks have no graphable layer (0.19: its
+    ``create_cudagraphs`` tests ``self.flattened_callables``, logs "No graphable layers
+    found" and still meets the other ranks at its barriers); 0.16's hands TE's
+    make_graphed_callables nothing, which fails. Read from the method's source, which says
+    it whatever the version number; without the source, from 0.19's ``capture_finished``."""
+    import re
+
+    try:
+        source = inspect.getsource(type(helper).create_cudagraphs)
+    except (OSError, TypeError):
+        return hasattr(helper, "capture_finished")
+    return re.search(r"if (not )?self\.flattened_callables\s*:", source) is not None
 
 
 def te_layer_count(helper: Any) -> int:

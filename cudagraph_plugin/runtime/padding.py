@@ -13,9 +13,12 @@ pads each step's micro-batches to one bucket length and passes that length as
   mask (boolean ``[b, 1, s, s]``, ``True`` = masked) with every padded key masked, and any
   key the host names in ``extra``. Padding goes on the right: with megatron-core's causal
   attention no real token attends to a later (padded) one, so the real tokens' outputs and
-  losses are those of the unpadded batch. With MoE layers that holds only when the host
-  passes the padded ``padding_mask`` to the model (megatron-core then keeps padded tokens
-  out of routing and its auxiliary losses); without it padded tokens are routed too.
+  losses are those of the unpadded batch. With MoE layers padded tokens are routed like
+  real ones; passing the padded ``padding_mask`` to the model keeps them out of
+  megatron-core's auxiliary and z losses and expert-bias counts, but not out of expert
+  capacity: with ``moe_expert_capacity_factor`` (token dropping) padding can change which
+  real tokens are dropped, so the losses then differ from the unpadded batch's (dropless
+  MoE is unaffected).
 * every call checks the whole micro-batch, whether or not this one needs padding, so a bad
   input fails on the first step rather than on the first step of another length.
 * :func:`pad_step` pads all micro-batches of one step to one common bucket (the graph of a
@@ -31,6 +34,7 @@ that pads expects a graph. ``overflow="keep"`` returns such a batch unpadded ins
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -270,16 +274,21 @@ def _pad_values(
     for name, value in (("pad_token_id", pad_token_id), ("label_pad_id", label_pad_id)):
         if name == "label_pad_id" and value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int):
+        # (a NumPy integer is an int here: tokenizers and datasets hand those out)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ValueError(
                 f"{name} must be an int (a token id), got {value!r}. Fix: pass the tokenizer's "
                 "pad id (its eos id when it has none)"
             )
     for key, value in extra.items():
-        if not isinstance(value, (int, float, bool)):
+        numpy_bool = getattr(getattr(value, "dtype", None), "kind", None) == "b"
+        if not (isinstance(value, numbers.Real) or numpy_bool):
             raise ValueError(
                 f"extra[{key!r}] must be the pad value (an int, float or bool), got {value!r}"
             )
+    pad_token_id = int(pad_token_id)
+    label_pad_id = None if label_pad_id is None else int(label_pad_id)
+    extra = {key: _plain(value) for key, value in extra.items()}
     if (
         isinstance(batch.get("labels"), torch.Tensor)
         and not isinstance(batch.get("loss_mask"), torch.Tensor)
@@ -302,6 +311,13 @@ def _pad_values(
         "padding_mask": (True, "padding_mask's True"),
         **{key: (value, f"extra[{key!r}]") for key, value in extra.items()},
     }
+
+
+def _plain(value: Any) -> int | float | bool:
+    """A NumPy scalar as the Python number ``torch.full`` takes."""
+    if isinstance(value, (bool, int, float)):
+        return value
+    return bool(value) if value.dtype.kind == "b" else value.item()
 
 
 def _check_batch(

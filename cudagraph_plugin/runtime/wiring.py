@@ -116,9 +116,9 @@ class Wiring:
             raise CudaGraphWiringError(
                 f"a pipeline stage has no layer graphable for scope {scope} (this rank: "
                 f"{layer_count}), and this megatron-core's TECudaGraphHelper cannot capture "
-                "on such a stage (it hands Transformer Engine no layer; 0.19 skips the stage). "
-                "Fix: choose scopes every stage has, or megatron-core 0.19 or later; "
-                "cuda_graph_impl=none runs eagerly"
+                "on such a stage (it hands Transformer Engine no layer; 0.19's skips the "
+                "stage). Fix: choose scopes every stage has, or a megatron-core whose helper "
+                "skips such a stage (0.19); cuda_graph_impl=none runs eagerly"
             )
         if layer_count == 0:
             logger.info(
