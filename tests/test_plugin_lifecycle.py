@@ -451,7 +451,26 @@ def test_te_without_pre_hooks_never_toggles(fake_graphs):
 # -- static-shape guard ---------------------------------------------------------------------------
 
 
-class ChangeInputs:
+class WrapsForwardBackward:
+    """A host plugin that wraps the run's forward/backward (outermost) and knows the step
+    running: each call goes through :meth:`call`."""
+
+    current: int | None = None
+
+    @hookimpl
+    def mcgraph_train_step_start(self, step):
+        self.current = step
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def mcgraph_forward_backward_func(self, forward_backward_func):
+        inner = yield
+        return lambda **kwargs: self.call(inner, kwargs)
+
+    def call(self, inner, kwargs):
+        return inner(**kwargs)
+
+
+class ChangeInputs(WrapsForwardBackward):
     """From ``step`` on, hand the forward/backward a changed batch or micro-batch count."""
 
     def __init__(
@@ -464,40 +483,29 @@ class ChangeInputs:
     ):
         self.step, self.seq, self.microbatches = step, seq, microbatches
         self.forward_only = stage == "validation"
-        self.current = None
 
-    @hookimpl
-    def mcgraph_train_step_start(self, step):
-        self.current = step
-
-    @hookimpl(wrapper=True, tryfirst=True)
-    def mcgraph_forward_backward_func(self, forward_backward_func):
-        inner = yield
-
-        def changed(**kwargs):
-            if (
-                self.current is not None
-                and self.current >= self.step
-                and kwargs["forward_only"] == self.forward_only
-            ):
-                if self.microbatches is not None:
-                    kwargs["num_microbatches"] = self.microbatches
-                if self.seq is not None:
-                    original = kwargs["data_iterator"]
-                    kwargs["data_iterator"] = (
-                        {
-                            k: (
-                                v[:, : self.seq].contiguous()
-                                if torch.is_tensor(v) and v.dim() == 2
-                                else v
-                            )
-                            for k, v in batch.items()
-                        }
-                        for batch in original
-                    )
-            return inner(**kwargs)
-
-        return changed
+    def call(self, inner, kwargs):
+        if (
+            self.current is not None
+            and self.current >= self.step
+            and kwargs["forward_only"] == self.forward_only
+        ):
+            if self.microbatches is not None:
+                kwargs["num_microbatches"] = self.microbatches
+            if self.seq is not None:
+                original = kwargs["data_iterator"]
+                kwargs["data_iterator"] = (
+                    {
+                        k: (
+                            v[:, : self.seq].contiguous()
+                            if torch.is_tensor(v) and v.dim() == 2
+                            else v
+                        )
+                        for k, v in batch.items()
+                    }
+                    for batch in original
+                )
+        return inner(**kwargs)
 
 
 @pytest.mark.parametrize("mode", ["full", "te"])
@@ -869,51 +877,33 @@ def test_a_te_capture_that_made_no_graph_guards_no_shape(fake_graphs, monkeypatc
     assert summary["steps"] == 6 and rec.report.graphs_captured is False
 
 
-class ForwardOnlyAt:
+class ForwardOnlyAt(WrapsForwardBackward):
     """At ``step``, before its training call, one forward-only call (an RL host's log-probs)
     with ``seq_length=seq`` (the example's: 32) with the model chunks in training mode, or in
     eval mode (``eval_mode``)."""
 
     def __init__(self, step: int, seq: int, *, eval_mode: bool = False):
         self.step, self.seq, self.eval_mode = step, seq, eval_mode
-        self.current = None
         self.model = None
 
     @hookimpl
     def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
         self.model = model
 
-    @hookimpl
-    def mcgraph_train_step_start(self, step):
-        self.current = step
-
-    @hookimpl(wrapper=True, tryfirst=True)
-    def mcgraph_forward_backward_func(self, forward_backward_func):
+    def call(self, inner, kwargs):
         import itertools
 
-        inner = yield
-
-        def with_forward_only(**kwargs):
-            if self.current == self.step and not kwargs["forward_only"]:
-                first = next(kwargs["data_iterator"])
-                kwargs["data_iterator"] = itertools.chain([first], kwargs["data_iterator"])
-                if self.eval_mode:
-                    for chunk in self.model:
-                        chunk.eval()
-                inner(
-                    **{
-                        **kwargs,
-                        "forward_only": True,
-                        "num_microbatches": 1,
-                        "data_iterator": iter([first]),
-                        "seq_length": self.seq,
-                    }
-                )
+        if self.current == self.step and not kwargs["forward_only"]:
+            first = next(kwargs["data_iterator"])
+            kwargs["data_iterator"] = itertools.chain([first], kwargs["data_iterator"])
+            if self.eval_mode:
                 for chunk in self.model:
-                    chunk.train()
-            return inner(**kwargs)
-
-        return with_forward_only
+                    chunk.eval()
+            only = {"forward_only": True, "num_microbatches": 1, "seq_length": self.seq}
+            inner(**{**kwargs, **only, "data_iterator": iter([first])})
+            for chunk in self.model:
+                chunk.train()
+        return inner(**kwargs)
 
 
 def test_a_forward_only_call_in_training_mode_at_another_shape_is_refused_with_the_fix(
