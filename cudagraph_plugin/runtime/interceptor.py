@@ -104,34 +104,29 @@ class ForwardBackwardInterceptor:
         if state.full is not None and state.phase is not Phase.FALLEN_BACK:
             return self._full_iteration(state.full, eager, stage, kwargs)
         self.te_capture.check_host_enabled_pre_hooks()
+        # (a TE capture that made no graph, accepted eager: nothing to guard)
         if (
             state.te_mode
-            and stage == "validation"
             and state.phase is Phase.CAPTURED
-            and any(getattr(chunk, "training", False) for chunk in state.model or ())
             and self.captures.made_graphs("training")
         ):
-            # megatron-core replays the TE layer graphs for any call in training mode (it
-            # decides by module.training), a forward-only one too (an RL host's log-probs)
-            self._check_te_call(kwargs, "forward-only (in training mode)", _TRAIN_MODE_FIX)
-        if (
-            state.te_mode
-            and stage == "training"
-            and state.phase is Phase.CAPTURED
-            # (a TE capture that made no graph, accepted eager: nothing to guard)
-            and self.captures.made_graphs("training")
-        ):
-            record = not self.guard.is_armed(stage)
-            if record:
-                self._check_te_call(kwargs)
-            kwargs["data_iterator"] = self.guard.check_call(
-                stage, state.step, kwargs, record=record
-            )
-            result = eager(**kwargs)
-            if record:
-                self.guard.commit(stage)
-            self.captures.replayed(stage)  # (counted once the call got through)
-            return result
+            if stage == "training":
+                record = not self.guard.is_armed(stage)
+                if record:
+                    self._check_te_call(kwargs)
+                kwargs["data_iterator"] = self.guard.check_call(
+                    stage, state.step, kwargs, record=record
+                )
+                result = eager(**kwargs)
+                if record:
+                    self.guard.commit(stage)
+                self.captures.replayed(stage)  # (counted once the call got through)
+                return result
+            if any(getattr(chunk, "training", False) for chunk in state.model or ()):
+                # megatron-core replays the TE layer graphs for any call in training mode
+                # (it decides by module.training), a forward-only one too (an RL host's
+                # log-probs)
+                self._check_te_call(kwargs, "forward-only (in training mode)", _TRAIN_MODE_FIX)
         return eager(**kwargs)
 
     def _full_iteration(
@@ -292,14 +287,10 @@ class OptimizerStep:
             return result
         graphs.before_replay()
         holder = compat.optimizer_graph_holder()
-        # remembered only after a capture the plugin bracketed to its end, with the sync made
-        if (
-            holder.cuda_graph is not None
-            and graphs.sync is not None
-            and "optimizer" in self._captures.replays
-        ):
-            self._replay = _OptimizerReplay(holder, holder.cuda_graph)
         replaying = holder.cuda_graph is not None  # not a warm-up call after an invalidation
+        # remembered only after a capture the plugin bracketed to its end, with the sync made
+        if replaying and graphs.sync is not None and "optimizer" in self._captures.replays:
+            self._replay = _OptimizerReplay(holder, holder.cuda_graph)
         result = graphs.call()
         if replaying:
             self._captures.replayed("optimizer")
