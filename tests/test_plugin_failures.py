@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import logging
+import signal
 
 import pytest
 from cpu_only import needs_mcore_on_cpu
@@ -23,7 +24,7 @@ from cudagraph_plugin import compat
 from cudagraph_plugin.config.errors import CudaGraphConfigError
 from cudagraph_plugin.runtime import fallback, release_plan
 from cudagraph_plugin.runtime.timing import StepTimer
-from hookspecs import TrainingRun, hookimpl
+from hookspecs import PeerFailed, SignalReceived, TrainingRun, hookimpl
 from recording import FULL, OVERLAP, TE, RaiseAt, run_recorded
 
 pytestmark = needs_mcore_on_cpu
@@ -146,6 +147,54 @@ def test_fallback_is_decided_by_all_ranks(fake_graphs, monkeypatch, local, anywh
     assert asked == [local == "slower"]
     fell_back = rec.report.fallback_step is not None
     assert fell_back is anywhere
+
+
+def _interrupting_the_release(fake_graphs, monkeypatch, interruption: BaseException) -> list[int]:
+    """The first graph reset frees the graph, then ``interruption`` arrives (a Ctrl-C, a
+    signal, a peer's failure: what the run's handlers raise wherever the interpreter is)."""
+    from fakes import FakeCUDAGraph
+
+    reset, fired = FakeCUDAGraph.reset, []
+
+    def interrupted_reset(self):
+        reset(self)
+        if not fired:
+            fired.append(1)
+            raise interruption
+
+    monkeypatch.setattr(FakeCUDAGraph, "reset", interrupted_reset)
+    return fired
+
+
+@pytest.mark.parametrize(
+    "interruption",
+    [KeyboardInterrupt(), SignalReceived(signal.SIGTERM), PeerFailed(1, "rank 1 died")],
+    ids=["ctrl-c", "sigterm", "peer-failed"],
+)
+@pytest.mark.parametrize("cause", ["invalidation", "fallback"])
+def test_an_interruption_while_graphs_are_freed_during_training_ends_the_run(
+    fake_graphs, monkeypatch, interruption, cause
+):
+    """The host's invalidation and the fallback free graphs during training: an
+    interruption that arrives then ends the run, shut down with the graphs freed (third
+    review: it was logged as a failed release and the run trained on to 'completed')."""
+    from recording import InvalidateAt
+
+    fired = _interrupting_the_release(fake_graphs, monkeypatch, interruption)
+    if cause == "fallback":
+        monkeypatch.setattr(
+            fallback, "verdict", lambda eager, replay: ("slower", 1.0, 0.02, "replay slower")
+        )
+        argv, plugins = (*FULL, "--cuda-graph-fallback-on-slowdown"), []
+    else:
+        argv, plugins = FULL, [InvalidateAt(4)]
+    with pytest.raises(type(interruption)) as info:
+        run(*argv, "--cuda-graph-warmup-steps", "2", plugins=plugins, steps=14)
+    assert info.value is interruption
+    assert fired
+    [graph] = fake_graphs.graphs
+    assert graph.resets == 1
+    assert not compat.full_iteration_state_dirty()
 
 
 # -- full-iteration correctness ----------------------------------------------------------------

@@ -62,6 +62,18 @@ def test_steps_after_an_invalidation_without_buckets_are_no_replay_samples(fake_
     assert report.invalidations[0]["step"] == 4
 
 
+def test_a_step_invalidated_at_its_start_ran_eagerly_and_is_no_replay(fake_graphs):
+    """Invalidated at the start of step 5, before its forward/backward: step 5 ran eagerly
+    (its span holds the release, too); replays end at step 4 (third review: step 5 was
+    counted as a replay sample and a replayed step)."""
+    _, rec = run_recorded(*FULL, *WARMUP, plugins=[InvalidateAt(5, at="start")], steps=10)
+    [graph] = fake_graphs.graphs
+    assert graph.replays == 1 + 2  # the capture call's, steps 3 and 4
+    assert rec.report.replay_steps == [3, 4]
+    assert rec.report.replays == {"training": 2}
+    assert rec.graph_plugin.measurement.steps_replayed() == 2
+
+
 # -- paid off by the steps that replayed, not the ones planned ----------------------------
 
 

@@ -43,6 +43,9 @@ class Captures:
     # the last step that could replay before the graphs were freed for the rest of the run
     # (the fallback, the host's invalidation without buckets): later steps ran eagerly
     replay_end: int | None = None
+    # the step of the last replay of a training step's graph (training or optimizer stage):
+    # where replay_end is put when the graphs are freed for the rest of the run
+    last_step_replayed: int | None = None
     # (stage, step, "Type: message") of a capture that raised, for the report's "why no
     # graph"; the words only: the exception's frames would keep what the capture held alive
     failed: tuple[str, int | None, str] | None = None
@@ -109,6 +112,8 @@ class Captures:
         """One replay of ``stage``'s graph(s), if they were captured."""
         if stage in self.replays:
             self.replays[stage] += 1
+            if stage != "validation":
+                self.last_step_replayed = self.state.step
 
     def made_graphs(self, stage: str) -> bool:
         """A capture of ``stage`` made graphs (whether or not they are held now: the host

@@ -13,7 +13,7 @@ from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.guard import ShapeGuard
 from cudagraph_plugin.runtime.measurement import Measurement
-from cudagraph_plugin.runtime.release import ReleaseStep, release_each
+from cudagraph_plugin.runtime.release import ReleaseResult, ReleaseStep, release_each, settle
 from cudagraph_plugin.runtime.report import verdict
 from cudagraph_plugin.runtime.state import Phase, RunState
 
@@ -25,21 +25,29 @@ FALLBACK_REPLAY_STEPS = 5
 
 def go_eager(
     state: RunState, captures: Captures, guard: ShapeGuard, steps: list[ReleaseStep]
-) -> int:
+) -> ReleaseResult:
     """Free the captured graphs (``steps``) and go on eagerly for the rest of the run (the
     fallback, or the host's invalidation of megatron-core's graphs, between steps; after
-    the fallback, an invalidation frees the optimizer graph it kept); returns how many
-    graphs were freed."""
-    freed = release_each(steps).graphs_freed
+    the fallback, an invalidation frees the optimizer graph it kept).
+
+    Every step runs (:func:`release_each`); what they raised is in the result, for the
+    caller to :func:`settle` once it has said what happened: this runs during training, so
+    an interruption that arrives while a graph is freed (a Ctrl-C, a signal, a peer's
+    failure) must end the run, not be logged and forgotten."""
+    result = release_each(steps)
     gc.collect()
     guard.disarm()
     # the report's "held now": what the steps left (the fallback keeps the optimizer graph)
     captures.graph_count = state.graphs_held()
     if state.phase is Phase.CAPTURED:
-        # the step that just ran was the last replay: the report's replayed steps end there
-        captures.replay_end = state.step
+        # the report's replayed steps end at the last step that replayed: the one that just
+        # ended, or the one before when the host invalidates at the start of a step (before
+        # its forward/backward, which then runs eagerly)
+        captures.replay_end = captures.last_step_replayed
+        if captures.replay_end is None:
+            captures.replay_end = captures.training_capture_step()
         state.advance((Phase.CAPTURED,), Phase.FALLEN_BACK)
-    return freed
+    return result
 
 
 class Fallback:
@@ -92,7 +100,7 @@ class Fallback:
             extra=JOB_WIDE,
         )
         assert state.full is not None
-        self.graphs_freed += go_eager(
-            state, self.captures, self.guard, state.full.graph_release_steps()
-        )
+        result = go_eager(state, self.captures, self.guard, state.full.graph_release_steps())
+        self.graphs_freed += result.graphs_freed
         self.measurement.fallback_step = step
+        settle(result.failures, None)

@@ -253,7 +253,9 @@ class ForwardBackward:
             if replay.order_copy:
                 compat.order_input_copy_after_replay(replay.wrapper)
             result = replay.wrapper(**kwargs)
-            interceptor.captures.replays["training"] += 1
+            captures = interceptor.captures
+            captures.replays["training"] += 1
+            captures.last_step_replayed = interceptor.state.step
             return result
         return interceptor.call(self._eager, kwargs)
 
@@ -277,7 +279,9 @@ class OptimizerStep:
                 # graphs.before_replay(), one call less
                 sync.before_replay()
                 result = graphs.wrapper()
-                self._captures.replays["optimizer"] += 1
+                captures = self._captures
+                captures.replays["optimizer"] += 1
+                captures.last_step_replayed = captures.state.step
                 return result
             self._replay = None  # stale: never keeps a graph megatron-core dropped alive
         if graphs.due():

@@ -18,7 +18,7 @@ from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.fallback import go_eager
 from cudagraph_plugin.runtime.guard import ShapeGuard
-from cudagraph_plugin.runtime.release import ReleaseStep
+from cudagraph_plugin.runtime.release import ReleaseStep, settle
 from cudagraph_plugin.runtime.state import Phase, RunState
 
 logger = logging.getLogger("cudagraph_plugin")
@@ -49,8 +49,10 @@ class Invalidation:
             steps += [s for s in state.te.release_steps() if s.frees_graphs]
         if state.optim is not None:
             steps += state.optim.release_steps()
-            state.optim = None
-        freed = go_eager(state, self.captures, self.guard, steps)
+        result = go_eager(state, self.captures, self.guard, steps)
+        if not result.failures:
+            state.optim = None  # (else what is left of it is released at shutdown)
+        freed = result.graphs_freed
         logger.warning(
             "the host invalidated the CUDA graphs at step %s (%s): %d graph(s) freed; "
             "megatron-core's graphs are captured once per run, so the run goes on eagerly "
@@ -60,6 +62,7 @@ class Invalidation:
             freed,
         )
         self._record(reason, freed, "the run goes on eagerly")
+        settle(result.failures, None)
 
     def bucket_invalidated(self, step: int | None, reason: str, freed: int) -> None:
         """The bucket graphs were invalidated: on the host's word or because the address
