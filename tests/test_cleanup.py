@@ -109,6 +109,30 @@ def test_no_step_is_dropped_wherever_a_second_ctrl_c_lands():
     assert len(interrupted) >= 4  # every line the loop runs for a step that succeeds
 
 
+def test_a_plan_interrupted_while_drawn_up_is_drawn_up_again():
+    drawn: list[int] = []
+    ran: list[str] = []
+
+    def plan():
+        drawn.append(1)
+        if len(drawn) == 1:
+            raise KeyboardInterrupt
+        return [ReleaseStep(name, lambda n=name: ran.append(n)) for name in "ab"]
+
+    result = release_each(plan)
+    assert ran == ["a", "b"]
+    [(resource, exc)] = result.failures
+    assert resource == "the release plan" and isinstance(exc, KeyboardInterrupt)
+
+
+def test_a_plan_that_keeps_raising_is_recorded_and_given_up():
+    def plan():
+        raise RuntimeError("broken mechanism")
+
+    result = release_each(plan)
+    assert [resource for resource, _ in result.failures] == ["the release plan"] * 2
+
+
 def test_settle_without_failures_does_nothing():
     settle([], None)
     run_exception = RuntimeError("run")

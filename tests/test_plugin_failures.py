@@ -129,6 +129,82 @@ def test_a_clean_multi_rank_end_still_flushes_the_cache(fake_graphs, device_wait
 # -- decisions every rank takes together --------------------------------------------------------
 
 
+def test_a_second_ctrl_c_while_the_release_plan_is_drawn_up_does_not_skip_it(fake_graphs):
+    """Interrupted at each line of the plan's drawing up in turn (each mechanism lists its
+    steps), the graph is still freed (third review: drawn up before the guarded loop, an
+    interruption there skipped every step, and the run was marked shut down)."""
+    import sys
+
+    code = release_plan.ReleasePlan.steps.__code__
+    lines = sorted({line for _, _, line in code.co_lines() if line and line > code.co_firstlineno})
+    leaked, interrupted = {}, []
+    for target in lines:
+        fired: list[int] = []
+
+        def tracer(frame, event, arg, target=target, fired=fired):
+            if frame.f_code is not code:
+                return None
+
+            def local(frame, event, arg):
+                if event == "line" and frame.f_lineno == target and not fired:
+                    fired.append(target)
+                    raise KeyboardInterrupt("second Ctrl-C")
+                return local
+
+            return local
+
+        fake_graphs.graphs.clear()
+        sys.settrace(tracer)
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                run(*FULL, "--cuda-graph-warmup-steps", "1", steps=3)
+        finally:
+            sys.settrace(None)
+        if fired:
+            interrupted.append(target)
+            resets = [graph.resets for graph in fake_graphs.graphs]
+            if resets != [1] or compat.full_iteration_state_dirty():
+                leaked[target] = resets
+        compat.free_full_iteration_graphs()
+    assert len(interrupted) >= 4
+    assert not leaked, leaked
+
+
+@pytest.mark.parametrize("outer_wrapper_raises", [False, True])
+def test_a_shutdown_reason_of_the_host_s_own_still_frees_the_graphs(
+    fake_graphs, monkeypatch, caplog, outer_wrapper_raises
+):
+    """A host firing mcgraph_shutdown itself with a reason that is no ShutdownReason: the
+    graphs are freed, with a warning naming the valid reasons (third review: a ValueError
+    skipped the release, in the plugin's wrapper and again in its guard)."""
+    from hookspecs import run as run_module
+
+    call = run_module.TrainingRun._call
+
+    def own_reason(self, hook_name, **kwargs):
+        if hook_name == "mcgraph_shutdown":
+            kwargs["reason"] = "done"
+        return call(self, hook_name, **kwargs)
+
+    monkeypatch.setattr(run_module.TrainingRun, "_call", own_reason)
+
+    class RaisesBeforeItsYield:  # (skips the plugin's wrapper: its guard frees the graphs)
+        @hookimpl(wrapper=True)
+        def mcgraph_shutdown(self, reason, exception):
+            raise RuntimeError("a wrapper in between failed")
+            yield  # (a generator, as pluggy wants of a wrapper)
+
+    plugins = [RaisesBeforeItsYield()] if outer_wrapper_raises else []
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"), contextlib.ExitStack() as s:
+        if outer_wrapper_raises:
+            s.enter_context(pytest.raises(RuntimeError, match="in between"))
+        run(*FULL, "--cuda-graph-warmup-steps", "1", plugins=plugins, steps=4)
+    [graph] = fake_graphs.graphs
+    assert graph.resets == 1
+    assert not compat.full_iteration_state_dirty()
+    assert "'done' is not one of hookspecs.ShutdownReason's values (completed, " in caplog.text
+
+
 @pytest.mark.parametrize("local,anywhere", [("faster", True), ("slower", True), ("faster", False)])
 def test_fallback_is_decided_by_all_ranks(fake_graphs, monkeypatch, local, anywhere):
     asked = []

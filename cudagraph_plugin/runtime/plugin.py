@@ -72,6 +72,17 @@ class CudaGraphPlugin:
         self.steps = StepListener(state, self.measurement, self.wiring, self.fallback)
         self.reporter = Reporter(state, self.measurement, self.capture, self.invalidation.events)
         self.release = ReleasePlan(state, self.capture)
+        # (made here, not at shutdown: the less runs before the release, the less a second
+        # Ctrl-C can land before it)
+        self.release_extra = [
+            ReleaseStep("static-shape guard", self.guard.disarm),
+            ReleaseStep("pending manual hooks", self.te_capture.forget_manual_hooks),
+            ReleaseStep("model and optimizer references", self._drop_references),
+            ReleaseStep(
+                "megatron-core's gradient-norm kernels",
+                lambda: build.release_device_grad_norm(self.state),
+            ),
+        ]
         self.shutdown = Shutdown(state, self.reporter, self._release_all)
         self.log_filter: ranklog.RankFilter | None = None
         self.job = peers.JobWatch(state)
@@ -278,17 +289,8 @@ class CudaGraphPlugin:
         return first
 
     def _release_all(self, reason: str, *, quiet: bool, exception: BaseException | None) -> None:
-        extra = [
-            ReleaseStep("static-shape guard", self.guard.disarm),
-            ReleaseStep("pending manual hooks", self.te_capture.forget_manual_hooks),
-            ReleaseStep("model and optimizer references", self._drop_references),
-            ReleaseStep(
-                "megatron-core's gradient-norm kernels",
-                lambda: build.release_device_grad_norm(self.state),
-            ),
-        ]
         try:
-            self.release.release_all(reason, extra, quiet=quiet, exception=exception)
+            self.release.release_all(reason, self.release_extra, quiet=quiet, exception=exception)
         finally:
             if self.log_filter is not None:
                 ranklog.remove(self.log_filter)

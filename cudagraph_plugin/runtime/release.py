@@ -36,17 +36,38 @@ class ReleaseResult:
     failures: list[tuple[str, BaseException]] = dataclasses.field(default_factory=list)
 
 
-def release_each(steps: Iterable[ReleaseStep]) -> ReleaseResult:
+PLAN_ATTEMPTS = 2
+"""How often :func:`release_each` draws up a plan that raised while being drawn up."""
+
+
+def release_each(
+    steps: Iterable[ReleaseStep] | Callable[[], Iterable[ReleaseStep]],
+) -> ReleaseResult:
     """Run every step; a step that raises (anything, KeyboardInterrupt included) is logged
     and recorded, and the next step runs. So is an exception that arrives between two steps
     (the handler of a second Ctrl-C runs wherever the interpreter checks for signals, the
-    loop's own jump included): the steps left still run."""
+    loop's own jump included): the steps left still run.
+
+    ``steps`` may be a plan to draw up (a callable returning the steps), drawn up inside
+    the same guard: interrupted, it is drawn up again (:data:`PLAN_ATTEMPTS` times in all;
+    a plan that keeps raising is recorded as a failure and nothing runs)."""
     result = ReleaseResult()
-    pending = collections.deque(steps)
-    while pending:
+    plan = steps if callable(steps) else None
+    pending = None if plan is not None else collections.deque(steps)
+    attempts = 0
+    while pending is None or pending:
         try:
+            if pending is None:
+                attempts += 1
+                pending = collections.deque(plan())  # type: ignore[misc]
             _release_pending(pending, result)
         except BaseException as exc:
+            if pending is None:
+                logger.error("cleanup: drawing up the release plan failed: %r", exc, exc_info=exc)
+                result.failures.append(("the release plan", exc))
+                if attempts >= PLAN_ATTEMPTS:
+                    break
+                continue
             logger.error("cleanup: interrupted between two steps: %r", exc, exc_info=exc)
             result.failures.append(("the release (between two steps)", exc))
     return result

@@ -55,7 +55,9 @@ class ReleasePlan:
         if state.phase is Phase.SHUT_DOWN:
             return
         state.phase = Phase.SHUT_DOWN
-        result = release_each(self.steps(extra, quiet))
+        # the plan is drawn up inside release_each's guard: a second Ctrl-C while it is
+        # (each mechanism lists its steps) draws it up again rather than skip every step
+        result = release_each(lambda: self.steps(extra, quiet))
         self.graphs_freed += result.graphs_freed
         self.failures = result.failures
         state.te = None

@@ -73,8 +73,9 @@ class Shutdown:
             "plugin's shutdown (%r): reporting and freeing the graphs from its guard",
             exception,
         )
-        quiet = device_may_block(reason, self.state)
+        quiet = True  # (until known: never wait on a device a peer may have left)
         try:
+            quiet = device_may_block(reason, self.state)
             self.reporter.emit(reason, sync=not quiet)
         except BaseException as report_error:
             logger.error("the run report failed", exc_info=report_error)
@@ -87,7 +88,18 @@ def device_may_block(reason: Any, state: RunState) -> bool:
     queued on this device: waiting on it (a synchronisation, a cache flush) can hang. A
     peer's failure always is such an end (its process groups are aborted by then, so the
     world size is the one cached while they lived)."""
-    reason = ShutdownReason(reason)
+    try:
+        reason = ShutdownReason(reason)
+    except ValueError:
+        # a host firing mcgraph_shutdown itself with a reason of its own: the graphs are
+        # still freed, as after an abnormal end
+        logger.warning(
+            "mcgraph_shutdown: reason %r is not one of hookspecs.ShutdownReason's values (%s); "
+            "it is taken as an abnormal end. Fix: pass a ShutdownReason (TrainingRun does)",
+            reason,
+            ", ".join(r.value for r in ShutdownReason),
+        )
+        return state.rank_and_world()[1] > 1
     if reason is ShutdownReason.PEER_FAILED:
         return True
     return reason.abnormal and state.rank_and_world()[1] > 1
