@@ -263,10 +263,13 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "break_even_steps",
         "int | None",
         "steps",
-        "replayed steps after which the capture has paid for itself: `capture_seconds` over "
-        "the time each replayed step saves",
-        "nothing was captured, a median is missing, replay saves nothing, or buckets "
-        "(each row of `buckets` has its own)",
+        "replayed steps after which the capture has paid for itself: `capture_seconds` (less "
+        "one replayed step per full-iteration training capture: megatron-core replays the "
+        "graph right after capturing it, as the capture step's own work) over the time each "
+        "replayed step saves",
+        "nothing was captured, a median is missing, replay saves nothing or nothing beyond "
+        "the verdict's noise (`verdict` `slower` or `no_gain`), or buckets (each row of "
+        "`buckets` has its own)",
     ),
     ReportField(
         "pays_off",
@@ -275,7 +278,7 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "whether the steps the run did replay, from the step after `capture_step` to the last "
         "step that ran (one that raised counts), or to `fallback_step` or an invalidation, are "
         "at least `break_even_steps` (the report warns when not); `False` also when replay "
-        "saves nothing",
+        "saves nothing beyond the verdict's noise",
         "nothing was captured, no training step ran, either median is missing (nothing "
         "known about the saving), or buckets (see `buckets`)",
     ),

@@ -19,10 +19,12 @@ from test_report import make_report
 
 import fake_optimizer_graph
 import train_gpt
+from cudagraph_plugin.entry import RUN_PLUGIN_NAME
 from cudagraph_plugin.runtime import capture as capture_module
 from cudagraph_plugin.runtime import state as state_module
 from cudagraph_plugin.runtime import timing
-from cudagraph_plugin.runtime.payoff import bucket_samples, pays_off
+from cudagraph_plugin.runtime.payoff import bucket_rows, bucket_samples, key_samples, pays_off
+from cudagraph_plugin.runtime.report import verdict
 from cudagraph_plugin.runtime.timing import MemorySnapshot, split_samples
 from hookspecs.report_schema import schema_problems
 from recording import FULL, InvalidateAt, RaiseAt, Recorder, run_recorded
@@ -35,8 +37,9 @@ WARMUP = ["--cuda-graph-warmup-steps", str(CAPTURE)]
 
 @pytest.fixture
 def saving(monkeypatch):
-    """Eager steps of 20 ms and replayed ones of 10 ms, a capture of 0.1 s: the capture is
-    earned back after 10 replayed steps."""
+    """Eager steps of 20 ms and replayed ones of 10 ms, a capture of 0.1 s (0.09 s beyond
+    the replay megatron-core runs right after capturing): earned back after 9 replayed
+    steps."""
     timed = timing.StepTimer.durations_ms
 
     def durations_ms(self, sync=True):
@@ -101,21 +104,21 @@ def test_a_run_that_replayed_fewer_steps_than_break_even_did_not_pay_off(
             plugins=[recorder, *plugins],
         )
     report = recorder.report
-    assert report.break_even_steps == 10 and report.replay_steps == timed
+    assert report.break_even_steps == 9 and report.replay_steps == timed
     assert report.pays_off is False  # the 397 steps train_iters planned would have paid off
     [warning] = [r.getMessage() for r in caplog.records if "within this run" in r.getMessage()]
-    assert "earned back after 10 replayed step(s)" in warning
+    assert "earned back after 9 replayed step(s)" in warning
     assert f"this run replayed {replayed} step(s)" in warning
 
 
 def test_a_run_longer_than_its_timed_steps_counts_every_replayed_step(fake_graphs, saving):
     """Only 50 steps after the capture are timed; the steps that replayed are counted from
-    the step numbers: 77 here, beyond a break-even of 60 timed steps could not reach."""
+    the step numbers: 77 here, beyond a break-even of 59 timed steps could not reach."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(capture_module.Captures, "seconds", lambda self: 0.6)
         _, rec = run_recorded(*FULL, *WARMUP, steps=80)
     report = rec.report
-    assert report.break_even_steps == 60 and len(report.replay_steps) == 50
+    assert report.break_even_steps == 59 and len(report.replay_steps) == 50
     assert report.pays_off is True
 
 
@@ -349,13 +352,8 @@ def test_a_step_that_held_the_optimizer_capture_is_no_buckets_sample(
     in: with this seed, in a bucket's warm-up step. That step's time includes the capture:
     it is neither an eager nor a replayed sample, in the report or in its bucket's row."""
     import rl_loop
-    from test_optimizer_graph import _clip_grads
 
-    # the optimizer graph's stand-ins, as tests/test_optimizer_graph.py sets them up
-    fake_graphs.wrapper = fake_optimizer_graph.install(monkeypatch)
-    monkeypatch.setattr(_clip_grads(), "multi_tensor_scale_tensor_impl", None, raising=False)
-    build = fake_optimizer_graph.capturable_build(train_gpt._build_optimizer)
-    monkeypatch.setattr(train_gpt, "_build_optimizer", build)
+    _optimizer_graph_stand_ins(fake_graphs, monkeypatch)
     recorder = Recorder()
     rl_loop.run([*RL_LOOP, "--seed", SEED_WITH_OPTIMIZER_CAPTURE_IN_A_WARMUP], plugins=[recorder])
     plugin = recorder.graph_plugin
@@ -368,3 +366,117 @@ def test_a_step_that_held_the_optimizer_capture_is_no_buckets_sample(
     own = [s for s in row["eager_steps"][1:] if s != held]
     expected = statistics.median(durations[s] for s in own) if own else None
     assert row["eager_step_ms"] == expected
+
+
+def _optimizer_graph_stand_ins(fake_graphs, monkeypatch) -> None:
+    """The optimizer graph's stand-ins, as tests/test_optimizer_graph.py sets them up."""
+    from test_optimizer_graph import _clip_grads
+
+    fake_graphs.wrapper = fake_optimizer_graph.install(monkeypatch)
+    monkeypatch.setattr(_clip_grads(), "multi_tensor_scale_tensor_impl", None, raising=False)
+    build = fake_optimizer_graph.capturable_build(train_gpt._build_optimizer)
+    monkeypatch.setattr(train_gpt, "_build_optimizer", build)
+
+
+def test_with_buckets_and_only_the_optimizer_graph_no_length_is_set_against_another(
+    fake_graphs, bucket_fakes, monkeypatch
+):
+    """No bucket is captured (a bucket of 8 that this seed's lengths never fit), the
+    optimizer graph is: each step costs its length in milliseconds, graph or not. The
+    verdict compares each shape with itself, so it finds no speed-up (third review: steps
+    of one length before the optimizer capture were set against shorter ones after it,
+    'replay is 2.00x faster')."""
+    import rl_loop
+
+    _optimizer_graph_stand_ins(fake_graphs, monkeypatch)
+    recorder = Recorder()
+    timed = timing.StepTimer.durations_ms
+
+    def by_length(self, sync=True):
+        buckets = recorder.pm.get_plugin(RUN_PLUGIN_NAME).state.buckets
+        length = {s: key.seq_length for key, st in buckets.stats.items() for s, _ in st.calls}
+        return {s: float(length[s]) for s in timed(self, sync)}
+
+    monkeypatch.setattr(timing.StepTimer, "durations_ms", by_length)
+    argv = [*RL_LOOP, "--train-iters", "14", "--cuda-graph-buckets", "8", "--seed", "6"]
+    rl_loop.run([*argv, "--cuda-graph-accept-eager"], plugins=[recorder])
+    records = recorder.graph_plugin.capture.records
+    assert [c["stage"] for c in records] == ["optimizer"]
+    report = recorder.report
+    assert report.verdict != "faster", report.verdict_text
+    assert report.verdict_text.startswith("no shape ran both before and after the optimizer")
+
+
+def test_key_samples_compare_each_shape_with_itself_around_the_capture():
+    rows = [
+        # (its first step, 1, is no sample; 9 is after the replays ended)
+        {"eager_steps": [1, 2, 3, 5, 6, 9], "capture_steps": [], "replay_steps": []},
+        {"eager_steps": [4, 7], "capture_steps": [], "replay_steps": []},  # 4: its first
+        {"eager_steps": [8], "capture_steps": [], "replay_steps": []},
+    ]
+    durations = {1: 99.0, 2: 10.0, 3: 30.0, 4: 50.0, 5: 10.0, 6: 40.0, 7: 60.0, 8: 5.0, 9: 1.0}
+    eager, replay, eager_rel, replay_rel = key_samples(rows, durations, {3}, 4, 8)
+    assert (eager, replay) == ([2], [5, 6])  # step 3 held a capture
+    assert eager_rel == [1.0] and replay_rel == [1.0, 4.0]
+
+
+def test_a_saving_within_the_noise_earns_no_capture_back(fake_graphs, monkeypatch, caplog):
+    """Replay 1% faster, within the verdict's 2% noise floor: no break-even, not paid
+    off, one warning (third review: the same report said 'did not pay off' and 'paid off
+    after 100 replayed steps')."""
+    timed = timing.StepTimer.durations_ms
+    monkeypatch.setattr(
+        timing.StepTimer,
+        "durations_ms",
+        lambda self, sync=True: {s: 100.0 if s < 4 else 99.0 for s in timed(self, sync)},
+    )
+    monkeypatch.setattr(capture_module.Captures, "seconds", lambda self: 0.1)
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        _, rec = run_recorded(*FULL, "--cuda-graph-warmup-steps", "4", steps=120)
+    report = rec.report
+    assert report.verdict == "no_gain"
+    assert report.break_even_steps is None and report.pays_off is False
+    assert "paid off" not in report.format_table()
+    assert len([r for r in caplog.records if "did not pay off" in r.getMessage()]) == 1
+
+
+def test_a_bucket_whose_saving_is_within_the_noise_has_no_break_even():
+    row = {
+        "in_bucket": True,
+        "eager_steps": [1, 2, 3, 4],
+        "capture_steps": [5],
+        "replay_steps": [6, 7, 8],
+        "capture_seconds": [0.1],
+        "eager_step_ms": 100.0,
+        "replay_step_ms": 99.0,
+    }
+    durations = {1: 100.0, 2: 100.0, 3: 100.0, 4: 100.0, 6: 99.0, 7: 99.0, 8: 99.0}
+    judge = lambda eager, replay: verdict(eager, replay, relative=True)[0]  # noqa: E731
+    [judged] = bucket_rows([row], [], durations, judge=judge)
+    assert judged["break_even_steps"] is None and judged["paid_off"] is False
+    [unjudged] = bucket_rows([row], [])  # (without the durations: the medians alone)
+    assert unjudged["break_even_steps"] == 100
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_that_measured_no_gain_says_so_under_its_rank(
+    fake_graphs, monkeypatch, caplog, rank
+):
+    """The verdict is each rank's own measurement (pipeline stages differ): every rank
+    that measured a slowdown warns, its rank named (third review: rank 0 alone warned, as
+    if for the job, and a slower rank 1 said nothing)."""
+    from cudagraph_plugin.runtime import ranklog
+
+    timed = timing.StepTimer.durations_ms
+    monkeypatch.setattr(
+        timing.StepTimer,
+        "durations_ms",
+        lambda self, sync=True: {s: 10.0 if s <= CAPTURE else 20.0 for s in timed(self, sync)},
+    )
+    monkeypatch.setattr(state_module.RunState, "rank_and_world", lambda self: (rank, 4))
+    monkeypatch.setattr(ranklog, "rank_and_world", lambda: (rank, 4))
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        _, rec = run_recorded(*FULL, *WARMUP, steps=12)
+    assert rec.report.verdict == "slower"
+    [line] = [r.getMessage() for r in caplog.records if "did not pay off" in r.getMessage()]
+    assert line.startswith(f"[rank {rank}] CUDA graphs did not pay off: replay is SLOWER")

@@ -2,16 +2,20 @@
 are too thin to trust the speed-up, after how many replays the capture cost is earned back
 (and whether the run lasts that long), and the same per sequence-length bucket.
 
-Break-even: a capture costs ``capture_seconds``; each replayed step saves ``eager_ms -
-replay_ms``; the capture has paid for itself after ``ceil(capture_ms / saving)`` replayed
-steps (never, when replay saves nothing).
+Break-even: a capture costs what it adds to the step it runs in (:func:`capture_cost_seconds`:
+its time, less the replay megatron-core's full-iteration wrapper runs right after capturing,
+which is that step's own work); each replayed step saves ``eager_ms - replay_ms``; the
+capture has paid for itself after ``ceil(cost_ms / saving)`` replayed steps (never, when
+replay saves nothing, or nothing beyond the verdict's noise).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
+
+from cudagraph_plugin.runtime.timing import median_or_none
 
 THIN_SAMPLE = 5
 """Steps on either side below which a speed-up is reported as not to be trusted."""
@@ -28,6 +32,21 @@ def thin_sample_note(eager_steps: int, replay_steps: int) -> str | None:
     )
 
 
+def capture_cost_seconds(
+    capture_seconds: float | None, replays_inside: int, replay_ms: float | None
+) -> float | None:
+    """What captures that took ``capture_seconds`` cost the run: that time, less the
+    ``replays_inside`` replays it includes (megatron-core's full-iteration wrapper replays
+    its graph right after capturing it: the capture step's own forward/backward, which every
+    step does), each one replayed step's time (``replay_ms``; nothing is taken off without
+    it). None without a capture."""
+    if capture_seconds is None:
+        return None
+    if replay_ms is None:
+        return capture_seconds
+    return max(0.0, capture_seconds - replays_inside * replay_ms / 1000.0)
+
+
 def break_even_steps(
     capture_seconds: float | None, eager_ms: float | None, replay_ms: float | None
 ) -> int | None:
@@ -38,7 +57,8 @@ def break_even_steps(
     saving = eager_ms - replay_ms
     if saving <= 0:
         return None
-    return max(1, math.ceil(capture_seconds * 1000.0 / saving))
+    # (rounded first: a cost of 0.1 - 0.01 s over 10 ms is 9 steps, not ceil(9.000000000000002))
+    return max(1, math.ceil(round(capture_seconds * 1000.0 / saving, 9)))
 
 
 def pays_off(
@@ -90,13 +110,55 @@ def bucket_samples(
     return sorted(eager_steps), sorted(replay_steps), eager, replay
 
 
+def key_samples(
+    summary: Sequence[Mapping[str, Any]],
+    durations_ms: Mapping[int, float],
+    holding_captures: Collection[int],
+    capture_step: int,
+    last_replay: int | None,
+) -> tuple[list[int], list[int], list[float], list[float]]:
+    """As :func:`bucket_samples`, for a bucketed run whose only graph is the optimizer's
+    (no bucket was captured; every forward/backward ran eagerly): each shape's steps after
+    that graph's capture (up to ``last_replay``) against the same shape's steps before it,
+    as fractions of the latter's median, never one length against another. A shape's first
+    step (its lazy allocations) and the steps in ``holding_captures`` are no sample."""
+    eager_steps: list[int] = []
+    replay_steps: list[int] = []
+    eager: list[float] = []
+    replay: list[float] = []
+    end = float("inf") if last_replay is None else last_replay
+    for row in summary:
+        steps = sorted({*row["eager_steps"], *row["capture_steps"], *row["replay_steps"]})
+        steps = [s for s in steps[1:] if s in durations_ms and s not in holding_captures]
+        before = [s for s in steps if s < capture_step]
+        after = [s for s in steps if capture_step < s <= end]
+        if not before or not after:
+            continue
+        base = median_or_none([durations_ms[s] for s in before])
+        if not base:
+            continue
+        eager_steps += before
+        replay_steps += after
+        eager += [durations_ms[s] / base for s in before]
+        replay += [durations_ms[s] / base for s in after]
+    return sorted(eager_steps), sorted(replay_steps), eager, replay
+
+
 def bucket_rows(
-    summary: Sequence[Mapping[str, Any]], captures: Sequence[Mapping[str, Any]]
+    summary: Sequence[Mapping[str, Any]],
+    captures: Sequence[Mapping[str, Any]],
+    durations_ms: Mapping[int, float] | None = None,
+    holding: Collection[int] = (),
+    judge: Callable[[list[float], list[float]], str] | None = None,
 ) -> list[dict[str, Any]]:
     """The bucket graphs' summary with, per bucket, its speed-up, break-even, graph memory
     (what its last capture added to the allocated memory: with one shared pool, a later
     bucket adds little; an earlier capture's was freed when it was invalidated) and whether
-    it earned its capture back within the run (every capture's cost counts there)."""
+    it earned its capture back within the run (every capture's cost counts there). With the
+    step durations and a ``judge`` of eager vs replayed samples (the report's verdict), a
+    bucket whose replays it finds ``slower`` or of ``no_gain`` (not faster beyond noise)
+    has no break-even and did not pay off, whatever its medians say (``holding``: steps that
+    are no sample, as in :func:`bucket_samples`)."""
     rows = []
     for row in summary:
         steps = set(row["capture_steps"])
@@ -108,6 +170,10 @@ def bucket_rows(
         eager_ms, replay_ms = row["eager_step_ms"], row["replay_step_ms"]
         capture_seconds = sum(row["capture_seconds"]) if row["capture_seconds"] else None
         even = break_even_steps(capture_seconds, eager_ms, replay_ms)
+        if even is not None and judge is not None:
+            _, _, own_eager, own_replay = bucket_samples([row], durations_ms or {}, holding)
+            if judge(own_eager, own_replay) in ("slower", "no_gain"):
+                even = None  # (a saving within the noise earns nothing back)
         rows.append(
             {
                 **row,

@@ -25,6 +25,8 @@ from cudagraph_plugin.runtime.payoff import (
     break_even_steps,
     bucket_rows,
     bucket_samples,
+    capture_cost_seconds,
+    key_samples,
     pays_off,
     thin_sample_note,
 )
@@ -307,11 +309,12 @@ class Reporter:
             self.report.format_table(),
             extra=JOB_WIDE,
         )
-        if self.report.verdict in ("slower", "no_gain") and rank == 0:
-            logger.warning(
-                "CUDA graphs did not pay off: %s", self.report.verdict_text, extra=JOB_WIDE
-            )
-        elif self.report.pays_off is False and rank == 0:
+        # Each rank's own measurement (pipeline stages differ): said by each rank that
+        # measured no gain, its rank named in a multi-rank job (ranklog), not as rank 0's
+        # figures standing for the job.
+        if self.report.verdict in ("slower", "no_gain"):
+            logger.warning("CUDA graphs did not pay off: %s", self.report.verdict_text)
+        elif self.report.pays_off is False:
             even = self.report.break_even_steps
             logger.warning(
                 "CUDA graphs did not pay off within this run: the capture took %.3f s and %s; "
@@ -321,7 +324,6 @@ class Reporter:
                 if even is None
                 else f"is earned back after {even} replayed step(s)",
                 self.replayed,
-                extra=JOB_WIDE,
             )
         settings = self.state.settings
         if settings.report_json:
@@ -346,7 +348,14 @@ class Reporter:
             captured
             and state.buckets is not None
             and any(c["stage"] == "training" for c in captures.records)
-        )  # else only the optimizer graph was captured: the split at its capture holds
+        )  # else only the optimizer graph was captured: each shape split at its capture
+        optimizer_only = captured and state.buckets is not None and not per_bucket
+        if optimizer_only:
+            capture_step = captures.training_capture_step()
+            assert capture_step is not None
+            eager, replay, eager_samples, replay_samples = key_samples(
+                bucket_summary, durations, holding, capture_step, captures.replay_end
+            )
         if per_bucket:
             # Every step after the first capture is not a replay with buckets (other
             # buckets warm up and capture later, lengths outside every bucket run eagerly,
@@ -358,10 +367,20 @@ class Reporter:
         thin = None
         if captured:
             result, speedup, noise, text = verdict(
-                eager_samples, replay_samples, relative=per_bucket
+                eager_samples, replay_samples, relative=per_bucket or optimizer_only
             )
             if per_bucket and result != "unknown":
                 text += " (each bucket's replayed steps against its own eager steps)"
+            elif optimizer_only and result == "unknown":
+                text = (
+                    "no shape ran both before and after the optimizer graph's capture (no "
+                    "bucket was captured): nothing to compare like for like"
+                )
+            elif optimizer_only:
+                text += (
+                    " (each shape's steps after the optimizer graph's capture against its "
+                    "own steps before it)"
+                )
             no_graph_reason = None
             thin = thin_sample_note(len(eager_samples), len(replay_samples))
             if thin is not None and result != "unknown":
@@ -376,7 +395,13 @@ class Reporter:
         even = paid = None
         self.replayed = self.measurement.steps_replayed() if captured else None
         if captured and state.buckets is None:
-            even = break_even_steps(captures.seconds(), eager_ms, replay_ms)
+            inside = sum(r["stage"] == "training" for r in captures.records)
+            cost = capture_cost_seconds(
+                captures.seconds(), inside if state.full_iteration_mode else 0, replay_ms
+            )
+            even = break_even_steps(cost, eager_ms, replay_ms)
+            if result in ("slower", "no_gain"):
+                even = None  # a saving within the noise earns nothing back
             # the steps that did replay (up to a fallback or an invalidation, or where the
             # run ended early), not the ones train_iters planned
             paid = pays_off(eager_ms, replay_ms, even, self.replayed)
@@ -410,7 +435,13 @@ class Reporter:
             thin_sample=thin is not None,
             break_even_steps=even,
             pays_off=paid,
-            buckets=bucket_rows(bucket_summary, captures.records),
+            buckets=bucket_rows(
+                bucket_summary,
+                captures.records,
+                durations,
+                holding,
+                judge=lambda eager, replay: verdict(eager, replay, relative=True)[0],
+            ),
             invalidations=list(self.invalidations),
             shutdown_reason=reason,
             device=_device_name(state.cuda),
