@@ -26,4 +26,9 @@ def mcgraph_add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @hookimpl
 def mcgraph_configure(config: Any, pluginmanager: Any) -> None:
-    pluginmanager.register(CudaGraphPlugin.configure(config, pluginmanager))
+    plugin = CudaGraphPlugin.configure(config, pluginmanager)
+    try:
+        pluginmanager.register(plugin)
+    except BaseException:
+        plugin.forget_log_filter()  # (a refused registration: no shutdown will)
+        raise

@@ -80,6 +80,32 @@ def test_one_process_is_left_as_it_was(records, monkeypatch):
     ]
 
 
+@pytest.mark.parametrize("fails", ["construction", "registration"])
+def test_a_plugin_refused_after_its_configuration_leaves_no_rank_filter(monkeypatch, fails):
+    """The rank filter goes on the logger when the configuration is checked; a plugin that
+    then fails to be made or registered never runs, so no shutdown takes it off (third
+    review: it stayed on the logger, into the next run of the process)."""
+    from cudagraph_plugin import compat, entry
+    from cudagraph_plugin.runtime import peers
+
+    monkeypatch.setattr(compat, "cuda_available", lambda: False)
+    logger = logging.getLogger(LOGGER_NAME)
+    before = list(logger.filters)
+
+    class RefusingManager:  # pluggy's PluginManager.register(plugin, name=None), refusing
+        def register(self, plugin, name=None):
+            raise ValueError("Plugin name already registered: cudagraph")
+
+    def broken_watch(state):
+        raise RuntimeError("the job watch could not be made")
+
+    if fails == "construction":
+        monkeypatch.setattr(peers, "JobWatch", broken_watch)
+    with pytest.raises((RuntimeError, ValueError)):
+        entry.mcgraph_configure(config={}, pluginmanager=RefusingManager())
+    assert logger.filters == before
+
+
 @pytest.mark.parametrize(
     "rank,world_size,said_here,said,waited",
     [

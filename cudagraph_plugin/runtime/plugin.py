@@ -101,10 +101,23 @@ class CudaGraphPlugin:
         settings = result.settings
         log_filter = ranklog.install(every_rank=settings.log_all_ranks)
         try:
-            result.apply(config)
+            return cls._configured(result, config, pluginmanager, cuda, log_filter)
         except BaseException:
+            # (no run follows, so no shutdown removes it: it would stay on the logger)
             ranklog.remove(log_filter)
             raise
+
+    @classmethod
+    def _configured(
+        cls,
+        result: Any,
+        config: Any,
+        pluginmanager: Any,
+        cuda: bool,
+        log_filter: ranklog.RankFilter,
+    ) -> CudaGraphPlugin:
+        settings = result.settings
+        result.apply(config)
         for note in result.advice:
             logger.warning("advice: %s", note, extra=JOB_WIDE)
         for note in result.notes:
@@ -292,9 +305,14 @@ class CudaGraphPlugin:
         try:
             self.release.release_all(reason, self.release_extra, quiet=quiet, exception=exception)
         finally:
-            if self.log_filter is not None:
-                ranklog.remove(self.log_filter)
-                self.log_filter = None
+            self.forget_log_filter()
+
+    def forget_log_filter(self) -> None:
+        """Take the run's rank filter off the plugin's logger (at shutdown, or when the
+        plugin was refused before any run)."""
+        if self.log_filter is not None:
+            ranklog.remove(self.log_filter)
+            self.log_filter = None
 
     def _drop_references(self) -> None:
         # The run is over: nothing here may keep the model or optimizer alive.
