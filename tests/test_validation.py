@@ -1392,6 +1392,23 @@ def test_advice_enough_warmup_steps_says_nothing():
     assert notes(bridge(cuda_graph_warmup_steps=2)) == []
 
 
+def fallback_notes(baseline=None, **model):
+    config = full_iteration(**model)
+    config.cuda_graph_fallback_on_slowdown = True  # (the plugin's own fields: top level)
+    config.cuda_graph_baseline_steps = baseline
+    return [n for n in notes(config) if n.startswith("cuda_graph_fallback_on_slowdown")]
+
+
+def test_advice_a_fallback_that_would_decide_from_too_few_eager_steps():
+    """The fallback frees the graph for the rest of the run on its verdict: from the 2
+    eager steps of the default warm-up, one noisy step decides it."""
+    (note,) = fallback_notes()  # warm-up 3: steps 1 and 2 are the eager samples
+    assert note.startswith("cuda_graph_fallback_on_slowdown decides from 2 eager step(s)")
+    assert "--cuda-graph-baseline-steps 5" in note
+    assert fallback_notes(baseline=5) == []
+    assert fallback_notes(cuda_graph_warmup_steps=6) == []
+
+
 @pytest.mark.parametrize(
     "config",
     [

@@ -13,6 +13,10 @@ from cudagraph_plugin.config.environment import expandable_segments_source
 from cudagraph_plugin.config.settings import Settings
 from cudagraph_plugin.config.vocabulary import SCOPES
 
+THIN_SAMPLE = 5
+"""Steps on either side below which a speed-up is reported as not to be trusted (and the
+fallback policy is advised to measure more eager steps)."""
+
 
 def _scope_value(s: Settings) -> str:
     return ",".join(s.scope) if s.scope else "(empty)"
@@ -86,6 +90,14 @@ def advice(settings: Settings, environ: Any = None) -> list[str]:
             f"cuda_graph_baseline_steps={s.baseline_steps}: capturing after "
             f"{s.warmup_steps} eager step(s) instead of {s.warmup_from_baseline}, so the report's "
             f"eager figure rests on {s.baseline_steps} of them"
+        )
+    eager_samples = s.warmup_steps - 1  # (the first step is no sample)
+    if s.fallback_on_slowdown and s.full_iteration and 0 < eager_samples < THIN_SAMPLE:
+        notes.append(
+            f"cuda_graph_fallback_on_slowdown decides from {eager_samples} eager step(s) (the "
+            "warm-up's, without the first): one noisy step can free the graph for the rest of "
+            f"the run; measure at least {THIN_SAMPLE} with --cuda-graph-baseline-steps "
+            f"{THIN_SAMPLE} (cuda_graph_baseline_steps)"
         )
     if s.warmup_steps < 2:
         notes.append(

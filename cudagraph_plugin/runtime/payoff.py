@@ -15,10 +15,8 @@ import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+from cudagraph_plugin.config.advice import THIN_SAMPLE
 from cudagraph_plugin.runtime.timing import median_or_none
-
-THIN_SAMPLE = 5
-"""Steps on either side below which a speed-up is reported as not to be trusted."""
 
 
 def thin_sample_note(eager_steps: int, replay_steps: int) -> str | None:

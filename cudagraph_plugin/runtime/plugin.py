@@ -72,17 +72,7 @@ class CudaGraphPlugin:
         self.steps = StepListener(state, self.measurement, self.wiring, self.fallback)
         self.reporter = Reporter(state, self.measurement, self.capture, self.invalidation.events)
         self.release = ReleasePlan(state, self.capture)
-        # (made here, not at shutdown: the less runs before the release, the less a second
-        # Ctrl-C can land before it)
-        self.release_extra = [
-            ReleaseStep("static-shape guard", self.guard.disarm),
-            ReleaseStep("pending manual hooks", self.te_capture.forget_manual_hooks),
-            ReleaseStep("model and optimizer references", self._drop_references),
-            ReleaseStep(
-                "megatron-core's gradient-norm kernels",
-                lambda: build.release_device_grad_norm(self.state),
-            ),
-        ]
+        self.release_extra = _own_release_steps(self)
         self.shutdown = Shutdown(state, self.reporter, self._release_all)
         self.log_filter: ranklog.RankFilter | None = None
         self.job = peers.JobWatch(state)
@@ -98,39 +88,14 @@ class CudaGraphPlugin:
             te_available=compat.te_available if cuda else None,
             nccl_initialized=compat.nccl_initialized,
         )
-        settings = result.settings
-        log_filter = ranklog.install(every_rank=settings.log_all_ranks)
+        log_filter = ranklog.install(every_rank=result.settings.log_all_ranks)
         try:
-            return cls._configured(result, config, pluginmanager, cuda, log_filter)
+            result.apply(config)
+            _say_configured(result, cuda)
+            plugin = cls(result.settings, pluginmanager, cuda=cuda)
         except BaseException:
-            # (no run follows, so no shutdown removes it: it would stay on the logger)
-            ranklog.remove(log_filter)
+            ranklog.remove(log_filter)  # (no run follows: no shutdown would take it off)
             raise
-
-    @classmethod
-    def _configured(
-        cls,
-        result: Any,
-        config: Any,
-        pluginmanager: Any,
-        cuda: bool,
-        log_filter: ranklog.RankFilter,
-    ) -> CudaGraphPlugin:
-        settings = result.settings
-        result.apply(config)
-        for note in result.advice:
-            logger.warning("advice: %s", note, extra=JOB_WIDE)
-        for note in result.notes:
-            logger.info("note: %s", note, extra=JOB_WIDE)
-        if settings.enabled and not cuda:
-            logger.warning(
-                "CUDA graphs need a CUDA device and none is available: this run is eager and "
-                "captures nothing (cuda_graph_impl=%s, scope=%s was validated)",
-                settings.impl,
-                ",".join(settings.scope),
-                extra=JOB_WIDE,
-            )
-        plugin = cls(settings, pluginmanager, cuda=cuda)
         plugin.log_filter = log_filter
         return plugin
 
@@ -319,3 +284,35 @@ class CudaGraphPlugin:
         self.state.model = None
         self.state.model_config = None
         self.interceptor.forget()
+
+
+def _say_configured(result: Any, cuda: bool) -> None:
+    """The configuration's advice and notes, and that graphs need a device."""
+    settings = result.settings
+    for note in result.advice:
+        logger.warning("advice: %s", note, extra=JOB_WIDE)
+    for note in result.notes:
+        logger.info("note: %s", note, extra=JOB_WIDE)
+    if settings.enabled and not cuda:
+        logger.warning(
+            "CUDA graphs need a CUDA device and none is available: this run is eager and "
+            "captures nothing (cuda_graph_impl=%s, scope=%s was validated)",
+            settings.impl,
+            ",".join(settings.scope),
+            extra=JOB_WIDE,
+        )
+
+
+def _own_release_steps(plugin: CudaGraphPlugin) -> list[ReleaseStep]:
+    """What the plugin's own objects hold, released at shutdown after the mechanisms'.
+    (Made with the plugin, not at shutdown: the less runs before the release, the less a
+    second Ctrl-C can land before it.)"""
+    return [
+        ReleaseStep("static-shape guard", plugin.guard.disarm),
+        ReleaseStep("pending manual hooks", plugin.te_capture.forget_manual_hooks),
+        ReleaseStep("model and optimizer references", plugin._drop_references),
+        ReleaseStep(
+            "megatron-core's gradient-norm kernels",
+            lambda: build.release_device_grad_norm(plugin.state),
+        ),
+    ]
