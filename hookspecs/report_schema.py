@@ -263,10 +263,11 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "break_even_steps",
         "int | None",
         "steps",
-        "replayed steps after which the capture has paid for itself: `capture_seconds` (less "
-        "one replayed step per full-iteration training capture: megatron-core replays the "
-        "graph right after capturing it, as the capture step's own work) over the time each "
-        "replayed step saves",
+        "replayed steps after which the capture has paid for itself: what the captures cost "
+        "(the capture step's time beyond a replayed step's, megatron-core's replay right after "
+        "the capture being the step's own work; a capture outside a timed step, such as a "
+        "validation graph's, its `capture_seconds` share) over the time each replayed step "
+        "saves",
         "nothing was captured, a median is missing, replay saves nothing or nothing beyond "
         "the verdict's noise (`verdict` `slower` or `no_gain`), or buckets (each row of "
         "`buckets` has its own)",

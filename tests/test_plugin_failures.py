@@ -24,7 +24,7 @@ from cudagraph_plugin import compat
 from cudagraph_plugin.config.errors import CudaGraphConfigError
 from cudagraph_plugin.runtime import fallback, release_plan
 from cudagraph_plugin.runtime.timing import StepTimer
-from hookspecs import PeerFailed, SignalReceived, TrainingRun, hookimpl
+from hookspecs import PeerFailed, ShutdownReason, SignalReceived, TrainingRun, hookimpl
 from recording import FULL, OVERLAP, TE, RaiseAt, run_recorded
 
 pytestmark = needs_mcore_on_cpu
@@ -187,6 +187,14 @@ def test_a_shutdown_reason_of_the_host_s_own_still_frees_the_graphs(
         return call(self, hook_name, **kwargs)
 
     monkeypatch.setattr(run_module.TrainingRun, "_call", own_reason)
+    # what marks the end for the other ranks (peers.PeerWatch.end in a multi-rank job)
+    # takes a ShutdownReason too: it refused 'done' (fourth review)
+    from cudagraph_plugin.runtime import peers
+
+    marked = []
+    monkeypatch.setattr(
+        peers.JobWatch, "end", lambda self, reason, exception: marked.append(ShutdownReason(reason))
+    )
 
     class RaisesBeforeItsYield:  # (skips the plugin's wrapper: its guard frees the graphs)
         @hookimpl(wrapper=True)
@@ -203,6 +211,8 @@ def test_a_shutdown_reason_of_the_host_s_own_still_frees_the_graphs(
     assert graph.resets == 1
     assert not compat.full_iteration_state_dirty()
     assert "'done' is not one of hookspecs.ShutdownReason's values (completed, " in caplog.text
+    assert marked == [ShutdownReason.EXCEPTION]
+    assert len([r for r in caplog.records if "is not one of" in r.getMessage()]) == 1
 
 
 @pytest.mark.parametrize("local,anywhere", [("faster", True), ("slower", True), ("faster", False)])
@@ -243,19 +253,20 @@ def _interrupting_the_release(fake_graphs, monkeypatch, interruption: BaseExcept
 
 
 @pytest.mark.parametrize(
-    "interruption",
-    [KeyboardInterrupt(), SignalReceived(signal.SIGTERM), PeerFailed(1, "rank 1 died")],
+    "make",
+    [KeyboardInterrupt, lambda: SignalReceived(signal.SIGTERM), lambda: PeerFailed(1, "died")],
     ids=["ctrl-c", "sigterm", "peer-failed"],
 )
 @pytest.mark.parametrize("cause", ["invalidation", "fallback"])
 def test_an_interruption_while_graphs_are_freed_during_training_ends_the_run(
-    fake_graphs, monkeypatch, interruption, cause
+    fake_graphs, monkeypatch, make, cause
 ):
     """The host's invalidation and the fallback free graphs during training: an
     interruption that arrives then ends the run, shut down with the graphs freed (third
     review: it was logged as a failed release and the run trained on to 'completed')."""
     from recording import InvalidateAt
 
+    interruption = make()
     fired = _interrupting_the_release(fake_graphs, monkeypatch, interruption)
     if cause == "fallback":
         monkeypatch.setattr(
@@ -267,6 +278,10 @@ def test_an_interruption_while_graphs_are_freed_during_training_ends_the_run(
     with pytest.raises(type(interruption)) as info:
         run(*argv, "--cuda-graph-warmup-steps", "2", plugins=plugins, steps=14)
     assert info.value is interruption
+    assert (
+        "raised while releasing full-iteration training graph while freeing graphs during training"
+        in info.value.__notes__
+    )
     assert fired
     [graph] = fake_graphs.graphs
     assert graph.resets == 1

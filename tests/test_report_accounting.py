@@ -3,8 +3,8 @@ paid off, whose memory the overhead is, and what it says when no graph exists, t
 example loops on the CPU with fake graphs.
 
 Step times on the CPU say nothing about graphs (the fake replay runs the work in Python), so
-the tests that need a saving give the step timer fixed durations and the capture a fixed
-cost; the others assert which steps are counted, never how long they took.
+the tests that need a saving give the step timer fixed durations (the capture step's too:
+a capture costs what its step takes beyond a replayed one); the others assert which steps are counted, never how long they took.
 """
 
 from __future__ import annotations
@@ -23,7 +23,13 @@ from cudagraph_plugin.entry import RUN_PLUGIN_NAME
 from cudagraph_plugin.runtime import capture as capture_module
 from cudagraph_plugin.runtime import state as state_module
 from cudagraph_plugin.runtime import timing
-from cudagraph_plugin.runtime.payoff import bucket_rows, bucket_samples, key_samples, pays_off
+from cudagraph_plugin.runtime.payoff import (
+    bucket_rows,
+    bucket_samples,
+    capture_cost_seconds,
+    key_samples,
+    pays_off,
+)
 from cudagraph_plugin.runtime.report import verdict
 from cudagraph_plugin.runtime.timing import MemorySnapshot, split_samples
 from hookspecs.report_schema import schema_problems
@@ -35,20 +41,26 @@ CAPTURE = 2  # the capture step with --cuda-graph-warmup-steps 2
 WARMUP = ["--cuda-graph-warmup-steps", str(CAPTURE)]
 
 
-@pytest.fixture
-def saving(monkeypatch):
-    """Eager steps of 20 ms and replayed ones of 10 ms, a capture of 0.1 s (0.09 s beyond
-    the replay megatron-core runs right after capturing): earned back after 9 replayed
-    steps."""
+def step_times(monkeypatch, capture_step_ms: float) -> None:
+    """Eager steps of 20 ms, replayed ones of 10 ms, and the capture step's time: a capture
+    costs what its step takes beyond a replayed one."""
     timed = timing.StepTimer.durations_ms
 
     def durations_ms(self, sync=True):
-        return {s: 20.0 if s <= CAPTURE else 10.0 for s in timed(self, sync)}
+        return {
+            s: 20.0 if s < CAPTURE else capture_step_ms if s == CAPTURE else 10.0
+            for s in timed(self, sync)
+        }
 
     monkeypatch.setattr(timing.StepTimer, "durations_ms", durations_ms)
-    monkeypatch.setattr(
-        capture_module.Captures, "seconds", lambda self: 0.1 if self.records else None
-    )
+
+
+@pytest.fixture
+def saving(monkeypatch):
+    """A capture step of 110 ms, 100 ms beyond a replayed step (megatron-core replays the
+    graph right after capturing it: the step's own work): earned back after 10 replayed
+    steps of 10 ms saved each."""
+    step_times(monkeypatch, 110.0)
 
 
 # -- eager steps after an invalidation are no replays -------------------------------------
@@ -104,21 +116,20 @@ def test_a_run_that_replayed_fewer_steps_than_break_even_did_not_pay_off(
             plugins=[recorder, *plugins],
         )
     report = recorder.report
-    assert report.break_even_steps == 9 and report.replay_steps == timed
+    assert report.break_even_steps == 10 and report.replay_steps == timed
     assert report.pays_off is False  # the 397 steps train_iters planned would have paid off
     [warning] = [r.getMessage() for r in caplog.records if "within this run" in r.getMessage()]
-    assert "earned back after 9 replayed step(s)" in warning
+    assert "earned back after 10 replayed step(s)" in warning
     assert f"this run replayed {replayed} step(s)" in warning
 
 
-def test_a_run_longer_than_its_timed_steps_counts_every_replayed_step(fake_graphs, saving):
+def test_a_run_longer_than_its_timed_steps_counts_every_replayed_step(fake_graphs, monkeypatch):
     """Only 50 steps after the capture are timed; the steps that replayed are counted from
-    the step numbers: 77 here, beyond a break-even of 59 timed steps could not reach."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(capture_module.Captures, "seconds", lambda self: 0.6)
-        _, rec = run_recorded(*FULL, *WARMUP, steps=80)
+    the step numbers: 77 here, beyond a break-even of 60 timed steps could not reach."""
+    step_times(monkeypatch, 610.0)
+    _, rec = run_recorded(*FULL, *WARMUP, steps=80)
     report = rec.report
-    assert report.break_even_steps == 59 and len(report.replay_steps) == 50
+    assert report.break_even_steps == 60 and len(report.replay_steps) == 50
     assert report.pays_off is True
 
 
@@ -407,6 +418,23 @@ def test_with_buckets_and_only_the_optimizer_graph_no_length_is_set_against_anot
     assert report.verdict_text.startswith("no shape ran both before and after the optimizer")
 
 
+def test_a_capture_costs_what_its_step_takes_beyond_a_replayed_one():
+    """The training and optimizer captures of step 3 cost what step 3 took beyond a
+    replayed step (their own times hold the replay megatron-core runs after capturing); a
+    validation capture (in an evaluation, no timed step) and one in a step that was not
+    timed cost their own time."""
+    records = [
+        {"stage": "training", "step": 3, "seconds": 0.5},
+        {"stage": "optimizer", "step": 3, "seconds": 0.2},
+        {"stage": "validation", "step": 3, "seconds": 0.25},
+        {"stage": "optimizer", "step": 9, "seconds": 0.125},  # step 9 not timed
+    ]
+    durations = {2: 100.0, 3: 640.0, 4: 40.0}
+    assert capture_cost_seconds(records, durations, 40.0) == pytest.approx(0.6 + 0.25 + 0.125)
+    assert capture_cost_seconds(records, durations, None) == pytest.approx(1.075)
+    assert capture_cost_seconds([], durations, 40.0) is None
+
+
 def test_key_samples_compare_each_shape_with_itself_around_the_capture():
     rows = [
         # (its first step, 1, is no sample; 9 is after the replays ended)
@@ -430,7 +458,6 @@ def test_a_saving_within_the_noise_earns_no_capture_back(fake_graphs, monkeypatc
         "durations_ms",
         lambda self, sync=True: {s: 100.0 if s < 4 else 99.0 for s in timed(self, sync)},
     )
-    monkeypatch.setattr(capture_module.Captures, "seconds", lambda self: 0.1)
     with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
         _, rec = run_recorded(*FULL, "--cuda-graph-warmup-steps", "4", steps=120)
     report = rec.report

@@ -97,7 +97,7 @@ from cudagraph_plugin.runtime.guard import (
     fingerprint,
     signature,
 )
-from cudagraph_plugin.runtime.release import ReleaseStep, release_each, settle
+from cudagraph_plugin.runtime.release import DURING_TRAINING, ReleaseStep, release_each, settle
 from cudagraph_plugin.runtime.timing import median_or_none
 
 logger = logging.getLogger("cudagraph_plugin")
@@ -461,7 +461,7 @@ class BucketGraphs:
         )
         for callback in self.on_invalidate:
             callback(step, reason, result.graphs_freed)
-        settle(result.failures, None)
+        settle(result.failures, None, DURING_TRAINING)
         return result.graphs_freed
 
     # -- bookkeeping and release ------------------------------------------------------------

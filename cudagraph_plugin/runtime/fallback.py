@@ -13,7 +13,13 @@ from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.guard import ShapeGuard
 from cudagraph_plugin.runtime.measurement import Measurement
-from cudagraph_plugin.runtime.release import ReleaseResult, ReleaseStep, release_each, settle
+from cudagraph_plugin.runtime.release import (
+    DURING_TRAINING,
+    ReleaseResult,
+    ReleaseStep,
+    release_each,
+    settle,
+)
 from cudagraph_plugin.runtime.report import verdict
 from cudagraph_plugin.runtime.state import Phase, RunState
 
@@ -103,4 +109,4 @@ class Fallback:
         result = go_eager(state, self.captures, self.guard, state.full.graph_release_steps())
         self.graphs_freed += result.graphs_freed
         self.measurement.fallback_step = step
-        settle(result.failures, None)
+        settle(result.failures, None, DURING_TRAINING)

@@ -18,7 +18,7 @@ from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.fallback import go_eager
 from cudagraph_plugin.runtime.guard import ShapeGuard
-from cudagraph_plugin.runtime.release import ReleaseStep, settle
+from cudagraph_plugin.runtime.release import DURING_TRAINING, ReleaseStep, settle
 from cudagraph_plugin.runtime.state import Phase, RunState
 
 logger = logging.getLogger("cudagraph_plugin")
@@ -62,7 +62,7 @@ class Invalidation:
             freed,
         )
         self._record(reason, freed, "the run goes on eagerly")
-        settle(result.failures, None)
+        settle(result.failures, None, DURING_TRAINING)
 
     def bucket_invalidated(self, step: int | None, reason: str, freed: int) -> None:
         """The bucket graphs were invalidated: on the host's word or because the address

@@ -3,10 +3,9 @@ are too thin to trust the speed-up, after how many replays the capture cost is e
 (and whether the run lasts that long), and the same per sequence-length bucket.
 
 Break-even: a capture costs what it adds to the step it runs in (:func:`capture_cost_seconds`:
-its time, less the replay megatron-core's full-iteration wrapper runs right after capturing,
-which is that step's own work); each replayed step saves ``eager_ms - replay_ms``; the
-capture has paid for itself after ``ceil(cost_ms / saving)`` replayed steps (never, when
-replay saves nothing, or nothing beyond the verdict's noise).
+that step's time less a replayed step's); each replayed step saves ``eager_ms -
+replay_ms``; the capture has paid for itself after ``ceil(cost_ms / saving)`` replayed
+steps (never, when replay saves nothing, or nothing beyond the verdict's noise).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from cudagraph_plugin.config.advice import THIN_SAMPLE
+from cudagraph_plugin.runtime.capture import IN_STEP_STAGES
 from cudagraph_plugin.runtime.timing import median_or_none
 
 
@@ -31,18 +31,29 @@ def thin_sample_note(eager_steps: int, replay_steps: int) -> str | None:
 
 
 def capture_cost_seconds(
-    capture_seconds: float | None, replays_inside: int, replay_ms: float | None
+    records: Sequence[Mapping[str, Any]],
+    durations_ms: Mapping[int, float],
+    replay_ms: float | None,
 ) -> float | None:
-    """What captures that took ``capture_seconds`` cost the run: that time, less the
-    ``replays_inside`` replays it includes (megatron-core's full-iteration wrapper replays
-    its graph right after capturing it: the capture step's own forward/backward, which every
-    step does), each one replayed step's time (``replay_ms``; nothing is taken off without
-    it). None without a capture."""
-    if capture_seconds is None:
+    """What the captures of ``records`` cost the run beyond the work of the steps they ran
+    in (None without one): for each timed step that held captures (the training graph's,
+    the optimizer graph's), that step's time less a replayed step's (``replay_ms``: the
+    same work, without capturing; megatron-core's full-iteration wrapper replays its graph
+    right after capturing it, so the capture's own time holds that work); for a capture
+    outside a timed step (a validation graph's, in an evaluation) or without a replay
+    median, the capture's own time."""
+    if not records:
         return None
-    if replay_ms is None:
-        return capture_seconds
-    return max(0.0, capture_seconds - replays_inside * replay_ms / 1000.0)
+    cost_ms = 0.0
+    steps: set[int] = set()
+    for record in records:
+        step = record["step"]
+        if record["stage"] in IN_STEP_STAGES and step in durations_ms and replay_ms is not None:
+            steps.add(step)
+        else:
+            cost_ms += record["seconds"] * 1000.0
+    cost_ms += sum(max(0.0, durations_ms[step] - replay_ms) for step in steps)  # type: ignore[operator]
+    return cost_ms / 1000.0
 
 
 def break_even_steps(

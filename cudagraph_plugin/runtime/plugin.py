@@ -239,7 +239,7 @@ class CudaGraphPlugin:
     # graphs are freed, then goes on: raising before the yield would skip every shutdown.
     @hookimpl(wrapper=True, tryfirst=True, specname="mcgraph_shutdown")
     def shutdown_guard(self, reason: Any, exception: BaseException | None) -> Any:
-        mark_error = self._end_job(reason, exception)
+        mark_error = self._end_job(self.shutdown.reason_of(reason), exception)
         try:
             result = yield from self.shutdown.guard(reason, exception)
         finally:

@@ -36,6 +36,9 @@ class ReleaseResult:
     failures: list[tuple[str, BaseException]] = dataclasses.field(default_factory=list)
 
 
+DURING_TRAINING = "while freeing graphs during training"
+""":func:`settle`'s ``where`` for a release between steps (an invalidation, the fallback)."""
+
 PLAN_ATTEMPTS = 2
 """How often :func:`release_each` draws up a plan that raised while being drawn up."""
 
@@ -88,12 +91,16 @@ def _release_pending(pending: collections.deque[ReleaseStep], result: ReleaseRes
             result.graphs_freed += freed
 
 
-def settle(failures: list[tuple[str, BaseException]], run_exception: BaseException | None) -> None:
+def settle(
+    failures: list[tuple[str, BaseException]],
+    run_exception: BaseException | None,
+    where: str = "at shutdown",
+) -> None:
     """Report cleanup failures without hiding the run's own exception.
 
     With a run exception, each failure becomes a note on it. Without one, the first
     failure is raised (a KeyboardInterrupt first, so a Ctrl-C during cleanup still stops
-    the program) with notes naming the others.
+    the program) with notes naming the others (``where``: when the release ran).
     """
     if not failures:
         return
@@ -103,7 +110,7 @@ def settle(failures: list[tuple[str, BaseException]], run_exception: BaseExcepti
         return
     ordered = sorted(failures, key=lambda item: not isinstance(item[1], KeyboardInterrupt))
     (resource, first), rest = ordered[0], ordered[1:]
-    first.add_note(f"raised while releasing {resource} at shutdown")
+    first.add_note(f"raised while releasing {resource} {where}")
     for other_resource, exc in rest:
         first.add_note(f"cleanup: releasing {other_resource} also failed: {exc!r}")
     raise first

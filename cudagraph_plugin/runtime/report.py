@@ -395,10 +395,7 @@ class Reporter:
         even = paid = None
         self.replayed = self.measurement.steps_replayed() if captured else None
         if captured and state.buckets is None:
-            inside = sum(r["stage"] == "training" for r in captures.records)
-            cost = capture_cost_seconds(
-                captures.seconds(), inside if state.full_iteration_mode else 0, replay_ms
-            )
+            cost = capture_cost_seconds(captures.records, durations, replay_ms)
             even = break_even_steps(cost, eager_ms, replay_ms)
             if result in ("slower", "no_gain"):
                 even = None  # a saving within the noise earns nothing back

@@ -30,6 +30,27 @@ class Shutdown:
         self.reporter = reporter
         self.release_all = release_all
         self.entered = False
+        self._said_reason = False
+
+    def reason_of(self, reason: Any) -> ShutdownReason:
+        """``reason`` as a :class:`~hookspecs.ShutdownReason`. A host firing
+        ``mcgraph_shutdown`` itself with a reason of its own gets an abnormal end
+        (``exception``: the graphs freed without waiting on the device, the failure marked
+        for the other ranks), said once."""
+        try:
+            return ShutdownReason(reason)
+        except (ValueError, TypeError):
+            if not self._said_reason:
+                self._said_reason = True
+                logger.warning(
+                    "mcgraph_shutdown: reason %r is not one of hookspecs.ShutdownReason's "
+                    "values (%s); it is taken as %r. Fix: pass a ShutdownReason (TrainingRun "
+                    "does)",
+                    reason,
+                    ", ".join(r.value for r in ShutdownReason),
+                    ShutdownReason.EXCEPTION.value,
+                )
+            return ShutdownReason.EXCEPTION
 
     def wrap(self, reason: Any, exception: BaseException | None) -> Generator[None, Any, Any]:
         # The report goes out before the inner shutdown implementations run (they may close
@@ -39,6 +60,7 @@ class Shutdown:
         # until the inner implementations ran and the graphs are freed, then goes on.
         # (``entered`` is set last before the ``try``: anything raised before it leaves the
         # release to the guard)
+        reason = self.reason_of(reason)
         quiet = device_may_block(reason, self.state)
         report_error: BaseException | None = None
         self.entered = True
@@ -64,7 +86,7 @@ class Shutdown:
             return (yield)
         except BaseException as error:
             if not self.entered:
-                self._skipped(str(reason), exception or error)
+                self._skipped(str(self.reason_of(reason)), exception or error)
             raise
 
     def _skipped(self, reason: str, exception: BaseException) -> None:
@@ -88,18 +110,7 @@ def device_may_block(reason: Any, state: RunState) -> bool:
     queued on this device: waiting on it (a synchronisation, a cache flush) can hang. A
     peer's failure always is such an end (its process groups are aborted by then, so the
     world size is the one cached while they lived)."""
-    try:
-        reason = ShutdownReason(reason)
-    except ValueError:
-        # a host firing mcgraph_shutdown itself with a reason of its own: the graphs are
-        # still freed, as after an abnormal end
-        logger.warning(
-            "mcgraph_shutdown: reason %r is not one of hookspecs.ShutdownReason's values (%s); "
-            "it is taken as an abnormal end. Fix: pass a ShutdownReason (TrainingRun does)",
-            reason,
-            ", ".join(r.value for r in ShutdownReason),
-        )
-        return state.rank_and_world()[1] > 1
+    reason = ShutdownReason(reason)
     if reason is ShutdownReason.PEER_FAILED:
         return True
     return reason.abnormal and state.rank_and_world()[1] > 1
