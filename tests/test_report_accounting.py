@@ -4,7 +4,8 @@ example loops on the CPU with fake graphs.
 
 Step times on the CPU say nothing about graphs (the fake replay runs the work in Python), so
 the tests that need a saving give the step timer fixed durations (the capture step's too:
-a capture costs what its step takes beyond a replayed one); the others assert which steps are counted, never how long they took.
+a capture costs what its step takes beyond a replayed one); the others assert which steps
+are counted, never how long they took.
 """
 
 from __future__ import annotations
