@@ -219,6 +219,15 @@ def test_impl_none_with_scope_is_ok_and_clears_it():
     assert lines(out)[0].startswith("cuda graphs: impl=none scope=- ")
 
 
+def test_impl_none_clears_both_scope_flags_each_with_its_own_value():
+    # (refused anyway: both generations' flags may not be given together)
+    _, out = check(["--cuda-graph-modules", "attn", "--cuda-graph-scope", "mlp"])
+    assert "auto-fix: cuda_graph_impl is none: cleared --cuda-graph-scope (was mlp)" in lines(out)
+    assert "auto-fix: cuda_graph_impl is none: cleared --cuda-graph-modules (was attn)" in lines(
+        out
+    )
+
+
 def test_graphs_on_without_scope_fails():
     code, out = check(["--cuda-graph-impl", "transformer_engine"])
     assert code == 1

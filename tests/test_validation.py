@@ -1530,6 +1530,18 @@ def test_autofix_impl_none_clears_new_generation_modules():
     assert changes == ["cuda_graph_impl is none: cleared model.cuda_graph_modules (was attn)"]
 
 
+def test_autofix_impl_none_says_each_cleared_field_s_own_value():
+    # both generations' fields set: each line names that field's value, not the merged scope
+    config = bridge("none", ["mlp"], cuda_graph_modules="attn")
+    changes = apply_autofixes(config, read_settings(config))
+    assert config.model.cuda_graph_scope == []
+    assert config.model.cuda_graph_modules == []
+    assert sorted(changes) == [
+        "cuda_graph_impl is none: cleared model.cuda_graph_modules (was attn)",
+        "cuda_graph_impl is none: cleared model.cuda_graph_scope (was mlp)",
+    ]
+
+
 def test_autofix_impl_none_clears_a_namespace_scope():
     args = argparse.Namespace(cuda_graph_impl="none", cuda_graph_scope="attn,mlp")
     assert apply_autofixes(args, read_settings(args)) == [
