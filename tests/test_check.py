@@ -228,6 +228,33 @@ def test_impl_none_clears_both_scope_flags_each_with_its_own_value():
     )
 
 
+@pytest.mark.parametrize(
+    "argv,value",
+    [
+        ([*DENSE_TE], "(True, 'transformer_engine', 'attn,mlp')"),
+        ([], "(True, 'none', '(empty)')"),  # graphs off
+        (["--cuda-graph-scope", "attn"], "(True, 'none', '(empty)')"),  # the scope cleared
+    ],
+    ids=["te-scopes", "graphs-off", "graphs-off-with-scope"],
+)
+def test_fallback_without_full_iteration_fails(argv, value):
+    code, out = check([*argv, "--cuda-graph-fallback-on-slowdown"])
+    assert code == 1, out
+    assert (
+        "1. --cuda-graph-fallback-on-slowdown, --cuda-graph-impl, --cuda-graph-scope = "
+        f"{value}: the fallback policy frees the full-iteration graph" in out
+    )
+    assert (
+        "fix: use cuda_graph_impl=local with scope full_iteration, or drop "
+        "cuda_graph_fallback_on_slowdown"
+    ) in lines(out)
+
+
+def test_fallback_with_full_iteration_is_ok():
+    code, out = check([*DENSE_FULL_ITERATION, "--cuda-graph-fallback-on-slowdown"])
+    assert code == 0, out
+
+
 def test_graphs_on_without_scope_fails():
     code, out = check(["--cuda-graph-impl", "transformer_engine"])
     assert code == 1

@@ -60,6 +60,12 @@ def with_optimizer(config, **fields):
     return config
 
 
+def with_fallback(config, value=True):
+    """``config`` with the fallback policy set (a top-level field, as the plugin's own)."""
+    config.cuda_graph_fallback_on_slowdown = value
+    return config
+
+
 def accepted(config):
     violations = find_violations(read_settings(config))
     assert violations == [], "\n".join(v.format() for v in violations)
@@ -169,6 +175,10 @@ RULE_CASES = {
         full_iteration(cuda_graph_warmup_steps=0),
     ),
     "_fp16_full_iteration": (bridge(scope="attn", fp16=True), full_iteration(fp16=True)),
+    "_fallback_full_iteration": (
+        with_fallback(full_iteration()),
+        with_fallback(bridge()),  # TE scopes: no full-iteration graph
+    ),
     "_pipeline_full_iteration": (
         full_iteration(pipeline_model_parallel_size=2, batch_p2p_comm=False),
         full_iteration(pipeline_model_parallel_size=2),
@@ -2138,6 +2148,43 @@ def test_megatron_lm_flags_that_break_the_optimizer_graph(monkeypatch, argv, fie
     assert len(matching) == 1, problems
     assert field in matching[0].fields[0]
     assert find_violations(read_settings(argparse.Namespace(**base))) == []
+
+
+@pytest.mark.parametrize(
+    "config,value",
+    [
+        (bridge(), "(True, 'transformer_engine', 'attn,mlp')"),
+        (bridge("local", "attn"), "(True, 'local', 'attn')"),
+        # graphs off: the flag would do nothing, as buckets would
+        (bridge("none", []), "(True, 'none', '(empty)')"),
+        (bridge("none", "attn"), "(True, 'none', 'attn')"),
+    ],
+    ids=["te-scopes", "local-attn", "graphs-off", "graphs-off-with-scope"],
+)
+def test_fallback_outside_full_iteration_is_refused(config, value):
+    rejected(
+        with_fallback(config),
+        fields=[
+            "cuda_graph_fallback_on_slowdown",
+            "model.cuda_graph_impl",
+            "model.cuda_graph_scope",
+        ],
+        value=value,
+        phrase="without a full-iteration graph it does nothing",
+        fix="use cuda_graph_impl=local with scope full_iteration, or drop "
+        "cuda_graph_fallback_on_slowdown",
+    )
+
+
+@pytest.mark.parametrize("value", [True, "yes"])
+def test_fallback_with_full_iteration_is_accepted(value):
+    accepted(with_fallback(full_iteration(), value))
+
+
+@pytest.mark.parametrize("value", [False, "off", None])
+def test_fallback_off_is_accepted_with_any_scope(value):
+    accepted(with_fallback(bridge(), value))
+    accepted(with_fallback(bridge("none", []), value))
 
 
 @pytest.mark.parametrize(
