@@ -255,6 +255,22 @@ def test_fallback_with_full_iteration_is_ok():
     assert code == 0, out
 
 
+def test_a_report_json_that_is_a_directory_fails(tmp_path):
+    code, out = check(["--cuda-graph-report-json", str(tmp_path)])
+    assert code == 1, out
+    assert (
+        f"1. --cuda-graph-report-json = {str(tmp_path)!r}: the run report cannot be written "
+        "there (it is a directory)"
+    ) in out
+    assert (
+        "fix: point --cuda-graph-report-json at a file in a writable directory (missing "
+        "directories are created), or drop it"
+    ) in lines(out)
+    code, out = check(["--cuda-graph-report-json", str(tmp_path / "runs" / "report.json")])
+    assert code == 0, out
+    assert not (tmp_path / "runs").exists()  # the check creates nothing
+
+
 def test_graphs_on_without_scope_fails():
     code, out = check(["--cuda-graph-impl", "transformer_engine"])
     assert code == 1

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 import re
+import tempfile
 import warnings
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
@@ -63,6 +66,12 @@ def with_optimizer(config, **fields):
 def with_fallback(config, value=True):
     """``config`` with the fallback policy set (a top-level field, as the plugin's own)."""
     config.cuda_graph_fallback_on_slowdown = value
+    return config
+
+
+def with_report(config, path):
+    """``config`` with the run report's JSON path set (a top-level field, as the plugin's own)."""
+    config.cuda_graph_report_json = path
     return config
 
 
@@ -186,6 +195,10 @@ RULE_CASES = {
     "_buckets": (
         full_iteration(cuda_graph_buckets="256,512"),
         bridge(cuda_graph_buckets="256,512"),  # TE scopes: buckets are full-iteration graphs
+    ),
+    "_report_json_writable": (
+        with_report(bridge(), os.path.join(tempfile.gettempdir(), "no-such-dir", "r.json")),
+        with_report(bridge(), tempfile.gettempdir()),  # a directory
     ),
     "_optimizer_graph": (
         with_optimizer(bridge(), optimizer_cuda_graph=False),
@@ -2281,3 +2294,74 @@ def test_an_optimizer_name_is_read_as_written_and_judged_only_by_the_optimizer_g
     settings = read_settings(with_optimizer(full_iteration(), optimizer="Adam"))
     assert settings.optimizer == "Adam" and settings.input_problems == ()
     accepted(with_optimizer(bridge(scope="attn,mlp"), optimizer="AdamW"))
+
+
+# -- the run report's JSON path -------------------------------------------------------------------
+
+REPORT_FIX = (
+    "point cuda_graph_report_json at a file in a writable directory (missing directories are "
+    "created), or drop it"
+)
+
+
+@pytest.mark.parametrize("impl,scope", [("none", []), ("local", "full_iteration")])
+def test_a_report_path_that_is_a_directory_is_refused_in_any_mode(tmp_path, impl, scope):
+    rejected(
+        with_report(bridge(impl, scope), str(tmp_path)),
+        fields=["cuda_graph_report_json"],
+        value=repr(str(tmp_path)),
+        phrase="the run report cannot be written there (it is a directory); it is written at "
+        "shutdown, so the run would fail after its last step",
+        fix=REPORT_FIX,
+    )
+
+
+def test_a_report_path_under_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    path = tmp_path / "file" / "sub" / "r.json"
+    rejected(
+        with_report(bridge(), path),  # a Path too, as a host may give it
+        fields=["cuda_graph_report_json"],
+        value=repr(str(path)),
+        phrase=f"the run report cannot be written there ({str(tmp_path / 'file')!r} is not a "
+        "directory)",
+        fix=REPORT_FIX,
+    )
+
+
+def test_a_report_path_in_an_unwritable_directory_is_refused(tmp_path, monkeypatch):
+    # (os.access, not chmod: the suite may run as root, for whom every directory is writable)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode))
+    for path in (locked / "r.json", locked / "missing" / "r.json"):
+        rejected(
+            with_report(bridge(), str(path)),
+            fields=["cuda_graph_report_json"],
+            value=repr(str(path)),
+            phrase=f"(the directory {str(locked)!r} is not writable)",
+            fix=REPORT_FIX,
+        )
+
+
+def test_a_report_file_that_is_not_writable_is_refused(tmp_path, monkeypatch):
+    path = tmp_path / "r.json"
+    path.write_text("{}")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != path and real_access(p, mode))
+    rejected(
+        with_report(bridge(), str(path)),
+        fields=["cuda_graph_report_json"],
+        value=repr(str(path)),
+        phrase="(the file exists and is not writable)",
+        fix=REPORT_FIX,
+    )
+
+
+def test_report_paths_the_report_can_be_written_to_are_accepted(tmp_path, monkeypatch):
+    (tmp_path / "old.json").write_text("{}")  # replaced at shutdown
+    monkeypatch.chdir(tmp_path)
+    for path in ("r.json", "old.json", str(tmp_path / "new" / "deeper" / "r.json"), None, ""):
+        accepted(with_report(bridge(), path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]  # the check wrote nothing
