@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import signal
 import sys
@@ -111,6 +112,19 @@ def _classify(exc: BaseException | None, completed: bool) -> ShutdownReason:
     return ShutdownReason.EXCEPTION
 
 
+def _step_number(where: str, name: str, value: Any) -> int:
+    """``value`` as an int (a numpy integer too: ``__index__``); a bool, a float (``0.0 ==
+    0``) or anything else is refused, naming ``where``'s argument ``name`` and the value."""
+    if not isinstance(value, bool):
+        with contextlib.suppress(TypeError):
+            return operator.index(value)
+    raise TypeError(
+        f"{where}: {name} must be an integer, got {value!r} ({type(value).__name__}); "
+        f"pass {name} as an int (int({name}) for a whole number read as a float, e.g. "
+        "from JSON)"
+    )
+
+
 class TrainingRun:
     """Fires the lifecycle hooks of one training run in order.
 
@@ -152,6 +166,8 @@ class TrainingRun:
         start_step: int = 0,
         handle_signals: tuple[int, ...] = (signal.SIGTERM,),
     ) -> None:
+        train_iters = _step_number("TrainingRun", "train_iters", train_iters)
+        start_step = _step_number("TrainingRun", "start_step", start_step)
         if start_step < 0 or train_iters < start_step:
             raise ValueError(
                 f"TrainingRun: need 0 <= start_step <= train_iters, got start_step={start_step}"
@@ -174,6 +190,7 @@ class TrainingRun:
         self._warmup_steps: int | None = None
         self._post_warmup_fired = False
         self._next_step = start_step
+        self._running_step: int | None = None  # the step whose train_step is entered
         self.progress = StepProgress()
         # Which per-step hooks have an implementation (start, end), as of the manager's
         # registration count ``_seen`` (McgraphPluginManager.registrations); a manager
@@ -298,8 +315,9 @@ class TrainingRun:
         """One training step: start (and post-warmup) hooks on entry, end hook on success.
 
         A context manager whose value is a dict the host fills with the step's metrics for
-        ``mcgraph_train_step_end``. Steps must be consecutive from ``start_step``: the
-        capture step depends on it. ``progress.step`` is the step on entry, before any hook.
+        ``mcgraph_train_step_end``. Steps are integers, run one at a time, consecutive from
+        ``start_step``: the capture step depends on it. ``progress.step`` is the step on
+        entry, before any hook.
 
         It runs on every step, so it costs what it must and no more: a small class rather
         than a generator, and a step hook that no registered plugin implements is not
@@ -307,6 +325,8 @@ class TrainingRun:
         counts registrations; the check is redone only when that count moved, so a plugin
         registered or unregistered mid-run is heard, or left alone, from the next hook on).
         """
+        if type(step) is not int:  # the one test an int step pays
+            step = _step_number("TrainingRun.train_step", "step", step)
         return _TrainStep(self, step)
 
     def _look_for_step_listeners(self, counted: McgraphPluginManager) -> None:
@@ -322,6 +342,11 @@ class TrainingRun:
         """:class:`_TrainStep`'s entry (what ``with run.train_step(step)`` runs first)."""
         if not self._entered or self.shutdown_reason is not None:
             self._check_active()  # raises; inline otherwise, as this runs on every step
+        if self._running_step is not None:
+            raise RuntimeError(
+                f"TrainingRun.train_step(step={step}) entered while step {self._running_step} "
+                "is still running; leave one train_step before entering the next"
+            )
         if step != self._next_step:
             raise ValueError(
                 f"TrainingRun.train_step(step={step}): the next step is {self._next_step}; "
@@ -350,6 +375,8 @@ class TrainingRun:
             # twice (the hook fires exactly once per run).
             self._post_warmup_fired = True
             self._call("mcgraph_post_warmup_step", step=step, start_step=self.start_step)
+        # last: a start hook that raised leaves no step running (__exit__ is not called then)
+        self._running_step = step
         return {}
 
     def step_padded(self, *, seq_length: int, real_tokens: int, padded_tokens: int) -> None:
@@ -546,8 +573,9 @@ class _TrainStep:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         # TrainingRun's step end, here: it runs on every step, one call less
+        run = self._run
+        run._running_step = None  # on both paths: a failed step may be run again
         if exc_type is None:
-            run = self._run
             step = self._step
             run._next_step = step + 1
             counted = run._counted

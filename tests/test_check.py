@@ -219,6 +219,58 @@ def test_impl_none_with_scope_is_ok_and_clears_it():
     assert lines(out)[0].startswith("cuda graphs: impl=none scope=- ")
 
 
+def test_impl_none_clears_both_scope_flags_each_with_its_own_value():
+    # (refused anyway: both generations' flags may not be given together)
+    _, out = check(["--cuda-graph-modules", "attn", "--cuda-graph-scope", "mlp"])
+    assert "auto-fix: cuda_graph_impl is none: cleared --cuda-graph-scope (was mlp)" in lines(out)
+    assert "auto-fix: cuda_graph_impl is none: cleared --cuda-graph-modules (was attn)" in lines(
+        out
+    )
+
+
+@pytest.mark.parametrize(
+    "argv,value",
+    [
+        ([*DENSE_TE], "(True, 'transformer_engine', 'attn,mlp')"),
+        ([], "(True, 'none', '(empty)')"),  # graphs off
+        (["--cuda-graph-scope", "attn"], "(True, 'none', '(empty)')"),  # the scope cleared
+    ],
+    ids=["te-scopes", "graphs-off", "graphs-off-with-scope"],
+)
+def test_fallback_without_full_iteration_fails(argv, value):
+    code, out = check([*argv, "--cuda-graph-fallback-on-slowdown"])
+    assert code == 1, out
+    assert (
+        "1. --cuda-graph-fallback-on-slowdown, --cuda-graph-impl, --cuda-graph-scope = "
+        f"{value}: the fallback policy frees the full-iteration graph" in out
+    )
+    assert (
+        "fix: use cuda_graph_impl=local with scope full_iteration, or drop "
+        "cuda_graph_fallback_on_slowdown"
+    ) in lines(out)
+
+
+def test_fallback_with_full_iteration_is_ok():
+    code, out = check([*DENSE_FULL_ITERATION, "--cuda-graph-fallback-on-slowdown"])
+    assert code == 0, out
+
+
+def test_a_report_json_that_is_a_directory_fails(tmp_path):
+    code, out = check(["--cuda-graph-report-json", str(tmp_path)])
+    assert code == 1, out
+    assert (
+        f"1. --cuda-graph-report-json = {str(tmp_path)!r}: the run report cannot be written "
+        "there (it is a directory)"
+    ) in out
+    assert (
+        "fix: point --cuda-graph-report-json at a file in a writable directory (missing "
+        "directories are created), or drop it"
+    ) in lines(out)
+    code, out = check(["--cuda-graph-report-json", str(tmp_path / "runs" / "report.json")])
+    assert code == 0, out
+    assert not (tmp_path / "runs").exists()  # the check creates nothing
+
+
 def test_graphs_on_without_scope_fails():
     code, out = check(["--cuda-graph-impl", "transformer_engine"])
     assert code == 1

@@ -226,6 +226,39 @@ def test_parser_keeps_its_own_definition():
     assert p.parse_args(["--cuda-graph-scope", "attn, mlp"]).cuda_graph_scope == ["attn", "mlp"]
 
 
+HOST_DEFAULTS = {
+    "cuda_graph_impl": "local",
+    "cuda_graph_scope": ["full_iteration"],
+    "cuda_graph_warmup_steps": 5,
+    "cuda_graph_report_json": "r.json",
+    "cuda_graph_fallback_on_slowdown": True,
+    "cuda_graph_buckets": "256,512",
+    "cuda_graph_baseline_steps": 6,
+    "cuda_graph_accept_eager": True,
+    "cuda_graph_peer_exit_deadline": 20.0,
+}
+
+
+@pytest.mark.parametrize("lenient", [False, True])
+def test_defaults_the_host_set_before_the_flags_are_kept(lenient):
+    """A launcher's recipe: parser.set_defaults(...) first, the plugin's flags added after."""
+    p = argparse.ArgumentParser()
+    p.set_defaults(**HOST_DEFAULTS)
+    add_cuda_graph_arguments(p, lenient=lenient)
+    args = vars(p.parse_args([]))
+    assert {dest: args[dest] for dest in HOST_DEFAULTS} == HOST_DEFAULTS
+    # the flags the host gave no default keep the plugin's
+    assert args["cuda_graph_device_grad_norm"] is False
+    assert args["optimizer_cuda_graph"] is False
+    # and the command line still wins over the host's defaults
+    given = p.parse_args(
+        ["--cuda-graph-impl", "transformer_engine", "--cuda_graph_scope", "attn", "mlp"]
+    )
+    assert given.cuda_graph_impl == "transformer_engine"
+    assert given.cuda_graph_scope == (["attn", "mlp"] if not lenient else "attn,mlp")
+    assert given.cuda_graph_warmup_steps == 5
+
+
 def test_host_spelling_owns_the_option_and_no_second_spelling_is_added():
     """A host that defines one spelling (Megatron-LM 0.19 allows impl=full_iteration) keeps
     sole ownership: adding the other spelling with the plugin's choices would make the two

@@ -341,6 +341,134 @@ def test_non_consecutive_steps_raise(pm, start_step, steps):
     assert rec.names().count("shutdown") == 1
 
 
+@pytest.mark.parametrize("inner", [0, 1])
+def test_a_train_step_entered_inside_another_is_refused(pm, inner):
+    """A host helper that wraps the step body in run.train_step while the loop already
+    does: the step hooks must not fire twice for one step (nor a step start inside one)."""
+    rec = Recorder(warmup=5)
+    pm.register(rec)
+    with pytest.raises(RuntimeError) as excinfo:
+        with TrainingRun(pm, None, train_iters=3) as run:
+            with run.train_step(0):
+                with run.train_step(inner):
+                    pass
+    assert str(excinfo.value).startswith(
+        f"TrainingRun.train_step(step={inner}) entered while step 0 is still running; "
+    )
+    assert [call for call in rec.calls if call[0].startswith("train_step")] == [
+        ("train_step_start", 0)
+    ]
+    assert rec.calls[-1] == ("shutdown", ShutdownReason.EXCEPTION, excinfo.value)
+    assert run.last_step is None
+
+
+class FailsOnce:
+    """Raises ``exc`` from the start hook of ``step``, once."""
+
+    def __init__(self, step: int, exc: BaseException) -> None:
+        self.step, self.exc = step, exc
+
+    @hookimpl
+    def mcgraph_train_step_start(self, step):
+        if step == self.step and self.exc is not None:
+            exc, self.exc = self.exc, None
+            raise exc
+
+
+@pytest.mark.parametrize("where", ["body", "start hook"])
+def test_a_step_that_failed_is_no_longer_running(pm, where):
+    """Both ways a step can fail leave no step running: the host may run it again, and
+    the next steps run (an exception type of its own: not a RuntimeError the refusal of a
+    step entered inside another would be taken for)."""
+
+    class StepFailed(Exception):
+        pass
+
+    rec = Recorder(warmup=0)
+    pm.register(rec)
+    if where == "start hook":
+        pm.register(FailsOnce(1, StepFailed()))
+    with TrainingRun(pm, None, train_iters=3) as run:
+        failures = 0
+        step = 0
+        while step < 3:
+            try:
+                with run.train_step(step):
+                    if where == "body" and step == 1 and not failures:
+                        raise StepFailed
+            except StepFailed:
+                failures += 1
+                continue
+            step += 1
+    assert failures == 1
+    assert [call[1] for call in rec.calls if call[0] == "train_step_end"] == [0, 1, 2]
+    assert run.shutdown_reason is ShutdownReason.COMPLETED
+
+
+class Index:
+    """An integer of another kind (``__index__``), as numpy's are."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.0, False, "0", None, [0]], ids=repr)
+def test_a_step_that_is_not_an_integer_is_refused(pm, bad):
+    """0.0 == 0 and False == 0: without the type test they pass the step check, and the
+    float reaches the plugins (the CUDA graph plugin's timer fails with a TypeError)."""
+    rec = Recorder(warmup=0)
+    pm.register(rec)
+    with pytest.raises(TypeError) as excinfo:
+        with TrainingRun(pm, None, train_iters=2) as run:
+            with run.train_step(bad):
+                pass
+    assert str(excinfo.value).startswith(
+        f"TrainingRun.train_step: step must be an integer, got {bad!r} ({type(bad).__name__}); "
+    )
+    assert "train_step_start" not in rec.names()
+    assert rec.calls[-1] == ("shutdown", ShutdownReason.EXCEPTION, excinfo.value)
+
+
+def test_integer_steps_of_other_kinds_reach_the_hooks_as_ints(pm):
+    np = pytest.importorskip("numpy")
+    rec = Recorder(warmup=1)
+    pm.register(rec)
+    with TrainingRun(pm, None, train_iters=np.int64(4), start_step=np.int32(1)) as run:
+        for step in [np.int64(1), Index(2), 3]:
+            with run.train_step(step):
+                pass
+    assert (run.start_step, run.train_iters) == (1, 4)
+    assert type(run.start_step) is int and type(run.train_iters) is int
+    steps = [call[1:] for call in rec.calls if call[0].startswith(("train", "post"))]
+    assert steps == [(1, 4), (1,), (1, {}), (2,), (2, 1), (2, {}), (3,), (3, {})]
+    assert all(type(arg) is int for call in steps for arg in call if not isinstance(arg, dict))
+    assert run.shutdown_reason is ShutdownReason.COMPLETED
+
+
+@pytest.mark.parametrize(
+    "kwargs,name,value",
+    [
+        (dict(train_iters=2.5), "train_iters", 2.5),
+        (dict(train_iters=3.0), "train_iters", 3.0),
+        (dict(train_iters="3"), "train_iters", "3"),
+        (dict(train_iters=True), "train_iters", True),
+        (dict(train_iters=3, start_step=1.0), "start_step", 1.0),
+        (dict(train_iters=3, start_step=False), "start_step", False),
+        (dict(train_iters=3, start_step=None), "start_step", None),
+    ],
+)
+def test_train_iters_and_start_step_must_be_integers(pm, kwargs, name, value):
+    with pytest.raises(TypeError) as excinfo:
+        TrainingRun(pm, None, **kwargs)
+    assert str(excinfo.value).startswith(
+        f"TrainingRun: {name} must be an integer, got {value!r} ({type(value).__name__}); "
+        f"pass {name} as an int"
+    )
+
+
 @pytest.mark.parametrize("answer", [-1, True, False, "2", 1.5, [1]])
 def test_bad_warmup_answer_raises(pm, answer):
     rec = Recorder(warmup=answer)

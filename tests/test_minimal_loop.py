@@ -87,3 +87,14 @@ def test_the_guide_shows_the_file_verbatim() -> None:
     match = re.search(r"<!-- examples/minimal_loop\.py -->\n```python\n(.*?)```\n", guide, re.S)
     assert match, "docs/guide.md lost its copy of examples/minimal_loop.py"
     assert match[1] == LOOP.read_text(), "docs/guide.md and examples/minimal_loop.py differ"
+
+
+def test_a_negative_train_iters_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    import minimal_loop
+
+    with pytest.raises(SystemExit) as info:
+        minimal_loop.main(["--train-iters", "-1"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ")
+    assert err.endswith("error: --train-iters must not be negative\n")

@@ -24,7 +24,7 @@ from cudagraph_plugin.runtime import fallback
 from cudagraph_plugin.runtime.guard import StaticShapeError
 from cudagraph_plugin.runtime.state import Phase
 from fakes import FakeTECudaGraphHelper, install_fake_cuda_graphs
-from hookspecs import ShutdownReason, hookimpl
+from hookspecs import ConfigurationError, ShutdownReason, hookimpl
 from recording import FULL, OVERLAP, TE, RaiseAt, Recorder
 from recording import run_recorded as run
 
@@ -686,6 +686,22 @@ def test_model_config_built_without_the_plugin_kwargs_is_refused():
         )
     message = str(info.value)
     assert "run.model_config_kwargs" in message and "seq_length=32" in message
+
+
+def test_a_report_json_that_cannot_be_written_is_refused_before_anything_is_built(
+    monkeypatch, tmp_path
+):
+    # graphs off: the report (and its JSON) is written in every mode, at shutdown
+    built = []
+    monkeypatch.setattr(train_gpt, "_build_model", lambda *a, **k: built.append(1))
+    rec = Recorder()
+    with pytest.raises(ConfigurationError) as info:
+        train_gpt.run(["--cuda-graph-report-json", str(tmp_path)], plugins=[rec])
+    assert f"--cuda-graph-report-json = {str(tmp_path)!r}: " in str(info.value)
+    assert "(it is a directory)" in str(info.value)
+    assert built == []
+    assert rec.events == [("shutdown", "exception")]
+    assert rec.report is None  # refused in configure: no report written or sent
 
 
 def test_shutdown_reason_enum_is_what_plugins_see(fake_graphs):

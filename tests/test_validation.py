@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 import re
+import tempfile
 import warnings
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
@@ -57,6 +60,18 @@ def full_iteration(**model):
 def with_optimizer(config, **fields):
     """``config`` with a Bridge-style ``optimizer`` section (an OptimizerConfig's fields)."""
     config.optimizer = NS(**{"optimizer": "adam", "optimizer_cuda_graph": False, **fields})
+    return config
+
+
+def with_fallback(config, value=True):
+    """``config`` with the fallback policy set (a top-level field, as the plugin's own)."""
+    config.cuda_graph_fallback_on_slowdown = value
+    return config
+
+
+def with_report(config, path):
+    """``config`` with the run report's JSON path set (a top-level field, as the plugin's own)."""
+    config.cuda_graph_report_json = path
     return config
 
 
@@ -169,6 +184,10 @@ RULE_CASES = {
         full_iteration(cuda_graph_warmup_steps=0),
     ),
     "_fp16_full_iteration": (bridge(scope="attn", fp16=True), full_iteration(fp16=True)),
+    "_fallback_full_iteration": (
+        with_fallback(full_iteration()),
+        with_fallback(bridge()),  # TE scopes: no full-iteration graph
+    ),
     "_pipeline_full_iteration": (
         full_iteration(pipeline_model_parallel_size=2, batch_p2p_comm=False),
         full_iteration(pipeline_model_parallel_size=2),
@@ -176,6 +195,10 @@ RULE_CASES = {
     "_buckets": (
         full_iteration(cuda_graph_buckets="256,512"),
         bridge(cuda_graph_buckets="256,512"),  # TE scopes: buckets are full-iteration graphs
+    ),
+    "_report_json_writable": (
+        with_report(bridge(), os.path.join(tempfile.gettempdir(), "no-such-dir", "r.json")),
+        with_report(bridge(), tempfile.gettempdir()),  # a directory
     ),
     "_optimizer_graph": (
         with_optimizer(bridge(), optimizer_cuda_graph=False),
@@ -1547,6 +1570,18 @@ def test_autofix_impl_none_clears_new_generation_modules():
     assert changes == ["cuda_graph_impl is none: cleared model.cuda_graph_modules (was attn)"]
 
 
+def test_autofix_impl_none_says_each_cleared_field_s_own_value():
+    # both generations' fields set: each line names that field's value, not the merged scope
+    config = bridge("none", ["mlp"], cuda_graph_modules="attn")
+    changes = apply_autofixes(config, read_settings(config))
+    assert config.model.cuda_graph_scope == []
+    assert config.model.cuda_graph_modules == []
+    assert sorted(changes) == [
+        "cuda_graph_impl is none: cleared model.cuda_graph_modules (was attn)",
+        "cuda_graph_impl is none: cleared model.cuda_graph_scope (was mlp)",
+    ]
+
+
 def test_autofix_impl_none_clears_a_namespace_scope():
     args = argparse.Namespace(cuda_graph_impl="none", cuda_graph_scope="attn,mlp")
     assert apply_autofixes(args, read_settings(args)) == [
@@ -2146,6 +2181,43 @@ def test_megatron_lm_flags_that_break_the_optimizer_graph(monkeypatch, argv, fie
 
 
 @pytest.mark.parametrize(
+    "config,value",
+    [
+        (bridge(), "(True, 'transformer_engine', 'attn,mlp')"),
+        (bridge("local", "attn"), "(True, 'local', 'attn')"),
+        # graphs off: the flag would do nothing, as buckets would
+        (bridge("none", []), "(True, 'none', '(empty)')"),
+        (bridge("none", "attn"), "(True, 'none', 'attn')"),
+    ],
+    ids=["te-scopes", "local-attn", "graphs-off", "graphs-off-with-scope"],
+)
+def test_fallback_outside_full_iteration_is_refused(config, value):
+    rejected(
+        with_fallback(config),
+        fields=[
+            "cuda_graph_fallback_on_slowdown",
+            "model.cuda_graph_impl",
+            "model.cuda_graph_scope",
+        ],
+        value=value,
+        phrase="without a full-iteration graph it does nothing",
+        fix="use cuda_graph_impl=local with scope full_iteration, or drop "
+        "cuda_graph_fallback_on_slowdown",
+    )
+
+
+@pytest.mark.parametrize("value", [True, "yes"])
+def test_fallback_with_full_iteration_is_accepted(value):
+    accepted(with_fallback(full_iteration(), value))
+
+
+@pytest.mark.parametrize("value", [False, "off", None])
+def test_fallback_off_is_accepted_with_any_scope(value):
+    accepted(with_fallback(bridge(), value))
+    accepted(with_fallback(bridge("none", []), value))
+
+
+@pytest.mark.parametrize(
     "top,model,phrase",
     [
         (dict(cuda_graph_fallback_on_slowdown=True), {}, "fallback policy decides for one graph"),
@@ -2239,3 +2311,74 @@ def test_an_optimizer_name_is_read_as_written_and_judged_only_by_the_optimizer_g
     settings = read_settings(with_optimizer(full_iteration(), optimizer="Adam"))
     assert settings.optimizer == "Adam" and settings.input_problems == ()
     accepted(with_optimizer(bridge(scope="attn,mlp"), optimizer="AdamW"))
+
+
+# -- the run report's JSON path -------------------------------------------------------------------
+
+REPORT_FIX = (
+    "point cuda_graph_report_json at a file in a writable directory (missing directories are "
+    "created), or drop it"
+)
+
+
+@pytest.mark.parametrize("impl,scope", [("none", []), ("local", "full_iteration")])
+def test_a_report_path_that_is_a_directory_is_refused_in_any_mode(tmp_path, impl, scope):
+    rejected(
+        with_report(bridge(impl, scope), str(tmp_path)),
+        fields=["cuda_graph_report_json"],
+        value=repr(str(tmp_path)),
+        phrase="the run report cannot be written there (it is a directory); it is written at "
+        "shutdown, so the run would fail after its last step",
+        fix=REPORT_FIX,
+    )
+
+
+def test_a_report_path_under_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    path = tmp_path / "file" / "sub" / "r.json"
+    rejected(
+        with_report(bridge(), path),  # a Path too, as a host may give it
+        fields=["cuda_graph_report_json"],
+        value=repr(str(path)),
+        phrase=f"the run report cannot be written there ({str(tmp_path / 'file')!r} is not a "
+        "directory)",
+        fix=REPORT_FIX,
+    )
+
+
+def test_a_report_path_in_an_unwritable_directory_is_refused(tmp_path, monkeypatch):
+    # (os.access, not chmod: the suite may run as root, for whom every directory is writable)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode))
+    for path in (locked / "r.json", locked / "missing" / "r.json"):
+        rejected(
+            with_report(bridge(), str(path)),
+            fields=["cuda_graph_report_json"],
+            value=repr(str(path)),
+            phrase=f"(the directory {str(locked)!r} is not writable)",
+            fix=REPORT_FIX,
+        )
+
+
+def test_a_report_file_that_is_not_writable_is_refused(tmp_path, monkeypatch):
+    path = tmp_path / "r.json"
+    path.write_text("{}")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != path and real_access(p, mode))
+    rejected(
+        with_report(bridge(), str(path)),
+        fields=["cuda_graph_report_json"],
+        value=repr(str(path)),
+        phrase="(the file exists and is not writable)",
+        fix=REPORT_FIX,
+    )
+
+
+def test_report_paths_the_report_can_be_written_to_are_accepted(tmp_path, monkeypatch):
+    (tmp_path / "old.json").write_text("{}")  # replaced at shutdown
+    monkeypatch.chdir(tmp_path)
+    for path in ("r.json", "old.json", str(tmp_path / "new" / "deeper" / "r.json"), None, ""):
+        accepted(with_report(bridge(), path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]  # the check wrote nothing

@@ -144,7 +144,8 @@ def _flags(parser: argparse.ArgumentParser, dest: str) -> list[str]:
 
 
 def add_cuda_graph_arguments(parser: argparse.ArgumentParser, *, lenient: bool = False) -> None:
-    """Add the CUDA-graph flags to ``parser`` (flags the parser already has are left alone).
+    """Add the CUDA-graph flags to ``parser`` (flags the parser already has are left alone;
+    a default the host gave with ``parser.set_defaults(...)`` before this call is kept).
 
     :param lenient: Keep the values as given (no choices, no types): for a caller that
         validates them all together and reports every bad one (the ``check`` command).
@@ -265,4 +266,9 @@ def add_cuda_graph_arguments(parser: argparse.ArgumentParser, *, lenient: bool =
         if not flags:
             logger.debug("parser already has %s; keeping its definition", dest)
             continue
+        # a host recipe's parser.set_defaults(cuda_graph_impl=...): argparse keeps such a
+        # default only for an argument added without one, and every value flag here has one
+        host_default = parser.get_default(dest)
+        if host_default is not None:
+            kwargs = {**kwargs, "default": host_default}
         group.add_argument(*flags, dest=dest, **kwargs)

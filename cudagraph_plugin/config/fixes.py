@@ -34,13 +34,9 @@ from cudagraph_plugin.config.errors import CudaGraphConfigError, Violation
 from cudagraph_plugin.config.fields import assign, display_name, existing_paths, resolve
 from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.config.settings import Settings
-from cudagraph_plugin.config.values import to_bool
+from cudagraph_plugin.config.values import parse_scope, to_bool
 
 logger = logging.getLogger("cudagraph_plugin")
-
-
-def _scope_value(s: Settings) -> str:
-    return ",".join(s.scope) if s.scope else "(empty)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,14 +109,18 @@ def plan_autofixes(config: Any, settings: Settings, *, harness: bool = False) ->
                     )
     elif settings.scope:
         for path in existing_paths(config, "scope"):
-            if resolve(config, path):
+            value = resolve(config, path)
+            if value:
+                # each field's own value: both generations' fields may be set, and the
+                # settings hold only the scope they merge into
+                was = ",".join(parse_scope(value)) or "(empty)"
                 fixes.append(
                     AutoFix(
                         "scope",
                         path,
                         [],
                         f"cuda_graph_impl is none: cleared {display_name(config, path)} "
-                        f"(was {_scope_value(settings)})",
+                        f"(was {was})",
                     )
                 )
     return fixes

@@ -2,7 +2,7 @@
 
 The rules are DESIGN.md's constraints plus megatron-core's own cuda-graph assertions that
 apply to the model config, one module per topic (``names``, ``training``, ``optimizer``,
-``model``, ``te``, ``buckets``); :func:`evaluate` runs them all and returns every
+``model``, ``te``, ``buckets``, ``report``); :func:`evaluate` runs them all and returns every
 violation and what could not be checked here.
 
 Pure Python: no torch, no megatron import.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from cudagraph_plugin.config.environment import Environment
 from cudagraph_plugin.config.errors import CudaGraphConfigError, Note, Violation
-from cudagraph_plugin.config.rules import buckets, model, names, optimizer, te, training
+from cudagraph_plugin.config.rules import buckets, model, names, optimizer, report, te, training
 from cudagraph_plugin.config.rules.base import RULES
 from cudagraph_plugin.config.settings import Settings
 
@@ -23,6 +23,7 @@ _TOPICS = (
     model,
     te,
     buckets,
+    report,
 )  # imported for their registrations, in this order
 
 

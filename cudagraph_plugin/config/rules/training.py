@@ -1,5 +1,5 @@
-"""Rules on how the run trains: static shapes, NaN checks, offloading, warm-up, fp16,
-pipeline parallelism (the optimizer graph's are in ``optimizer``)."""
+"""Rules on how the run trains: static shapes, NaN checks, offloading, warm-up, fp16, the
+fallback policy, pipeline parallelism (the optimizer graph's are in ``optimizer``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from cudagraph_plugin.config.environment import Environment
 from cudagraph_plugin.config.errors import BRIDGE, MCORE, MLM, Violation
-from cudagraph_plugin.config.rules.base import rule, violation
+from cudagraph_plugin.config.rules.base import rule, scope_value, violation
 from cudagraph_plugin.config.settings import Settings
 
 # -- static shapes, NaN checks, offloading ----------------------------------------------------
@@ -130,6 +130,24 @@ def _fp16_full_iteration(s: Settings, env: Environment) -> Iterator[Violation]:
             "was captured with",
             f"set a constant {s.field('loss_scale')} (e.g. 4096), train in bf16 (bf16=True, "
             "fp16=False), or use TE scopes such as attn,mlp",
+        )
+
+
+# -- the fallback policy ----------------------------------------------------------------------
+
+
+@rule
+def _fallback_full_iteration(s: Settings, env: Environment) -> Iterator[Violation]:
+    # graphs off included: a flag that does nothing must not look as if it protected the run
+    if s.fallback_on_slowdown and not (s.impl == "local" and s.full_iteration):
+        yield violation(
+            s,
+            ("fallback_on_slowdown", "impl", "scope"),
+            (True, s.impl, scope_value(s)),
+            "the fallback policy frees the full-iteration graph when its replay is slower "
+            "than eager; without a full-iteration graph it does nothing",
+            "use cuda_graph_impl=local with scope full_iteration, or drop "
+            "cuda_graph_fallback_on_slowdown",
         )
 
 

@@ -3,7 +3,9 @@
 The path comes from the host's ``--nvtx-report-jsonl`` option (added by this plugin) or,
 for hosts without a command line of their own, the ``MCGRAPH_NVTX_REPORT`` environment
 variable. ``{rank}`` in the path expands to the ``RANK`` environment variable (``0``
-without a launcher), so each rank of a multi-process run can write its own file.
+without a launcher), so each rank of a multi-process run can write its own file. A path that
+cannot be opened refuses the run with :class:`hookspecs.ConfigurationError`, which hosts say
+without a traceback (exit status 2).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from hookspecs import ConfigurationError
 
 REPORT_ENV_VAR = "MCGRAPH_NVTX_REPORT"
 """Path of the JSONL file when the host has no ``--nvtx-report-jsonl`` option."""
@@ -33,7 +37,7 @@ class JsonlSink:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("a", encoding="utf-8")
         except OSError as exc:
-            raise ValueError(
+            raise ConfigurationError(
                 f"mcgraph-nvtx-plugin cannot open its report file {str(path)!r}: "
                 f"{exc.strerror or exc}; point --nvtx-report-jsonl (or {REPORT_ENV_VAR}) "
                 "at a writable file"

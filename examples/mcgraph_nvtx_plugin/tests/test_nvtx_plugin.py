@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 
-from hookspecs import BLOCK_ENV_VAR, get_plugin_manager, hookimpl
+from hookspecs import BLOCK_ENV_VAR, ConfigurationError, get_plugin_manager, hookimpl
 
 PLUGIN_SRC = Path(__file__).resolve().parent.parent
 REPO = PLUGIN_SRC.parent.parent
@@ -242,7 +242,7 @@ def test_uses_only_the_public_contract(installed: Path) -> None:
     third_party = {m.split(".")[0] for m in modules} - set(sys.stdlib_module_names)
     assert third_party == {"hookspecs", "mcgraph_nvtx_plugin", "torch"}
     assert {m for m in modules if m.startswith("hookspecs")} == {"hookspecs"}
-    assert from_hookspecs == {"hookimpl", "ShutdownReason"}
+    assert from_hookspecs == {"ConfigurationError", "hookimpl", "ShutdownReason"}
 
 
 @needs_mcore_on_cpu
@@ -378,7 +378,8 @@ def test_an_unwritable_report_path_fails_at_configure(
     not_a_dir.write_text("")
     witness = Witness()
 
-    with pytest.raises(ValueError, match="cannot open its report file") as excinfo:
+    # A refusal, which hosts print without a traceback (exit status 2), not a crash.
+    with pytest.raises(ConfigurationError, match="cannot open its report file") as excinfo:
         train_gpt.run(
             ["--cpu", "--nvtx-report-jsonl", str(not_a_dir / "nvtx.jsonl")], plugins=[witness]
         )
@@ -388,6 +389,23 @@ def test_an_unwritable_report_path_fails_at_configure(
         "implementation"
     ]
     assert witness.reasons == ["exception"]
+    assert_cleaned_up()
+
+
+@needs_mcore_here
+def test_a_host_prints_its_refusal_of_a_directory_and_exits_2(
+    installed: Path, tmp_path: Path, capsys: Any
+) -> None:
+    import minimal_loop
+
+    status = minimal_loop.main(["--train-iters", "1", "--nvtx-report-jsonl", str(tmp_path)])
+
+    assert status == 2
+    err = capsys.readouterr().err
+    refusal = f"error: mcgraph-nvtx-plugin cannot open its report file {str(tmp_path)!r}: "
+    assert any(line.startswith(refusal) for line in err.splitlines()), err
+    assert "point --nvtx-report-jsonl (or MCGRAPH_NVTX_REPORT) at a writable file" in err
+    assert "Traceback" not in err
     assert_cleaned_up()
 
 

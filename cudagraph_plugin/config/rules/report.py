@@ -1,0 +1,48 @@
+"""Rules on the run report: the JSON file (``cuda_graph_report_json``) is written at shutdown,
+after the whole run, so a path it cannot be written to is refused before the run starts."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from cudagraph_plugin.config.environment import Environment
+from cudagraph_plugin.config.errors import Violation
+from cudagraph_plugin.config.rules.base import rule, violation
+from cudagraph_plugin.config.settings import Settings
+
+
+def _why_unwritable(path: Path) -> str | None:
+    """Why the report cannot be written to ``path`` here, or None. Missing directories are
+    fine where they can be created (the report's writer creates them): the nearest existing
+    one must be a writable directory."""
+    if path.is_dir():
+        return "it is a directory"
+    if path.exists():
+        return None if os.access(path, os.W_OK) else "the file exists and is not writable"
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{str(parent)!r} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"the directory {str(parent)!r} is not writable"
+    return None
+
+
+@rule
+def _report_json_writable(s: Settings, env: Environment) -> Iterator[Violation]:
+    if not s.report_json:
+        return
+    why = _why_unwritable(Path(str(s.report_json)))
+    if why is not None:
+        yield violation(
+            s,
+            ("report_json",),
+            str(s.report_json),
+            f"the run report cannot be written there ({why}); it is written at shutdown, "
+            "so the run would fail after its last step",
+            f"point {s.field('report_json')} at a file in a writable directory (missing "
+            "directories are created), or drop it",
+        )
