@@ -20,12 +20,21 @@ import pytest
 from cpu_only import needs_mcore_on_cpu
 
 import cpu_redirect as redirect
+import train_gpt
 from cudagraph_plugin import compat
 from cudagraph_plugin.config.errors import CudaGraphConfigError
 from cudagraph_plugin.runtime import fallback, release_plan
 from cudagraph_plugin.runtime.timing import StepTimer
-from hookspecs import PeerFailed, ShutdownReason, SignalReceived, TrainingRun, hookimpl
-from recording import FULL, OVERLAP, TE, RaiseAt, run_recorded
+from cudagraph_plugin.runtime.wiring import CudaGraphWiringError
+from hookspecs import (
+    ConfigurationError,
+    PeerFailed,
+    ShutdownReason,
+    SignalReceived,
+    TrainingRun,
+    hookimpl,
+)
+from recording import FULL, OVERLAP, TE, RaiseAt, Recorder, run_recorded
 
 pytestmark = needs_mcore_on_cpu
 
@@ -482,3 +491,102 @@ def test_te_graphs_held_when_megatron_core_s_finish_capturing_fails_are_freed(
     layers = [layer for chunk in helper.callables_per_chunk for layer in chunk]
     assert layers and all(layer.cuda_graphs == [] for layer in layers)
     assert not helper.graphs_created()
+
+
+# -- a host that carries on after a failed TE capture -------------------------------------------
+
+
+def _retrying_train(training, args, use_cuda, record):
+    """A host loop that retries a step whose forward/backward raised (a transient error)."""
+    setup = train_gpt.set_up(training, args, use_cuda)
+    batches = train_gpt.synthetic_batches(
+        seed=1,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        device=setup.device,
+    )
+    step_args = dict(
+        forward_step_func=train_gpt.forward_step,
+        model=setup.model,
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+    )
+    record.errors = []
+    step = args.start_step
+    while step < args.train_iters:
+        try:
+            with training.train_step(step):
+                train_gpt.optimizer_step(setup, data_iterator=batches, **step_args)
+        except RuntimeError as exc:
+            if isinstance(exc, ConfigurationError) or record.errors:
+                raise  # (the plugin's refusal, or a second failure: no retry)
+            record.errors.append(str(exc))
+            continue
+        record.steps += 1
+        step += 1
+
+
+@pytest.mark.parametrize("where", ["capture", "finish"])
+@pytest.mark.parametrize("accept_eager", [True, False])
+def test_a_failed_te_capture_is_undone_at_once_for_a_host_that_retries(
+    fake_graphs, monkeypatch, caplog, where, accept_eager
+):
+    """The TE capture raises once, inside the layers' capture (megatron-core's capture flag
+    set) or in megatron-core's _finish_capturing (the layers already hold their graphs); the
+    host retries the step. The flag is cleared and the graphs freed at once, so the retried
+    steps run eagerly, and the run says why no graph exists (fifth review: the flag stayed
+    set until shutdown, every TE layer took the capture path and DDP's hooks were skipped;
+    or the layers replayed graphs without the manual hooks while the report said nothing
+    was captured)."""
+    from megatron.core.transformer import cuda_graphs
+
+    from fakes import FakeTECudaGraphHelper
+
+    name = "_make_graphs" if where == "capture" else "_finish_capturing"
+    original, calls = getattr(FakeTECudaGraphHelper, name), []
+
+    def fails_once(self, *args):
+        calls.append(1)
+        if len(calls) == 1:
+            if where == "finish":
+                cuda_graphs._set_capture_end()
+            raise RuntimeError(f"the capture failed ({where})")
+        return original(self, *args)
+
+    monkeypatch.setattr(FakeTECudaGraphHelper, name, fails_once)
+    seen: dict[int, tuple[bool, int, int]] = {}
+
+    class Look:
+        @hookimpl
+        def mcgraph_train_step_end(self, step, metrics):
+            [helper] = fake_graphs.helpers
+            layer = helper.flattened_callables[0]
+            replays = sum(graph.calls for graph in layer.cuda_graphs)
+            seen[step] = (cuda_graphs.is_graph_capturing(), len(layer.cuda_graphs), replays)
+
+    record, recorder = train_gpt._Record(), Recorder()
+    argv = ["--train-iters", "4", "--log-interval", "0", *TE, *OVERLAP]
+    argv += ["--cuda-graph-warmup-steps", "1"]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(caplog.at_level(logging.WARNING, logger="cudagraph_plugin"))
+        if not accept_eager:
+            info = stack.enter_context(pytest.raises(CudaGraphWiringError))
+        train_gpt.host_run(
+            [*argv, "--cuda-graph-accept-eager"] if accept_eager else argv,
+            [recorder, Look()],
+            parser=train_gpt.build_parser,
+            train=_retrying_train,
+            record=record,
+        )
+    assert record.errors == [f"the capture failed ({where})"]
+    assert not cuda_graphs.is_graph_capturing()
+    assert all(state == (False, 0, 0) for state in seen.values()), seen
+    problem = f"the TE capture at step 1 raised (RuntimeError: the capture failed ({where}))"
+    if accept_eager:
+        assert sorted(seen) == [0, 1, 2, 3]
+        assert recorder.report.graphs_captured is False
+        assert problem in caplog.text
+    else:
+        assert problem in str(info.value)

@@ -8,6 +8,7 @@ DDP with its forward pre-hooks, the distributed optimizer, ``get_forward_backwar
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import logging
@@ -579,6 +580,48 @@ def test_te_calls_must_keep_the_shapes_the_graphs_were_captured_for(fake_graphs)
     # one call after the capture: that first call is the one checked
     with pytest.raises(StaticShapeError, match="captured for seq_length=32"):
         run(*TE, "--cuda-graph-warmup-steps", "1", plugins=[SeqLengthArgument()], steps=2)
+
+
+@pytest.mark.parametrize("captured", [4, 1])
+def test_te_calls_must_run_the_micro_batches_the_graphs_were_captured_for(
+    fake_graphs, monkeypatch, captured
+):
+    """With pipeline parallelism megatron-core captures one TE graph per micro-batch, as many
+    as its calculator counts; a training call with another count would replay them mixed
+    (fifth review: only the sequence length and micro-batch size were checked). Here the
+    helper is taken as pipelined (PP > 1 cannot run in this process)."""
+    from cudagraph_plugin import compat
+
+    monkeypatch.setattr(compat, "te_captured_microbatches", lambda helper: captured)
+    argv = (*TE, "--num-microbatches", "4", "--cuda-graph-warmup-steps", "1")
+    if captured == 4:
+        summary, _ = run(*argv, steps=3)
+        assert summary["steps"] == 3
+    else:
+        with pytest.raises(StaticShapeError, match=r"num_microbatches=4 but megatron-core cap"):
+            run(*argv, steps=3)
+
+
+def test_te_graphs_count_micro_batches_only_when_pipelined(monkeypatch):
+    """megatron-core's helper captures one graph per layer without pipeline parallelism,
+    reused for every micro-batch: no count to keep then."""
+    from megatron.core import parallel_state
+
+    from cudagraph_plugin import compat
+
+    class Helper:  # the TECudaGraphHelper attributes read: num_microbatches, config
+        num_microbatches = 3
+        config = argparse.Namespace(overlap_moe_expert_parallel_comm=False)
+
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 1)
+    assert compat.te_captured_microbatches(Helper()) is None
+    Helper.config.overlap_moe_expert_parallel_comm = True
+    assert compat.te_captured_microbatches(Helper()) == 3
+    Helper.config.overlap_moe_expert_parallel_comm = False
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 2)
+    assert compat.te_captured_microbatches(Helper()) == 3
+    Helper.num_microbatches = None  # (before its capture)
+    assert compat.te_captured_microbatches(Helper()) is None
 
 
 def test_shape_change_before_capture_is_fine(fake_graphs):

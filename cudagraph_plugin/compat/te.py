@@ -63,6 +63,26 @@ def te_skips_empty_stage(helper: Any) -> bool:
     return re.search(r"if (not )?self\.flattened_callables\s*:", source) is not None
 
 
+def te_captured_microbatches(helper: Any) -> int | None:
+    """How many micro-batches the helper captured one graph each for, when a training
+    forward/backward must run exactly that many: with pipeline parallelism (or expert-parallel
+    overlap) the layers replay graph ``micro-batch % count`` and Transformer Engine reuses
+    their buffers in the captured order. None when one graph serves every micro-batch (no
+    pipeline parallelism: megatron-core then captures one) or the helper does not say."""
+    count = getattr(helper, "num_microbatches", None)
+    if isinstance(count, bool) or not isinstance(count, int):
+        return None
+    from megatron.core import parallel_state
+
+    try:
+        pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
+    except (AssertionError, AttributeError, RuntimeError):
+        pipelined = False
+    if pipelined or getattr(helper.config, "overlap_moe_expert_parallel_comm", False):
+        return count
+    return None
+
+
 def te_layer_count(helper: Any) -> int:
     return len(helper.flattened_callables)
 

@@ -185,6 +185,18 @@ class ForwardBackwardInterceptor:
     def _check_te_call(
         self, kwargs: dict[str, Any], what: str = "training", fix: str = FIX
     ) -> None:
+        te = self.state.te
+        microbatches = None if te is None else compat.te_captured_microbatches(te.helper)
+        if microbatches is not None and kwargs.get("num_microbatches") != microbatches:
+            raise StaticShapeError(
+                f"{what} forward_backward_func called with num_microbatches="
+                f"{kwargs.get('num_microbatches')!r} but megatron-core captured the TE CUDA "
+                f"graphs for num_microbatches={microbatches} (one graph per micro-batch with "
+                "pipeline parallelism, counted by its micro-batch calculator: replaying them "
+                "for another count mixes the micro-batches' activations). Fix: pass the count "
+                "megatron-core's get_num_microbatches() gives, or set its calculator "
+                "(init_num_microbatches_calculator) to the count you pass"
+            )
         for name, captured in (
             ("seq_length", self.state.seq_length),
             ("micro_batch_size", self.state.micro_batch_size),

@@ -131,10 +131,14 @@ class TEGraphs:
         return 0 if self.helper is None else compat.te_graph_count(self.helper)
 
     def release_steps(self) -> list[ReleaseStep]:
+        return [*self.undo_steps(), ReleaseStep("TECudaGraphHelper", self._drop)]
+
+    def undo_steps(self) -> list[ReleaseStep]:
+        """What a capture that raised leaves (megatron-core's capture flag, the graphs the
+        layers already hold): undone at once, the helper kept for the report and shutdown."""
         return [
             ReleaseStep("megatron-core's TE capture flag", self._end_stuck_capture),
             ReleaseStep("TE per-layer graphs", self._free, frees_graphs=True),
-            ReleaseStep("TECudaGraphHelper", self._drop),
         ]
 
     @staticmethod

@@ -15,6 +15,7 @@ import logging
 
 from cudagraph_plugin import compat
 from cudagraph_plugin.runtime.capture import Captures
+from cudagraph_plugin.runtime.release import release_each, settle
 from cudagraph_plugin.runtime.state import RunState
 from hookspecs import call_hook
 
@@ -46,6 +47,12 @@ class TECapture:
             )
         try:
             self.captures.bracket("training", te.create)
+        except BaseException as error:
+            # Undone now, not at shutdown: a host that carries on (retries the step) would
+            # otherwise run with megatron-core's capture flag set (every TE layer capturing,
+            # DDP's hooks skipped) or with graphs the layers replay without manual hooks.
+            settle(release_each(te.undo_steps()).failures, error)
+            raise
         finally:
             if toggle:
                 call_hook(state.pm, "mcgraph_enable_forward_pre_hook", model=state.model)

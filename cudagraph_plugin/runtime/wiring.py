@@ -166,6 +166,13 @@ class Wiring:
             and state.te.layer_count()
             and not self.captures.made_graphs("training")
         ):
+            failed = self.captures.failed
+            if failed is not None and failed[0] == "training":
+                # (the host carried on after the capture raised)
+                self._nothing(
+                    f"the TE capture at step {failed[1]} raised ({failed[2]}) and made no graph",
+                    "fix what made the capture fail (its traceback was raised at that step)",
+                )
             self._nothing(
                 f"the TE capture at step {step} produced no graph",
                 "check that the scope matches layers the model has",
