@@ -228,14 +228,22 @@ def test_impl_none_clears_both_scope_flags_each_with_its_own_value():
     )
 
 
+@pytest.mark.parametrize("argv", [[], ["--cuda-graph-scope", "attn"]], ids=["off", "scope"])
+def test_fallback_with_graphs_off_is_said_not_refused(argv):
+    """A recipe that sets the fallback by default still runs its eager baseline
+    (--cuda-graph-impl none): the flag has no off form on a command line (sixth review)."""
+    code, out = check([*argv, "--cuda-graph-fallback-on-slowdown"])
+    assert code == 0, out
+    assert (
+        "--cuda-graph-fallback-on-slowdown has nothing to do with CUDA graphs off "
+        "(--cuda-graph-impl=none)"
+    ) in out
+
+
 @pytest.mark.parametrize(
     "argv,value",
-    [
-        ([*DENSE_TE], "(True, 'transformer_engine', 'attn,mlp')"),
-        ([], "(True, 'none', '(empty)')"),  # graphs off
-        (["--cuda-graph-scope", "attn"], "(True, 'none', '(empty)')"),  # the scope cleared
-    ],
-    ids=["te-scopes", "graphs-off", "graphs-off-with-scope"],
+    [([*DENSE_TE], "(True, 'transformer_engine', 'attn,mlp')")],
+    ids=["te-scopes"],
 )
 def test_fallback_without_full_iteration_fails(argv, value):
     code, out = check([*argv, "--cuda-graph-fallback-on-slowdown"])
@@ -255,20 +263,18 @@ def test_fallback_with_full_iteration_is_ok():
     assert code == 0, out
 
 
-def test_a_report_json_that_is_a_directory_fails(tmp_path):
-    code, out = check(["--cuda-graph-report-json", str(tmp_path)])
-    assert code == 1, out
-    assert (
-        f"1. --cuda-graph-report-json = {str(tmp_path)!r}: the run report cannot be written "
-        "there (it is a directory)"
-    ) in out
-    assert (
-        "fix: point --cuda-graph-report-json at a file in a writable directory (missing "
-        "directories are created), or drop it"
-    ) in lines(out)
-    code, out = check(["--cuda-graph-report-json", str(tmp_path / "runs" / "report.json")])
-    assert code == 0, out
-    assert not (tmp_path / "runs").exists()  # the check creates nothing
+def test_the_report_json_path_is_left_to_the_run(tmp_path):
+    """`check` runs anywhere (a laptop, a login node) where the run's filesystem may not be
+    mounted: the path is said to be checked by the run, not refused here (sixth review: a
+    cluster-only path failed the check as '/ is not writable'). The run refuses a bad one
+    when it starts (tests/test_plugin_lifecycle.py)."""
+    for path in (tmp_path, "/lustre/scratch/run1/report.json"):
+        code, out = check(["--cuda-graph-report-json", str(path)])
+        assert code == 0, out
+        assert (
+            f"--cuda-graph-report-json={str(path)!r}: whether the run report can be written "
+            "there is not checked here"
+        ) in out
 
 
 def test_graphs_on_without_scope_fails():

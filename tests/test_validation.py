@@ -9,6 +9,7 @@ import os
 import re
 import tempfile
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace as NS
 
@@ -2185,11 +2186,8 @@ def test_megatron_lm_flags_that_break_the_optimizer_graph(monkeypatch, argv, fie
     [
         (bridge(), "(True, 'transformer_engine', 'attn,mlp')"),
         (bridge("local", "attn"), "(True, 'local', 'attn')"),
-        # graphs off: the flag would do nothing, as buckets would
-        (bridge("none", []), "(True, 'none', '(empty)')"),
-        (bridge("none", "attn"), "(True, 'none', 'attn')"),
     ],
-    ids=["te-scopes", "local-attn", "graphs-off", "graphs-off-with-scope"],
+    ids=["te-scopes", "local-attn"],
 )
 def test_fallback_outside_full_iteration_is_refused(config, value):
     rejected(
@@ -2204,6 +2202,14 @@ def test_fallback_outside_full_iteration_is_refused(config, value):
         fix="use cuda_graph_impl=local with scope full_iteration, or drop "
         "cuda_graph_fallback_on_slowdown",
     )
+
+
+@pytest.mark.parametrize("scope", [[], "attn"])
+def test_fallback_with_graphs_off_is_said_not_refused(scope):
+    """A recipe's default fallback must not refuse its eager baseline (impl none)."""
+    violations, notes = evaluate(read_settings(with_fallback(bridge("none", scope))))
+    assert violations == []
+    assert "cuda_graph_fallback_on_slowdown has nothing to do with CUDA graphs off " in notes[0]
 
 
 @pytest.mark.parametrize("value", [True, "yes"])
@@ -2374,6 +2380,39 @@ def test_a_report_file_that_is_not_writable_is_refused(tmp_path, monkeypatch):
         phrase="(the file exists and is not writable)",
         fix=REPORT_FIX,
     )
+
+
+def test_a_report_path_that_cannot_be_looked_at_is_refused_with_the_reason(tmp_path, monkeypatch):
+    """A directory on the way that cannot be entered: is_dir() raises PermissionError, which
+    the rule says rather than raise (sixth review: a traceback from the check, exit 1)."""
+    real_is_dir = Path.is_dir
+
+    def is_dir(self):
+        if tmp_path / "private" in (self, *self.parents):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_is_dir(self)
+
+    monkeypatch.setattr(Path, "is_dir", is_dir)
+    path = tmp_path / "private" / "sub" / "r.json"
+    rejected(
+        with_report(bridge(), str(path)),
+        fields=["cuda_graph_report_json"],
+        value=repr(str(path)),
+        phrase="the run report cannot be written there (Permission denied)",
+        fix=REPORT_FIX,
+    )
+
+
+def test_report_paths_are_not_checked_where_the_run_does_not_write(tmp_path):
+    config = with_report(bridge(), str(tmp_path))  # a directory: refused where the run is
+    elsewhere = Environment.of(None)
+    violations, notes = evaluate(read_settings(config), replace(elsewhere, paths_here=False))
+    assert violations == []
+    assert notes == [
+        f"cuda_graph_report_json={str(tmp_path)!r}: whether the run report can be written there "
+        "is not checked here (the run's filesystem may not be mounted); the run checks it when "
+        "it starts, before anything is built"
+    ]
 
 
 def test_report_paths_the_report_can_be_written_to_are_accepted(tmp_path, monkeypatch):

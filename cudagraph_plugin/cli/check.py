@@ -197,6 +197,7 @@ def run_check(argv: Sequence[str] | None = None, out: Any = None) -> int:
         environ=os.environ,
         nccl_initialized=False,
         harness=True,
+        paths_here=False,  # (the run may write on a filesystem this machine does not mount)
     )
     settings, te = result.settings, result.environment.te_version
     if te is None:

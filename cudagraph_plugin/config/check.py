@@ -91,6 +91,7 @@ def check_config(
     environ: Mapping[str, str] | None = None,
     nccl_initialized: bool | Callable[[], bool] = False,
     harness: bool | None = None,
+    paths_here: bool = True,
 ) -> ConfigCheck:
     """Check ``config`` as a run would, without changing anything.
 
@@ -107,12 +108,15 @@ def check_config(
         asked only when it matters).
     :param harness: Apply the performance harness's auto-fixes too (a ``full_iteration``
         command line turns the loss NaN check off). Default: for an argparse namespace.
+    :param paths_here: The run writes its files on this machine, so the paths it will write
+        (``cuda_graph_report_json``) are checked here; False (a check made elsewhere, where
+        the run's filesystem may not be mounted): a note says they are not.
     :raises ValueError: if ``te_version`` is not a version number.
     """
     if harness is None:
         harness = isinstance(config, argparse.Namespace)
     env = os.environ if environ is None else environ
-    given = Environment.of(te_version)
+    given = dataclasses.replace(Environment.of(te_version), paths_here=paths_here)
     read = read_settings(config)
     fixes = plan_autofixes(config, read, harness=harness)
     settings = settings_after(read, fixes)

@@ -97,10 +97,13 @@ def has_optimizer_graph() -> bool | None:
 class Environment:
     """The facts about the machine of the run that rules need: the Transformer Engine
     version to check against (None: not known here, so not checked) and where it came from
-    (``"installed"`` or ``"given"``)."""
+    (``"installed"`` or ``"given"``); and whether the run's files are written on this
+    machine (``paths_here``: a check on a laptop or login node, where the run's filesystem
+    may not be mounted, leaves the paths to the run)."""
 
     te_version: Version | None = None
     te_origin: str = INSTALLED
+    paths_here: bool = True
 
     @classmethod
     def of(cls, te_version: Any = INSTALLED, origin: str = "given") -> Environment:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from cudagraph_plugin.config.environment import Environment
-from cudagraph_plugin.config.errors import Violation
+from cudagraph_plugin.config.errors import Note, Violation
 from cudagraph_plugin.config.rules.base import rule, violation
 from cudagraph_plugin.config.settings import Settings
 
@@ -17,6 +17,13 @@ def _why_unwritable(path: Path) -> str | None:
     """Why the report cannot be written to ``path`` here, or None. Missing directories are
     fine where they can be created (the report's writer creates them): the nearest existing
     one must be a writable directory."""
+    try:
+        return _why_not(path)
+    except OSError as error:  # (a directory on the way that cannot be entered, a long name)
+        return error.strerror or repr(error)
+
+
+def _why_not(path: Path) -> str | None:
     if path.is_dir():
         return "it is a directory"
     if path.exists():
@@ -34,6 +41,13 @@ def _why_unwritable(path: Path) -> str | None:
 @rule
 def _report_json_writable(s: Settings, env: Environment) -> Iterator[Violation]:
     if not s.report_json:
+        return
+    if not env.paths_here:
+        yield Note(
+            f"{s.field('report_json')}={str(s.report_json)!r}: whether the run report can be "
+            "written there is not checked here (the run's filesystem may not be mounted); the "
+            "run checks it when it starts, before anything is built"
+        )
         return
     why = _why_unwritable(Path(str(s.report_json)))
     if why is not None:

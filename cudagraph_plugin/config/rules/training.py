@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from cudagraph_plugin.config.environment import Environment
-from cudagraph_plugin.config.errors import BRIDGE, MCORE, MLM, Violation
+from cudagraph_plugin.config.errors import BRIDGE, MCORE, MLM, Note, Violation
 from cudagraph_plugin.config.rules.base import rule, scope_value, violation
 from cudagraph_plugin.config.settings import Settings
 
@@ -137,9 +137,17 @@ def _fp16_full_iteration(s: Settings, env: Environment) -> Iterator[Violation]:
 
 
 @rule
-def _fallback_full_iteration(s: Settings, env: Environment) -> Iterator[Violation]:
-    # graphs off included: a flag that does nothing must not look as if it protected the run
-    if s.fallback_on_slowdown and not (s.impl == "local" and s.full_iteration):
+def _fallback_full_iteration(s: Settings, env: Environment) -> Iterator[Violation | Note]:
+    if not s.fallback_on_slowdown:
+        return
+    if not s.enabled:
+        # (a recipe that sets it by default must still run its eager baseline: said, not
+        # refused; the flag has no off form on a command line)
+        yield Note(
+            f"{s.field('fallback_on_slowdown')} has nothing to do with CUDA graphs off "
+            f"({s.field('impl')}={s.impl})"
+        )
+    elif not (s.impl == "local" and s.full_iteration):
         yield violation(
             s,
             ("fallback_on_slowdown", "impl", "scope"),
