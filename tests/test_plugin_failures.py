@@ -482,10 +482,15 @@ def test_te_graphs_held_when_megatron_core_s_finish_capturing_fails_are_freed(
         return real_barrier(*args, **kwargs)
 
     monkeypatch.setattr(torch.distributed, "barrier", barrier)
+    recorder = Recorder()
     with pytest.raises(RuntimeError, match="aborted"):
         train_gpt.run(
-            ["--train-iters", "4", "--log-interval", "0", *TE, "--cuda-graph-warmup-steps", "1"]
+            ["--train-iters", "4", "--log-interval", "0", *TE, "--cuda-graph-warmup-steps", "1"],
+            plugins=[recorder],
         )
+    # counted where they were freed: at once, when the capture raised (seventh review: the
+    # shutdown's count said 0)
+    assert recorder.graph_plugin.graphs_freed == 2
     [helper] = fake_graphs.helpers
     assert [name for name, _ in fake_graphs.events].count("create_cudagraphs") == 1
     layers = [layer for chunk in helper.callables_per_chunk for layer in chunk]

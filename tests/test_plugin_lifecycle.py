@@ -602,6 +602,20 @@ def test_te_calls_must_run_the_micro_batches_the_graphs_were_captured_for(
             run(*argv, steps=3)
 
 
+def test_a_forward_only_call_in_training_mode_may_run_another_count_of_micro_batches(
+    fake_graphs, monkeypatch
+):
+    """An RL host's log-probs (forward-only, training mode, the captured shape) with one
+    micro-batch where the pipelined graphs were captured for two: each graph's output is used
+    before it replays again, so the count is not held against it (seventh review)."""
+    from cudagraph_plugin import compat
+
+    monkeypatch.setattr(compat, "te_captured_microbatches", lambda helper: 2)
+    argv = (*TE, "--num-microbatches", "2", "--cuda-graph-warmup-steps", "1")
+    summary, _ = run(*argv, plugins=[ForwardOnlyAt(3, 32)], steps=5)
+    assert summary["shutdown_reason"] == "completed"
+
+
 def test_te_graphs_count_micro_batches_only_when_pipelined(monkeypatch):
     """megatron-core's helper captures one graph per layer without pipeline parallelism,
     reused for every micro-batch: no count to keep then."""

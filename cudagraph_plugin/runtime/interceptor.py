@@ -186,7 +186,9 @@ class ForwardBackwardInterceptor:
         self, kwargs: dict[str, Any], what: str = "training", fix: str = FIX
     ) -> None:
         te = self.state.te
-        microbatches = None if te is None else compat.te_captured_microbatches(te.helper)
+        # (training calls: a forward-only one uses each graph's output before it replays again)
+        counted = what == "training" and te is not None
+        microbatches = compat.te_captured_microbatches(te.helper) if counted else None
         if microbatches is not None and kwargs.get("num_microbatches") != microbatches:
             raise StaticShapeError(
                 f"{what} forward_backward_func called with num_microbatches="

@@ -112,7 +112,10 @@ class CudaGraphPlugin:
     @property
     def graphs_freed(self) -> int:
         return (
-            self.release.graphs_freed + self.fallback.graphs_freed + self.invalidation.graphs_freed
+            self.release.graphs_freed
+            + self.fallback.graphs_freed
+            + self.invalidation.graphs_freed
+            + self.te_capture.graphs_freed
         )
 
     @property

@@ -27,6 +27,7 @@ class TECapture:
         self.state = state
         self.captures = captures
         self.manual_hooks_pending = False
+        self.graphs_freed = 0  # by undoing a capture that raised
 
     def capture(self, step: int) -> None:
         state = self.state
@@ -51,7 +52,16 @@ class TECapture:
             # Undone now, not at shutdown: a host that carries on (retries the step) would
             # otherwise run with megatron-core's capture flag set (every TE layer capturing,
             # DDP's hooks skipped) or with graphs the layers replay without manual hooks.
-            settle(release_each(te.undo_steps()).failures, error)
+            undone = release_each(te.undo_steps())
+            self.graphs_freed += undone.graphs_freed
+            logger.warning(
+                "the TE capture at step %s raised (%r): megatron-core's capture flag cleared, "
+                "%d graph(s) the layers held freed",
+                step,
+                error,
+                undone.graphs_freed,
+            )
+            settle(undone.failures, error)
             raise
         finally:
             if toggle:
