@@ -10,16 +10,13 @@ import os
 from typing import Any
 
 from cudagraph_plugin.config.environment import expandable_segments_source
+from cudagraph_plugin.config.rules.base import scope_value
 from cudagraph_plugin.config.settings import Settings
 from cudagraph_plugin.config.vocabulary import SCOPES
 
 THIN_SAMPLE = 5
 """Steps on either side below which a speed-up is reported as not to be trusted (and the
 fallback policy is advised to measure more eager steps)."""
-
-
-def _scope_value(s: Settings) -> str:
-    return ",".join(s.scope) if s.scope else "(empty)"
 
 
 def _model_kind(s: Settings) -> str:
@@ -45,7 +42,7 @@ def advice(settings: Settings, environ: Any = None) -> list[str]:
     if s.duplicated_scopes:
         notes.append(
             f"{s.field('scope')} lists {', '.join(s.duplicated_scopes)} more than once "
-            f"(megatron-core accepts that); using each once: {_scope_value(s)}"
+            f"(megatron-core accepts that); using each once: {scope_value(s)}"
         )
     kind = _model_kind(s)
     recommended = RECOMMENDED_SCOPES[kind]
@@ -63,14 +60,14 @@ def advice(settings: Settings, environ: Any = None) -> list[str]:
     elif scope and scope < set(recommended):
         missing = [name for name in recommended if name not in scope]
         notes.append(
-            f"scope {_scope_value(s)} is narrower than recommended for a {kind} model "
+            f"scope {scope_value(s)} is narrower than recommended for a {kind} model "
             f"({','.join(recommended)}); once replay works, memory fits and replay beats "
             f"eager, consider adding {','.join(missing)}"
         )
     elif scope - set(recommended) - {"mamba"}:
         extra = sorted(scope - set(recommended) - {"mamba"})
         notes.append(
-            f"scope {_scope_value(s)} is wider than recommended for a {kind} model "
+            f"scope {scope_value(s)} is wider than recommended for a {kind} model "
             f"({','.join(recommended)}): {','.join(extra)} adds memory; widen only after "
             "measuring eager vs replay"
         )

@@ -113,6 +113,7 @@ class ForwardBackwardInterceptor:
             if stage == "training":
                 record = not self.guard.is_armed(stage)
                 if record:
+                    self._check_te_microbatches(kwargs)
                     self._check_te_call(kwargs)
                 kwargs["data_iterator"] = self.guard.check_call(
                     stage, state.step, kwargs, record=record
@@ -182,16 +183,14 @@ class ForwardBackwardInterceptor:
             self.captures.replayed("training")
         return result
 
-    def _check_te_call(
-        self, kwargs: dict[str, Any], what: str = "training", fix: str = FIX
-    ) -> None:
+    def _check_te_microbatches(self, kwargs: dict[str, Any]) -> None:
+        """A training call runs the micro-batches pipelined TE graphs were captured for (a
+        forward-only call uses each graph's output before it replays again: not checked)."""
         te = self.state.te
-        # (training calls: a forward-only one uses each graph's output before it replays again)
-        counted = what == "training" and te is not None
-        microbatches = compat.te_captured_microbatches(te.helper) if counted else None
+        microbatches = None if te is None else compat.te_captured_microbatches(te.helper)
         if microbatches is not None and kwargs.get("num_microbatches") != microbatches:
             raise StaticShapeError(
-                f"{what} forward_backward_func called with num_microbatches="
+                "training forward_backward_func called with num_microbatches="
                 f"{kwargs.get('num_microbatches')!r} but megatron-core captured the TE CUDA "
                 f"graphs for num_microbatches={microbatches} (one graph per micro-batch with "
                 "pipeline parallelism, counted by its micro-batch calculator: replaying them "
@@ -199,6 +198,10 @@ class ForwardBackwardInterceptor:
                 "megatron-core's get_num_microbatches() gives, or set its calculator "
                 "(init_num_microbatches_calculator) to the count you pass"
             )
+
+    def _check_te_call(
+        self, kwargs: dict[str, Any], what: str = "training", fix: str = FIX
+    ) -> None:
         for name, captured in (
             ("seq_length", self.state.seq_length),
             ("micro_batch_size", self.state.micro_batch_size),

@@ -55,14 +55,14 @@ def release_each(
     the same guard: interrupted, it is drawn up again (:data:`PLAN_ATTEMPTS` times in all;
     a plan that keeps raising is recorded as a failure and nothing runs)."""
     result = ReleaseResult()
-    plan = steps if callable(steps) else None
-    pending = None if plan is not None else collections.deque(steps)
+    draw = steps if callable(steps) else lambda: steps
+    pending: collections.deque[ReleaseStep] | None = None
     attempts = 0
     while pending is None or pending:
         try:
             if pending is None:
                 attempts += 1
-                pending = collections.deque(plan())  # type: ignore[misc]
+                pending = collections.deque(draw())
             _release_pending(pending, result)
         except BaseException as exc:
             if pending is None:

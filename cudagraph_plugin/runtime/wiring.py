@@ -169,14 +169,14 @@ class Wiring:
             failed = self.captures.failed
             if failed is not None and failed[0] == "training":
                 # (the host carried on after the capture raised)
-                self._nothing(
-                    f"the TE capture at step {failed[1]} raised ({failed[2]}) and made no graph",
-                    "fix what made the capture fail (its traceback was raised at that step)",
+                problem = (
+                    f"the TE capture at step {failed[1]} raised ({failed[2]}) and made no graph"
                 )
-            self._nothing(
-                f"the TE capture at step {step} produced no graph",
-                "check that the scope matches layers the model has",
-            )
+                fix = "fix what made the capture fail (its traceback was raised at that step)"
+            else:
+                problem = f"the TE capture at step {step} produced no graph"
+                fix = "check that the scope matches layers the model has"
+            self._nothing(problem, fix)
         if self.optimizer_due < 0:
             self._optimizer_captured(step, stages)
 
