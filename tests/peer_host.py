@@ -27,6 +27,7 @@ import faulthandler
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -271,11 +272,32 @@ def decisions(args: argparse.Namespace) -> int:
     return 0
 
 
+def _free_port() -> int:
+    """A port free now, below the kernel's ephemeral range: a port-0 bind lands in that range,
+    and so do the connections and stores of the jobs running beside this one, so one of them
+    could take such a port before rank 0 binds it (seen: rank 0's store failed with
+    EADDRINUSE in a clean-clone run)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # (no luck below the range: the kernel's choice)
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def launch(nproc: int, argv: list[str]) -> int:
     """N ranks without torchrun: rank 0 hosts the store (env:// rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = _free_port()
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc))
