@@ -51,6 +51,13 @@ MODULES: dict[str, tuple[tuple[str, ...], float]] = {
         ),
         12,
     ),
+    "hookspecs/run_signals.py": (
+        (
+            "tests/test_hookspecs_run.py",
+            "tests/test_hookspecs_shutdown.py",
+        ),
+        6,
+    ),
     "cudagraph_plugin/runtime/mechanisms.py": (("tests/test_compat.py", *LIFECYCLE), 8),
     "cudagraph_plugin/runtime/release.py": (("tests/test_cleanup.py", *LIFECYCLE), 6),
     "cudagraph_plugin/compat/ddp.py": (("tests/test_compat.py", *LIFECYCLE), 4),
