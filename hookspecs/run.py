@@ -17,6 +17,7 @@ import contextlib
 import logging
 import operator
 import signal
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -33,6 +34,12 @@ logger = logging.getLogger(__name__)
 # Managers that already served a run: configure is historic, so reusing one would replay
 # the old run's configuration to late plugins. Weak, so finished runs' managers go away.
 _USED_MANAGERS: weakref.WeakSet[pluggy.PluginManager] = weakref.WeakSet()
+
+# The run entered and not yet shut down in this process, if any (weak: an abandoned one
+# goes away). Runs may follow each other but not overlap: the plugins' graphs, the signal
+# handlers and megatron-core's graph state belong to the process, not to one run.
+_ACTIVE_LOCK = threading.Lock()
+_active: weakref.ref[TrainingRun] | None = None
 
 
 def merge_kwargs(
@@ -110,6 +117,49 @@ def _classify(exc: BaseException | None, completed: bool) -> ShutdownReason:
     return ShutdownReason.EXCEPTION
 
 
+def _claim_the_process(run: TrainingRun) -> None:
+    global _active
+    with _ACTIVE_LOCK:
+        other = _active() if _active is not None else None
+        if other is not None and other is not run:
+            raise RuntimeError(
+                "another TrainingRun is active in this process (entered and not yet left): "
+                "runs cannot overlap, since the CUDA graphs, the signal handlers and "
+                "megatron-core's graph state belong to the process. Fix: leave the first "
+                "run's `with` block before entering the next"
+            )
+        _active = weakref.ref(run)
+
+
+def _release_the_process(run: TrainingRun) -> None:
+    global _active
+    with _ACTIVE_LOCK:
+        if _active is not None and _active() is run:
+            _active = None
+
+
+def _catchable_signals(handle_signals: Any) -> tuple[int, ...]:
+    """``handle_signals`` as signal numbers, refused (naming the value) where one is not a
+    signal or cannot be caught: found here, not half-way through installing the handlers."""
+    uncatchable = {
+        getattr(signal, name) for name in ("SIGKILL", "SIGSTOP") if hasattr(signal, name)
+    }
+    try:
+        signums = tuple(signal.Signals(s) for s in handle_signals)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"TrainingRun: handle_signals={handle_signals!r} is not a tuple of signals "
+            f"({error}); pass signal numbers, e.g. (signal.SIGTERM,)"
+        ) from None
+    bad = [s.name for s in signums if s in uncatchable]
+    if bad:
+        raise ValueError(
+            f"TrainingRun: handle_signals={handle_signals!r} names {', '.join(bad)}, which no "
+            "process can catch; drop it (SIGTERM is what schedulers send before killing)"
+        )
+    return tuple(int(s) for s in signums)
+
+
 def _step_number(where: str, name: str, value: Any) -> int:
     """``value`` as an int (a numpy integer too: ``__index__``); a bool, a float (``0.0 ==
     0``) or anything else is refused, naming ``where``'s argument ``name`` and the value."""
@@ -166,6 +216,7 @@ class TrainingRun(RunSignals):
     ) -> None:
         train_iters = _step_number("TrainingRun", "train_iters", train_iters)
         start_step = _step_number("TrainingRun", "start_step", start_step)
+        handle_signals = _catchable_signals(handle_signals)
         if start_step < 0 or train_iters < start_step:
             raise ValueError(
                 f"TrainingRun: need 0 <= start_step <= train_iters, got start_step={start_step}"
@@ -182,8 +233,10 @@ class TrainingRun(RunSignals):
         self._pending_signal: int | None = None
         self._pending_sigint = False
         self._sigint_deferrer: Any = None
+        self._sigint_previous: Any = signal.default_int_handler
         self._entered = False
         self._shutting_down = False
+        self._finished = False
         self._train_started = False
         self._warmup_steps: int | None = None
         self._post_warmup_fired = False
@@ -210,10 +263,11 @@ class TrainingRun(RunSignals):
                 "this plugin manager already served a TrainingRun (its configure history and "
                 "per-run plugins belong to that run); call get_plugin_manager() for each run"
             )
+        _claim_the_process(self)
         _USED_MANAGERS.add(self.pluginmanager)
         self._entered = True
-        self._install_signal_handlers()
         try:
+            self._install_signal_handlers()
             self.hook.mcgraph_configure.call_historic(
                 kwargs={"config": self.config, "pluginmanager": self.pluginmanager}
             )
@@ -467,11 +521,15 @@ class TrainingRun(RunSignals):
                     f"during mcgraph_shutdown, another exception occurred: {shutdown_exc!r}"
                 )
         finally:
-            restore_sigint()
-            self._restore_signal_handlers()
+            # SIGINT last: a Ctrl-C while the others go back is still held
+            try:
+                self._restore_signal_handlers()
+            finally:
+                self._finished = True
+                _release_the_process(self)
+                restore_sigint()
         if self._pending_sigint and not isinstance(exc, KeyboardInterrupt):
-            logger.warning("the Ctrl-C received during shutdown is acted on now")
-            raise KeyboardInterrupt
+            self._act_on_deferred_sigint()
         return self._apply_previous_signal_behaviour(exc)
 
 

@@ -2,7 +2,8 @@
 (SIGTERM) become :class:`SignalReceived`, a Ctrl-C during shutdown waits until it ends, and
 afterwards the previous handler's behaviour applies. A mixin of ``TrainingRun``: the run's
 ``_finish`` and ``__exit__`` stay there (``peer_mark.run_is_shutting_down`` looks for their
-code on the stack)."""
+code on the stack). A handler of the run left installed after it ended (by a host that set
+its own during the run, or a run left from another thread) acts as the previous one did."""
 
 from __future__ import annotations
 
@@ -27,24 +28,29 @@ class RunSignals:
     _pending_sigint: bool
     _sigint_deferrer: Any
     _shutting_down: bool
+    _finished: bool
 
     def _defer_sigint(self) -> Any:
         """Hold a Ctrl-C (SIGINT) that arrives while the shutdown hook runs, so that every
         implementation finishes and the graphs are freed; a second Ctrl-C interrupts at
-        once. Returns what restores the host's handler."""
+        once. A host's own SIGINT handler is deferred the same way and called once shutdown
+        ends (``act_on_deferred_sigint``); an ignored SIGINT stays ignored. Returns what
+        restores the host's handler."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
         previous = signal.getsignal(signal.SIGINT)
         if previous is self._sigint_deferrer:
             # again, after a Ctrl-C cut the first call short (see __exit__): the deferrer it
-            # installed is replaced, and the host's default handler is what comes back
-            previous = signal.default_int_handler
-        elif previous is not signal.default_int_handler:
-            return lambda: None  # the host's own policy (ignored, or its own handler)
+            # installed is replaced, and the host's handler it held is what comes back
+            previous = self._sigint_previous
+        elif previous is signal.SIG_IGN:
+            return lambda: None
+        self._sigint_previous = previous
 
         def on_sigint(signum: int, frame: Any) -> None:
             if self._pending_sigint:
-                raise KeyboardInterrupt
+                self._pass_sigint_on(previous, frame)
+                return
             self._pending_sigint = True
             logger.warning(
                 "Ctrl-C received during shutdown: acted on once shutdown ends (press it "
@@ -55,22 +61,61 @@ class RunSignals:
         signal.signal(signal.SIGINT, on_sigint)
         return lambda: signal.signal(signal.SIGINT, previous)
 
+    def _act_on_deferred_sigint(self) -> None:
+        """The Ctrl-C held during shutdown, now that it ended: what the host's handler does
+        (by default, ``KeyboardInterrupt``)."""
+        logger.warning("the Ctrl-C received during shutdown is acted on now")
+        self._pass_sigint_on(self._sigint_previous, None)
+
+    @staticmethod
+    def _pass_sigint_on(previous: Any, frame: Any) -> None:
+        if previous is signal.default_int_handler or previous is None:
+            raise KeyboardInterrupt
+        if callable(previous):
+            previous(signal.SIGINT, frame)
+            return
+        _terminate_by(signal.SIGINT)  # SIG_DFL: the process ends by the signal
+
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
-            logger.debug("TrainingRun outside the main thread: signals are not handled")
+            logger.warning(
+                "TrainingRun entered outside the main thread: signals (%s) cannot be handled "
+                "here, so a SIGTERM ends the process without the shutdown hooks. Fix: run "
+                "the training loop in the main thread",
+                ", ".join(signal.Signals(s).name for s in self._handle_signals) or "none",
+            )
             return
         for signum in self._handle_signals:
-            previous = signal.getsignal(signum)
-            if previous is signal.SIG_IGN:
+            if signal.getsignal(signum) is signal.SIG_IGN:
                 continue
-            self._previous_handlers[signum] = previous
-            signal.signal(signum, self._on_signal)
+            # (recorded once installed: a failure part-way restores only what went in)
+            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
 
     def _restore_signal_handlers(self) -> None:
+        """Put the host's handlers back, except where the host installed one of its own
+        during the run (that one stays: it is the host's latest word)."""
+        if not self._previous_handlers:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning(
+                "TrainingRun left from another thread than the one that entered it: its "
+                "signal handlers cannot be taken off from here; they act as the previous "
+                "handlers did"
+            )
+            return
         for signum, previous in self._previous_handlers.items():
+            if signal.getsignal(signum) != self._on_signal:
+                logger.info(
+                    "%s: the handler set during the run is left in place (the host's own)",
+                    signal.Signals(signum).name,
+                )
+                continue
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._finished:
+            self._chain(signum, frame)  # (left installed after the run: see the module)
+            return
         name = signal.Signals(signum).name
         if self._pending_signal is not None:
             # A second signal while the first is still being handled (shutdown may be stuck,

@@ -1,0 +1,251 @@
+"""TrainingRun's signal handlers and its hold on the process, at the edges the other run
+tests do not reach: runs that overlap, a start that fails half-way, a Ctrl-C while the
+handlers go back, a host's own SIGINT handler during shutdown, a handler the host sets
+during the run, and a run left from another thread."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+import pytest
+
+from hookspecs import ShutdownReason, TrainingRun, get_plugin_manager, hookimpl, run_signals
+
+
+def new_pm():
+    return get_plugin_manager(load_entrypoints=False)
+
+
+class Reasons:
+    def __init__(self, log: list[str] | None = None) -> None:
+        self.log = log if log is not None else []
+
+    @hookimpl
+    def mcgraph_shutdown(self, reason, exception):
+        self.log.append(str(reason))
+
+
+@pytest.fixture
+def host_sigterm():
+    """The host's own SIGTERM handler, recording what reaches it."""
+    calls: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    yield calls
+    signal.signal(signal.SIGTERM, before)
+
+
+# -- one run at a time ------------------------------------------------------------------------
+
+
+def test_a_run_entered_while_another_is_active_is_refused_and_changes_nothing(host_sigterm):
+    first, second = new_pm(), new_pm()
+    seen = Reasons()
+    second.register(seen)
+    with TrainingRun(first, None, train_iters=0):
+        handler_of_the_first = signal.getsignal(signal.SIGTERM)
+        with pytest.raises(RuntimeError, match="another TrainingRun is active"):
+            TrainingRun(second, None, train_iters=0).__enter__()
+        assert signal.getsignal(signal.SIGTERM) == handler_of_the_first
+    assert seen.log == []  # refused before its configure: no shutdown either
+    # once the first is left, the second manager serves a run (it was not marked used)
+    with TrainingRun(second, None, train_iters=0):
+        pass
+    assert seen.log == ["completed"]
+    assert signal.getsignal(signal.SIGTERM) is not None
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert host_sigterm == [signal.SIGTERM]  # the host's handler is back
+
+
+def test_a_run_abandoned_without_leaving_does_not_block_the_next_for_ever():
+    import gc
+
+    abandoned = TrainingRun(new_pm(), None, train_iters=0, handle_signals=())
+    abandoned.__enter__()
+    del abandoned
+    gc.collect()
+    with TrainingRun(new_pm(), None, train_iters=0):
+        pass
+
+
+# -- handle_signals ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("handle_signals", "match"),
+    [
+        ((signal.SIGTERM, signal.SIGKILL), "SIGKILL, which no process can catch"),
+        ((signal.SIGSTOP,), "SIGSTOP"),
+        ((signal.SIGTERM, 9999), "not a tuple of signals"),
+        (signal.SIGTERM, "not a tuple of signals"),
+    ],
+)
+def test_handle_signals_that_cannot_be_caught_are_refused_when_the_run_is_made(
+    handle_signals, match, host_sigterm
+):
+    pm = new_pm()
+    with pytest.raises(ValueError, match=match) as refused:
+        TrainingRun(pm, None, train_iters=0, handle_signals=handle_signals)
+    assert "handle_signals=" in str(refused.value)
+    with TrainingRun(pm, None, train_iters=0):  # nothing was installed, nothing marked
+        pass
+
+
+def test_a_start_that_fails_while_installing_handlers_takes_off_those_installed(
+    monkeypatch, host_sigterm
+):
+    real = signal.signal
+
+    def refuses_sigusr1(signum, handler):
+        if signum == signal.SIGUSR1 and getattr(handler, "__self__", None) is not None:
+            raise OSError("refused")
+        return real(signum, handler)
+
+    monkeypatch.setattr(run_signals.signal, "signal", refuses_sigusr1)
+    seen = Reasons()
+    pm = new_pm()
+    pm.register(seen)
+    with pytest.raises(OSError, match="refused"):
+        with TrainingRun(pm, None, train_iters=0, handle_signals=(signal.SIGTERM, signal.SIGUSR1)):
+            pass
+    assert seen.log == ["exception"]
+    os.kill(os.getpid(), signal.SIGTERM)  # the host's handler, not the failed run's
+    assert host_sigterm == [signal.SIGTERM]
+
+
+# -- Ctrl-C while shutdown ends -------------------------------------------------------------------
+
+
+@pytest.fixture
+def default_sigint():
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_ctrl_c_while_the_handlers_go_back_leaves_none_of_the_runs_behind(
+    monkeypatch, default_sigint, host_sigterm
+):
+    restore = TrainingRun._restore_signal_handlers
+
+    def ctrl_c_first(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        restore(self)
+
+    monkeypatch.setattr(TrainingRun, "_restore_signal_handlers", ctrl_c_first)
+    seen = Reasons()
+    pm = new_pm()
+    pm.register(seen)
+    with pytest.raises(KeyboardInterrupt):
+        with TrainingRun(pm, None, train_iters=0):
+            pass
+    assert seen.log == ["completed"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert host_sigterm == [signal.SIGTERM]
+
+
+class CtrlCPressed:
+    @hookimpl
+    def mcgraph_shutdown(self, reason, exception):
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.fixture
+def host_sigint():
+    """The host's own SIGINT handler: it records, then interrupts as the default would."""
+    calls: list[str] = []
+
+    def handler(signum, frame):
+        calls.append("host's Ctrl-C handler")
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGINT, handler)
+    yield calls, handler
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_hosts_own_sigint_handler_is_held_until_every_shutdown_implementation_ran(host_sigint):
+    calls, handler = host_sigint
+    log: list[str] = []
+    pm = new_pm()
+    pm.register(Reasons(log))
+    pm.register(CtrlCPressed())  # registered last: called first
+    with pytest.raises(KeyboardInterrupt):
+        with TrainingRun(pm, None, train_iters=0):
+            pass
+    assert log == ["completed"]  # the implementation after the Ctrl-C still ran
+    assert calls == ["host's Ctrl-C handler"]  # and the host's handler ran once, afterwards
+    assert signal.getsignal(signal.SIGINT) is handler
+
+
+def test_an_ignored_sigint_stays_ignored_during_shutdown():
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        log: list[str] = []
+        pm = new_pm()
+        pm.register(Reasons(log))
+        pm.register(CtrlCPressed())
+        with TrainingRun(pm, None, train_iters=0):
+            pass
+        assert log == ["completed"]
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+# -- handlers left installed after the run -------------------------------------------------------
+
+
+def test_a_handler_the_host_sets_during_the_run_is_kept(host_sigterm, caplog):
+    def set_during_the_run(signum, frame):
+        pass
+
+    with caplog.at_level(logging.INFO, logger="hookspecs.run"):
+        with TrainingRun(new_pm(), None, train_iters=0):
+            signal.signal(signal.SIGTERM, set_during_the_run)
+    assert signal.getsignal(signal.SIGTERM) is set_during_the_run
+    assert "SIGTERM: the handler set during the run is left in place" in caplog.text
+
+
+def test_a_run_left_from_another_thread_leaves_handlers_that_act_as_the_hosts(host_sigterm, caplog):
+    run = TrainingRun(new_pm(), None, train_iters=0)
+    run.__enter__()
+    try:
+        errors: list[BaseException] = []
+
+        def leave():
+            try:
+                run.__exit__(None, None, None)
+            except BaseException as error:  # (a ValueError from signal.signal, before)
+                errors.append(error)
+
+        with caplog.at_level(logging.WARNING, logger="hookspecs.run"):
+            thread = threading.Thread(target=leave)
+            thread.start()
+            thread.join()
+        assert errors == []
+        assert run.shutdown_reason is ShutdownReason.COMPLETED
+        assert "left from another thread" in caplog.text
+        # the run's handler is still installed, and now does what the host's did
+        assert getattr(signal.getsignal(signal.SIGTERM), "__self__", None) is run
+        os.kill(os.getpid(), signal.SIGTERM)  # no SignalReceived: the run is over
+        assert host_sigterm == [signal.SIGTERM]
+    finally:
+        run._restore_signal_handlers()
+
+
+def test_a_signal_during_the_run_still_ends_it(host_sigterm):
+    """(the handler's new first check, ``_finished``, must not swallow a live run's signal;
+    the host's handler returns, so the program goes on after the shutdown)"""
+    reached: list[str] = []
+    with TrainingRun(new_pm(), None, train_iters=2) as run:
+        for step in range(2):
+            with run.train_step(step):
+                os.kill(os.getpid(), signal.SIGTERM)
+                reached.append(f"step {step}")
+    assert reached == []
+    assert run.shutdown_reason is ShutdownReason.SIGNAL
+    assert host_sigterm == [signal.SIGTERM]
