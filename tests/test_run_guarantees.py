@@ -111,6 +111,34 @@ def test_a_system_exit_from_the_json_write_does_not_skip_the_release(
     assert graph.resets == 1
 
 
+def test_a_ctrl_c_while_the_reports_failure_is_logged_does_not_skip_the_release(
+    fake_graphs, monkeypatch, tmp_path
+):
+    """(a second Ctrl-C inside the log call that says the report failed: it used to leave
+    before the release, which the guard then skipped, since the wrapper had been entered)"""
+    from cudagraph_plugin.runtime import shutdown
+
+    def fails(self, path):
+        raise OSError("disk full")
+
+    real_error = shutdown.logger.error
+
+    def ctrl_c_while_logging(message, *args, **kwargs):
+        if message.startswith("the run report failed"):
+            raise KeyboardInterrupt
+        real_error(message, *args, **kwargs)
+
+    monkeypatch.setattr(RunReport, "write_json", fails)
+    monkeypatch.setattr(shutdown.logger, "error", ctrl_c_while_logging)
+    with pytest.raises(KeyboardInterrupt):
+        run(
+            *FULL, "--cuda-graph-warmup-steps", "1",
+            "--cuda-graph-report-json", str(tmp_path / "r.json"),
+        )  # fmt: skip
+    [graph] = fake_graphs.graphs
+    assert graph.resets == 1
+
+
 @pytest.mark.parametrize("interrupted", [1, 2], ids=["first-try", "both-tries"])
 def test_a_ctrl_c_while_the_failure_is_marked_for_the_peers_does_not_skip_the_release(
     fake_graphs, monkeypatch, interrupted

@@ -59,17 +59,18 @@ class Shutdown:
         # Ctrl-C during its device sync, a plugin's mcgraph_report, the JSON write), waits
         # until the inner implementations ran and the graphs are freed, then goes on.
         # (``entered`` is set last before the ``try``: anything raised before it leaves the
-        # release to the guard)
+        # release to the guard; anything raised after it, even while the report's failure
+        # is logged, meets the ``finally`` that frees the graphs)
         reason = self.reason_of(reason)
         quiet = device_may_block(reason, self.state)
         report_error: BaseException | None = None
         self.entered = True
         try:
-            self.reporter.emit(str(reason), sync=not quiet)
-        except BaseException as exc:
-            report_error = exc
-            logger.error("the run report failed: %r", exc, exc_info=exc)
-        try:
+            try:
+                self.reporter.emit(str(reason), sync=not quiet)
+            except BaseException as exc:
+                report_error = exc
+                logger.error("the run report failed: %r", exc, exc_info=exc)
             result = yield
         except BaseException:
             if report_error is not None:
