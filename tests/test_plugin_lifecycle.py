@@ -12,6 +12,7 @@ import argparse
 import gc
 import json
 import logging
+import os
 import weakref
 
 import pytest
@@ -759,6 +760,31 @@ def test_a_report_json_that_cannot_be_written_is_refused_before_anything_is_buil
     assert built == []
     assert rec.events == [("shutdown", "exception")]
     assert rec.report is None  # refused in configure: no report written or sent
+
+
+class ChangesDirectory:
+    """A host's plugin that moves into its output directory during the run."""
+
+    def __init__(self, to) -> None:
+        self.to = to
+
+    @hookimpl
+    def mcgraph_train_step_end(self, step, metrics):
+        if step == 1:
+            os.chdir(self.to)
+
+
+def test_a_relative_report_path_is_where_it_was_checked_even_if_the_host_moves(
+    fake_graphs, monkeypatch, tmp_path
+):
+    launch, elsewhere = tmp_path / "launch", tmp_path / "ckpt"
+    launch.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(launch)
+    run(*FULL, "--cuda-graph-report-json", "r.json", plugins=[ChangesDirectory(elsewhere)])
+    assert os.getcwd() == str(elsewhere)
+    assert json.loads((launch / "r.json").read_text())["graphs_captured"]
+    assert list(elsewhere.iterdir()) == []
 
 
 def test_shutdown_reason_enum_is_what_plugins_see(fake_graphs):

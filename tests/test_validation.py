@@ -2403,6 +2403,22 @@ def test_a_report_path_that_cannot_be_looked_at_is_refused_with_the_reason(tmp_p
     )
 
 
+def test_a_report_path_that_is_a_link_to_nowhere_is_refused(tmp_path):
+    link = tmp_path / "r.json"
+    link.symlink_to(tmp_path / "gone" / "r.json")
+    rejected(
+        with_report(bridge(), str(link)),
+        fields=["cuda_graph_report_json"],
+        value=repr(str(link)),
+        phrase=f"(it is a symbolic link to {str(tmp_path / 'gone' / 'r.json')!r}, whose "
+        "directory does not exist)",
+        fix=REPORT_FIX,
+    )
+    # a link to a file still to be written in a directory that exists is fine
+    (tmp_path / "gone").mkdir()
+    accepted(with_report(bridge(), str(link)))
+
+
 def test_report_paths_are_not_checked_where_the_run_does_not_write(tmp_path):
     config = with_report(bridge(), str(tmp_path))  # a directory: refused where the run is
     elsewhere = Environment.of(None)

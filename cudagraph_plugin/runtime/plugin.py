@@ -23,7 +23,9 @@ coming by :meth:`ForwardBackwardInterceptor.call`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 from typing import Any
 
 from cudagraph_plugin import compat
@@ -92,7 +94,7 @@ class CudaGraphPlugin:
         try:
             result.apply(config)
             _say_configured(result, cuda)
-            plugin = cls(result.settings, pluginmanager, cuda=cuda)
+            plugin = cls(_paths_pinned(result.settings), pluginmanager, cuda=cuda)
         except BaseException:
             ranklog.remove(log_filter)  # (no run follows: no shutdown would take it off)
             raise
@@ -304,6 +306,16 @@ def _say_configured(result: Any, cuda: bool) -> None:
             ",".join(settings.scope),
             extra=JOB_WIDE,
         )
+
+
+def _paths_pinned(settings: Settings) -> Settings:
+    """The settings with the report path made absolute: it was checked against the working
+    directory of the start, and the report goes there even if the host changes directory
+    during the run (it is written at shutdown)."""
+    path = settings.report_json
+    if not path or os.path.isabs(path):
+        return settings
+    return dataclasses.replace(settings, report_json=os.path.abspath(path))
 
 
 def _own_release_steps(plugin: CudaGraphPlugin) -> list[ReleaseStep]:

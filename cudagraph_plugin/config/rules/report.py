@@ -24,6 +24,13 @@ def _why_unwritable(path: Path) -> str | None:
 
 
 def _why_not(path: Path) -> str | None:
+    if path.is_symlink() and not path.exists():
+        # a link to nothing: the report would go to its target, whose directory the writer
+        # does not create (it creates the link's)
+        target = Path(os.path.realpath(path))
+        if not target.parent.is_dir():
+            return f"it is a symbolic link to {str(target)!r}, whose directory does not exist"
+        path = target
     if path.is_dir():
         return "it is a directory"
     if path.exists():
