@@ -105,6 +105,16 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "device synchronised before and after each",
         _NO_CAPTURE,
     ),
+    ReportField(
+        "capture_cost_seconds",
+        "float | None",
+        "s",
+        'what the captures cost the run, the figure `break_even_steps` and the "did not pay '
+        "off\" warning use: the capture step's time beyond a replayed step's (megatron-core "
+        "replays a full-iteration graph right after capturing it, so `capture_seconds` holds "
+        "one step's own work), plus the time of any capture outside a timed step",
+        f"{_NO_CAPTURE}, or buckets (each row of `buckets` has its own `capture_seconds`)",
+    ),
     ReportField("graph_count", "int", "graphs", "the most CUDA graphs held at once; 0 without"),
     ReportField("steps_timed", "int", "steps", "training steps that finished and were timed"),
     ReportField(

@@ -62,12 +62,16 @@ VERSION_1 = [
 ]
 
 
-# Version 2 (unreleased): after ``graphs_held``, ``replays`` per captured stage (issue 22),
-# ``notes`` and ``thin_sample`` (issue 21), ``break_even_steps``, ``pays_off``, ``buckets`` and
+# Version 2 (unreleased): after ``capture_seconds``, ``capture_cost_seconds`` (what break-even
+# uses); after ``graphs_held``, ``replays`` per captured stage (issue 22), ``notes`` and
+# ``thin_sample`` (issue 21), ``break_even_steps``, ``pays_off``, ``buckets`` and
 # ``invalidations`` (issue 23).
+_COST = [name for name, _, _ in VERSION_1].index("capture_seconds") + 1
 _AT = [name for name, _, _ in VERSION_1].index("graphs_held") + 1
 VERSION_2 = [
-    *VERSION_1[:_AT],
+    *VERSION_1[:_COST],
+    ("capture_cost_seconds", "float | None", "s"),
+    *VERSION_1[_COST:_AT],
     ("replays", "dict[str, int]", "replays"),
     ("notes", "list[str]", ""),
     ("thin_sample", "bool", ""),

@@ -46,6 +46,9 @@ class Captures:
     # the step of the last replay of a training step's graph (training or optimizer stage):
     # where replay_end is put when the graphs are freed for the rest of the run
     last_step_replayed: int | None = None
+    # the steps whose optimizer.step replayed the optimizer graph (after an invalidation it
+    # warms up again eagerly: those steps are not replays)
+    optimizer_replay_steps: set[int] = dataclasses.field(default_factory=set)
     # (stage, step, "Type: message") of a capture that raised, for the report's "why no
     # graph"; the words only: the exception's frames would keep what the capture held alive
     failed: tuple[str, int | None, str] | None = None
@@ -114,6 +117,8 @@ class Captures:
             self.replays[stage] += 1
             if stage != "validation":
                 self.last_step_replayed = self.state.step
+            if stage == "optimizer":
+                self.optimizer_replay_steps.add(self.state.step)
 
     def made_graphs(self, stage: str) -> bool:
         """A capture of ``stage`` made graphs (whether or not they are held now: the host

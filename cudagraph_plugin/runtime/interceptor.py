@@ -298,7 +298,8 @@ class OptimizerStep:
                 result = graphs.wrapper()
                 captures = self._captures
                 captures.replays["optimizer"] += 1
-                captures.last_step_replayed = captures.state.step
+                captures.last_step_replayed = step = captures.state.step
+                captures.optimizer_replay_steps.add(step)
                 return result
             self._replay = None  # stale: never keeps a graph megatron-core dropped alive
         if graphs.due():

@@ -19,15 +19,34 @@ from cudagraph_plugin.runtime.capture import IN_STEP_STAGES
 from cudagraph_plugin.runtime.timing import median_or_none
 
 
-def thin_sample_note(eager_steps: int, replay_steps: int) -> str | None:
-    """Why the speed-up rests on too few steps, or None."""
+def thin_sample_note(
+    eager_steps: int, replay_steps: int, *, per_bucket: bool = False
+) -> str | None:
+    """Why the speed-up rests on too few steps, or None. ``per_bucket``: ``eager_steps`` is
+    the fewest eager steps of one bucket (each bucket is compared with its own)."""
     if min(eager_steps, replay_steps) >= THIN_SAMPLE:
         return None
+    eager = f"{eager_steps} eager step(s) in a bucket" if per_bucket else f"{eager_steps} eager"
     return (
-        f"measured on {eager_steps} eager and {replay_steps} replayed step(s): too few to "
+        f"measured on {eager} and {replay_steps} replayed step(s): too few to "
         f"trust this speed-up (at least {THIN_SAMPLE} each; --cuda-graph-baseline-steps N "
-        "measures N eager steps before the capture)"
+        f"measures N eager steps before {'each' if per_bucket else 'the'} capture)"
     )
+
+
+def fewest_eager_samples(
+    summary: Sequence[Mapping[str, Any]],
+    durations_ms: Mapping[int, float],
+    holding_captures: Collection[int] = (),
+) -> int | None:
+    """The fewest eager samples of a bucket that replayed (None when none did): each bucket
+    is judged against its own eager steps, so the thinnest one bounds the trust in all."""
+    counts = []
+    for row in summary:
+        eager, replay, _, _ = bucket_samples([row], durations_ms, holding_captures)
+        if replay:
+            counts.append(len(eager))
+    return min(counts, default=None)
 
 
 def capture_cost_seconds(
@@ -123,24 +142,24 @@ def key_samples(
     summary: Sequence[Mapping[str, Any]],
     durations_ms: Mapping[int, float],
     holding_captures: Collection[int],
-    capture_step: int,
-    last_replay: int | None,
+    replayed: Collection[int],
 ) -> tuple[list[int], list[int], list[float], list[float]]:
     """As :func:`bucket_samples`, for a bucketed run whose only graph is the optimizer's
-    (no bucket was captured; every forward/backward ran eagerly): each shape's steps after
-    that graph's capture (up to ``last_replay``) against the same shape's steps before it,
-    as fractions of the latter's median, never one length against another. A shape's first
-    step (its lazy allocations) and the steps in ``holding_captures`` are no sample."""
+    (no bucket was captured; every forward/backward ran eagerly): each shape's steps whose
+    optimizer step replayed its graph (``replayed``) against the same shape's steps whose
+    optimizer step ran eagerly (before the capture, and again while it warms up after an
+    invalidation), as fractions of the latter's median, never one length against another.
+    A shape's first step (its lazy allocations) and the steps in ``holding_captures`` are no
+    sample."""
     eager_steps: list[int] = []
     replay_steps: list[int] = []
     eager: list[float] = []
     replay: list[float] = []
-    end = float("inf") if last_replay is None else last_replay
     for row in summary:
         steps = sorted({*row["eager_steps"], *row["capture_steps"], *row["replay_steps"]})
         steps = [s for s in steps[1:] if s in durations_ms and s not in holding_captures]
-        before = [s for s in steps if s < capture_step]
-        after = [s for s in steps if capture_step < s <= end]
+        before = [s for s in steps if s not in replayed]
+        after = [s for s in steps if s in replayed]
         if not before or not after:
             continue
         base = median_or_none([durations_ms[s] for s in before])

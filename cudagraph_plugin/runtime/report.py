@@ -26,6 +26,7 @@ from cudagraph_plugin.runtime.payoff import (
     bucket_rows,
     bucket_samples,
     capture_cost_seconds,
+    fewest_eager_samples,
     key_samples,
     pays_off,
     thin_sample_note,
@@ -117,6 +118,7 @@ class RunReport:
     start_step: int | None
     capture_step: int | None
     capture_seconds: float | None
+    capture_cost_seconds: float | None
     graph_count: int
     steps_timed: int
     eager_steps: list[int]
@@ -204,7 +206,8 @@ class RunReport:
                     (
                         "break-even",
                         f"after {self.break_even_steps} replayed step(s) "
-                        f"{paid[self.pays_off]}".rstrip(),
+                        f"{paid[self.pays_off]}".rstrip()
+                        + f" (the capture cost {_cost(self)})",
                     )
                 )
         if self.fallback_step is not None:
@@ -243,9 +246,23 @@ class RunReport:
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
+def _cost(report: RunReport) -> str:
+    """What the captures cost the run, and their wall-clock time where that differs."""
+    cost, wall = report.capture_cost_seconds, report.capture_seconds
+    if cost is None:
+        return "an unknown time" if wall is None else f"{wall:.3f} s"
+    if wall is None or round(wall, 3) == round(cost, 3):
+        return f"{cost:.3f} s"
+    return f"{cost:.3f} s beyond a replayed step ({wall:.3f} s wall)"
+
+
+def _bucket_key(row: dict[str, Any]) -> str:
+    return f"seq {row['seq_length']} x mbs {row['micro_batch_size']} x {row['num_microbatches']}"
+
+
 def _bucket_line(row: dict[str, Any]) -> str:
     """One bucket key of the bucketed graphs, for the table."""
-    key = f"seq {row['seq_length']} x mbs {row['micro_batch_size']} x {row['num_microbatches']}"
+    key = _bucket_key(row)
     if not row["in_bucket"]:
         return f"{key}: outside every bucket, {len(row['eager_steps'])} eager step(s)"
     parts = [f"{row['replays']} replays"]
@@ -259,6 +276,13 @@ def _bucket_line(row: dict[str, Any]) -> str:
         parts.append(f"padding {row['padding_waste_percent']:.1f}%")
     if row.get("break_even_steps") is not None:
         parts.append(f"break-even {row['break_even_steps']} step(s)")
+    if row.get("paid_off") is not None:
+        parts.append(
+            "paid off"
+            if row["paid_off"]
+            else "NOT paid off in this run"
+            + (" (no saving beyond noise)" if row.get("break_even_steps") is None else "")
+        )
     return f"{key}: " + ", ".join(parts)
 
 
@@ -317,13 +341,22 @@ class Reporter:
         elif self.report.pays_off is False:
             even = self.report.break_even_steps
             logger.warning(
-                "CUDA graphs did not pay off within this run: the capture took %.3f s and %s; "
+                "CUDA graphs did not pay off within this run: the capture cost %s and %s; "
                 "this run replayed %s step(s)",
-                self.report.capture_seconds,
+                _cost(self.report),
                 "replay saves no time per step"
                 if even is None
                 else f"is earned back after {even} replayed step(s)",
                 self.replayed,
+            )
+        unpaid = [row for row in self.report.buckets if row["paid_off"] is False]
+        if unpaid:
+            logger.warning(
+                "CUDA graphs did not pay off within this run for %d of %d captured "
+                "bucket(s): %s (each row of the report's buckets says why)",
+                len(unpaid),
+                sum(1 for row in self.report.buckets if row["capture_steps"]),
+                "; ".join(_bucket_key(row) for row in unpaid),
             )
         settings = self.state.settings
         if settings.report_json:
@@ -344,45 +377,57 @@ class Reporter:
         eager_samples = [durations[s] for s in eager]
         replay_samples = [durations[s] for s in replay]
         bucket_summary = [] if state.buckets is None else state.buckets.summary(durations, holding)
-        per_bucket = (
-            captured
-            and state.buckets is not None
-            and any(c["stage"] == "training" for c in captures.records)
-        )  # else only the optimizer graph was captured: each shape split at its capture
-        optimizer_only = captured and state.buckets is not None and not per_bucket
-        if optimizer_only:
-            capture_step = captures.training_capture_step()
-            assert capture_step is not None
-            eager, replay, eager_samples, replay_samples = key_samples(
-                bucket_summary, durations, holding, capture_step, captures.replay_end
-            )
+        bucketed = captured and state.buckets is not None
+        # Every step after the first capture is not a replay with buckets (other buckets
+        # warm up and capture later, lengths outside every bucket run eagerly, an
+        # invalidation starts over): each bucket's replays against its own eager steps, as
+        # fractions of that bucket's eager median; where no bucket replayed, each shape's
+        # steps whose optimizer graph replayed against its steps whose optimizer ran eagerly.
+        samples = bucket_samples(bucket_summary, durations, holding) if bucketed else None
+        per_bucket = samples is not None and bool(samples[1])
+        optimizer_only = bucketed and not per_bucket and captures.made_graphs("optimizer")
+        fewest_eager = None  # (with buckets: the fewest eager samples of a bucket that replayed)
         if per_bucket:
-            # Every step after the first capture is not a replay with buckets (other
-            # buckets warm up and capture later, lengths outside every bucket run eagerly,
-            # an invalidation starts over): each bucket's replays against its own eager
-            # steps, as fractions of that bucket's eager median.
-            eager, replay, eager_samples, replay_samples = bucket_samples(
-                bucket_summary, durations, holding
+            eager, replay, eager_samples, replay_samples = samples
+            fewest_eager = fewest_eager_samples(bucket_summary, durations, holding)
+        elif bucketed:
+            eager, replay, eager_samples, replay_samples = key_samples(
+                bucket_summary,
+                durations,
+                holding,
+                captures.optimizer_replay_steps if optimizer_only else (),
             )
         thin = None
         if captured:
-            result, speedup, noise, text = verdict(
-                eager_samples, replay_samples, relative=per_bucket or optimizer_only
-            )
+            result, speedup, noise, text = verdict(eager_samples, replay_samples, relative=bucketed)
             if per_bucket and result != "unknown":
                 text += " (each bucket's replayed steps against its own eager steps)"
-            elif optimizer_only and result == "unknown":
+            elif bucketed and result == "unknown":
                 text = (
-                    "no shape ran both before and after the optimizer graph's capture (no "
-                    "bucket was captured): nothing to compare like for like"
+                    (
+                        "no bucket graph replayed (a bucket replays on its steps after the "
+                        "one that captured it)"
+                        if any(r["capture_steps"] for r in bucket_summary)
+                        else "no bucket was captured"
+                    )
+                    + (
+                        ", and no shape ran both with the optimizer graph replayed and without it"
+                        if optimizer_only
+                        else ""
+                    )
+                    + ": nothing to compare like for like"
                 )
             elif optimizer_only:
                 text += (
-                    " (each shape's steps after the optimizer graph's capture against its "
-                    "own steps before it)"
+                    " (no bucket graph replayed: each shape's steps whose optimizer graph "
+                    "replayed against its own steps whose optimizer step ran eagerly)"
                 )
             no_graph_reason = None
-            thin = thin_sample_note(len(eager_samples), len(replay_samples))
+            thin = thin_sample_note(
+                len(eager_samples) if fewest_eager is None else fewest_eager,
+                len(replay_samples),
+                per_bucket=fewest_eager is not None,
+            )
             if thin is not None and result != "unknown":
                 text += f" ({thin})"
         else:
@@ -392,7 +437,7 @@ class Reporter:
         eager_ms = median_or_none([durations[s] for s in eager])
         replay_ms = median_or_none([durations[s] for s in replay])
         # with buckets, break-even is each bucket's own (its capture against its saving)
-        even = paid = None
+        even = paid = cost = None
         self.replayed = self.measurement.steps_replayed() if captured else None
         if captured and state.buckets is None:
             cost = capture_cost_seconds(captures.records, durations, replay_ms)
@@ -412,6 +457,7 @@ class Reporter:
             start_step=state.start_step,
             capture_step=captures.training_capture_step() if captured else None,
             capture_seconds=captures.seconds() if captured else None,
+            capture_cost_seconds=cost,
             graph_count=captures.graphs_held_max,
             steps_timed=len(durations),
             eager_steps=eager,
