@@ -124,7 +124,10 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "the steps behind `eager_step_ms`: before the capture step, without the run's first "
         "step (it pays one-off costs); every timed step but the first when nothing was "
         "captured (also after a capture that produced no graph); with buckets, each bucket's "
-        "warm-up steps but its first, of the buckets that replayed. Never a step whose timed "
+        "warm-up steps but its first, of the buckets that replayed; with buckets where none "
+        "replayed but the optimizer graph did, the steps whose optimizer step ran eagerly "
+        "(before its capture, and while it warmed up again after an invalidation), each "
+        "shape's first left out. Never a step whose timed "
         "span held a capture (the optimizer graph's, captured after its own warm-up; a "
         "validation graph is captured in an evaluation, outside it)",
     ),
@@ -144,7 +147,8 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "replayed (`fallback_step`, or the step after which `run.invalidate_graphs` freed the "
         "graphs for the rest of the run; later steps ran eagerly and are in neither list); "
         "with buckets, the steps that replayed a bucket's graph (also of a bucket with no "
-        "eager step to compare with). Never a step whose timed span held a capture",
+        "eager step to compare with), or where no bucket replayed, the steps whose optimizer "
+        "step replayed the optimizer graph. Never a step whose timed span held a capture",
     ),
     ReportField(
         "replay_step_ms",
@@ -266,8 +270,10 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "thin_sample",
         "bool",
         "",
-        "the speed-up rests on fewer than 5 eager or 5 replayed steps (`verdict_text` says so): "
-        "measure more eager steps with `--cuda-graph-baseline-steps N`",
+        "the speed-up rests on fewer than 5 eager or 5 replayed steps (with buckets: fewer "
+        "than 5 eager steps in one of the buckets that replayed, each being compared with its "
+        "own, or fewer than 5 replayed steps in all) (`verdict_text` says so): measure more "
+        "eager steps with `--cuda-graph-baseline-steps N`",
     ),
     ReportField(
         "break_even_steps",

@@ -35,9 +35,10 @@ logger = logging.getLogger(__name__)
 # the old run's configuration to late plugins. Weak, so finished runs' managers go away.
 _USED_MANAGERS: weakref.WeakSet[pluggy.PluginManager] = weakref.WeakSet()
 
-# The run entered and not yet shut down in this process, if any (weak: an abandoned one
-# goes away). Runs may follow each other but not overlap: the plugins' graphs, the signal
-# handlers and megatron-core's graph state belong to the process, not to one run.
+# The run entered and not yet shut down in this process, if any. Runs may follow each other
+# but not overlap: the plugins' graphs, the signal handlers and megatron-core's graph state
+# belong to the process, not to one run. (Weak, but a run entered and never left holds its
+# signal handlers, which hold it: such a run must be left, `with` does it.)
 _ACTIVE_LOCK = threading.Lock()
 _active: weakref.ref[TrainingRun] | None = None
 
@@ -145,7 +146,7 @@ def _catchable_signals(handle_signals: Any) -> tuple[int, ...]:
         getattr(signal, name) for name in ("SIGKILL", "SIGSTOP") if hasattr(signal, name)
     }
     try:
-        signums = tuple(signal.Signals(s) for s in handle_signals)
+        signums = tuple(dict.fromkeys(signal.Signals(s) for s in handle_signals))  # (once each)
     except (TypeError, ValueError) as error:
         raise ValueError(
             f"TrainingRun: handle_signals={handle_signals!r} is not a tuple of signals "
@@ -275,8 +276,12 @@ class TrainingRun(RunSignals):
             # from entry points (an unknown hook name would otherwise be ignored silently).
             self.pluginmanager.check_pending()
         except BaseException as exc:
-            blame(self.pluginmanager, "mcgraph_configure", exc)
-            self._finish(exc)
+            try:
+                blame(self.pluginmanager, "mcgraph_configure", exc)
+            finally:
+                # (as leaving the run does, a second Ctrl-C or signal on the way included;
+                # the failure propagates whatever a previous handler would do)
+                self.__exit__(type(exc), exc, None)
             raise
         return self
 

@@ -34,17 +34,23 @@ class RunSignals:
         """Hold a Ctrl-C (SIGINT) that arrives while the shutdown hook runs, so that every
         implementation finishes and the graphs are freed; a second Ctrl-C interrupts at
         once. A host's own SIGINT handler is deferred the same way and called once shutdown
-        ends (``act_on_deferred_sigint``); an ignored SIGINT stays ignored. Returns what
-        restores the host's handler."""
+        ends (``act_on_deferred_sigint``), and with ``SIG_DFL`` the process then ends by the
+        signal; an ignored SIGINT stays ignored, and a handler not set from Python is left
+        alone. Returns what restores the host's handler."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
         previous = signal.getsignal(signal.SIGINT)
-        if previous is self._sigint_deferrer:
+        if self._sigint_deferrer is not None and previous is self._sigint_deferrer:
             # again, after a Ctrl-C cut the first call short (see __exit__): the deferrer it
             # installed is replaced, and the host's handler it held is what comes back
             previous = self._sigint_previous
-        elif previous is signal.SIG_IGN:
-            return lambda: None
+        elif previous == self._on_signal:
+            # SIGINT is one of handle_signals: the handler before the run's comes back
+            previous = self._previous_handlers.get(signal.SIGINT)
+            if previous is None:
+                previous = signal.SIG_DFL
+        elif previous is signal.SIG_IGN or previous is None:
+            return lambda: None  # ignored, or a handler not set from Python: left alone
         self._sigint_previous = previous
 
         def on_sigint(signum: int, frame: Any) -> None:
@@ -69,7 +75,7 @@ class RunSignals:
 
     @staticmethod
     def _pass_sigint_on(previous: Any, frame: Any) -> None:
-        if previous is signal.default_int_handler or previous is None:
+        if previous is signal.default_int_handler:
             raise KeyboardInterrupt
         if callable(previous):
             previous(signal.SIGINT, frame)
@@ -104,7 +110,10 @@ class RunSignals:
             )
             return
         for signum, previous in self._previous_handlers.items():
-            if signal.getsignal(signum) != self._on_signal:
+            current = signal.getsignal(signum)
+            if self._sigint_deferrer is not None and current is self._sigint_deferrer:
+                continue  # (SIGINT, held during shutdown: put back last, by the deferral)
+            if current != self._on_signal:
                 logger.info(
                     "%s: the handler set during the run is left in place (the host's own)",
                     signal.Signals(signum).name,

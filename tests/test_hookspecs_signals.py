@@ -59,15 +59,46 @@ def test_a_run_entered_while_another_is_active_is_refused_and_changes_nothing(ho
     assert host_sigterm == [signal.SIGTERM]  # the host's handler is back
 
 
-def test_a_run_abandoned_without_leaving_does_not_block_the_next_for_ever():
+def test_a_run_entered_and_never_left_holds_the_process_until_it_is_left(host_sigterm):
+    """(its signal handler holds it: the claim does not lapse on its own; `with` leaves)"""
     import gc
 
-    abandoned = TrainingRun(new_pm(), None, train_iters=0, handle_signals=())
+    abandoned = TrainingRun(new_pm(), None, train_iters=0)
     abandoned.__enter__()
-    del abandoned
     gc.collect()
+    with pytest.raises(RuntimeError, match="another TrainingRun is active"):
+        TrainingRun(new_pm(), None, train_iters=0).__enter__()
+    abandoned.__exit__(None, None, None)
     with TrainingRun(new_pm(), None, train_iters=0):
         pass
+
+
+def test_a_second_ctrl_c_while_a_failed_start_is_blamed_still_shuts_it_down(
+    monkeypatch, host_sigterm
+):
+    from hookspecs import run as run_module
+
+    class Refuses:
+        @hookimpl
+        def mcgraph_configure(self, config, pluginmanager):
+            raise ValueError("bad config")
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "blame", interrupted)
+    seen = Reasons()
+    pm = new_pm()
+    pm.register(seen)
+    pm.register(Refuses())
+    with pytest.raises(KeyboardInterrupt):
+        with TrainingRun(pm, None, train_iters=0):
+            pass
+    assert seen.log == ["exception"]
+    with TrainingRun(new_pm(), None, train_iters=0):  # the process was let go
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert host_sigterm == [signal.SIGTERM]
 
 
 # -- handle_signals ------------------------------------------------------------------------------
@@ -91,6 +122,21 @@ def test_handle_signals_that_cannot_be_caught_are_refused_when_the_run_is_made(
     assert "handle_signals=" in str(refused.value)
     with TrainingRun(pm, None, train_iters=0):  # nothing was installed, nothing marked
         pass
+
+
+def test_a_signal_named_twice_is_handled_once_and_the_hosts_handler_comes_back(host_sigterm):
+    with TrainingRun(new_pm(), None, train_iters=0, handle_signals=(signal.SIGTERM,) * 2):
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)  # (was: the run's own handler, calling itself)
+    assert host_sigterm == [signal.SIGTERM]
+
+
+def test_sigint_among_handle_signals_is_put_back_after_the_run(default_sigint, caplog):
+    with caplog.at_level(logging.INFO, logger="hookspecs.run"):
+        with TrainingRun(new_pm(), None, train_iters=0, handle_signals=(signal.SIGINT,)):
+            pass
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert "left in place" not in caplog.text
 
 
 def test_a_start_that_fails_while_installing_handlers_takes_off_those_installed(

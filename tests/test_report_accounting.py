@@ -324,6 +324,8 @@ def test_buckets_with_warmup_1_keep_their_replays_and_count_them_as_the_report(b
     assert data["replay_step_ms"] is not None and data["eager_steps"] == []
     assert data["replays"]["training"] == row["replays"] == 8
     assert data["verdict"] == "unknown" and data["thin_sample"] is True
+    # (the buckets did replay: what is missing is the eager side)
+    assert data["verdict_text"].startswith("no eager step time measured (needs ")
 
 
 def test_split_samples_leaves_out_every_step_that_held_a_capture():

@@ -2419,6 +2419,28 @@ def test_a_report_path_that_is_a_link_to_nowhere_is_refused(tmp_path):
     accepted(with_report(bridge(), str(link)))
 
 
+def test_a_report_path_under_a_link_to_nowhere_or_through_a_loop_of_links_is_refused(tmp_path):
+    (tmp_path / "outputs").symlink_to(tmp_path / "gone" / "job")
+    path = tmp_path / "outputs" / "r.json"
+    rejected(
+        with_report(bridge(), str(path)),
+        fields=["cuda_graph_report_json"],
+        value=repr(str(path)),
+        phrase=f"({str(tmp_path / 'outputs')!r} is a symbolic link to a directory that does "
+        "not exist)",
+        fix=REPORT_FIX,
+    )
+    loop = tmp_path / "loop.json"
+    loop.symlink_to(loop)
+    rejected(
+        with_report(bridge(), str(loop)),
+        fields=["cuda_graph_report_json"],
+        value=repr(str(loop)),
+        phrase="the run report cannot be written there (Too many levels of symbolic links)",
+        fix=REPORT_FIX,
+    )
+
+
 def test_report_paths_are_not_checked_where_the_run_does_not_write(tmp_path):
     config = with_report(bridge(), str(tmp_path))  # a directory: refused where the run is
     elsewhere = Environment.of(None)

@@ -402,7 +402,7 @@ class Reporter:
             result, speedup, noise, text = verdict(eager_samples, replay_samples, relative=bucketed)
             if per_bucket and result != "unknown":
                 text += " (each bucket's replayed steps against its own eager steps)"
-            elif bucketed and result == "unknown":
+            elif bucketed and not per_bucket and result == "unknown":
                 text = (
                     (
                         "no bucket graph replayed (a bucket replays on its steps after the "

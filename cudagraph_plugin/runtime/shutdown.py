@@ -59,8 +59,9 @@ class Shutdown:
         # Ctrl-C during its device sync, a plugin's mcgraph_report, the JSON write), waits
         # until the inner implementations ran and the graphs are freed, then goes on.
         # (``entered`` is set last before the ``try``: anything raised before it leaves the
-        # release to the guard; anything raised after it, even while the report's failure
-        # is logged, meets the ``finally`` that frees the graphs)
+        # release to the guard; anything raised after it meets the ``finally`` that frees
+        # the graphs: an interruption while the report's failure is logged too, though
+        # pluggy then skips the inner implementations, since this wrapper never yielded)
         reason = self.reason_of(reason)
         quiet = device_may_block(reason, self.state)
         report_error: BaseException | None = None

@@ -48,6 +48,7 @@ MODULES: dict[str, tuple[tuple[str, ...], float]] = {
             "tests/test_hookspecs_shutdown.py",
             "tests/test_hookspecs_blame.py",
             "tests/test_hookspecs_host_defaults.py",
+            "tests/test_hookspecs_signals.py",
         ),
         12,
     ),
@@ -55,6 +56,7 @@ MODULES: dict[str, tuple[tuple[str, ...], float]] = {
         (
             "tests/test_hookspecs_run.py",
             "tests/test_hookspecs_shutdown.py",
+            "tests/test_hookspecs_signals.py",
         ),
         6,
     ),

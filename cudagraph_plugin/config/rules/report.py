@@ -3,6 +3,7 @@ after the whole run, so a path it cannot be written to is refused before the run
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,8 @@ def _why_unwritable(path: Path) -> str | None:
 
 def _why_not(path: Path) -> str | None:
     if path.is_symlink() and not path.exists():
+        with contextlib.suppress(FileNotFoundError):
+            path.stat()  # (a loop of links raises its reason, said as the refusal's)
         # a link to nothing: the report would go to its target, whose directory the writer
         # does not create (it creates the link's)
         target = Path(os.path.realpath(path))
@@ -37,6 +40,8 @@ def _why_not(path: Path) -> str | None:
         return None if os.access(path, os.W_OK) else "the file exists and is not writable"
     parent = path.parent
     while not parent.exists() and parent != parent.parent:
+        if parent.is_symlink():  # (the writer's mkdir would find it in the way)
+            return f"{str(parent)!r} is a symbolic link to a directory that does not exist"
         parent = parent.parent
     if not parent.is_dir():
         return f"{str(parent)!r} is not a directory"
