@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import random
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from cudagraph_plugin.compat import buckets as bucket_compat
 from cudagraph_plugin.runtime import buckets
 from cudagraph_plugin.runtime.buckets import Action, BucketGraphs, BucketKey
 from cudagraph_plugin.runtime.fingerprint import AddressFingerprint
+from cudagraph_plugin.runtime.guard import StaticShapeError
 from cudagraph_plugin.runtime.padding import pad_step
 from cudagraph_plugin.runtime.release import release_each
 from hookspecs import get_plugin_manager
@@ -686,6 +688,36 @@ def test_the_host_can_invalidate_the_graphs_explicitly(graphs, caplog):
     )
 
 
+def _scaled_forward_step(coef, data_iterator, model):
+    output, loss_func = train_gpt.forward_step(data_iterator, model)
+    return output, lambda out: (lambda loss, n, d: (loss * coef, n, d))(*loss_func(out))
+
+
+def test_a_replayed_bucket_refuses_a_forward_step_func_with_another_coefficient(graphs):
+    """(review of 2026-12-04: the bucket's graph replayed the first coefficient: the
+    losses and gradients of a coefficient of 5, then 0, were those of 1)"""
+
+    def with_coef(coefs):
+        schedule = {}
+        for step, coef in enumerate(coefs):
+            schedule[step] = functools.partial(_scaled_forward_step, coef)
+        return schedule
+
+    made = with_coef([1.0, 1.0, 1.0, 5.0])
+    with megatron_gpt() as host:
+        bucketed = BucketGraphs(BUCKETS, 1, model=host.model, optimizer=host.optimizer)
+        try:
+            for step in range(3):  # warm-up, capture, replay: each a partial made anew
+                kwargs = dict(step_kwargs(host, step, [12]), forward_step_func=made[step])
+                train_step(host, kwargs, bucketed, step)
+            assert [a for _, a in actions(bucketed, 16)][-1] is Action.REPLAY
+            kwargs = dict(step_kwargs(host, 3, [12]), forward_step_func=made[3])
+            with pytest.raises(StaticShapeError, match="another forward_step_func"):
+                train_step(host, kwargs, bucketed, 3)
+        finally:
+            assert not release_each(bucketed.release_steps()).failures
+
+
 def test_a_graph_limit_runs_further_shapes_eagerly(graphs, caplog):
     with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
         _, result = train([[10], [10], [20], [20], [20]], bucketed=True, warmup=1, max_graphs=1)
@@ -741,6 +773,29 @@ def test_memory_moved_on_another_rank_frees_the_graphs_here_too(graphs):
     ]
     assert [(s, f) for s, _, f in result.invalidations] == [(3, 1)]
     assert "another rank found memory moved" in result.invalidations[0][1]
+
+
+def test_a_hosts_invalidation_on_one_rank_frees_the_graphs_on_every_rank(graphs):
+    """(review of 2026-12-04: a host that invalidates where its own reload moved memory, on
+    one rank, left the others replaying while it warmed up and captured: its capture
+    barriers met their gradient all-reduces.) Its next training call tells the others,
+    which free theirs as for moved memory (``OtherRank(moved_at=...)``, above); it does not
+    free its own twice."""
+    sent: list[list[int]] = []
+
+    def agree(values):
+        sent.append(list(values))
+        return values
+
+    def invalidate(host, bucketed):
+        assert bucketed.invalidate("this rank's reload moved its buffers", step=3) == 1
+
+    _, result = train([[10]] * 5, bucketed=True, warmup=1, agree=agree, between={3: invalidate})
+    assert [flags[6] for flags in sent] == [0, 0, 0, 1, 0]  # said once, at the next call
+    assert [a for _, a in actions(result, 16)] == [
+        Action.WARMUP, Action.CAPTURE, Action.REPLAY, Action.WARMUP, Action.CAPTURE
+    ]  # fmt: skip
+    assert [(s, f) for s, _, f in result.invalidations] == [(3, 1)]
 
 
 def test_micro_batches_unlike_on_another_rank_run_the_step_eagerly_here_too(graphs):
@@ -860,8 +915,45 @@ def test_fingerprint_samples_parameters_from_first_to_last_and_names_what_moved(
         before = with_state.take()
         last = list(host.model[0].parameters())[-1]
         last.data = last.data.clone()
-        [change] = AddressFingerprint.changes(before, with_state.take())
+        # (without a main copy, the optimizer's last main parameter is that one too)
+        change, *also = AddressFingerprint.changes(before, with_state.take())
         assert change.startswith(f"parameters (model chunk 0 {names[-1]}: 0x")
+        assert [c.split(" (")[0] for c in also] in ([], ["optimizer state"])
+
+
+def test_a_move_the_allocator_hides_from_a_sample_is_seen(graphs):
+    """(review of 2026-12-04: the fingerprint read 16 parameters per chunk and the first
+    main parameter's optimizer state; a reload that gave those their old addresses while
+    others moved went unseen, and the graphs replayed onto freed memory)"""
+    with megatron_gpt() as host:
+        names = [name for name, _ in host.model[0].named_parameters()]
+        assert len(names) > 16  # (more than the old sample)
+        fingerprint = AddressFingerprint(host.model, host.optimizer, optimizer_state=True)
+        train_step(host, step_kwargs(host, 0, [10]), None, 0)  # Adam's state exists now
+        before = fingerprint.take()
+        params = list(host.model[0].parameters())
+        for param in params[1:-1:2]:  # neither the first nor the last
+            param.data = param.data.clone()
+        assert any(
+            c.startswith("parameters (")
+            for c in AddressFingerprint.changes(before, fingerprint.take())
+        )
+        before = fingerprint.take()
+        [inner] = (
+            [o for o in host.optimizer.chain_optimizers]
+            if hasattr(host.optimizer, "chain_optimizers")
+            else [host.optimizer]
+        )
+        torch_optimizer = inner.optimizer
+        main = [p for group in torch_optimizer.param_groups for p in group["params"]]
+        middle = main[len(main) // 2]
+        for key, value in torch_optimizer.state[middle].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                torch_optimizer.state[middle][key] = value.clone()
+        assert any(
+            c.startswith("optimizer state (")
+            for c in AddressFingerprint.changes(before, fingerprint.take())
+        )
 
 
 def test_the_fake_graph_refuses_a_replay_onto_moved_memory(graphs):

@@ -549,6 +549,35 @@ def test_a_rank_failing_ends_a_two_rank_job_with_every_process_group_aborted(tmp
         assert record["at_exit"] == {"process_group_initialized": False}, job.context()
 
 
+def test_a_rank_failing_before_any_hook_started_the_watch_still_tells_the_others(
+    tmp_path,
+) -> None:
+    """torchrun, 2 ranks over gloo: rank 1 fails in its seeding (``mcgraph_rng_options``),
+    after the process group exists and before any hook started the peer watch on it; rank 0
+    goes on into the model build. Rank 1's shutdown starts the watch to mark its failure,
+    so rank 0 ends by ``peer_failed`` naming it (review of 2026-12-04: nothing was marked;
+    over gloo rank 0 then failed on the closed connection, over NCCL it waited in the
+    collective until torchrun killed it, with no shutdown)."""
+    from train_jobs import launch
+
+    argv = ["--cpu", "--train-iters", "5", "--num-layers", "2", "--hidden-size", "64"]
+    argv += ["--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2"]
+    argv += ["--vocab-size", "128", "--log-interval", "0"]
+    job = launch(
+        "cpu-raise-seeding-rank1",
+        argv,
+        job_dir=tmp_path,
+        timeout_s=180,
+        nproc=2,
+        env={"MCGRAPH_PROBE_RAISE_SEEDING": "1"},
+    )
+    assert job.result.rc != 0 and not job.result.timed_out, job.context()
+    failed, told = job.record(1), job.record(0)
+    assert failed["shutdown_reason"] == "exception", job.context()
+    assert told["shutdown_reason"] == "peer_failed", job.context()
+    assert "rank 1" in told["exception"] and "injected failure in seeding" in told["exception"]
+
+
 def test_a_teardown_whose_abort_does_not_end_skips_the_rest(monkeypatch, caplog) -> None:
     """After an abnormal end of a multi-rank run, an abort whose teardown still waits at its
     timeout leaves the process groups registered: a graceful destroy would then wait for

@@ -291,3 +291,28 @@ def test_numpy_scalars_are_numbers_here_too():
     ).batch
     assert out["tokens"][:, 5:].eq(3).all() and out["labels"][:, 5:].eq(-100).all()
     assert not out["flags"][:, 5:].any()
+
+
+def test_length_from_an_all_reduce_or_numpy_is_an_int_and_anything_else_is_refused():
+    """(review of 2026-12-04: a one-element tensor above every bucket became the step's
+    seq_length, a tensor, and failed later inside the plugin; True was taken as 1)"""
+    import numpy as np
+
+    for given in (torch.tensor(41), np.int64(41), 41):
+        padded = pad_step([batch(5)], BUCKETS, pad_token_id=0, length=given, overflow="keep")
+        assert padded.seq_length == 41 and type(padded.seq_length) is int
+    for bad in (True, 41.0, torch.tensor(41.0), torch.tensor([40, 41]), "41"):
+        with pytest.raises(TypeError, match=r"^length=.* is not an integer"):
+            pad_step([batch(5)], BUCKETS, pad_token_id=0, length=bad)
+
+
+def test_packed_micro_batches_are_refused_rather_than_padded_outside_every_sequence():
+    packed = {
+        "tokens": torch.arange(12).unsqueeze(0),
+        "labels": torch.arange(1, 13).unsqueeze(0),
+        "loss_mask": torch.ones(1, 12),
+        "position_ids": torch.cat([torch.arange(5), torch.arange(7)]).unsqueeze(0),
+        "cu_seqlens": torch.tensor([0, 5, 12], dtype=torch.int32),
+    }
+    with pytest.raises(ValueError, match=r"batch\['cu_seqlens'\] describes packed sequences"):
+        pad_step([packed], BUCKETS, pad_token_id=0)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from cudagraph_plugin import compat
 from cudagraph_plugin.config.settings import read_settings
-from cudagraph_plugin.runtime import peers
+from cudagraph_plugin.runtime import job_watch
 from cudagraph_plugin.runtime.peer_deadline import EXIT_CODE, ExitDeadline
 from cudagraph_plugin.runtime.peers import PeerWatch
 
@@ -280,5 +280,5 @@ def test_the_run_passes_its_setting_to_the_watch(monkeypatch, seconds, passed):
     monkeypatch.setattr(compat, "distributed_world", lambda: (0, 2))
     monkeypatch.setattr(PeerWatch, "start", classmethod(lambda cls, **kw: seen.append(kw)))
     state = types.SimpleNamespace(settings=types.SimpleNamespace(peer_exit_deadline=seconds))
-    peers.JobWatch(state).watch()
+    job_watch.JobWatch(state).watch()
     assert seen == [{"exit_deadline_s": passed}]

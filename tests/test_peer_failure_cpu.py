@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import hookspecs
 from cudagraph_plugin import compat
-from cudagraph_plugin.runtime import peer_mark
+from cudagraph_plugin.runtime import job_watch, peer_mark
 from cudagraph_plugin.runtime import peers as peer_failure
 from cudagraph_plugin.runtime.peers import (
     PeerFailed,
@@ -392,7 +392,7 @@ def test_the_shutdown_frees_the_graphs_before_it_waits_for_the_abort(store, watc
     stand_in = StandIn()
     events: list[str] = []
     abort = GraphBoundAbort(stand_in, events)
-    job = peer_failure.JobWatch(state=None)
+    job = job_watch.JobWatch(state=None)
 
     class Wiring:
         @hookimpl

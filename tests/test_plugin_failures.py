@@ -198,11 +198,13 @@ def test_a_shutdown_reason_of_the_host_s_own_still_frees_the_graphs(
     monkeypatch.setattr(run_module.TrainingRun, "_call", own_reason)
     # what marks the end for the other ranks (peers.PeerWatch.end in a multi-rank job)
     # takes a ShutdownReason too: it refused 'done' (fourth review)
-    from cudagraph_plugin.runtime import peers
+    from cudagraph_plugin.runtime import job_watch
 
     marked = []
     monkeypatch.setattr(
-        peers.JobWatch, "end", lambda self, reason, exception: marked.append(ShutdownReason(reason))
+        job_watch.JobWatch,
+        "end",
+        lambda self, reason, exception: marked.append(ShutdownReason(reason)),
     )
 
     class RaisesBeforeItsYield:  # (skips the plugin's wrapper: its guard frees the graphs)

@@ -146,7 +146,7 @@ def test_a_ctrl_c_while_the_failure_is_marked_for_the_peers_does_not_skip_the_re
     """The mark in the job's store is the first thing of shutdown (a slow store: a second
     Ctrl-C lands there). It is tried once more, and whatever happens the shutdown runs,
     the graphs are freed once, and the Ctrl-C goes on to the host afterwards."""
-    from cudagraph_plugin.runtime.peers import JobWatch
+    from cudagraph_plugin.runtime.job_watch import JobWatch
 
     calls = []
 

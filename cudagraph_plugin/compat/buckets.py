@@ -158,24 +158,37 @@ def loss_scale_tensor(optimizer: Any) -> Any:
     return scale if hasattr(scale, "data_ptr") else None
 
 
+OPTIMIZER_PARAMS_SAMPLED = 16
+"""Main parameters per inner optimizer whose address, and their state tensors', the
+fingerprint reads (spread from first to last)."""
+
+
 def optimizer_state_tensors(optimizer: Any) -> list[tuple[str, str, Any]]:
-    """A sample of the optimizer's own memory: per inner torch optimizer, its first main
-    parameter (of its first group that has one: megatron-core keeps empty groups so that
-    every rank has the same) and that parameter's state tensors (megatron-core's
-    ``MegatronOptimizer.offload_to_cpu`` moves all of them together, by ``p.data = ...`` and
-    ``state[k] = ...``)."""
+    """A sample of the optimizer's own memory: per inner torch optimizer, up to
+    :data:`OPTIMIZER_PARAMS_SAMPLED` main parameters spread over its groups (megatron-core
+    keeps empty groups so that every rank has the same) and their state tensors
+    (megatron-core's ``MegatronOptimizer.offload_to_cpu`` moves all of them, by
+    ``p.data = ...`` and ``state[k] = ...``, and its calls are watched besides; a host's own
+    offload moves them one by one, and the allocator may give the first its old address
+    back)."""
     found = []
     for index, torch_optimizer in enumerate(compat.torch_optimizers(optimizer)):
-        first = next(
-            (group["params"][0] for group in torch_optimizer.param_groups if group["params"]),
-            None,
-        )
-        if first is None:
-            continue
-        found.append(("optimizer state", f"optimizer {index} main parameter 0", first))
-        for key, value in sorted(torch_optimizer.state.get(first, {}).items()):
-            if hasattr(value, "data_ptr") and getattr(value, "dim", lambda: 0)() > 0:
-                found.append(("optimizer state", f"optimizer {index} state {key!r}", value))
+        params = [p for group in torch_optimizer.param_groups for p in group["params"]]
+        last = len(params) - 1
+        count = min(len(params), OPTIMIZER_PARAMS_SAMPLED)
+        picked = sorted({round(n * last / max(count - 1, 1)) for n in range(count)})
+        for position in picked:
+            param = params[position]
+            found.append(("optimizer state", f"optimizer {index} main parameter {position}", param))
+            for key, value in sorted(torch_optimizer.state.get(param, {}).items()):
+                if hasattr(value, "data_ptr") and getattr(value, "dim", lambda: 0)() > 0:
+                    found.append(
+                        (
+                            "optimizer state",
+                            f"optimizer {index} parameter {position} state {key!r}",
+                            value,
+                        )
+                    )
     return found
 
 

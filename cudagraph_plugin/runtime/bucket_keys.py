@@ -2,7 +2,7 @@
 (:class:`Action`, :class:`Route`), what happened to each key (:class:`BucketStats`), the
 padding the host reported per step (:class:`PaddingLedger`), and a call's micro-batches
 drawn ahead (:func:`draw_micro_batches`) and compared with a bucket's
-(:func:`differs_from_buffers`).
+(:func:`differs_from_buffers`), and the report's rows per key (:func:`summary_rows`).
 The graphs themselves are :mod:`cudagraph_plugin.runtime.buckets`'."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from cudagraph_plugin.config.buckets import padding_waste_percent
 from cudagraph_plugin.runtime.guard import difference, fingerprint, signature
+from cudagraph_plugin.runtime.timing import median_or_none
 
 BUCKET_FIX = (
     "with CUDA graph buckets, pad every micro-batch of a step to the bucket length passed as "
@@ -148,3 +149,44 @@ def iterators_over(drawn: list[Any], listed: bool) -> Any:
     drawn: an iterator over them, in a list where the call's was."""
     inputs = iter(drawn)
     return [inputs] if listed else inputs
+
+
+def summary_rows(
+    stats: Mapping[BucketKey, BucketStats],
+    held: Collection[BucketKey],
+    padding: PaddingLedger,
+    durations: Mapping[int, float],
+    holding_captures: Collection[int] = (),
+) -> list[dict[str, Any]]:
+    """Per key: its steps by action, capture seconds, replays (after the capture call,
+    which replays once too), whether its graph is ``held``, padding waste, and with the
+    host's step ``durations`` the median eager and replay step times. A key's first call
+    (its static buffers, lazy allocations), its capture steps and the steps in
+    ``holding_captures`` (another capture ran in them: the optimizer graph's) are left out
+    of the medians."""
+    rows = []
+    for key, stat in sorted(stats.items(), key=lambda item: sort_key(item[0])):
+        # (no sample: its first call, and the steps that held another capture)
+        skip = {stat.calls[0][0] if stat.calls else None, *holding_captures}
+        eager = [s for s in stat.steps(Action.EAGER, Action.WARMUP) if s not in skip]
+        replay = [s for s in stat.steps(Action.REPLAY) if s not in skip]
+        rows.append(
+            {
+                "seq_length": key.seq_length,
+                "micro_batch_size": key.micro_batch_size,
+                "num_microbatches": key.num_microbatches,
+                "in_bucket": stat.in_bucket,
+                "eager_steps": stat.steps(Action.EAGER, Action.WARMUP),
+                "capture_steps": stat.steps(Action.CAPTURE),
+                "replay_steps": stat.steps(Action.REPLAY),
+                "capture_seconds": list(stat.capture_seconds),
+                "replays": stat.replays,
+                "graph_held": key in held,
+                "eager_step_ms": median_or_none([durations[s] for s in eager if s in durations]),
+                "replay_step_ms": median_or_none([durations[s] for s in replay if s in durations]),
+                "padding_waste_percent": padding.waste_percent(
+                    key.seq_length, {step for step, _ in stat.calls}
+                ),
+            }
+        )
+    return rows

@@ -41,7 +41,7 @@ against its graph's capture call too.
 
 Memory that moves: before every training call while graphs are held, an
 :class:`AddressFingerprint` (``data_ptr()`` of DDP's parameter and gradient buffers, a
-sample of parameters, the loss scale) is compared
+every parameter, the loss scale) is compared
 with the one taken at capture; if anything moved (offload and reload, ``param.data = ...``)
 every graph is freed and each bucket is captured again after its warm-up, with a log line
 saying why; :meth:`BucketGraphs.invalidate` does the same on the host's word. Graphs of
@@ -56,8 +56,9 @@ the graphs hold collectives): each training call agrees on the key and on "memor
 with one small all-reduce; on disagreement the step runs eagerly on every rank.
 
 What the fingerprint cannot see (the host then calls :meth:`BucketGraphs.invalidate`, or a
-debugging run captures with ``check_input_liveness``): a parameter outside every DDP
-buffer moved alone and not sampled; other cached tensors freed behind the graphs' back,
+debugging run captures with ``check_input_liveness``): optimizer state moved by the host's
+own code where the sampled tensors came back at their old addresses; other cached tensors
+freed behind the graphs' back,
 or cuBLAS workspaces cleared while graphs live.
 
 None of this fires hooks: the plugin brackets :meth:`BucketGraphs.run` of a
@@ -88,7 +89,7 @@ from cudagraph_plugin.runtime.bucket_keys import (
     draw_micro_batches,
     iterators_over,
     key_of,
-    sort_key,
+    summary_rows,
 )
 from cudagraph_plugin.runtime.fingerprint import AddressFingerprint, Fingerprint
 from cudagraph_plugin.runtime.guard import (
@@ -98,7 +99,6 @@ from cudagraph_plugin.runtime.guard import (
     signature,
 )
 from cudagraph_plugin.runtime.release import DURING_TRAINING, ReleaseStep, release_each, settle
-from cudagraph_plugin.runtime.timing import median_or_none
 
 logger = logging.getLogger("cudagraph_plugin")
 
@@ -187,6 +187,7 @@ class BucketGraphs:
         self._tied: list[TiedGraphs] = []
         self._unwatch: Callable[[], None] | None = None
         self._offload_call: str | None = None  # the optimizer's offload API ran since the check
+        self._told = False  # the host invalidated the graphs since the last training call
         # told of every invalidation, the host's and the address check's: (step, reason, freed)
         self.on_invalidate: list[Callable[[int | None, str, int], None]] = []
 
@@ -244,11 +245,19 @@ class BucketGraphs:
         moved = self._moved()
         mbs = key.micro_batch_size if key.micro_batch_size is not None else -1
         shape = [key.seq_length, mbs, key.num_microbatches]
-        agreed = self._agree([*shape, *(-v for v in shape), int(bool(moved)), int(bool(unlike))])
-        if agreed[6] and not moved:
-            moved = ["another rank found memory moved"]
+        # (a rank whose host invalidated its graphs since the last call counts as moved: the
+        # other ranks free theirs too, or the ranks would warm up, capture and replay out of
+        # step; that rank's own are freed already)
+        told, self._told = self._told, False
+        agreed = self._agree(
+            [*shape, *(-v for v in shape), int(bool(moved) or told), int(bool(unlike))]
+        )
+        if agreed[6] and not moved and not told:
+            moved = ["another rank found memory moved or was told its graphs are invalid"]
         if moved:
-            self.invalidate("memory the graphs point at moved: " + "; ".join(moved), step=step)
+            self.invalidate(
+                "memory the graphs point at moved: " + "; ".join(moved), step=step, tell_peers=False
+            )
         route = self._decide(key, agreed, step)
         if agreed[7] and route.action is not Action.EAGER:
             self._log_once(
@@ -429,9 +438,12 @@ class BucketGraphs:
             found += AddressFingerprint.changes(self._reference, now) or ["the fingerprint changed"]
         return found
 
-    def invalidate(self, reason: str, step: int | None = None) -> int:
+    def invalidate(self, reason: str, step: int | None = None, *, tell_peers: bool = True) -> int:
         """Free every graph (their memory, outputs and shape references); each key is
-        captured again after ``warmup_steps`` eager calls. Returns the graphs freed."""
+        captured again after ``warmup_steps`` eager calls. Returns the graphs freed.
+        ``tell_peers``: the other ranks free theirs at the next training call (the host's
+        word may come on one rank only); the route's own invalidation is agreed already."""
+        self._told = self._told or tell_peers
         if self._holds_graphs():
             import torch
 
@@ -496,42 +508,11 @@ class BucketGraphs:
         durations_ms: Mapping[int, float] | None = None,
         holding_captures: Collection[int] = (),
     ) -> list[dict[str, Any]]:
-        """Per key: its steps by action, capture seconds, replays (after the capture call,
-        which replays once too), padding waste, and with the host's step durations the
-        median eager and replay step times. A key's first call (its static buffers, lazy
-        allocations), its capture steps and the steps in ``holding_captures`` (another
-        capture ran in them: the optimizer graph's) are left out of the medians."""
-        durations = durations_ms or {}
-        rows = []
-        for key, stats in sorted(self.stats.items(), key=lambda item: sort_key(item[0])):
-            # (no sample: its first call, and the steps that held another capture)
-            skip = {stats.calls[0][0] if stats.calls else None, *holding_captures}
-            eager = [s for s in stats.steps(Action.EAGER, Action.WARMUP) if s not in skip]
-            replay = [s for s in stats.steps(Action.REPLAY) if s not in skip]
-            rows.append(
-                {
-                    "seq_length": key.seq_length,
-                    "micro_batch_size": key.micro_batch_size,
-                    "num_microbatches": key.num_microbatches,
-                    "in_bucket": stats.in_bucket,
-                    "eager_steps": stats.steps(Action.EAGER, Action.WARMUP),
-                    "capture_steps": stats.steps(Action.CAPTURE),
-                    "replay_steps": stats.steps(Action.REPLAY),
-                    "capture_seconds": list(stats.capture_seconds),
-                    "replays": stats.replays,
-                    "graph_held": key in self._graphs,
-                    "eager_step_ms": median_or_none(
-                        [durations[s] for s in eager if s in durations]
-                    ),
-                    "replay_step_ms": median_or_none(
-                        [durations[s] for s in replay if s in durations]
-                    ),
-                    "padding_waste_percent": self.padding.waste_percent(
-                        key.seq_length, {step for step, _ in stats.calls}
-                    ),
-                }
-            )
-        return rows
+        """Per key: its steps by action, capture seconds, replays, padding waste, medians
+        (:func:`~cudagraph_plugin.runtime.bucket_keys.summary_rows`)."""
+        return summary_rows(
+            self.stats, self._graphs, self.padding, durations_ms or {}, holding_captures
+        )
 
     def graph_release_steps(self) -> list[ReleaseStep]:
         """The graphs alone, then the pool handle (invalidation, the fallback policy)."""

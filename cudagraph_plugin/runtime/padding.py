@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -156,6 +157,7 @@ def pad_to_bucket(
             "above the largest bucket, 'keep' lets such a batch run eagerly"
         )
     buckets = _buckets(buckets)
+    length = _length(length)
     extra = dict(extra or {})
     own = sequence_length(batch)
     wanted = own if length is None else length
@@ -211,6 +213,7 @@ def pad_step(
     if not batches:
         raise ValueError("pad_step needs at least one micro-batch")
     buckets = _buckets(buckets)
+    length = _length(length)
     longest = max(sequence_length(batch) for batch in batches)
     # Above every bucket (overflow="keep") the step runs eagerly, but still at one length
     # for all its micro-batches (forward_backward_func takes one seq_length).
@@ -246,6 +249,24 @@ def _rows(batch: Mapping[str, Any]) -> int:
                 rows *= size
             return rows
     return 0
+
+
+def _length(length: Any) -> int | None:
+    """``length`` as an int: a numpy integer or a one-element integer tensor (an
+    all-reduce's result) too; a bool, a float or anything else is refused, naming it."""
+    if length is None:
+        return None
+    if isinstance(length, torch.Tensor) and length.numel() == 1 and not length.is_floating_point():
+        length = length.item()
+    if not isinstance(length, bool):
+        try:
+            return operator.index(length)
+        except TypeError:
+            pass
+    raise TypeError(
+        f"length={length!r} ({type(length).__name__}) is not an integer; pass the step's "
+        "longest length as an int (int(t.item()) of an all-reduced tensor)"
+    )
 
 
 def _buckets(buckets: Any) -> tuple[int, ...]:
@@ -339,6 +360,15 @@ def _check_batch(
                 "only. Fix: drop it from extra (a per-sequence tensor needs no padding)"
             )
         _check_fits(key, tensor, value, source)
+    packed = sorted(key for key in batch if str(key).startswith("cu_seqlens"))
+    if packed:
+        raise ValueError(
+            f"batch[{packed[0]!r}] describes packed sequences (THD); pad_to_bucket pads "
+            "per-token tensors only, so the padding would lie outside every packed sequence "
+            "(and the sequence count changes the graph's shapes). Fix: pad packed batches "
+            "yourself (grow the last sequence, or add a padding sequence, in cu_seqlens), or "
+            "give unpacked [b, s] micro-batches"
+        )
     mask = batch.get("attention_mask")
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:

@@ -33,7 +33,7 @@ from cudagraph_plugin.config.advice import warmup_warning
 from cudagraph_plugin.config.check import check_config
 from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.config.settings import Settings
-from cudagraph_plugin.runtime import build, peers, ranklog
+from cudagraph_plugin.runtime import build, job_watch, ranklog
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.fallback import Fallback
 from cudagraph_plugin.runtime.guard import ShapeGuard
@@ -77,7 +77,7 @@ class CudaGraphPlugin:
         self.release_extra = _own_release_steps(self)
         self.shutdown = Shutdown(state, self.reporter, self._release_all)
         self.log_filter: ranklog.RankFilter | None = None
-        self.job = peers.JobWatch(state)
+        self.job = job_watch.JobWatch(state)
 
     @classmethod
     def configure(cls, config: Any, pluginmanager: Any) -> CudaGraphPlugin:

@@ -35,6 +35,10 @@ Environment contract (``R`` is the ``RANK`` variable, 0 without torchrun):
     Raise ``hookspecs.ConfigurationError`` at the end of that step, on that rank, as a
     plugin's check of that step refuses the run (the CUDA graph plugin's "asked for graphs,
     got none", reached by one rank first): the other ranks are told with ``PeerRefused``.
+``MCGRAPH_PROBE_RAISE_SEEDING=<rank>|all``
+    Raise ``RuntimeError`` in ``mcgraph_rng_options`` on that rank: a failure of the host's
+    set-up after its process group exists and before any hook starts the CUDA graph
+    plugin's peer watch.
 ``MCGRAPH_PROBE_SCALE_LR=<step>:<factor>[:fill]``
     At the start of training step ``<step>`` (every rank), write each param group's
     learning rate back multiplied by ``<factor>`` as a Python float, as many custom loops
@@ -75,6 +79,7 @@ from hookspecs import hookimpl
 
 DIR_VAR = "MCGRAPH_PROBE_DIR"
 RAISE_VAR = "MCGRAPH_PROBE_RAISE"
+RAISE_SEEDING_VAR = "MCGRAPH_PROBE_RAISE_SEEDING"
 SIGTERM_VAR = "MCGRAPH_PROBE_SIGTERM"
 REFUSE_VAR = "MCGRAPH_PROBE_REFUSE"
 FAIL_CAPTURE_VAR = "MCGRAPH_PROBE_FAIL_CAPTURE"
@@ -85,6 +90,7 @@ DUMP_EVERY_VAR = "MCGRAPH_PROBE_DUMP_EVERY"
 PROBE_VARS = (
     DIR_VAR,
     RAISE_VAR,
+    RAISE_SEEDING_VAR,
     SIGTERM_VAR,
     REFUSE_VAR,
     FAIL_CAPTURE_VAR,
@@ -187,6 +193,10 @@ class Probe:
         probe_dir = environ.get(DIR_VAR)
         self.path = Path(probe_dir) / f"rank{self.rank}.json" if probe_dir else None
         self.raise_at = _step_rank(environ, RAISE_VAR)
+        raise_seeding = environ.get(RAISE_SEEDING_VAR) or None
+        if raise_seeding is not None and not _is_rank(raise_seeding):
+            raise ValueError(f"{RAISE_SEEDING_VAR}={raise_seeding!r}: expected a rank or all")
+        self.raise_seeding = _applies(raise_seeding, self.rank)
         self.sigterm_at = _step_rank(environ, SIGTERM_VAR)
         self.refuse_at = _step_rank(environ, REFUSE_VAR)
         self.scale_lr = _step_factor(environ.get(SCALE_LR_VAR))
@@ -220,6 +230,13 @@ class Probe:
         }
 
     # -- hooks ---------------------------------------------------------------------------
+
+    @hookimpl
+    def mcgraph_rng_options(self, config: Any) -> None:
+        if self.raise_seeding:
+            self.events.append(["fault", "raise_seeding"])
+            self.record["fault_at"] = time.time()
+            raise RuntimeError(f"mcgraph probe: injected failure in seeding on rank {self.rank}")
 
     @hookimpl
     def mcgraph_model_built(

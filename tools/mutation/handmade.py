@@ -441,8 +441,8 @@ MUTANTS = [
         "replay-call-values-unchecked",
         "the remembered replay's guard check skips the call's micro-batch count and shapes",
         "cudagraph_plugin/runtime/guard.py",
-        "        if tuple(map(kwargs.get, self.CALL_KEYS)) != self._replay_values:\n",
-        "        if False:\n",
+        "            tuple(map(kwargs.get, self.CALL_KEYS)) != self._replay_values\n",
+        "            False\n",
         (GUARD + "test_check_replay_refuses_a_changed_call_as_check_call_does",),
     ),
     Mutant(
@@ -492,7 +492,7 @@ MUTANTS = [
     Mutant(
         "abort-end-never-awaited",
         "the shutdown never waits for the abort of the process groups to end",
-        "cudagraph_plugin/runtime/peers.py",
+        "cudagraph_plugin/runtime/job_watch.py",
         "            self.peers.finish()\n",
         "",
         (PEERS + "test_the_shutdown_frees_the_graphs_before_it_waits_for_the_abort",),

@@ -1,0 +1,104 @@
+"""A full-iteration graph replays the computation of the call it captured: the guard refuses
+a later call with another model or another forward_step_func (review of 2026-12-04: an RL
+host's ``functools.partial(loss, kl_coef=...)`` made per step replayed the first step's
+coefficient, its losses and gradients silently wrong), and lets through one made again
+alike. Per-layer (TE) graphs capture layers only: there the guard does not compare them."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from cudagraph_plugin.runtime.guard import ShapeGuard, StaticShapeError, same_callable
+
+
+def loss_step(coef, data_iterator, model):
+    return coef
+
+
+def make_closure(coef):
+    def forward_step(data_iterator, model):
+        return coef
+
+    return forward_step
+
+
+class Host:
+    def forward_step(self, data_iterator, model):
+        return None
+
+
+MODEL = [torch.nn.Linear(2, 2)]
+
+
+def call(guard, *, record=False, copied=True, model=MODEL, step_func=None):
+    kwargs = {
+        "num_microbatches": 1,
+        "seq_length": 8,
+        "micro_batch_size": 2,
+        "data_iterator": iter([{"tokens": torch.zeros(2, 8, dtype=torch.int64)}]),
+        "model": model,
+        "forward_step_func": step_func or functools.partial(loss_step, 1.0),
+    }
+    iterator = guard.check_call("training", 3, kwargs, record=record, copied=copied)
+    next(iterator)
+    if record:
+        guard.commit("training")
+    return kwargs
+
+
+def test_callables_made_again_alike_are_the_same_and_changed_ones_are_not():
+    host = Host()
+    tensor = torch.ones(1)
+    alike = [
+        (functools.partial(loss_step, 0.5), functools.partial(loss_step, 0.5)),
+        (functools.partial(loss_step, coef=[1, "a"]), functools.partial(loss_step, coef=[1, "a"])),
+        (functools.partial(loss_step, tensor), functools.partial(loss_step, tensor)),
+        (make_closure(0.5), make_closure(0.5)),
+        (host.forward_step, host.forward_step),
+    ]
+    for a, b in alike:
+        assert a is not b and same_callable(a, b), (a, b)
+    changed = [
+        (functools.partial(loss_step, 0.5), functools.partial(loss_step, 5.0)),
+        (functools.partial(loss_step, 1), functools.partial(loss_step, 1.0)),  # int vs float
+        (functools.partial(loss_step, tensor), functools.partial(loss_step, torch.ones(1))),
+        (make_closure(0.5), make_closure(0.0)),
+        (host.forward_step, Host().forward_step),
+        (loss_step, make_closure(1.0)),
+        (make_closure(0.5), functools.partial(loss_step, 0.5)),
+    ]
+    for a, b in changed:
+        assert not same_callable(a, b), (a, b)
+
+
+def test_a_forward_step_func_with_another_coefficient_is_refused_one_made_alike_passes():
+    guard = ShapeGuard()
+    call(guard, record=True, step_func=functools.partial(loss_step, 1.0))
+    call(guard, step_func=functools.partial(loss_step, 1.0))  # made again, alike
+    call(guard, model=list(MODEL), step_func=functools.partial(loss_step, 1.0))  # a new list
+    with pytest.raises(StaticShapeError) as refused:
+        call(guard, step_func=functools.partial(loss_step, 5.0))
+    message = str(refused.value)
+    assert "another forward_step_func (partial(loss_step, ...), captured with" in message
+    assert "would be silently ignored" in message and "as a tensor in the micro-batch" in message
+    with pytest.raises(StaticShapeError, match="called with another model after CUDA graph"):
+        call(guard, model=[torch.nn.Linear(2, 2)], step_func=functools.partial(loss_step, 1.0))
+
+
+def test_the_replay_fast_path_compares_them_too():
+    guard = ShapeGuard()
+    captured = call(guard, record=True)
+    guard.check_replay(dict(captured, data_iterator=iter([])))  # the same objects: passes
+    with pytest.raises(StaticShapeError, match="another forward_step_func"):
+        guard.check_replay(
+            dict(captured, data_iterator=iter([]), forward_step_func=make_closure(1.0))
+        )
+
+
+def test_per_layer_graphs_do_not_compare_the_model_or_the_step_function():
+    guard = ShapeGuard()
+    call(guard, record=True, copied=False)
+    call(guard, copied=False, model=[torch.nn.Linear(2, 2)], step_func=make_closure(3.0))
