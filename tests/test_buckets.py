@@ -956,6 +956,36 @@ def test_a_move_the_allocator_hides_from_a_sample_is_seen(graphs):
         )
 
 
+def test_a_rotary_table_made_inside_a_capture_is_not_left_in_megatron_cores_cache(graphs):
+    """Rollouts at many lengths evict a bucket's rotary table from megatron-core's
+    ``lru_cache`` (32 entries) between its warm-up and its capture: the capture computes it
+    in the shared graph pool. Left in the cache, later eager calls and later captures would
+    read pool memory an earlier graph's replays may overwrite (review of 2026-12-04)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from fakes import _storage
+
+    with megatron_gpt("--position-embedding-type", "rope") as host:
+        [rotary] = [m for c in host.model for m in c.modules() if isinstance(m, RotaryEmbedding)]
+        seen: list[Any] = []
+        rotary.register_forward_hook(lambda module, args, output: seen.append(output))
+        bucketed = BucketGraphs(BUCKETS, 1, model=host.model, optimizer=host.optimizer)
+        try:
+            train_step(host, step_kwargs(host, 0, [10]), bucketed, 0)  # warm-up of (16, 2, 1)
+            for length in range(33, 65):  # the rollouts: 32 other lengths
+                rotary(length)
+            made = len(seen)
+            train_step(host, step_kwargs(host, 1, [10]), bucketed, 1)  # its capture
+            in_pool = seen[made]
+            assert _storage(in_pool) in graphs.graphs[-1]._recording._made  # (the premise)
+            after = len(seen)
+            train_step(host, step_kwargs(host, 2, [10, 9]), bucketed, 2)  # eager: (16, 2, 2)
+            assert seen[after] is not in_pool
+            assert bucketed._graphs[BucketKey(16, MBS, 1)].cached.count(in_pool) >= 1  # kept
+        finally:
+            assert not release_each(bucketed.release_steps()).failures
+
+
 def test_the_fake_graph_refuses_a_replay_onto_moved_memory(graphs):
     """What the invalidation tests rely on: a real graph would read freed memory."""
     weight = torch.ones(4)

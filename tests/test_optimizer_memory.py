@@ -50,7 +50,15 @@ def test_the_state_sample_finds_the_optimizer_s_memory_and_its_move(layout):
         adam = optimizer = stepped(torch.optim.Adam(params))
     sample = bucket_compat.optimizer_state_tensors(optimizer)
     assert [name for _, name, _ in sample][:1] == ["optimizer 0 main parameter 0"]
-    assert len(sample) == 3  # the parameter, exp_avg, exp_avg_sq
+    # each parameter (up to 16, spread), its exp_avg and exp_avg_sq
+    assert [name for _, name, _ in sample] == [
+        "optimizer 0 main parameter 0",
+        "optimizer 0 parameter 0 state 'exp_avg'",
+        "optimizer 0 parameter 0 state 'exp_avg_sq'",
+        "optimizer 0 main parameter 1",
+        "optimizer 0 parameter 1 state 'exp_avg'",
+        "optimizer 0 parameter 1 state 'exp_avg_sq'",
+    ]
     fingerprint = AddressFingerprint([MODEL], optimizer, optimizer_state=True)
     before = fingerprint.take()
     move_every_state_tensor(adam)

@@ -117,29 +117,47 @@ def global_memory_buffer_tensors() -> list[tuple[str, str, Any]]:
 
 
 @contextlib.contextmanager
-def cached_forward_outputs(model: Sequence[Any], into: list[Any]) -> Iterator[None]:
+def cached_forward_outputs(
+    model: Sequence[Any], into: list[Any], missed: list[Any] | None = None
+) -> Iterator[None]:
     """Record in ``into`` the tensors returned, while this is entered, by every module of
     ``model`` whose ``forward`` megatron-core caches with ``functools.lru_cache`` (the
     rotary embeddings' tables: ``RotaryEmbedding.forward``, ``YarnRotaryEmbedding.forward``,
     32 entries). A graph captured meanwhile reads them from the cache; once 32 other lengths
     ran eagerly (an RL host's rollouts) the cache drops them and their memory is freed
-    under the graph, unless something else keeps them."""
+    under the graph, unless something else keeps them. ``missed``: the cached forwards
+    that computed an entry meanwhile (a cache miss inside a capture makes the table in the
+    graph pool; see :func:`forget_cached_outputs`)."""
     import torch
 
     def record(module: Any, args: Any, output: Any) -> None:
         into.extend(t for t in _tensors(output) if isinstance(t, torch.Tensor))
 
-    handles = [
-        module.register_forward_hook(record)
+    modules = [
+        module
         for chunk in (model if isinstance(model, (list, tuple)) else [model])
         for module in chunk.modules()
         if hasattr(type(module).forward, "cache_info")  # an lru_cache wrapper
     ]
+    misses = {type(m).forward: type(m).forward.cache_info().misses for m in modules}
+    handles = [module.register_forward_hook(record) for module in modules]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+        if missed is not None:
+            missed += [f for f, before in misses.items() if f.cache_info().misses > before]
+
+
+def forget_cached_outputs(functions: Sequence[Any]) -> None:
+    """Empty the caches of ``functions`` (cached forwards that computed an entry during a
+    capture): that entry lives in the shared graph pool, where memory an earlier graph
+    uses as scratch may lie, and its replays would overwrite it under every later reader
+    (eager calls, a later capture taking it from the cache). The graph that made it keeps
+    its own reference and recomputes it on each replay; others compute theirs anew."""
+    for function in functions:
+        function.cache_clear()
 
 
 def _tensors(value: Any) -> list[Any]:

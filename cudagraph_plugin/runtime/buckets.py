@@ -30,7 +30,10 @@ its own graph, following megatron-core's rules for each:
 * and what megatron-core's cached forwards gave them: the rotary embeddings' tables
   (``RotaryEmbedding.forward`` is an ``lru_cache(maxsize=32)``: once 32 other lengths ran
   eagerly, an RL host's rollouts, a bucket's table is evicted and would be freed, since
-  replays never touch the cache).
+  replays never touch the cache); and a table the capture itself had to compute (evicted
+  between the warm-up and the capture) lies in the shared pool, so its cache is emptied
+  after the capture: no eager call or later capture reads pool memory another graph's
+  replays may overwrite.
 
 A step outside every bucket runs eagerly with one log line per new shape (never a crash,
 never a stale replay); forward-only (validation) calls run eagerly (see :meth:`route`).
@@ -370,6 +373,7 @@ class BucketGraphs:
         start = time.perf_counter()
         graph = None
         cached: list[Any] = []
+        missed: list[Any] = []
         try:
             with bucket_compat.stale_capture_streams_overridden():
                 bucket_compat.barrier()
@@ -385,7 +389,7 @@ class BucketGraphs:
                         capture_error_mode="thread_local",
                         **self._liveness,
                     ),
-                    bucket_compat.cached_forward_outputs(kwargs["model"], cached),
+                    bucket_compat.cached_forward_outputs(kwargs["model"], cached, missed),
                 ):
                     result = eager(**kwargs)
                 torch.cuda.synchronize()
@@ -396,6 +400,8 @@ class BucketGraphs:
             if graph is not None:
                 self._discard(graph, key, error)
             raise
+        finally:
+            bucket_compat.forget_cached_outputs(missed)  # (tables made in the pool)
         seconds = time.perf_counter() - start
         self._pool = pool
         self._graphs[key] = _Captured(graph, result, step, self._scratch(), cached)
