@@ -46,9 +46,7 @@ def print_refusal(
     refusal) is said by that rank, never here.
 
     The ranks that do not say it (``WORLD_SIZE`` > 1) return only after ``grace_s``
-    seconds; one whose refusal nobody found to be the first (``said_here`` ``None``) says
-    it then, naming itself, if it is still running (rank 0 had not refused, and ended
-    nothing). A launcher that ends the whole job at the first worker that exits (torchrun)
+    seconds. A launcher that ends the whole job at the first worker that exits (torchrun)
     would otherwise stop the rank that says it, when it gets there a moment later, before
     it has said anything. That rank exits first and the launcher ends the waiting ranks, so
     a job under torchrun ends as soon as it has spoken. (The first refusing rank speaks
@@ -60,11 +58,6 @@ def print_refusal(
         _say(refused_by(rank, str(error)) if rank != "0" else str(error), stream)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         time.sleep(grace_s)
-        if error.said_here is None:
-            # Still here: rank 0 did not say it and end the job (it may not have refused:
-            # a refusal made before the ranks could watch each other, on this rank alone,
-            # while rank 0 waits for it in the process group's set-up). Said late, not never.
-            _say(refused_by(rank, str(error)), stream)
     return error.exit_code
 
 

@@ -6,12 +6,14 @@ alike. Per-layer (TE) graphs capture layers only: there the guard does not compa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
 import torch
 
-from cudagraph_plugin.runtime.guard import ShapeGuard, StaticShapeError, same_callable
+from cudagraph_plugin.runtime.callee import same_callable
+from cudagraph_plugin.runtime.guard import ShapeGuard, StaticShapeError
 
 
 def loss_step(coef, data_iterator, model):
@@ -72,6 +74,97 @@ def test_callables_made_again_alike_are_the_same_and_changed_ones_are_not():
     ]
     for a, b in changed:
         assert not same_callable(a, b), (a, b)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    kl_coef: float
+
+
+class ForwardStep:
+    def __init__(self, coef):
+        self.coef = coef
+
+    def __call__(self, data_iterator, model):
+        return self.coef
+
+
+def recursive(coef):
+    def forward_step(data_iterator, model, depth=0):
+        return coef if depth else forward_step(data_iterator, model, 1)
+
+    return forward_step
+
+
+def test_equal_values_in_other_objects_are_the_same():
+    """(second review of 2026-12-04: these were refused, stopping correct runs)"""
+    import numpy as np
+
+    alike = [
+        (
+            functools.partial(loss_step, LossConfig(0.1)),
+            functools.partial(loss_step, LossConfig(0.1)),
+        ),
+        (ForwardStep(0.1), ForwardStep(0.1)),
+        (
+            functools.partial(loss_step, np.float32(0.1)),
+            functools.partial(loss_step, np.float32(0.1)),
+        ),
+        (
+            functools.partial(loss_step, torch.device("cpu")),
+            functools.partial(loss_step, torch.device("cpu")),
+        ),
+        (functools.partial(loss_step, float("nan")), functools.partial(loss_step, float("nan"))),
+        (recursive(0.1), recursive(0.1)),
+    ]
+    for a, b in alike:
+        assert same_callable(a, b), (a, b)
+    for a, b in [
+        (
+            functools.partial(loss_step, LossConfig(0.1)),
+            functools.partial(loss_step, LossConfig(0.2)),
+        ),
+        (ForwardStep(0.1), ForwardStep(0.2)),
+        (recursive(0.1), recursive(0.2)),
+    ]:
+        assert not same_callable(a, b), (a, b)
+
+
+def test_a_value_changed_in_the_closure_cell_the_capture_saw_is_seen():
+    """A lambda made in the loop shares one cell with the captured one: by the next step
+    the captured lambda's cell holds the new value too (second review of 2026-12-04: they
+    compared equal, and the graph replayed the first coefficient)."""
+    guard = ShapeGuard()
+    for step, kl_coef in enumerate((0.1, 0.2)):
+        forward_step = lambda data_iterator, model: kl_coef  # noqa: B023, E731 (the point)
+        if step == 0:
+            call(guard, record=True, step_func=forward_step)  # the capture, at 0.1
+            continue
+        with pytest.raises(StaticShapeError, match="a value it uses changed"):
+            call(guard, step_func=forward_step)
+    # the same function object, its variable changed in place (nonlocal): also seen
+    guard = ShapeGuard()
+    coef = [0.1]
+
+    def make():
+        value = 0.1
+
+        def forward_step(data_iterator, model):
+            return value
+
+        def change(new):
+            nonlocal value
+            value = new
+
+        return forward_step, change
+
+    forward_step, change = make()
+    captured = call(guard, record=True, step_func=forward_step)
+    guard.check_replay(dict(captured, data_iterator=iter([])))
+    change(0.5)
+    with pytest.raises(StaticShapeError, match="a value it uses changed"):
+        guard.check_replay(dict(captured, data_iterator=iter([])))
+    assert coef == [0.1]
 
 
 def test_a_forward_step_func_with_another_coefficient_is_refused_one_made_alike_passes():

@@ -316,3 +316,5 @@ def test_packed_micro_batches_are_refused_rather_than_padded_outside_every_seque
     }
     with pytest.raises(ValueError, match=r"batch\['cu_seqlens'\] describes packed sequences"):
         pad_step([packed], BUCKETS, pad_token_id=0)
+    unpacked = dict(batch(5), cu_seqlens=None)  # (a None, as other keys, is left alone)
+    assert pad_step([unpacked], BUCKETS, pad_token_id=0).seq_length == 8

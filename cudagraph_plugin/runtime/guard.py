@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import sys
-import types
 from collections.abc import Iterator
 from typing import Any
+
+from cudagraph_plugin.runtime import callee
 
 
 class StaticShapeError(RuntimeError):
@@ -203,8 +203,9 @@ class _Reference:
     batches: dict[tuple[int, int], tuple] = dataclasses.field(default_factory=dict)
     # a full-iteration capture: megatron-core copies each micro-batch into static buffers
     copied: bool = False
-    # (model, forward_step_func) of the call: a full-iteration graph replays their work
-    callee: tuple[Any, Any] = (None, None)
+    # (model, forward_step_func, its snapshot) of the call: a full-iteration graph replays
+    # their work (callee.py)
+    callee: tuple[Any, Any, Any] = (None, None, None)
 
 
 class ShapeGuard:
@@ -221,6 +222,8 @@ class ShapeGuard:
         # the training reference's call values (check_replay); None matches no call
         self._replay_values: tuple[Any, ...] | None = None
         self._replay_callee: tuple[Any, Any] = (None, None)
+        # the captured step function can change only by being another object (is_fixed)
+        self._replay_fixed = False
 
     def is_armed(self, stage: str) -> bool:
         return stage in self._reference
@@ -230,6 +233,7 @@ class ShapeGuard:
         self._recording.clear()
         self._replay_values = None
         self._replay_callee = (None, None)
+        self._replay_fixed = False
         self.generation += 1
 
     def check_call(
@@ -248,8 +252,9 @@ class ShapeGuard:
         data_iterator = kwargs.get("data_iterator")
         if record:
             call = {key: kwargs.get(key) for key in self.CALL_KEYS}
-            callee = (kwargs.get("model"), kwargs.get("forward_step_func"))
-            self._recording[stage] = _Reference(step, call, copied=copied, callee=callee)
+            step_func = kwargs.get("forward_step_func")
+            made = (kwargs.get("model"), step_func, callee.snapshot(step_func) if copied else None)
+            self._recording[stage] = _Reference(step, call, copied=copied, callee=made)
             return self._wrap(stage, data_iterator, True)
         ref = self._reference.get(stage)
         if ref is None:
@@ -273,9 +278,11 @@ class ShapeGuard:
         if (
             tuple(map(kwargs.get, self.CALL_KEYS)) != self._replay_values
             or kwargs.get("forward_step_func") is not step_func
+            or not self._replay_fixed
             or kwargs.get("model") is not model
         ):
-            # (says what changed; a forward_step_func made again alike passes there)
+            # (says what changed; a forward_step_func made again alike passes there, and
+            # one with closure variables is looked at again: a value may change in place)
             return self.check_call("training", None, kwargs, record=False)
         data_iterator = kwargs.get("data_iterator")
         if data_iterator is None or isinstance(data_iterator, list):
@@ -287,7 +294,9 @@ class ShapeGuard:
         ref = self._reference[stage] = self._recording.pop(stage)
         if stage == "training":
             self._replay_values = tuple(ref.call.values())  # in CALL_KEYS order
-            self._replay_callee = ref.callee
+            model, step_func, recorded = ref.callee
+            self._replay_callee = (model, step_func)
+            self._replay_fixed = recorded is not None and callee.is_fixed(recorded)
         self.generation += 1
 
     def _wrap(self, stage: str, data_iterator: Any, record: bool, chunk: int = 0) -> Any:
@@ -342,21 +351,23 @@ class ShapeGuard:
 CALLEE_FIX = (
     "pass the same model and forward_step_func on every call (make forward_step_func once; "
     "give a value that changes per step, a loss coefficient say, to the loss as a tensor in "
-    "the micro-batch, or as a device tensor filled in place), or run without CUDA graphs"
+    "the micro-batch, or as a device tensor filled in place); with --cuda-graph-buckets, "
+    "run.invalidate_graphs() after a deliberate change captures the buckets again; or run "
+    "without CUDA graphs"
 )
 
 
 def _check_callee(stage: str, ref: _Reference, kwargs: dict[str, Any]) -> None:
     """A full-iteration graph replays the computation of the model and forward_step_func it
-    was captured with: Python values in them (a ``functools.partial``'s arguments, a
-    closure's cells) were baked in, and another model's parameters are not in the graph."""
-    model, step_func = ref.callee
-    if not _same_models(kwargs.get("model"), model):
+    was captured with (:mod:`~cudagraph_plugin.runtime.callee`)."""
+    model, step_func, recorded = ref.callee
+    given = kwargs.get("forward_step_func")
+    if not callee.same_models(kwargs.get("model"), model):
         what = "another model"
-    elif not same_callable(kwargs.get("forward_step_func"), step_func):
+    elif recorded is not None and not callee.same_snapshot(callee.snapshot(given), recorded):
         what = (
-            f"another forward_step_func ({_describe(kwargs.get('forward_step_func'))}, "
-            f"captured with {_describe(step_func)})"
+            f"another forward_step_func ({callee.describe(given)}, captured with "
+            f"{callee.describe(step_func)}: a value it uses changed)"
         )
     else:
         return
@@ -365,70 +376,6 @@ def _check_callee(stage: str, ref: _Reference, kwargs: dict[str, Any]) -> None:
         f"{ref.step}): the graph replays the captured call's computation, so the change "
         f"would be silently ignored. Fix: {CALLEE_FIX}"
     )
-
-
-def _same_models(given: Any, captured: Any) -> bool:
-    if given is captured:
-        return True
-    if isinstance(given, (list, tuple)) and isinstance(captured, (list, tuple)):
-        return len(given) == len(captured) and all(
-            a is b for a, b in zip(given, captured, strict=True)
-        )
-    return False
-
-
-def same_callable(a: Any, b: Any, depth: int = 0) -> bool:
-    """``a`` does what ``b`` does as far as a captured graph can tell: the same object, or
-    one made again alike (a ``functools.partial`` of the same function with equal plain
-    arguments and the same objects; a function of the same code whose closure and defaults
-    hold those)."""
-    if a is b:
-        return True
-    if type(a) is not type(b) or depth >= _MAX_DEPTH:
-        return False
-    if isinstance(a, functools.partial):
-        return (
-            same_callable(a.func, b.func, depth + 1)
-            and _same_values(a.args, b.args, depth)
-            and _same_values(a.keywords, b.keywords, depth)
-        )
-    if isinstance(a, types.MethodType):
-        return a.__func__ is b.__func__ and a.__self__ is b.__self__
-    if isinstance(a, types.FunctionType):
-        cells = [c.cell_contents for c in a.__closure__ or ()]
-        others = [c.cell_contents for c in b.__closure__ or ()]
-        return (
-            a.__code__ is b.__code__
-            and a.__globals__ is b.__globals__
-            and _same_values(cells, others, depth)
-            and _same_values(a.__defaults__, b.__defaults__, depth)
-            and _same_values(a.__kwdefaults__, b.__kwdefaults__, depth)
-        )
-    return False
-
-
-def _same_values(a: Any, b: Any, depth: int) -> bool:
-    if a is b:
-        return True
-    if type(a) is not type(b) or depth >= _MAX_DEPTH:
-        return False
-    if isinstance(a, _SCALARS) or isinstance(a, enum.Enum):
-        return bool(a == b)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(
-            _same_values(x, y, depth + 1) for x, y in zip(a, b, strict=True)
-        )
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same_values(a[k], b[k], depth + 1) for k in a)
-    if callable(a):
-        return same_callable(a, b, depth + 1)
-    return False  # (another object: a tensor, a config; only the same one is the same)
-
-
-def _describe(func: Any) -> str:
-    inner = func.func if isinstance(func, functools.partial) else func
-    name = getattr(inner, "__qualname__", None) or type(inner).__name__
-    return f"partial({name}, ...)" if isinstance(func, functools.partial) else name
 
 
 class _CheckedIterator:

@@ -360,7 +360,11 @@ def _check_batch(
                 "only. Fix: drop it from extra (a per-sequence tensor needs no padding)"
             )
         _check_fits(key, tensor, value, source)
-    packed = sorted(key for key in batch if str(key).startswith("cu_seqlens"))
+    packed = sorted(
+        key
+        for key, value in batch.items()
+        if str(key).startswith("cu_seqlens") and value is not None
+    )
     if packed:
         raise ValueError(
             f"batch[{packed[0]!r}] describes packed sequences (THD); pad_to_bucket pads "

@@ -126,7 +126,7 @@ MUTANTS = [
         "model-kept-after-shutdown",
         "shutdown keeps its references to the model, its config and the forward/backward",
         "cudagraph_plugin/runtime/plugin.py",
-        '            ReleaseStep("model and optimizer references", self._drop_references),\n',
+        '        ReleaseStep("model and optimizer references", plugin._drop_references),\n',
         "",
         (LIFECYCLE + "test_shutdown_releases_every_resource_the_run_held",),
     ),
@@ -157,10 +157,11 @@ MUTANTS = [
         "full-iteration replays skip the static-shape guard (only the capture call is seen)",
         "cudagraph_plugin/runtime/interceptor.py",
         '        kwargs["data_iterator"] = self.guard.check_call(\n'
-        "            stage, self.state.step, kwargs, record=capturing\n        )\n",
+        "            stage, self.state.step, kwargs, record=capturing, copied=True\n        )\n",
         "        if capturing:\n"
         '            kwargs["data_iterator"] = self.guard.check_call(\n'
-        "                stage, self.state.step, kwargs, record=capturing\n            )\n",
+        "                stage, self.state.step, kwargs, record=capturing, copied=True\n"
+        "            )\n",
         (
             FAST_PATH
             + "test_a_shape_change_is_refused_on_the_first_replay_and_on_remembered_ones"
@@ -234,11 +235,12 @@ MUTANTS = [
         "guard-skipped-after-te-capture",
         "TE replays skip the static-shape guard (only the reference call is recorded)",
         "cudagraph_plugin/runtime/interceptor.py",
-        '            kwargs["data_iterator"] = self.guard.check_call(\n'
-        "                stage, state.step, kwargs, record=record\n            )\n",
-        "            if record:\n"
         '                kwargs["data_iterator"] = self.guard.check_call(\n'
         "                    stage, state.step, kwargs, record=record\n                )\n",
+        "                if record:\n"
+        '                    kwargs["data_iterator"] = self.guard.check_call(\n'
+        "                        stage, state.step, kwargs, record=record\n"
+        "                    )\n",
         (LIFECYCLE + "test_shape_change_after_capture_raises_instead_of_replaying[te]",),
     ),
     Mutant(
@@ -265,8 +267,8 @@ MUTANTS = [
         "bucket-outside-replays",
         "bucket graphs: a shape outside every bucket is warmed up and captured like a bucket",
         BUCKETS_PY,
-        "        if key.seq_length not in self.buckets:\n",
-        "        if False:\n",
+        "        if key.seq_length not in self.buckets:\n            self._log_once(\n",
+        "        if False:\n            self._log_once(\n",
         (
             BUCKETS + "test_a_shape_outside_every_bucket_runs_eagerly_with_one_log_line_per_"
             "new_shape",
@@ -296,17 +298,18 @@ MUTANTS = [
         "bucket-replay-unchecked",
         "bucket graphs: replays skip the static-shape guard",
         BUCKETS_PY,
-        "        data_iterator = self.guard.check_call(label, step, kwargs, record=capturing)\n",
+        "        data_iterator = self.guard.check_call(label, step, kwargs, record=capturing, "
+        "copied=True)\n",
         "        data_iterator = (\n"
-        "            self.guard.check_call(label, step, kwargs, record=True)\n"
+        "            self.guard.check_call(label, step, kwargs, record=True, copied=True)\n"
         '            if capturing\n            else kwargs["data_iterator"]\n        )\n',
-        (BUCKETS + "test_a_replay_checks_the_micro_batches_against_its_capture",),
+        (BUCKETS + "test_a_replayed_bucket_refuses_a_forward_step_func_with_another_coefficient",),
     ),
     Mutant(
         "bucket-moved-memory-unchecked",
         "bucket graphs: no address check; graphs replay onto moved memory",
         BUCKETS_PY,
-        "        if not self._graphs or self._reference is None:\n",
+        "        if self._reference is None or not self._holds_graphs():\n",
         "        if True:\n",
         (
             BUCKETS + "test_graphs_are_freed_and_recaptured_after_warmup_when_memory_moves"
@@ -319,7 +322,7 @@ MUTANTS = [
     Mutant(
         "bucket-loss-scale-unchecked",
         "bucket graphs: a replaced loss-scale tensor goes unnoticed",
-        BUCKETS_PY,
+        "cudagraph_plugin/runtime/fingerprint.py",
         "            if scale is not None:\n",
         "            if False:\n",
         (
@@ -331,8 +334,8 @@ MUTANTS = [
         "bucket-recapture-without-warmup",
         "bucket graphs: after an invalidation a bucket is captured again without warm-up",
         BUCKETS_PY,
-        "        result = release_each(self.graph_release_steps())\n        self._calls.clear()\n",
-        "        result = release_each(self.graph_release_steps())\n",
+        "        self._calls.clear()\n        self.guard.disarm()\n",
+        "        self.guard.disarm()\n",
         (
             BUCKETS + "test_the_host_can_invalidate_the_graphs_explicitly",
             RL + "test_offload_and_reload_recapture_every_bucket_and_train_as_eager"
@@ -362,8 +365,8 @@ MUTANTS = [
         "bucket-scratch-not-kept",
         "bucket graphs: megatron-core's scratch buffers are not kept for the graphs",
         BUCKETS_PY,
-        "_Captured(graph, result, step, self._scratch())",
-        "_Captured(graph, result, step, [])",
+        "_Captured(graph, result, step, self._scratch(), cached)",
+        "_Captured(graph, result, step, [], cached)",
         (BUCKETS + "test_graphs_keep_the_scratch_buffers_megatron_core_replaces",),
     ),
     Mutant(
@@ -394,8 +397,8 @@ MUTANTS = [
         "padding-counts-in-the-loss",
         "padding: padded positions keep loss_mask 1",
         "cudagraph_plugin/runtime/padding.py",
-        '        "loss_mask": 0,\n',
-        '        "loss_mask": 1,\n',
+        '        "loss_mask": (0, "loss_mask\'s zero"),\n',
+        '        "loss_mask": (1, "loss_mask\'s zero"),\n',
         (
             "tests/test_padding.py::"
             "test_pads_each_sequence_key_to_the_smallest_bucket_at_least_its_length",
