@@ -236,3 +236,13 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         left = [name for name in before if name in after and after[name] != before[name]]
         assert not left, f"the test left process state behind: {', '.join(left)}"
     return result
+
+
+@pytest.fixture
+def host_sigterm() -> Iterator[list[int]]:
+    """The host's own SIGTERM handler, recording what reaches it (it returns: the program
+    continues after a run's shutdown); the handler before it comes back afterwards."""
+    calls: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    yield calls
+    signal.signal(signal.SIGTERM, before)

@@ -520,28 +520,35 @@ def test_virtual_stages_from_layers_per_stage_as_megatron_lm_derives_them() -> N
     assert train_gpt._virtual_stages(parser, args) is None  # one chunk per rank: no interleaving
 
 
+TWO_RANK_ARGV = [
+    "--cpu", "--train-iters", "5", "--num-layers", "2", "--hidden-size", "64",
+    "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+    "--vocab-size", "128", "--log-interval", "0",
+]  # fmt: skip
+
+
+def two_rank_failure(tmp_path, name: str, fault: dict[str, str]) -> tuple[Any, dict, dict]:
+    """A torchrun job of 2 ranks over gloo with the probe's ``fault``: it must end non-zero
+    in time; the job, rank 1's record and rank 0's."""
+    from train_jobs import launch
+
+    job = launch(name, TWO_RANK_ARGV, job_dir=tmp_path, timeout_s=180, nproc=2, env=fault)
+    assert job.result.rc != 0 and not job.result.timed_out, job.context()
+    failed, told = job.record(1), job.record(0)
+    assert failed["shutdown_reason"] == "exception", job.context()
+    assert told["shutdown_reason"] == "peer_failed", job.context()
+    return job, failed, told
+
+
 def test_a_rank_failing_ends_a_two_rank_job_with_every_process_group_aborted(tmp_path) -> None:
     """torchrun, 2 ranks over gloo: rank 1 raising at step 2 ends the job non-zero; rank 1
     ends by its exception and aborts its process groups instead of a graceful teardown
     (``cudagraph_plugin.abort_process_groups``); rank 0, told through the job's store,
     ends by ``peer_failed`` naming rank 1; neither is left with a process group."""
-    from train_jobs import launch
-
-    argv = ["--cpu", "--train-iters", "5", "--num-layers", "2", "--hidden-size", "64"]
-    argv += ["--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2"]
-    argv += ["--vocab-size", "128", "--log-interval", "0"]
-    job = launch(
-        "cpu-raise-rank1",
-        argv,
-        job_dir=tmp_path,
-        timeout_s=180,
-        nproc=2,
-        env={"MCGRAPH_PROBE_RAISE": "2:1"},
+    job, failed, told = two_rank_failure(
+        tmp_path, "cpu-raise-rank1", {"MCGRAPH_PROBE_RAISE": "2:1"}
     )
-    assert job.result.rc != 0 and not job.result.timed_out, job.context()
-    failed, told = job.record(1), job.record(0)
-    assert failed["shutdown_reason"] == "exception", job.context()
-    assert told["shutdown_reason"] == "peer_failed" and "rank 1" in told["exception"]
+    assert "rank 1" in told["exception"]
     assert "rank 1: the run ended by exception; aborting the process groups" in (
         job.result.output()
     )
@@ -558,23 +565,9 @@ def test_a_rank_failing_before_any_hook_started_the_watch_still_tells_the_others
     so rank 0 ends by ``peer_failed`` naming it (review of 2026-12-04: nothing was marked;
     over gloo rank 0 then failed on the closed connection, over NCCL it waited in the
     collective until torchrun killed it, with no shutdown)."""
-    from train_jobs import launch
-
-    argv = ["--cpu", "--train-iters", "5", "--num-layers", "2", "--hidden-size", "64"]
-    argv += ["--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2"]
-    argv += ["--vocab-size", "128", "--log-interval", "0"]
-    job = launch(
-        "cpu-raise-seeding-rank1",
-        argv,
-        job_dir=tmp_path,
-        timeout_s=180,
-        nproc=2,
-        env={"MCGRAPH_PROBE_RAISE_SEEDING": "1"},
+    _, _, told = two_rank_failure(
+        tmp_path, "cpu-raise-seeding-rank1", {"MCGRAPH_PROBE_RAISE_SEEDING": "1"}
     )
-    assert job.result.rc != 0 and not job.result.timed_out, job.context()
-    failed, told = job.record(1), job.record(0)
-    assert failed["shutdown_reason"] == "exception", job.context()
-    assert told["shutdown_reason"] == "peer_failed", job.context()
     assert "rank 1" in told["exception"] and "injected failure in seeding" in told["exception"]
 
 

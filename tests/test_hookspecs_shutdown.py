@@ -491,17 +491,8 @@ def test_an_ignored_signal_stays_ignored_and_the_others_are_handled(pm, rec):
 # -- signals that arrive while shutdown starts or runs (issue 22) -------------------------------
 
 
-@pytest.fixture
-def python_sigterm_handler():
-    """A host's own SIGTERM handler (it returns: the program continues after shutdown)."""
-    calls: list[int] = []
-    before = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
-    yield calls
-    signal.signal(signal.SIGTERM, before)
-
-
 def test_a_sigterm_at_the_start_of_shutdown_waits_for_it_instead_of_skipping_it(
-    pm, rec, monkeypatch, python_sigterm_handler
+    pm, rec, monkeypatch, host_sigterm
 ):
     from hookspecs import run as run_module
 
@@ -516,7 +507,7 @@ def test_a_sigterm_at_the_start_of_shutdown_waits_for_it_instead_of_skipping_it(
     with TrainingRun(pm, None, train_iters=1) as run:
         loop(run, 1)
     assert [reason for reason, _ in rec.calls] == [ShutdownReason.COMPLETED]
-    assert python_sigterm_handler == [signal.SIGTERM]  # acted on once shutdown ended
+    assert host_sigterm == [signal.SIGTERM]  # acted on once shutdown ended
 
 
 @pytest.fixture

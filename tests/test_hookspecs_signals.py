@@ -28,15 +28,6 @@ class Reasons:
         self.log.append(str(reason))
 
 
-@pytest.fixture
-def host_sigterm():
-    """The host's own SIGTERM handler, recording what reaches it."""
-    calls: list[int] = []
-    before = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
-    yield calls
-    signal.signal(signal.SIGTERM, before)
-
-
 # -- one run at a time ------------------------------------------------------------------------
 
 
