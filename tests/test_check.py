@@ -613,3 +613,60 @@ def test_a_history_check_with_full_iteration_fails_the_check(flag):
     assert code == 1
     assert f"{flag} = True: full_iteration CUDA graph with" in out
     assert f"fix: turn {flag} off" in out
+
+
+# -- every field a rule reads has its flag (review of 2026-12-04) ------------------------------
+
+# Fields a rule reads that have no Megatron-LM flag of their own: megatron-core derives them
+# (the p2p settings from the pipeline layout, use_te_rng_tracker from --te-rng-tracker,
+# moe_layer_recompute from --recompute-modules), or only config objects carry them.
+NO_FLAG = {
+    "model_te_rng_tracker", "moe_layer_recompute", "batch_p2p_comm", "batch_p2p_sync",
+    "overlap_p2p_comm", "grad_norm_skip_threshold",
+}  # fmt: skip
+
+
+def test_every_field_a_rule_reads_has_a_check_flag():
+    """(the check lacked the parallel sizes, fp16 and the optimizer flags: a real
+    Megatron-LM command line exited 2, and a fix it printed could not be followed)"""
+    from cudagraph_plugin.config.fields import FIELD_PATHS
+
+    dests = {action.dest for action in build_parser()._actions}
+    missing = {
+        setting
+        for setting, paths in FIELD_PATHS.items()
+        if not any(path in dests for path in paths if "." not in path)
+    }
+    assert missing == NO_FLAG
+
+
+def test_the_optimizer_graph_fix_can_be_followed_on_the_command_line():
+    argv = [
+        "--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn", "moe_router",
+        "--num-experts", "8", "--optimizer-cuda-graph", "--te-version", "2.12",
+    ]  # fmt: skip
+    code, out = check(argv)
+    assert code == 1 and "fix: use the distributed optimizer" in out
+    code, out = check([*argv, "--use-distributed-optimizer"])
+    assert "fix: use the distributed optimizer" not in out
+    # a Megatron-LM command line's parallel layout and precision are read, not refused
+    code, out = check(
+        [*argv, "--use-distributed-optimizer", "--tensor-model-parallel-size", "2",
+         "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+         "--num-virtual-stages-per-pipeline-rank", "2", "--fp16", "--loss-scale", "1024"]
+    )  # fmt: skip
+    assert code == 1 and "--fp16, --optimizer-cuda-graph = (True, True)" in out
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [("seq_length", "9" * 5000, "ValueError"), ("loss_scale", 10**400, "OverflowError")],
+)
+def test_a_value_python_cannot_convert_is_a_problem_not_a_traceback(field, value, error):
+    """(review of 2026-12-04: an AttributeError from the rules, exit 1 with a traceback)"""
+    from cudagraph_plugin import check_config
+
+    config = {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration", field: value}
+    result = check_config(config, te_version=None)
+    [problem] = [p for p in result.problems if p.fields == (field,)]
+    assert problem.problem.startswith(f"cannot be read ({error}: ")

@@ -140,6 +140,46 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="{e4m3,hybrid}",
         help="informational: FP8 recipes often default to TE mlp graphs",
     )
+    parallel = parser.add_argument_group(
+        "parallelism, precision and optimizer (Megatron-LM flag names; absent: not given)"
+    )
+
+    def given(dest: str, *aliases: str, **kwargs: Any) -> None:
+        # (absent from the namespace when not given, as a config without the field)
+        flags = [*_flags(dest), *aliases]
+        parallel.add_argument(*flags, dest=dest, default=argparse.SUPPRESS, **kwargs)
+
+    def on(flag: str, dest: str, *, value: bool = True) -> None:
+        underscores = "--" + flag[2:].replace("-", "_")
+        action = "store_true" if value else "store_false"
+        parallel.add_argument(flag, underscores, dest=dest, action=action)
+
+    given("tensor_model_parallel_size")
+    given("pipeline_model_parallel_size")
+    given(
+        "virtual_pipeline_model_parallel_size",
+        "--num-virtual-stages-per-pipeline-rank",
+        "--num_virtual_stages_per_pipeline_rank",
+        help="virtual pipeline stages per rank (Megatron-LM: --num-virtual-stages-per-"
+        "pipeline-rank)",
+    )
+    given("context_parallel_size")
+    on("--sequence-parallel", "sequence_parallel")
+    on("--fp16", "fp16")
+    given("loss_scale", help="a constant loss scale (fp16; none: megatron-core's dynamic scaler)")
+    given("optimizer", metavar="{adam,sgd}")
+    on("--use-distributed-optimizer", "use_distributed_optimizer")
+    on("--overlap-param-gather-with-optimizer-step", "overlap_param_gather_with_optimizer_step")
+    on("--optimizer-cpu-offload", "optimizer_cpu_offload")
+    on("--use-precision-aware-optimizer", "use_precision_aware_optimizer")
+    given("main_params_dtype", metavar="{fp32,fp16}")
+    given("exp_avg_dtype", metavar="{fp32,fp16,bf16,fp8}")
+    given("exp_avg_sq_dtype", metavar="{fp32,fp16,bf16,fp8}")
+    on("--no-store-param-remainders", "store_param_remainders", value=False)
+    on("--fp8-param-gather", "fp8_param_gather")
+    on("--log-num-zeros-in-grad", "log_num_zeros_in_grad")
+    given("timing_log_level", metavar="{0,1,2}")
+    given("weight_decay_incr_style", metavar="{constant,linear,cosine}")
     switch("--enable-cuda-graph", "enable_cuda_graph", help="deprecated Megatron-LM flag")
     switch("--external-cuda-graph", "external_cuda_graph", help="deprecated Megatron-LM flag")
     machine = parser.add_argument_group("the machine of the run")

@@ -406,3 +406,14 @@ def normalise(setting: str, value: Any) -> Any:
                 _FIX_TEXT.get(setting, exc.fix),
             )
         ) from None
+    except (ValueError, OverflowError, TypeError) as exc:
+        # (what Python itself cannot convert: an integer of thousands of digits, a number
+        # beyond a float's range; a problem like any unreadable value, not a traceback)
+        raise ValueError(
+            FieldProblem(
+                setting,
+                value,
+                f"cannot be read ({type(exc).__name__}: {str(exc)[:120]})",
+                _FIX_TEXT.get(setting, "give a plain value of its kind, e.g. a small number"),
+            )
+        ) from None
