@@ -738,7 +738,8 @@ def _train(
             loss = _mean_loss(loss_dicts)
             metrics.update(
                 loss=loss,
-                grad_norm=grad_norm,
+                # (a replayed optimizer graph writes its norm into the same tensor each step)
+                grad_norm=grad_norm.clone() if hasattr(grad_norm, "clone") else grad_norm,
                 update_successful=update_successful,
                 # the host's time for the step: the device may still be working on it
                 step_time_ms=(time.perf_counter() - start) * 1000.0,

@@ -529,3 +529,49 @@ def test_no_run_leaves_megatron_core_s_shared_pool_handle_for_the_next(
     monkeypatch.setattr(wrapper, "__call__", call)
     run(*mode, *OPTIM, "--cuda-graph-warmup-steps", "2", steps=5)
     assert full_cuda_graph._shared_graph_pool is None
+
+
+class WrapsTheStepItself:
+    """Megatron-LM's train() order: the model and optimizer are built (``run.model_built``),
+    then ``optimizer.step = OptimizerCudaGraphWrapper(optimizer.step, ...)`` when
+    ``--optimizer-cuda-graph`` is set, the flag the plugin reads too."""
+
+    def __init__(self) -> None:
+        self.optimizer = None
+
+    @hookimpl
+    def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
+        self.optimizer = optimizer
+
+    @hookimpl
+    def mcgraph_train_step_start(self, step):
+        if step == 0:
+            wrapper = fake_optimizer_graph.OptimizerCudaGraphWrapper
+            self.optimizer.step = wrapper(self.optimizer.step, cuda_graph_warmup_steps=2)
+
+
+def test_a_hosts_own_optimizer_graph_wrapper_is_refused_with_the_fix(
+    graphs, capturable, monkeypatch
+):
+    """(review of 2026-12-04: the two wrappers share megatron-core's class-level counter;
+    the run failed with a misleading "optimizer.step() was not called", or a bare
+    AssertionError from a capture inside a capture)"""
+    with pytest.raises(CudaGraphWiringError, match="host's own OptimizerCudaGraphWrapper after"):
+        run("--optimizer-cuda-graph", "--cuda-graph-warmup-steps", "2",
+            plugins=[WrapsTheStepItself()], steps=6)  # fmt: skip
+    build = train_gpt._build_optimizer
+
+    def wrapped_before(args, model):
+        optimizer = build(args, model)
+        wrapper = fake_optimizer_graph.OptimizerCudaGraphWrapper
+        optimizer.step = wrapper(optimizer.step, cuda_graph_warmup_steps=2)
+        return optimizer
+
+    monkeypatch.setattr(train_gpt, "_build_optimizer", wrapped_before)
+    with pytest.raises(CudaGraphConfigError, match="already megatron-core's Optimizer") as info:
+        run("--optimizer-cuda-graph", "--cuda-graph-warmup-steps", "2", steps=6)
+    assert "drop the host's own `optimizer.step = OptimizerCudaGraphWrapper(...)`" in str(
+        info.value
+    )
+    wrapper = fake_optimizer_graph.OptimizerCudaGraphWrapper
+    wrapper.cuda_graph, wrapper.curr_iteration, wrapper.result = None, 0, None

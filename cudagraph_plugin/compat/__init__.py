@@ -63,6 +63,7 @@ from cudagraph_plugin.compat.generation import model_config_kwargs, new_generati
 from cudagraph_plugin.compat.optimizer import (
     free_optimizer_graph,
     grad_norm_on_device,
+    is_optimizer_graph_wrapper,
     make_optimizer_graph_wrapper,
     optimizer_config,
     optimizer_graph_calls,
@@ -132,6 +133,7 @@ __all__ = [
     "grad_norm_on_device",
     "has_optimizer_graph",
     "is_full_iteration_wrapper",
+    "is_optimizer_graph_wrapper",
     "loader_orders_its_copy",
     "make_full_iteration_wrapper",
     "make_optimizer_graph_wrapper",

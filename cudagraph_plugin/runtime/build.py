@@ -54,6 +54,16 @@ _GRAD_NORM_PROBLEM = (
     "optimizer.step() (get_grad_norm_fp32 calls .item()), even with the plugin's device-side "
     "kernels in place: the optimizer step cannot be captured"
 )
+_HOST_WRAPPER_PROBLEM = (
+    "optimizer.step is already megatron-core's OptimizerCudaGraphWrapper: the plugin makes "
+    "its own, and the two would share megatron-core's class-level graph and step counter "
+    "(the counter moves twice per step; the capture comes at the wrong step or inside the "
+    "other's)"
+)
+_HOST_WRAPPER_FIX = (
+    "drop the host's own `optimizer.step = OptimizerCudaGraphWrapper(...)` (Megatron-LM's "
+    "train() makes one when --optimizer-cuda-graph is set) and keep the plain optimizer.step"
+)
 _GRAD_NORM_FIX = (
     "use a megatron-core whose clip_grads has multi_tensor_scale_tensor_impl (0.17+: the "
     "plugin then supplies the kernels itself), or turn the optimizer graph off"
@@ -216,6 +226,15 @@ def build_optimizer_graph(
                 kernels.reason,
                 _GRAD_NORM_PROBLEM,
                 _GRAD_NORM_FIX,
+            )
+        )
+    if compat.is_optimizer_graph_wrapper(vars(optimizer).get("step")):
+        violations.append(
+            Violation(
+                ("optimizer.step",),
+                "OptimizerCudaGraphWrapper",
+                _HOST_WRAPPER_PROBLEM,
+                _HOST_WRAPPER_FIX,
             )
         )
     if compat.optimizer_is_capturable(optimizer) is False:

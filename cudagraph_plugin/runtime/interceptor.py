@@ -288,6 +288,17 @@ class OptimizerStep:
 
     def __call__(self) -> Any:
         graphs = self._graphs
+        installed = vars(graphs.optimizer).get("step")
+        if installed is not self and compat.is_optimizer_graph_wrapper(installed):
+            # (a host's own wrapper of this step: they share megatron-core's class-level
+            # counter and graph; a host's other wrappers, a timer say, are fine)
+            raise CudaGraphWiringError(
+                "optimizer.step was wrapped in the host's own OptimizerCudaGraphWrapper after "
+                "run.model_built() installed the CUDA graph plugin's optimizer graph: the two "
+                "share megatron-core's class-level step counter and graph. Fix: drop the "
+                "host's `optimizer.step = OptimizerCudaGraphWrapper(...)` (Megatron-LM's "
+                "train() makes one when --optimizer-cuda-graph is set)"
+            )
         replay = self._replay
         if replay is not None:
             sync = graphs.sync
