@@ -575,3 +575,57 @@ def test_a_hosts_own_optimizer_graph_wrapper_is_refused_with_the_fix(
     )
     wrapper = fake_optimizer_graph.OptimizerCudaGraphWrapper
     wrapper.cuda_graph, wrapper.curr_iteration, wrapper.result = None, 0, None
+
+
+class ReloadsTheOptimizerAt:
+    """A host that reloads its optimizer at the start of ``step`` (a checkpoint read back,
+    or megatron-core's offload API, as an RL trainer's phases do) without saying so."""
+
+    def __init__(self, step: int, how: str) -> None:
+        self.step, self.how, self.optimizer = step, how, None
+
+    @hookimpl
+    def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
+        self.optimizer = optimizer
+
+    @hookimpl
+    def mcgraph_train_step_start(self, step):
+        if step != self.step:
+            return
+        import copy
+
+        import torch
+
+        optimizer = self.optimizer
+        if self.how == "load_state_dict":
+            optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        else:
+            optimizer.offload_to_cpu()
+            optimizer.restore_from_cpu()
+            for state in optimizer.optimizer.state.values():  # (on a GPU: state[k] = v.cuda())
+                for key, value in list(state.items()):
+                    if isinstance(value, torch.Tensor):
+                        state[key] = value.clone()
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "offload_api"])
+def test_optimizer_state_moved_without_buckets_frees_the_graph_instead_of_replaying(
+    graphs, capturable, caplog, how
+):
+    """(review of 2026-12-04: without buckets nothing checked the optimizer's state; the next
+    replay wrote into the freed memory, which the fake graph reports as an illegal memory
+    access, silent corruption on a GPU.) The move is noticed before the replay: the graph is
+    freed, said once, and the run goes on eagerly."""
+    caplog.set_level(logging.WARNING, "cudagraph_plugin")
+    summary, rec = run(
+        "--optimizer-cuda-graph", "--cuda-graph-warmup-steps", "1",
+        plugins=[ReloadsTheOptimizerAt(4, how)], steps=8,
+    )  # fmt: skip
+    assert summary["steps"] == 8
+    [event] = rec.report.invalidations
+    assert event["step"] == 4 and event["graphs_freed"] == 1
+    assert (
+        "memory the optimizer graph reads moved since its capture: optimizer state"
+        in (event["reason"])
+    )
+    assert rec.report.replay_steps and max(rec.report.replay_steps) < 4

@@ -256,6 +256,9 @@ def build_optimizer_graph(
         # moved memory frees the optimizer graph with the bucket graphs; it is captured again
         state.buckets.tie(state.optim)
         state.optim.on_capture.append(state.buckets.tied_captured)
+    else:
+        # (a checkpoint load or an offload gives the optimizer's state new memory)
+        state.optim.watch_moves(AddressFingerprint([], optimizer, optimizer_state=True))
     logger.info(
         "optimizer CUDA graph: optimizer.step is captured at its call number %d "
         "(step start_step + %d)",

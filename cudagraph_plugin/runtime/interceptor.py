@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from cudagraph_plugin import compat
@@ -281,10 +282,16 @@ class OptimizerStep:
     """What ``optimizer.step`` is while the optimizer graph is installed: megatron-core's
     wrapper, with its capture call bracketed by the capture hooks, timing and memory."""
 
-    def __init__(self, captures: Captures, graphs: OptimizerGraphs) -> None:
+    def __init__(
+        self,
+        captures: Captures,
+        graphs: OptimizerGraphs,
+        on_moved: Callable[[str], None] | None = None,
+    ) -> None:
         self._captures = captures
         self._graphs = graphs
         self._replay: _OptimizerReplay | None = None
+        self._on_moved = on_moved  # frees the graphs when what they read moved (no buckets)
 
     def __call__(self) -> Any:
         graphs = self._graphs
@@ -299,6 +306,15 @@ class OptimizerStep:
                 "host's `optimizer.step = OptimizerCudaGraphWrapper(...)` (Megatron-LM's "
                 "train() makes one when --optimizer-cuda-graph is set)"
             )
+        if graphs.moves is not None and self._on_moved is not None:
+            moved = graphs.moved()
+            if moved:
+                # never a replay onto freed memory: the graphs go, the step runs eagerly
+                optimizer, self._replay = graphs.optimizer, None
+                self._on_moved(
+                    "memory the optimizer graph reads moved since its capture: " + "; ".join(moved)
+                )
+                return optimizer.step()
         replay = self._replay
         if replay is not None:
             sync = graphs.sync

@@ -173,7 +173,9 @@ class CudaGraphPlugin:
             build.install_device_grad_norm(state)
         if state.optimizer_graph:
             build.build_optimizer_graph(
-                state, optimizer, lambda graphs: OptimizerStep(self.capture, graphs)
+                state,
+                optimizer,
+                lambda graphs: OptimizerStep(self.capture, graphs, self.invalidation.invalidate),
             )
 
     @hookimpl(wrapper=True)
