@@ -629,3 +629,31 @@ def test_optimizer_state_moved_without_buckets_frees_the_graph_instead_of_replay
         in (event["reason"])
     )
     assert rec.report.replay_steps and max(rec.report.replay_steps) < 4
+
+
+class ChangesClipGradAt:
+    def __init__(self, step: int) -> None:
+        self.step, self.optimizer = step, None
+
+    @hookimpl
+    def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
+        self.optimizer = optimizer
+
+    @hookimpl
+    def mcgraph_train_step_start(self, step):
+        if step == self.step:
+            compat.optimizer_config(self.optimizer).clip_grad = 0.5
+
+
+def test_a_clip_grad_changed_after_the_capture_is_refused_before_the_replay(graphs, capturable):
+    """megatron-core reads ``clip_grad`` in Python inside the step it captures (its branch and
+    its factor): the captured step keeps the capture's value (review of 2026-12-04: a change
+    mid-run was silently ignored)."""
+    from cudagraph_plugin.runtime.optimizer_sync import HyperparameterChangedError
+
+    with pytest.raises(HyperparameterChangedError) as raised:
+        run("--optimizer-cuda-graph", "--cuda-graph-warmup-steps", "1",
+            plugins=[ChangesClipGradAt(4)], steps=8)  # fmt: skip
+    message = str(raised.value)
+    assert "OptimizerConfig.clip_grad is now float 0.5, float 1.0 at capture" in message
+    assert "keep OptimizerConfig.clip_grad fixed for the whole run" in message

@@ -61,6 +61,14 @@ FIX_BAKED = (
     "i.e. start_weight_decay == end_weight_decay; Megatron-LM: --weight-decay-incr-style "
     "constant), or turn the optimizer graph off"
 )
+# OptimizerConfig fields megatron-core reads in Python inside the step it captures (the clip
+# branch and factor; the zero count): the captured step keeps their capture-time values.
+CONFIG_KEYS = ("clip_grad", "log_num_zeros_in_grad")
+FIX_CONFIG = (
+    "keep OptimizerConfig.{key} fixed for the whole run (set it before run.model_built()), or "
+    "free the graphs first with run.invalidate_graphs() (buckets are captured again)"
+)
+
 FIX_GROUPS = (
     "build all param groups and their parameters before the capture and keep them (no "
     "add_param_group, no removed groups, no parameters added to or removed from a group) "
@@ -75,13 +83,13 @@ FIX_SHARED = (
 
 
 class HyperparameterChangedError(RuntimeError):
-    """A param-group value changed after the optimizer step was captured, in a way the
-    captured step cannot follow. ``problems`` lists each one."""
+    """A param-group value or an optimizer setting changed after the optimizer step was
+    captured, in a way the captured step cannot follow. ``problems`` lists each one."""
 
     def __init__(self, problems: list[str]) -> None:
         self.problems = list(problems)
         lines = [
-            f"{len(self.problems)} param-group value(s) changed after the optimizer step was "
+            f"{len(self.problems)} optimizer setting(s) changed after the optimizer step was "
             "captured in a CUDA graph; the next replay would not use them:"
         ]
         lines += [f"  {i}. {p}" for i, p in enumerate(self.problems, 1)]
@@ -160,6 +168,11 @@ class HyperparameterSync:
         self._logged: set[tuple[str, bool]] = set()
         self.copies = 0
         self._released = False
+        config = compat.optimizer_config(optimizer)
+        self._config = config
+        self._config_values = {
+            key: getattr(config, key) for key in CONFIG_KEYS if hasattr(config, key)
+        }
 
     @classmethod
     def watch(cls, optimizer: Any) -> HyperparameterSync:
@@ -205,6 +218,22 @@ class HyperparameterSync:
                 "HyperparameterSync.before_replay() after release(): the optimizer graph it "
                 "watched was freed; watch() the optimizer again before a new capture"
             )
+        config = self._config
+        if config is not None:
+            changed = [
+                (key, getattr(config, key, _MISSING), captured)
+                for key, captured in self._config_values.items()
+                if getattr(config, key, _MISSING) != captured
+            ]
+            if changed:
+                raise HyperparameterChangedError(
+                    [
+                        f"OptimizerConfig.{key} is now {_show(value)}, {_show(captured)} at "
+                        "capture: megatron-core reads it in Python inside the captured step, "
+                        f"which keeps the capture's value; fix: {FIX_CONFIG.format(key=key)}"
+                        for key, value, captured in changed
+                    ]
+                )
         # Read every time through the optimizer itself, though megatron-core's wrappers
         # build the list anew in a property: reading the inner torch optimizers' lists
         # directly is sound only with a check of the wrappers on the way (a host may swap
