@@ -531,17 +531,20 @@ def test_no_run_leaves_megatron_core_s_shared_pool_handle_for_the_next(
     assert full_cuda_graph._shared_graph_pool is None
 
 
-class WrapsTheStepItself:
-    """Megatron-LM's train() order: the model and optimizer are built (``run.model_built``),
-    then ``optimizer.step = OptimizerCudaGraphWrapper(optimizer.step, ...)`` when
-    ``--optimizer-cuda-graph`` is set, the flag the plugin reads too."""
+class KeepsTheOptimizer:
+    """A host's plugin that keeps the optimizer ``run.model_built()`` was given."""
 
-    def __init__(self) -> None:
-        self.optimizer = None
+    optimizer = None
 
     @hookimpl
     def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
         self.optimizer = optimizer
+
+
+class WrapsTheStepItself(KeepsTheOptimizer):
+    """Megatron-LM's train() order: the model and optimizer are built (``run.model_built``),
+    then ``optimizer.step = OptimizerCudaGraphWrapper(optimizer.step, ...)`` when
+    ``--optimizer-cuda-graph`` is set, the flag the plugin reads too."""
 
     @hookimpl
     def mcgraph_train_step_start(self, step):
@@ -577,16 +580,12 @@ def test_a_hosts_own_optimizer_graph_wrapper_is_refused_with_the_fix(
     wrapper.cuda_graph, wrapper.curr_iteration, wrapper.result = None, 0, None
 
 
-class ReloadsTheOptimizerAt:
+class ReloadsTheOptimizerAt(KeepsTheOptimizer):
     """A host that reloads its optimizer at the start of ``step`` (a checkpoint read back,
     or megatron-core's offload API, as an RL trainer's phases do) without saying so."""
 
     def __init__(self, step: int, how: str) -> None:
-        self.step, self.how, self.optimizer = step, how, None
-
-    @hookimpl
-    def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
-        self.optimizer = optimizer
+        self.step, self.how = step, how
 
     @hookimpl
     def mcgraph_train_step_start(self, step):
@@ -631,13 +630,9 @@ def test_optimizer_state_moved_without_buckets_frees_the_graph_instead_of_replay
     assert rec.report.replay_steps and max(rec.report.replay_steps) < 4
 
 
-class ChangesClipGradAt:
+class ChangesClipGradAt(KeepsTheOptimizer):
     def __init__(self, step: int) -> None:
-        self.step, self.optimizer = step, None
-
-    @hookimpl
-    def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
-        self.optimizer = optimizer
+        self.step = step
 
     @hookimpl
     def mcgraph_train_step_start(self, step):
