@@ -662,7 +662,7 @@ def test_an_offload_seen_before_a_call_whose_data_iterator_raises_is_not_forgott
         try:
             for step in range(2):  # warm-up, capture
                 train_step(host, step_kwargs(host, step, [10]), bucketed, step)
-            bucketed._offloaded("MegatronOptimizer.restore_from_cpu()")  # the watch's call
+            bucketed.moves._offloaded("MegatronOptimizer.restore_from_cpu()")  # the watch's call
             with pytest.raises(StopIteration):
                 bucketed.route({**step_kwargs(host, 2, [10]), "data_iterator": iter([])}, 2)
             train_step(host, step_kwargs(host, 3, [10]), bucketed, 3)

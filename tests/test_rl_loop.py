@@ -23,7 +23,7 @@ import torch
 from bucket_schedule import expected_schedule, lengths_of, schedule_of
 from cpu_only import needs_mcore_on_cpu
 
-from cudagraph_plugin.runtime import buckets as bucket_runtime
+from cudagraph_plugin.runtime.fingerprint import MoveWatch
 from hookspecs import get_plugin_manager
 from jobs import torchrun_command
 from recording import InvalidateAt
@@ -278,7 +278,7 @@ def test_the_fingerprint_check_is_what_catches_the_move(bucket_fakes, tmp_path, 
     """Without the plugin's address check the replay after a reload reads the old
     gradient buffers: the fake graph refuses it (a real one would read freed memory)."""
     _reloads_land_elsewhere(monkeypatch)
-    monkeypatch.setattr(bucket_runtime.BucketGraphs, "_moved", lambda self: [])
+    monkeypatch.setattr(MoveWatch, "moved", lambda self, holds_graphs=True: [])
     with pytest.raises(RuntimeError, match="illegal memory access"):
         run(tmp_path, *GRAPHS, "--cuda-graph-buckets", "16,32,48", "--offload-interval", "8")
 

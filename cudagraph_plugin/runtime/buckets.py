@@ -94,7 +94,7 @@ from cudagraph_plugin.runtime.bucket_keys import (
     key_of,
     summary_rows,
 )
-from cudagraph_plugin.runtime.fingerprint import AddressFingerprint, Fingerprint
+from cudagraph_plugin.runtime.fingerprint import AddressFingerprint, MoveWatch
 from cudagraph_plugin.runtime.guard import (
     ShapeGuard,
     StaticShapeError,
@@ -182,14 +182,13 @@ class BucketGraphs:
         self._buffers: dict[tuple[int, int | None], list[Any]] = {}
         # per buffer list: (fingerprint, signature) of each micro-batch they were made from
         self._shapes: dict[tuple[int, int | None], list[tuple[Any, Any]]] = {}
-        self._reference: Fingerprint | None = None
+        # the fingerprint's reference at the capture, and the optimizer's offload calls
+        self.moves = MoveWatch(self.fingerprint, "optimizer state and main parameters")
         self._reader: Any = None
         self._pool: Any = None
         self._stream: Any = None
         self._logged: set[Any] = set()
         self._tied: list[TiedGraphs] = []
-        self._unwatch: Callable[[], None] | None = None
-        self._offload_call: str | None = None  # the optimizer's offload API ran since the check
         self._told = False  # the host invalidated the graphs since the last training call
         # told of every invalidation, the host's and the address check's: (step, reason, freed)
         self.on_invalidate: list[Callable[[int | None, str, int], None]] = []
@@ -201,8 +200,8 @@ class BucketGraphs:
     def tied_captured(self) -> None:
         """A tied mechanism captured: if no bucket graph holds the fingerprint's reference,
         its addresses are the ones to check from now on."""
-        if self._reference is None:
-            self._reference = self.fingerprint.take()
+        if self.moves.reference is None:
+            self.moves.mark()
 
     def watch_optimizer_offload(self, optimizer: Any) -> None:
         """megatron-core's offload API moves every main parameter and state tensor one by
@@ -210,15 +209,7 @@ class BucketGraphs:
         a separate main copy (an fp32 model, no distributed optimizer) the main parameters
         are the model's own, which every bucket graph reads. Each call of it frees the
         graphs at the next training call, whatever the sample says."""
-        self._unwatch = bucket_compat.watch_optimizer_offload(optimizer, self._offloaded)
-
-    def _offloaded(self, what: str) -> None:
-        self._offload_call = what
-
-    def _unwatch_offload(self) -> None:
-        unwatch, self._unwatch = self._unwatch, None
-        if unwatch is not None:
-            unwatch()
+        self.moves.watch_offload(optimizer)
 
     def _holds_graphs(self) -> bool:
         return bool(self._graphs) or any(t.graph_count() for t in self._tied)
@@ -245,7 +236,7 @@ class BucketGraphs:
         key = key_of(kwargs)
         # (drawn first: a data iterator that raises must not take the offload record along)
         drawn, listed, unlike = self._draw(key, kwargs.get("data_iterator"))
-        moved = self._moved()
+        moved = self.moves.moved(self._holds_graphs())
         mbs = key.micro_batch_size if key.micro_batch_size is not None else -1
         shape = [key.seq_length, mbs, key.num_microbatches]
         # (a rank whose host invalidated its graphs since the last call counts as moved: the
@@ -406,7 +397,7 @@ class BucketGraphs:
         self._pool = pool
         self._graphs[key] = _Captured(graph, result, step, self._scratch(), cached)
         self._calls[key] += 1
-        self._reference = self.fingerprint.take()
+        self.moves.mark()
         stats = self.stats[key]
         stats.capture_seconds.append(seconds)
         logger.info(
@@ -432,18 +423,6 @@ class BucketGraphs:
 
     # -- moved memory and invalidation ------------------------------------------------------
 
-    def _moved(self) -> list[str]:
-        offload_call, self._offload_call = self._offload_call, None
-        if self._reference is None or not self._holds_graphs():
-            return []
-        found = []
-        if offload_call is not None:
-            found.append(f"optimizer state and main parameters ({offload_call} ran)")
-        now = self.fingerprint.take()
-        if now != self._reference:
-            found += AddressFingerprint.changes(self._reference, now) or ["the fingerprint changed"]
-        return found
-
     def invalidate(self, reason: str, step: int | None = None, *, tell_peers: bool = True) -> int:
         """Free every graph (their memory, outputs and shape references); each key is
         captured again after ``warmup_steps`` eager calls. Returns the graphs freed.
@@ -466,7 +445,7 @@ class BucketGraphs:
         )
         self._calls.clear()
         self.guard.disarm()
-        self._reference = None
+        self.moves.reference = None
         self.invalidations.append((step, reason, result.graphs_freed))
         logger.warning(
             "CUDA graph buckets: %s: freed %d graph(s) at step %s; each bucket%s is captured "
@@ -537,7 +516,7 @@ class BucketGraphs:
             ReleaseStep("bucket static input buffers", self._buffers.clear),
             ReleaseStep("what they were made from", self._shapes.clear),
             ReleaseStep("bucket static-shape guard", self.guard.disarm),
-            ReleaseStep("the optimizer's offload methods", self._unwatch_offload),
+            ReleaseStep("the optimizer's offload methods", self.moves.unwatch),
             ReleaseStep("bucket model and optimizer references", self._drop_references),
         ]
 
@@ -557,8 +536,7 @@ class BucketGraphs:
     def _drop_references(self) -> None:
         self._tied = []
         self.on_invalidate = []
-        self.fingerprint.forget()
-        self._reference = None
+        self.moves.forget()
         self._reader = None
         self._stream = None
 

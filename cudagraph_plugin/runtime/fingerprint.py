@@ -4,7 +4,7 @@ call while graphs are held (a changed fingerprint frees the graphs and captures 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from cudagraph_plugin.compat import buckets as bucket_compat
@@ -82,6 +82,58 @@ class AddressFingerprint:
         self.model = None
         self.optimizer = None
         self._params = []
+
+
+class MoveWatch:
+    """What moved since a capture: an :class:`AddressFingerprint`'s reference (taken by
+    :meth:`mark`, at the capture) compared with a new one, and any call of megatron-core's
+    optimizer offload API since the last look (it gives every state tensor new memory one by
+    one: the sampled ones can come back at their old addresses). Serves the bucket graphs
+    and, without buckets, the optimizer graph.
+
+    :param offloaded: what an offload call moves, in the words of :meth:`moved`.
+    """
+
+    def __init__(self, fingerprint: AddressFingerprint, offloaded: str) -> None:
+        self.fingerprint = fingerprint
+        self.reference: Fingerprint | None = None
+        self._offloaded_words = offloaded
+        self._offload_call: str | None = None  # the offload API ran since the last look
+        self._unwatch: Callable[[], None] | None = None
+
+    def watch_offload(self, optimizer: Any) -> None:
+        self._unwatch = bucket_compat.watch_optimizer_offload(optimizer, self._offloaded)
+
+    def mark(self) -> None:
+        self.reference = self.fingerprint.take()
+
+    def moved(self, holds_graphs: bool = True) -> list[str]:
+        """What moved since :meth:`mark` (nothing without a reference, or ``holds_graphs``
+        False); an offload call is looked at once either way."""
+        offload_call, self._offload_call = self._offload_call, None
+        if self.reference is None or not holds_graphs:
+            return []
+        found = []
+        if offload_call is not None:
+            found.append(f"{self._offloaded_words} ({offload_call} ran)")
+        now = self.fingerprint.take()
+        if now != self.reference:
+            found += AddressFingerprint.changes(self.reference, now) or ["the fingerprint changed"]
+        return found
+
+    def unwatch(self) -> None:
+        """Put the optimizer's offload methods back."""
+        unwatch, self._unwatch = self._unwatch, None
+        if unwatch is not None:
+            unwatch()
+
+    def forget(self) -> None:
+        """Drop the reference and what the fingerprint reads (the run is over)."""
+        self.fingerprint.forget()
+        self.reference = None
+
+    def _offloaded(self, what: str) -> None:
+        self._offload_call = what
 
 
 def _ptr(value: int | None) -> str:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cudagraph_plugin import compat
+from cudagraph_plugin.runtime.fingerprint import AddressFingerprint, MoveWatch
 from cudagraph_plugin.runtime.optimizer_sync import HyperparameterSync, promote_lr_to_tensor
 from cudagraph_plugin.runtime.release import ReleaseStep
 
@@ -177,10 +178,7 @@ class OptimizerGraphs:
         self.on_capture: list[Callable[[], None]] = []  # called after each capture
         # Without buckets (whose address check covers this graph): where the optimizer's
         # state lies at the capture, and what moved it since (watch_moves)
-        self.moves: Any = None
-        self._reference: Any = None
-        self._moved_by: str | None = None
-        self._unwatch: Callable[[], None] | None = None
+        self.moves: MoveWatch | None = None
 
     def watch_hyperparameters(self) -> None:
         """Right before the capture: the learning rate in device tensors, each watched."""
@@ -213,42 +211,27 @@ class OptimizerGraphs:
     def captured(self) -> None:
         """The capture call ended (bracketed by the plugin)."""
         if self.moves is not None:
-            self._reference, self._moved_by = self.moves.take(), None
+            self.moves.mark()
         for callback in self.on_capture:
             callback()
 
-    def watch_moves(self, fingerprint: Any) -> None:
-        """Notice memory the captured step reads being moved: ``fingerprint`` (an
-        ``AddressFingerprint`` of the optimizer's state) taken at the capture, and any call
-        of megatron-core's optimizer offload API (a checkpoint load or an offload gives the
-        state new memory; a replay would then write into freed memory)."""
-        from cudagraph_plugin.compat import buckets as bucket_compat
-
-        self.moves = fingerprint
-        self._unwatch = bucket_compat.watch_optimizer_offload(self.optimizer, self._offloaded)
+    def watch_moves(self, fingerprint: AddressFingerprint) -> None:
+        """Notice memory the captured step reads being moved: ``fingerprint`` (of the
+        optimizer's state) taken at the capture, and any call of megatron-core's optimizer
+        offload API (a checkpoint load or an offload gives the state new memory; a replay
+        would then write into freed memory). :meth:`moved` says what moved."""
+        self.moves = MoveWatch(fingerprint, "optimizer state")
+        self.moves.watch_offload(self.optimizer)
 
     def moved(self) -> list[str]:
-        """What moved since the capture (nothing before one)."""
-        if self._reference is None:
-            return []
-        from cudagraph_plugin.runtime.fingerprint import AddressFingerprint
-
-        found = [f"optimizer state ({self._moved_by} ran)"] if self._moved_by else []
-        now = self.moves.take()
-        if now != self._reference:
-            found += AddressFingerprint.changes(self._reference, now) or ["its addresses"]
-        return found
-
-    def _offloaded(self, what: str) -> None:
-        self._moved_by = self._moved_by or what
+        """What moved since the capture (nothing before one, or without :meth:`watch_moves`)."""
+        return [] if self.moves is None else self.moves.moved()
 
     def _forget_moves(self) -> None:
-        if self._unwatch is not None:
-            self._unwatch()
-            self._unwatch = None
         if self.moves is not None:
+            self.moves.unwatch()
             self.moves.forget()
-        self.moves = self._reference = None
+            self.moves = None
 
     def invalidate(self) -> int:
         """Free the graph (what it reads moved) so that megatron-core's wrapper captures

@@ -390,13 +390,12 @@ class Reporter:
         if per_bucket:
             eager, replay, eager_samples, replay_samples = samples
             fewest_eager = fewest_eager_samples(bucket_summary, durations, holding)
-        elif bucketed:
+        elif optimizer_only:
             eager, replay, eager_samples, replay_samples = key_samples(
-                bucket_summary,
-                durations,
-                holding,
-                captures.optimizer_replay_steps if optimizer_only else (),
+                bucket_summary, durations, holding, captures.optimizer_replay_steps
             )
+        elif bucketed:
+            eager, replay, eager_samples, replay_samples = [], [], [], []  # (nothing replayed)
         thin = None
         if captured:
             result, speedup, noise, text = verdict(eager_samples, replay_samples, relative=bucketed)

@@ -309,8 +309,8 @@ MUTANTS = [
         "bucket-moved-memory-unchecked",
         "bucket graphs: no address check; graphs replay onto moved memory",
         BUCKETS_PY,
-        "        if self._reference is None or not self._holds_graphs():\n",
-        "        if True:\n",
+        "        moved = self.moves.moved(self._holds_graphs())\n",
+        "        moved = []\n",
         (
             BUCKETS + "test_graphs_are_freed_and_recaptured_after_warmup_when_memory_moves"
             "[grad-buffers-offloaded]",
