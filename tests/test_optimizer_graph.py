@@ -10,6 +10,7 @@ optimizer is marked capturable on its config, as 0.17+ would build it.
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 from cpu_only import needs_mcore_on_cpu
@@ -631,13 +632,19 @@ def test_optimizer_state_moved_without_buckets_frees_the_graph_instead_of_replay
 
 
 class ChangesClipGradAt(KeepsTheOptimizer):
-    def __init__(self, step: int) -> None:
-        self.step = step
+    """Writes ``OptimizerConfig.<key>`` = ``value`` at ``step`` (and ``first`` at step 1, before
+    the capture, where given)."""
+
+    def __init__(self, step: int, key: str = "clip_grad", value=0.5, first=None) -> None:
+        self.step, self.key, self.value, self.first = step, key, value, first
 
     @hookimpl
     def mcgraph_train_step_start(self, step):
+        config = compat.optimizer_config(self.optimizer)
+        if step == 1 and self.first is not None:
+            setattr(config, self.key, self.first)
         if step == self.step:
-            compat.optimizer_config(self.optimizer).clip_grad = 0.5
+            setattr(config, self.key, self.value)
 
 
 def test_a_clip_grad_changed_after_the_capture_is_refused_before_the_replay(graphs, capturable):
@@ -652,3 +659,35 @@ def test_a_clip_grad_changed_after_the_capture_is_refused_before_the_replay(grap
     message = str(raised.value)
     assert "OptimizerConfig.clip_grad is now float 0.5, float 1.0 at capture" in message
     assert "keep OptimizerConfig.clip_grad fixed for the whole run" in message
+
+
+@pytest.mark.parametrize(
+    "first, later, refused",
+    [
+        (math.inf, 10.0, True),  # a threshold set mid-run: the captured step never compares
+        (math.inf, math.inf, False),  # rewritten unchanged
+        (math.nan, math.nan, False),  # NaN is not equal to itself, but the same setting
+    ],
+)
+def test_a_grad_norm_skip_threshold_changed_after_the_capture_is_refused(
+    graphs, capturable, first, later, refused
+):
+    """megatron-core 0.19 compares the norm with ``grad_norm_skip_threshold`` in Python inside
+    the captured step, skipping the comparison at its default inf: a finite threshold set after
+    the capture would never skip an update (review of 2026-12-04: it was not compared). On
+    0.16.1 the host sets the attribute itself, as 0.19's dataclass has it."""
+    from cudagraph_plugin.runtime.optimizer_sync import HyperparameterChangedError
+
+    plugin = ChangesClipGradAt(4, "grad_norm_skip_threshold", later, first=first)
+    args = ("--optimizer-cuda-graph", "--cuda-graph-warmup-steps", "1")
+    if not refused:
+        summary, rec = run(*args, plugins=[plugin], steps=8)
+        assert summary["steps"] == 8 and not rec.report.invalidations
+        assert max(rec.report.replay_steps) > 4  # replayed after the rewrite
+        return
+    with pytest.raises(HyperparameterChangedError) as raised:
+        run(*args, plugins=[plugin], steps=8)
+    assert (
+        "OptimizerConfig.grad_norm_skip_threshold is now float 10.0, float inf at capture"
+        in str(raised.value)
+    )

@@ -62,8 +62,9 @@ FIX_BAKED = (
     "constant), or turn the optimizer graph off"
 )
 # OptimizerConfig fields megatron-core reads in Python inside the step it captures (the clip
-# branch and factor; the zero count): the captured step keeps their capture-time values.
-CONFIG_KEYS = ("clip_grad", "log_num_zeros_in_grad")
+# branch and factor; the zero count; 0.19's skip threshold, whose default inf skips the
+# comparison): the captured step keeps their capture-time values.
+CONFIG_KEYS = ("clip_grad", "log_num_zeros_in_grad", "grad_norm_skip_threshold")
 FIX_CONFIG = (
     "keep OptimizerConfig.{key} fixed for the whole run (set it before run.model_built()), or "
     "free the graphs first with run.invalidate_graphs() (buckets are captured again)"
@@ -223,7 +224,7 @@ class HyperparameterSync:
             changed = [
                 (key, getattr(config, key, _MISSING), captured)
                 for key, captured in self._config_values.items()
-                if getattr(config, key, _MISSING) != captured
+                if not _same(captured, getattr(config, key, _MISSING))
             ]
             if changed:
                 raise HyperparameterChangedError(
