@@ -670,3 +670,47 @@ def test_a_value_python_cannot_convert_is_a_problem_not_a_traceback(field, value
     result = check_config(config, te_version=None)
     [problem] = [p for p in result.problems if p.fields == (field,)]
     assert problem.problem.startswith(f"cannot be read ({error}: ")
+
+
+# -- megatron-core 0.18+'s spelling with an older megatron-core installed -----------------------
+
+NEWER_SPELLINGS = [
+    (["--cuda-graph-impl", "full_iteration"], "--cuda-graph-impl=full_iteration", "local", "full_iteration"),
+    (["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "mlp"],
+     "--cuda-graph-modules", "transformer_engine", "attn,mlp"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv, written, impl, scope", NEWER_SPELLINGS)
+def test_a_newer_spelling_with_an_older_megatron_core_is_noted(
+    monkeypatch, argv, written, impl, scope
+):
+    """(review of 2026-12-04: ``--cuda-graph-impl full_iteration`` passed the check with
+    megatron-core 0.16.1 installed, whose own arguments refuse it, without a word.)"""
+    monkeypatch.setattr(environment, "mcore_spells_modules", lambda: False)
+    code, out = check(argv)
+    assert code == 0, out
+    [note] = [line for line in lines(out) if "megatron-core 0.18+'s spelling" in line]
+    assert note.startswith(f"note: {written}: megatron-core 0.18+'s spelling, which megatron-core ")
+    assert f"reads it as cuda_graph_impl={impl} with cuda_graph_scope={scope} " in note
+    monkeypatch.setattr(environment, "mcore_spells_modules", lambda: True)
+    assert "0.18+'s spelling" not in check(argv)[1]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [DENSE_FULL_ITERATION, DENSE_TE, ["--cuda-graph-impl", "none", "--cuda-graph-modules", "attn"]],
+    ids=["local", "te", "off"],
+)
+def test_the_older_spelling_or_graphs_off_get_no_spelling_note(monkeypatch, argv):
+    monkeypatch.setattr(environment, "mcore_spells_modules", lambda: False)
+    assert "0.18+'s spelling" not in check(argv)[1]
+
+
+def test_the_installed_spelling_is_read_from_megatron_core_as_importing_it_says():
+    """The check reads megatron-core's ``TransformerConfig`` as text (no import); it must
+    agree with the imported dataclass's fields."""
+    from cudagraph_plugin.compat.generation import new_generation
+
+    environment.mcore_spells_modules.cache_clear()
+    assert environment.mcore_spells_modules() is new_generation()

@@ -93,6 +93,36 @@ def has_optimizer_graph() -> bool | None:
     return _megatron_file("core", "optimizer", "optimizer_cuda_graph.py") is not None
 
 
+@functools.cache
+def mcore_spells_modules() -> bool | None:
+    """Whether the installed megatron-core has 0.18+'s spelling (``cuda_graph_modules``, the
+    ``full_iteration`` impl) in its ``TransformerConfig`` (None: no megatron-core found). Reads
+    the module's text, without importing megatron-core."""
+    source = _megatron_file("core", "transformer", "transformer_config.py")
+    if source is None:
+        return None
+    try:
+        return "cuda_graph_modules" in source.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+def newer_spelling_note(settings: Settings) -> str | None:
+    """What to say where the host wrote 0.18+'s spelling and the installed megatron-core is
+    older: the plugin reads it, but megatron-core itself (Megatron-LM's own arguments, a
+    ``TransformerConfig`` the host builds from these fields) refuses it."""
+    if not settings.newer_spelling or mcore_spells_modules() is not False:
+        return None
+    return (
+        f"{' and '.join(settings.newer_spelling)}: megatron-core 0.18+'s spelling, which "
+        f"megatron-core {mcore_version()} (installed here) does not know; the plugin reads it "
+        f"as cuda_graph_impl={settings.impl} with cuda_graph_scope="
+        f"{','.join(settings.scope) or '(empty)'} and configures megatron-core in its own "
+        "spelling, but a host that hands these fields to megatron-core itself (Megatron-LM's "
+        "own arguments, a TransformerConfig built from them) must write that instead"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Environment:
     """The facts about the machine of the run that rules need: the Transformer Engine
@@ -203,6 +233,9 @@ def environment_problems(
     notes: list[str] = []
     if not settings.enabled:
         return violations, notes
+    spelling = newer_spelling_note(settings)
+    if spelling is not None:
+        notes.append(spelling)
     alloc_var = expandable_segments_source(environ)
     register = environ.get("NCCL_GRAPH_REGISTER")
     if alloc_var and register is None and ask(nccl_initialized):

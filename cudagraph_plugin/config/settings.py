@@ -121,6 +121,9 @@ class Settings:
     deprecated_full_scope: bool = False
     scope_conflict: tuple[tuple[str, str], ...] = ()
     duplicated_scopes: tuple[str, ...] = ()
+    # the fields as written in megatron-core 0.18+'s spelling ("--cuda-graph-impl
+    # full_iteration", "cuda_graph_modules"): a note where the installed one does not know it
+    newer_spelling: tuple[str, ...] = ()
     input_problems: tuple[FieldProblem, ...] = ()
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
     paths: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
@@ -278,6 +281,11 @@ def read_settings(config: Any) -> Settings:
             values["warmup_steps"] = baseline + 1
             values["warmup_from_baseline"] = given
     names = parse_scope(values.pop("scope", None))
+    newer = []
+    if values.get("impl") == "full_iteration":
+        newer.append(f"{sources['impl']}=full_iteration")
+    if names and paths.get("scope", "").endswith(SCOPE_FIELD_NAMES[1]):
+        newer.append(sources["scope"])
     impl, scope = canonical_impl_and_scope(values.pop("impl", "none"), names)
     # megatron-core accepts a scope listed twice; the plugin uses each once and says so.
     # counted in the names the user wrote: the 0.18+ impl full_iteration adds its own
@@ -290,6 +298,7 @@ def read_settings(config: Any) -> Settings:
         from_command_line=isinstance(config, argparse.Namespace),
         deprecated_full_scope=names == ("full",),
         duplicated_scopes=duplicated,
+        newer_spelling=tuple(newer),
         scope_conflict=_scope_conflict(config),
         input_problems=tuple(problems),
         sources=sources,
