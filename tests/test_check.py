@@ -675,7 +675,8 @@ def test_a_value_python_cannot_convert_is_a_problem_not_a_traceback(field, value
 # -- megatron-core 0.18+'s spelling with an older megatron-core installed -----------------------
 
 NEWER_SPELLINGS = [
-    (["--cuda-graph-impl", "full_iteration"], "--cuda-graph-impl=full_iteration", "local", "full_iteration"),
+    (["--cuda-graph-impl", "full_iteration"], "--cuda-graph-impl=full_iteration",
+     "local", "full_iteration"),
     (["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "mlp"],
      "--cuda-graph-modules", "transformer_engine", "attn,mlp"),
 ]  # fmt: skip
