@@ -715,3 +715,13 @@ def test_the_installed_spelling_is_read_from_megatron_core_as_importing_it_says(
 
     environment.mcore_spells_modules.cache_clear()
     assert environment.mcore_spells_modules() is new_generation()
+
+
+def test_a_refused_configuration_gets_no_advice():
+    """(review of 2026-12-04: an MoE scope on a dense model was refused with the fix "drop the
+    MoE scopes" and advised, beside it, that it "adds memory; widen only after measuring".)"""
+    code, out = check(["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "moe"])
+    assert code == 1 and "moe needs an MoE model" in out
+    assert not [line for line in lines(out) if line.startswith("advice:")]
+    code, out = check(["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "mlp"])
+    assert code == 0 and "advice: scope mlp is narrower than recommended" in out

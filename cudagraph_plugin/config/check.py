@@ -49,7 +49,8 @@ class ConfigCheck:
     :ivar problems: Every violation; the configuration can work only when there are none.
     :ivar autofixes: The documented auto-fixes the run applies (config fields and
         environment variables), not applied by the check.
-    :ivar advice: Warnings for a configuration that can work (never raised).
+    :ivar advice: Warnings for a configuration that can work (never raised); none while
+        there are problems (advice on a refused setting can contradict its fix).
     :ivar notes: What could not be checked here (e.g. Transformer Engine rules on a
         machine without it).
     :ivar environment: The facts the rules were checked against (Transformer Engine
@@ -126,11 +127,12 @@ def check_config(
         settings, env, nccl_initialized=nccl_initialized, te_available=te_available
     )
     env_fixes = plan_environment_fixes(settings, env, nccl_initialized=nccl_initialized)
+    refused = bool(problems or env_problems)
     return ConfigCheck(
         settings=settings,
         problems=tuple(problems + env_problems),
         autofixes=tuple(fixes + env_fixes),
-        advice=tuple(advice(settings, env)),
+        advice=() if refused else tuple(advice(settings, env)),
         notes=tuple(notes + env_notes),
         environment=given,
     )
