@@ -331,3 +331,49 @@ def test_respelling_keeps_the_settings_read_from_megatron_core_0_18_s_impl():
     assert [(fix.path, fix.value) for fix in result.autofixes if fix.setting == "impl"] == [
         ("model.cuda_graph_impl", "full_iteration")
     ]
+
+
+class _Raises:
+    """A host config part whose property raises when read (a provider not built yet)."""
+
+    def __init__(self, name: str, **fields) -> None:
+        self._name = name
+        self.__dict__.update(fields)
+
+    def __getattr__(self, name: str):
+        if name == self._name:
+            raise RuntimeError(f"{name} is not built yet")
+        raise AttributeError(name)
+
+
+@pytest.mark.parametrize(
+    "field, shown",
+    [
+        ("num_moe_experts", "model.num_moe_experts"),
+        ("cuda_graph_scope", "model.cuda_graph_scope"),
+        ("use_te_rng_tracker", "model.use_te_rng_tracker"),
+    ],
+)
+def test_a_field_whose_reading_raises_is_a_listed_problem_and_nothing_is_written(
+    caplog, field, shown
+):
+    """(review of 2026-12-04: a host property that raised went through ``check_config`` and
+    the run's configure as a bare traceback.) It is one more listed problem, naming the field
+    and the error; the run refuses and writes nothing."""
+    from cudagraph_plugin import check_config
+
+    fields = dict(
+        cuda_graph_impl="local", cuda_graph_scope="full_iteration", use_te_rng_tracker=False
+    )
+    fields.pop(field, None)
+    config = recipe()
+    config.model = _Raises(field, **fields)
+    result = check_config(config)
+    [problem] = [p for p in result.problems if "reading it raised" in p.problem]
+    assert problem.fields == (shown,)
+    assert problem.problem == f"reading it raised RuntimeError: {field} is not built yet"
+    assert "a property must not raise when it is read" in problem.fix
+    assert not result.ok and not result.advice
+    with pytest.raises(ValueError, match=f"{shown} = <unreadable>: reading it raised"):
+        CudaGraphPlugin.configure(config, None)
+    assert config.rng.te_rng_tracker is False  # nothing written

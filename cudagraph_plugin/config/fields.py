@@ -20,6 +20,24 @@ from cudagraph_plugin.config.vocabulary import SCOPE_FIELD_NAMES
 
 MISSING = object()
 
+
+class Unreadable:
+    """What :func:`resolve` gives for a field whose reading raised (a host's property that
+    raises, a mapping whose ``get`` does): a value no rule accepts and no fix writes over;
+    :func:`~cudagraph_plugin.config.settings.read_settings` lists it as a problem."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "<unreadable>"
+
+
 # setting name -> candidate attribute paths, first match wins. Bridge-style nested paths
 # come first; flat paths serve TransformerConfig and argparse namespaces alike.
 FIELD_PATHS: dict[str, tuple[str, ...]] = {
@@ -159,18 +177,22 @@ _SKIP_NONE = {"impl", "scope", "warmup_steps"}
 
 
 def _get(obj: Any, name: str) -> Any:
-    if isinstance(obj, Mapping):
-        return obj.get(name, MISSING)
-    return getattr(obj, name, MISSING)
+    try:
+        if isinstance(obj, Mapping):
+            return obj.get(name, MISSING)
+        return getattr(obj, name, MISSING)
+    except Exception as exc:  # a property of the host's that raises: a listed problem
+        return Unreadable(exc)
 
 
 def resolve(config: Any, path: str) -> Any:
-    """The value at ``path`` in ``config``, or the ``MISSING`` sentinel."""
+    """The value at ``path`` in ``config``, the ``MISSING`` sentinel, or :class:`Unreadable`
+    where reading a part of the path raised."""
     obj = config
     for part in path.split("."):
         obj = _get(obj, part)
-        if obj is MISSING:
-            return MISSING
+        if obj is MISSING or isinstance(obj, Unreadable):
+            return obj
     return obj
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from cudagraph_plugin.config.fields import (
     FIELD_PATHS,
     MISSING,
+    Unreadable,
     display_name,
     lookup,
     resolve,
@@ -221,6 +222,8 @@ def _scope_conflict(config: Any) -> tuple[tuple[str, str], ...]:
         for name in SCOPE_FIELD_NAMES:
             path = prefix + name
             value = resolve(config, path)
+            if isinstance(value, Unreadable):
+                continue  # (listed as unreadable)
             if value is not MISSING and parse_scope(value) not in ((), ("full",)):
                 present.append((display_name(config, path), repr(value)))
         if len(present) > 1:
@@ -244,6 +247,17 @@ def read_settings(config: Any) -> Settings:
             continue
         paths[setting] = path
         sources[setting] = display_name(config, path)
+        if isinstance(value, Unreadable):
+            problems.append(
+                FieldProblem(
+                    setting,
+                    value,
+                    f"reading it raised {type(value.error).__name__}: {str(value.error)[:120]}",
+                    "give the field a plain value before the run starts (a property must not "
+                    "raise when it is read)",
+                )
+            )
+            continue
         if setting == "scope":
             values[setting] = value
             continue
