@@ -2,7 +2,8 @@
 
 Stateless: it adds the command-line flags and, when a run is configured, validates the
 configuration and registers a fresh :class:`~cudagraph_plugin.runtime.plugin.CudaGraphPlugin` for
-that run on the run's plugin manager.
+that run on the run's plugin manager, with its
+:class:`~cudagraph_plugin.runtime.plugin.OutermostHooks`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 from typing import Any
 
 from cudagraph_plugin.cli.flags import add_cuda_graph_arguments
-from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
+from cudagraph_plugin.runtime.plugin import CudaGraphPlugin, OutermostHooks
 from hookspecs import hookimpl
 
 RUN_PLUGIN_NAME = "cudagraph:CudaGraphPlugin"
@@ -31,4 +32,10 @@ def mcgraph_configure(config: Any, pluginmanager: Any) -> None:
         pluginmanager.register(plugin)
     except BaseException:
         plugin.forget_log_filter()  # (a refused registration: no shutdown will)
+        raise
+    try:
+        pluginmanager.register(OutermostHooks(plugin))  # (kept outermost: see its docstring)
+    except BaseException:
+        pluginmanager.unregister(plugin)
+        plugin.forget_log_filter()
         raise

@@ -11,6 +11,12 @@ from one of its hook implementations (a per-run object, registered from
 ``mcgraph_configure``) belongs to that plugin: without an explicit name it is registered as
 ``<plugin>:<ClassName>`` (``steptimer:StepTimer``), and :meth:`McgraphPluginManager.plugin_name`
 gives the owning plugin's name for it, so errors it raises name the plugin, not the object.
+
+**Kept outermost.** pluggy puts the ``tryfirst`` wrapper registered last outermost. An
+object whose ``mcgraph_outermost`` attribute is ``True`` (the CUDA graph plugin's shutdown
+guard) is registered again after every other registration, so its ``tryfirst`` wrappers
+stay outside those of objects registered later (a per-run object registered from a hook, an
+entry point loaded before the plugin); among such objects the registration order holds.
 """
 
 from __future__ import annotations
@@ -32,6 +38,17 @@ BLOCK_ENV_VAR = "MCGRAPH_BLOCK_PLUGINS"
 """Comma-separated plugin (entry-point) names not to load, e.g. ``cudagraph,my_plugin``."""
 
 HOST_DEFAULTS_NAME = "mcgraph-host-defaults"
+
+OUTERMOST_ATTR = "mcgraph_outermost"
+"""The attribute (``True``) of a plugin object kept registered last (see the module
+docstring)."""
+
+
+def _outermost(plugin: Any) -> bool:
+    try:
+        return getattr(plugin, OUTERMOST_ATTR, False) is True
+    except Exception:  # (a plugin object whose attribute lookup raises is not one)
+        return False
 
 
 def blocked_plugin_names(environ: dict[str, str] | os._Environ[str] | None = None) -> list[str]:
@@ -73,7 +90,18 @@ class McgraphPluginManager(pluggy.PluginManager):
         self.registrations += 1
         if registered is not None and owner is not None:
             self._owners[registered] = owner
+        if registered is not None and not _outermost(plugin):
+            self._keep_outermost_last()
         return registered
+
+    def _keep_outermost_last(self) -> None:
+        """Register every ``mcgraph_outermost`` object again, in its order, with its name and
+        owner: pluggy then puts its ``tryfirst`` wrappers outside everything registered so
+        far. (A hook call in progress keeps the implementations it started with.)"""
+        for name, plugin in list(self.list_name_plugin()):
+            if plugin is not None and _outermost(plugin):
+                super().unregister(plugin, name)
+                super().register(plugin, name)
 
     def unregister(self, plugin: Any | None = None, name: str | None = None) -> Any | None:
         removed_name = name if name is not None else self.get_name(plugin)

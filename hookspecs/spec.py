@@ -70,13 +70,18 @@ def mcgraph_configure(config: Any, pluginmanager: pluggy.PluginManager) -> None:
     Fired once per run when :class:`TrainingRun` is entered, before distributed
     initialisation, RNG seeding and model build. A plugin that finds the configuration
     unusable raises (``ValueError`` or a subclass) and the run ends with
-    :func:`mcgraph_shutdown` (reason ``exception``). A plugin may change the host's config
-    in place only to apply a documented auto-fix, and must log each change.
+    :func:`mcgraph_shutdown` (reason ``exception``). The first implementation to raise ends
+    the call (pluggy's rule): the implementations after it are not called, so their own
+    problems show only once it passes, and :func:`mcgraph_shutdown` can reach a plugin whose
+    ``mcgraph_configure`` never ran (keep its shutdown safe without it). A plugin may
+    change the host's config in place only to apply a documented auto-fix, and must log
+    each change.
 
     :param config: The host's configuration object, whatever its shape (an argparse
         namespace, a Megatron-Bridge-style nested config, a ``TransformerConfig``).
     :param pluginmanager: The run's plugin manager; a plugin may register per-run helper
-        plugins on it here, and may call hooks through ``pluginmanager.hook``.
+        plugins on it here, and may call hooks through ``pluginmanager.hook`` (not
+        :func:`mcgraph_shutdown`, which ``TrainingRun`` fires: to end a run, raise).
 
     Result: historic notification; plugins registered later receive the call on
     registration; return values are ignored.
@@ -194,8 +199,9 @@ def mcgraph_warmup_steps(config: Any) -> int | None:
 
     Asked by :class:`TrainingRun` when it starts training. The CUDA graph plugin answers it
     in every run mode (graphs on, graphs off, no CUDA device) with the configured
-    ``cuda_graph_warmup_steps`` (default 3), from a ``tryfirst`` implementation, so its
-    answer is the one a run uses. Answer it yourself only where the CUDA graph plugin is not
+    ``cuda_graph_warmup_steps`` (default 3), from a ``tryfirst`` implementation that the
+    plugin manager keeps first whatever registers later, so its answer is the one a run
+    uses. Answer it yourself only where the CUDA graph plugin is not
     loaded (blocked, or in your plugin's own tests); to see the answer, wrap the hook
     (``answer = yield``). If no plugin answers, the run has no post-warmup step and
     :func:`mcgraph_post_warmup_step` never fires.
@@ -410,7 +416,10 @@ def mcgraph_report(report: Report) -> None:
     when its ``mcgraph_shutdown`` wrapper is entered: after the ``tryfirst`` shutdown
     wrappers are entered, before any ``trylast`` wrapper or plain implementation of
     ``mcgraph_shutdown`` runs, and while the graphs are still held (see
-    :func:`mcgraph_shutdown`).
+    :func:`mcgraph_shutdown`). The report is logged and its JSON written before the hook is
+    called. An implementation that raises ends the call (pluggy's rule): the ones after it
+    do not receive the report, and the run then ends with that exception, its plugin named
+    in a note.
 
     :param report: The run report. ``report.to_dict()`` gives its fields as JSON-ready
         values, following the schema in "The run report" above (versioned by its
@@ -435,8 +444,11 @@ def mcgraph_shutdown(reason: ShutdownReason, exception: BaseException | None) ->
     ``finally``. Implement cleanup with ``@hookimpl(wrapper=True)`` and
     ``try: return (yield) finally: cleanup()`` so it runs even if another plugin's
     implementation raises; never raise before the ``yield``: pluggy would skip the wrappers
-    and implementations inside yours. (The CUDA graph plugin keeps a ``tryfirst`` guard that
-    still reports and frees its graphs when a wrapper inside that guard does so.)
+    and implementations inside yours. (The CUDA graph plugin keeps a ``tryfirst`` guard
+    outside every other wrapper, whatever registers later (the plugin manager registers it
+    again after each registration): it still reports and frees the graphs when a wrapper
+    raises before its ``yield``.) Never fire this hook from a plugin: the CUDA graph plugin
+    reports and frees once, at the first shutdown, and says so if fired again.
 
     The implementations run in three layers, whatever order the plugins were installed,
     loaded or registered in:

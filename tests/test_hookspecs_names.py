@@ -152,3 +152,53 @@ def test_the_manager_logs_the_plugins_it_loaded(caplog):
     assert line.startswith("mcgraph plugins: ")
     # The project's own plugin, by its one name and its distribution.
     assert "cudagraph (megatron-cudagraph-plugin " in line
+
+
+class _Wraps:
+    """A ``tryfirst`` shutdown wrapper that records when it is entered and left."""
+
+    def __init__(self, label: str, seen: list[str], outermost: bool = False) -> None:
+        self.label, self.seen = label, seen
+        if outermost:
+            self.mcgraph_outermost = True
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def mcgraph_shutdown(self, reason, exception):
+        self.seen.append(f"enter {self.label}")
+        try:
+            return (yield)
+        finally:
+            self.seen.append(f"leave {self.label}")
+
+
+def test_an_outermost_object_stays_outside_tryfirst_wrappers_registered_after_it(pm):
+    """(review of 2026-12-04: the CUDA graph plugin's shutdown guard is a ``tryfirst``
+    wrapper; pluggy puts the one registered last outermost, so a third party's registered
+    later sat outside it.) Registered again after each registration, with its name and
+    owner; one registered from another plugin's hook keeps that owner."""
+    seen: list[str] = []
+    guard = _Wraps("guard", seen, outermost=True)
+    pm.register(Owner(guard), name="cudagraph")
+    with TrainingRun(pm, None, train_iters=0, handle_signals=()):
+        pm.register(_Wraps("later", seen))
+        pm.register(_Wraps("later still", seen), name="other")
+    assert seen == [
+        "enter guard",
+        "enter later still",
+        "enter later",
+        "leave later",
+        "leave later still",
+        "leave guard",
+    ]
+    assert pm.get_plugin("cudagraph:_Wraps") is guard
+    assert pm.plugin_name("cudagraph:_Wraps") == "cudagraph"
+    assert [name for name, _ in pm.list_name_plugin()][-1] == "cudagraph:_Wraps"
+
+
+def test_without_the_attribute_pluggy_s_order_holds(pm):
+    seen: list[str] = []
+    pm.register(_Wraps("first", seen))
+    pm.register(_Wraps("second", seen), name="second")
+    with TrainingRun(pm, None, train_iters=0, handle_signals=()):
+        pass
+    assert seen[:2] == ["enter second", "enter first"]

@@ -832,9 +832,90 @@ def test_te_needs_the_micro_batch_calculator():
         )
 
 
-def test_cleanup_runs_even_if_another_shutdown_wrapper_raises_before_its_yield(fake_graphs):
-    class Rude:
+def test_a_plugin_firing_mcgraph_shutdown_itself_gets_one_report_and_one_release(
+    fake_graphs, caplog
+):
+    """(review of 2026-12-04: a plugin that fired ``mcgraph_shutdown`` itself mid-run made the
+    CUDA graph plugin report twice, the second time counting eager steps as replays and a
+    freed graph as held.) The second shutdown is said once and does nothing more."""
+    from hookspecs import ShutdownReason
+
+    class StopsEarly:
+        reports = 0
+
+        @hookimpl
+        def mcgraph_configure(self, config, pluginmanager):
+            self.pm = pluginmanager
+
+        @hookimpl
+        def mcgraph_train_step_end(self, step):
+            if step == 3:
+                self.pm.hook.mcgraph_shutdown(reason=ShutdownReason.EARLY_EXIT, exception=None)
+
+        @hookimpl
+        def mcgraph_report(self):
+            StopsEarly.reports += 1
+
+    caplog.set_level(logging.WARNING, "cudagraph_plugin")
+    summary = train_gpt.run(
+        ["--train-iters", "6", "--log-interval", "0", "--cuda-graph-warmup-steps", "2", *FULL],
+        plugins=[StopsEarly()],
+    )
+    assert summary["shutdown_reason"] == "completed"
+    assert StopsEarly.reports == 1
+    assert [g.resets for g in fake_graphs.graphs] == [1]
+    [again] = [r.getMessage() for r in caplog.records if "fired again" in r.getMessage()]
+    assert "mcgraph_shutdown fired again (reason completed) after this run's shutdown " in again
+    assert "(reason early_exit)" in again and "a plugin must not fire it" in again
+
+
+def test_the_configured_warm_up_is_the_answer_whatever_registers_later(fake_graphs):
+    """(review of 2026-12-04: a ``tryfirst`` answer to ``mcgraph_warmup_steps`` registered
+    after the run plugin won: TE graphs were captured at step 1 while the report said
+    ``warmup_steps=3``.) The CUDA graph plugin's answer comes first; a wrapper sees it."""
+
+    class AnswersOne:
+        @hookimpl(tryfirst=True)
+        def mcgraph_warmup_steps(self, config):
+            return 1
+
+    answers, post_warmup = [], []
+
+    class Watches:
+        @hookimpl
+        def mcgraph_configure(self, config, pluginmanager):
+            self.pm = pluginmanager
+
+        @hookimpl
+        def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
+            self.pm.register(AnswersOne())
+
         @hookimpl(wrapper=True)
+        def mcgraph_warmup_steps(self, config):
+            answer = yield
+            answers.append(answer)
+            return answer
+
+        @hookimpl
+        def mcgraph_post_warmup_step(self, step, start_step):
+            post_warmup.append(step)
+
+    _, rec = run(*TE, "--cuda-graph-warmup-steps", "3", steps=6, plugins=[Watches()])
+    assert answers == [3] and post_warmup == [3]
+    assert rec.report.to_dict()["warmup_steps"] == 3
+
+
+@pytest.mark.parametrize("mark", ["plain", "tryfirst", "trylast"])
+@pytest.mark.parametrize("when", ["model_built", "train_start"])
+def test_cleanup_runs_even_if_another_shutdown_wrapper_raises_before_its_yield(
+    fake_graphs, mark, when
+):
+    """(review of 2026-12-04: a ``tryfirst`` wrapper registered after the run plugin, as the
+    guide's example is marked, sat outside the guard, and its raise before the yield left
+    the graphs alive and the report unsent; the guard is now kept outermost.)"""
+
+    class Rude:
+        @hookimpl(wrapper=True, **({} if mark == "plain" else {mark: True}))
         def mcgraph_shutdown(self, reason, exception):
             raise RuntimeError("rude wrapper")
             yield  # pragma: no cover
@@ -848,7 +929,13 @@ def test_cleanup_runs_even_if_another_shutdown_wrapper_raises_before_its_yield(f
 
         @hookimpl
         def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
-            self.pm.register(Rude())
+            if when == "model_built":
+                self.pm.register(Rude())
+
+        @hookimpl
+        def mcgraph_train_start(self, start_step, train_iters):
+            if when == "train_start":
+                self.pm.register(Rude())
 
     rec = Recorder()
     with pytest.raises(RuntimeError, match="rude wrapper"):

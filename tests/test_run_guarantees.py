@@ -405,3 +405,21 @@ def test_a_graph_captured_at_the_last_step_shows_zero_replays(fake_graphs):
     _, rec = run(*FULL, "--cuda-graph-warmup-steps", "3", steps=4)
     assert rec.report.graphs_captured
     assert rec.report.replays == {"training": 0}
+
+
+def test_a_raising_mcgraph_report_says_the_report_was_out_and_who_missed_it(fake_graphs):
+    """(review of 2026-12-04: the run ended by a consumer's failure read as "the run report
+    failed", though the report had been built, logged and written.)"""
+
+    class FailingSink:
+        @hookimpl
+        def mcgraph_report(self, report):
+            raise RuntimeError("sink down")
+
+    with pytest.raises(RuntimeError, match="sink down") as raised:
+        run(*FULL, "--cuda-graph-warmup-steps", "1", plugins=[FailingSink()])
+    notes = "\n".join(raised.value.__notes__)
+    assert "in a mcgraph_report implementation: the report was built, logged and written" in notes
+    assert "raised by plugin" in notes
+    [graph] = fake_graphs.graphs
+    assert graph.resets == 1

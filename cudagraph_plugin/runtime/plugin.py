@@ -185,13 +185,6 @@ class CudaGraphPlugin:
 
     # -- training -------------------------------------------------------------------------
 
-    # Answered in every run mode (graphs off, no CUDA device too), so plugins see the
-    # post-warmup step wherever they run; tryfirst, so the step TE graphs are captured at
-    # is the configured one whatever else answers.
-    @hookimpl(tryfirst=True)
-    def mcgraph_warmup_steps(self, config: Any) -> int:
-        return self.settings.warmup_steps
-
     @hookimpl
     def mcgraph_train_start(
         self, start_step: int, train_iters: int, progress: StepProgress | None
@@ -237,15 +230,8 @@ class CudaGraphPlugin:
     def mcgraph_shutdown(self, reason: Any, exception: BaseException | None) -> Any:
         return (yield from self.shutdown.wrap(reason, exception))
 
-    # The safety net of the wrapper above: a wrapper between the two that raises before its
-    # yield (which the hook contract forbids) makes pluggy skip the plain one; the report
-    # and the cleanup then happen here, outside every plain and trylast wrapper.
-    # Outermost, too, for the job: a failing rank marks its failure first of all (every
-    # other rank then ends within seconds), and waits for them last.
-    # Whatever interrupts the mark (a Ctrl-C while the store is slow) waits until the
-    # graphs are freed, then goes on: raising before the yield would skip every shutdown.
-    @hookimpl(wrapper=True, tryfirst=True, specname="mcgraph_shutdown")
-    def shutdown_guard(self, reason: Any, exception: BaseException | None) -> Any:
+    def guard_shutdown(self, reason: Any, exception: BaseException | None) -> Any:
+        """The body of :class:`OutermostHooks`' shutdown wrapper (a generator)."""
         mark_error = self._end_job(self.shutdown.reason_of(reason), exception)
         try:
             result = yield from self.shutdown.guard(reason, exception)
@@ -291,6 +277,39 @@ class CudaGraphPlugin:
         self.state.model = None
         self.state.model_config = None
         self.interceptor.forget()
+
+
+class OutermostHooks:
+    """The hook implementations of :class:`CudaGraphPlugin` that must come first whatever
+    registers later, registered beside it. A ``tryfirst`` implementation comes first only
+    if registered last: ``mcgraph_outermost`` makes the plugin manager
+    (``hookspecs.manager``) register this object again after every other registration (a
+    third party's ``tryfirst`` one registered later included).
+
+    * The shutdown guard, the safety net of the plugin's shutdown wrapper: a wrapper between
+      the two that raises before its yield (which the hook contract forbids) makes pluggy
+      skip the plain one; the report and the cleanup then happen here. Outermost for the
+      job, too: a failing rank marks its failure first of all (every other rank then ends
+      within seconds), and waits for them last. Whatever interrupts the mark (a Ctrl-C while
+      the store is slow) waits until the graphs are freed, then goes on: raising before the
+      yield would skip every shutdown.
+    * The warm-up answer, in every run mode (graphs off, no CUDA device too), so plugins see
+      the post-warmup step wherever they run; first, so the step TE graphs are captured at
+      is the configured one whatever else answers (a wrapper still sees it).
+    """
+
+    mcgraph_outermost = True
+
+    def __init__(self, plugin: CudaGraphPlugin) -> None:
+        self.plugin = plugin
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def mcgraph_shutdown(self, reason: Any, exception: BaseException | None) -> Any:
+        return (yield from self.plugin.guard_shutdown(reason, exception))
+
+    @hookimpl(tryfirst=True)
+    def mcgraph_warmup_steps(self, config: Any) -> int:
+        return self.plugin.settings.warmup_steps
 
 
 def _say_configured(result: Any, cuda: bool) -> None:

@@ -362,7 +362,14 @@ class Reporter:
         if settings.report_json:
             path = self.report.write_json(rank_path(settings.report_json, rank))
             logger.info("CUDA graph report written to %s", path)
-        call_hook(self.state.pm, "mcgraph_report", report=self.report)
+        try:
+            call_hook(self.state.pm, "mcgraph_report", report=self.report)
+        except BaseException as exc:
+            exc.add_note(
+                "(in a mcgraph_report implementation: the report was built, logged and "
+                "written; the implementations after this one did not receive it)"
+            )
+            raise
 
     def build(self, reason: str, peak_at_end: float | None, *, sync: bool) -> RunReport:
         state, captures = self.state, self.captures

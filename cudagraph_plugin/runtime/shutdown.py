@@ -31,6 +31,8 @@ class Shutdown:
         self.release_all = release_all
         self.entered = False
         self._said_reason = False
+        self._first_reason: ShutdownReason | None = None
+        self._said_again = False
 
     def reason_of(self, reason: Any) -> ShutdownReason:
         """``reason`` as a :class:`~hookspecs.ShutdownReason`. A host firing
@@ -63,6 +65,10 @@ class Shutdown:
         # the graphs: an interruption while the report's failure is logged too, though
         # pluggy then skips the inner implementations, since this wrapper never yielded)
         reason = self.reason_of(reason)
+        if self.entered:  # fired again (by a plugin): reported and freed the first time
+            self._again(reason)
+            return (yield)
+        self._first_reason = reason
         quiet = device_may_block(reason, self.state)
         report_error: BaseException | None = None
         self.entered = True
@@ -83,6 +89,19 @@ class Shutdown:
             raise report_error
         return result
 
+    def _again(self, reason: ShutdownReason) -> None:
+        if self._said_again:
+            return
+        self._said_again = True
+        logger.warning(
+            "mcgraph_shutdown fired again (reason %s) after this run's shutdown (reason %s), "
+            "which reported the run and freed its CUDA graphs: nothing more to report or "
+            "free. Fix: TrainingRun fires mcgraph_shutdown once; a plugin must not fire it "
+            "(raise an exception to end a run)",
+            reason,
+            self._first_reason,
+        )
+
     def guard(self, reason: Any, exception: BaseException | None) -> Generator[None, Any, Any]:
         try:
             return (yield)
@@ -98,6 +117,7 @@ class Shutdown:
             exception,
         )
         quiet = True  # (until known: never wait on a device a peer may have left)
+        self.entered, self._first_reason = True, self.reason_of(reason)  # (once, as wrap)
         try:
             quiet = device_may_block(reason, self.state)
             self.reporter.emit(reason, sync=not quiet)
