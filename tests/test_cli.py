@@ -41,9 +41,24 @@ def test_defaults():
 
 
 @pytest.mark.parametrize("flag", ["--cuda-graph-impl", "--cuda_graph_impl"])
-@pytest.mark.parametrize("impl", ["none", "local", "transformer_engine"])
+@pytest.mark.parametrize("impl", ["none", "local", "transformer_engine", "full_iteration"])
 def test_both_spellings_of_impl(flag, impl):
     assert parser().parse_args([flag, impl]).cuda_graph_impl == impl
+
+
+def test_the_host_flags_take_megatron_core_0_18_s_spelling_as_the_check_does():
+    """(review of 2026-12-04: ``check`` said OK to ``--cuda-graph-impl full_iteration`` and
+    ``--cuda-graph-modules``, which every host using these flags refused as a usage error.)"""
+    args = parser().parse_args(["--cuda-graph-impl", "full_iteration"])
+    settings = read_settings(args)
+    assert (settings.impl, settings.scope) == ("local", ("full_iteration",))
+    args = parser().parse_args(
+        ["--cuda-graph-impl", "transformer_engine", "--cuda_graph_modules", "attn", "mlp"]
+    )
+    assert args.cuda_graph_modules == ["attn", "mlp"] and args.cuda_graph_scope is None
+    assert read_settings(args).scope == ("attn", "mlp")
+    both = parser().parse_args(["--cuda-graph-scope", "attn", "--cuda-graph-modules", "mlp"])
+    assert read_settings(both).scope_conflict  # refused by the rules, as megatron-core does
 
 
 def test_both_spellings_of_every_flag():
@@ -95,6 +110,7 @@ def test_both_spellings_of_every_flag():
         == {
             "cuda_graph_impl": "none",
             "cuda_graph_scope": ["attn"],
+            "cuda_graph_modules": None,
             "cuda_graph_warmup_steps": 4,
             "cuda_graph_report_json": "r.json",
             "cuda_graph_fallback_on_slowdown": True,
@@ -116,8 +132,8 @@ def test_a_bad_peer_exit_deadline_exits_2_with_the_fix(capsys, seconds):
 
 
 def test_unknown_impl_exits_2(capsys):
-    err = parse_error(capsys, ["--cuda-graph-impl", "full_iteration"])
-    assert "invalid choice: 'full_iteration'" in err
+    err = parse_error(capsys, ["--cuda-graph-impl", "full_iter"])
+    assert "invalid choice: 'full_iter'" in err
 
 
 @pytest.mark.parametrize(

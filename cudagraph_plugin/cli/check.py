@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from cudagraph_plugin.cli.flags import RawScopeAction, add_cuda_graph_arguments
+from cudagraph_plugin.cli.flags import add_cuda_graph_arguments
 from cudagraph_plugin.config import environment
 from cudagraph_plugin.config.check import check_config
 from cudagraph_plugin.config.environment import INSTALLED, parse_te_version
@@ -90,13 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
         action = "store_true" if on else "store_false"
         model.add_argument(flag, underscores, dest=dest, action=action, **kwargs)
 
-    value(
-        "cuda_graph_modules",
-        nargs="+",
-        action=RawScopeAction,
-        metavar="MODULE",
-        help="megatron-core 0.18+'s name for --cuda-graph-scope",
-    )
     value(
         "transformer_impl",
         "transformer_engine",

@@ -153,23 +153,36 @@ def add_cuda_graph_arguments(parser: argparse.ArgumentParser, *, lenient: bool =
     group = parser.add_argument_group("CUDA graphs (megatron-cudagraph-plugin)")
     impl_help = (
         "none; local (with scope full_iteration: megatron-core's FullCudaGraphWrapper); "
-        "transformer_engine (per-layer TE graphs)"
+        "transformer_engine (per-layer TE graphs); full_iteration (megatron-core 0.18+'s "
+        "spelling of local with scope full_iteration)"
     )
+    impls = (*IMPLS, "full_iteration")
+    scope_action = RawScopeAction if lenient else ScopeAction
     options: list[tuple[str, dict[str, Any]]] = [
         (
             "cuda_graph_impl",
-            dict(default="none", metavar="{" + ",".join(IMPLS) + "}", help=impl_help)
+            dict(default="none", metavar="{" + ",".join(impls) + "}", help=impl_help)
             if lenient
-            else dict(choices=IMPLS, default="none", help=impl_help),
+            else dict(choices=impls, default="none", help=impl_help),
         ),
         (
             "cuda_graph_scope",
             dict(
                 nargs="+",
-                action=RawScopeAction if lenient else ScopeAction,
+                action=scope_action,
                 default=None,
                 metavar="SCOPE",
                 help=f"space- or comma-separated: {', '.join(SCOPES)}",
+            ),
+        ),
+        (
+            "cuda_graph_modules",
+            dict(
+                nargs="+",
+                action=scope_action,
+                default=None,
+                metavar="MODULE",
+                help="megatron-core 0.18+'s name for --cuda-graph-scope (give one of the two)",
             ),
         ),
         (

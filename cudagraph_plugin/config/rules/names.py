@@ -92,7 +92,7 @@ def _scope_fields_not_both(s: Settings, env: Environment) -> Iterator[Violation]
     if s.scope_conflict:
         yield Violation(
             tuple(name for name, _ in s.scope_conflict),
-            repr(tuple(value for _, value in s.scope_conflict)),
+            "(" + ", ".join(value for _, value in s.scope_conflict) + ")",  # (each a repr)
             "the scope is given twice, in megatron-core 0.16's cuda_graph_scope and in 0.18+'s "
             "cuda_graph_modules",
             "keep one of them (cuda_graph_modules on megatron-core 0.18+, cuda_graph_scope before)",
