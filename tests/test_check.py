@@ -621,9 +621,33 @@ def test_a_history_check_with_full_iteration_fails_the_check(flag):
 # (the p2p settings from the pipeline layout, use_te_rng_tracker from --te-rng-tracker,
 # moe_layer_recompute from --recompute-modules), or only config objects carry them.
 NO_FLAG = {
-    "model_te_rng_tracker", "moe_layer_recompute", "batch_p2p_comm", "batch_p2p_sync",
-    "overlap_p2p_comm", "grad_norm_skip_threshold",
+    "model_te_rng_tracker", "batch_p2p_comm", "batch_p2p_sync", "grad_norm_skip_threshold",
 }  # fmt: skip
+
+
+PP_VPP_FULL = [*DENSE_FULL_ITERATION, "--pipeline-model-parallel-size", "2",
+               "--virtual-pipeline-model-parallel-size", "2"]  # fmt: skip
+
+
+def test_full_iteration_with_virtual_stages_reads_megatron_lm_s_p2p_default():
+    """(review of 2026-12-04: the check had no p2p flag and no Megatron-LM default, so a
+    full-iteration graph with virtual pipeline stages could never pass, nor be followed to a
+    pass.) Megatron-LM overlaps p2p with virtual stages, so it batches none; its
+    ``--no-overlap-p2p-communication`` batches them, which the capture refuses."""
+    code, out = check(PP_VPP_FULL)
+    assert code == 0, out
+    code, out = check([*PP_VPP_FULL, "--no-overlap-p2p-communication"])
+    assert code == 1 and "overlap_p2p_comm (--no-overlap-p2p-communication)" in out
+    assert "without --no-overlap-p2p-communication" in out
+
+
+def test_the_deprecated_moe_layer_recompute_flag_is_read():
+    argv = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn", "moe",
+            "--num-experts", "8", "--moe-expert-capacity-factor", "1.0",
+            "--moe-pad-expert-input-to-capacity"]  # fmt: skip
+    assert check(argv)[0] == 0
+    code, out = check([*argv, "--moe-layer-recompute"])
+    assert code == 1 and "(+moe from --moe-layer-recompute)" in out, out
 
 
 def test_every_field_a_rule_reads_has_a_check_flag():

@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     switch("--moe-shared-expert-overlap", "moe_shared_expert_overlap")
     value("moe_input_jitter_eps")
     switch("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm")
+    switch(
+        "--moe-layer-recompute",
+        "moe_layer_recompute",
+        help="deprecated Megatron-LM flag: selective recompute with moe added to the modules",
+    )
     value("recompute_granularity", metavar="{full,selective}")
     value("recompute_method", metavar="{uniform,block}")
     value("recompute_num_layers")
@@ -157,6 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
         "pipeline-rank)",
     )
     given("context_parallel_size")
+    # Megatron-LM's default (on; its validate_args turns it off without virtual stages, and
+    # builds batch_p2p_comm = not overlap_p2p_comm: the settings derive it the same way)
+    parallel.add_argument(
+        "--no-overlap-p2p-communication",
+        "--no_overlap_p2p_communication",
+        dest="overlap_p2p_comm",
+        action="store_false",
+        help="Megatron-LM's flag: with virtual pipeline stages, batched p2p communication",
+    )
     on("--sequence-parallel", "sequence_parallel")
     on("--fp16", "fp16")
     given("loss_scale", help="a constant loss scale (fp16; none: megatron-core's dynamic scaler)")
