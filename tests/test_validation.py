@@ -1779,7 +1779,7 @@ def test_scope_and_modules_both_set_rejected():
     rejected(
         bridge(scope="attn", cuda_graph_modules=["attn", "mlp"]),
         fields=["model.cuda_graph_scope", "model.cuda_graph_modules"],
-        value=repr(("'attn'", "['attn', 'mlp']")),
+        value="('attn', ['attn', 'mlp'])",  # (each as written, quoted once)
         phrase="cuda_graph_scope and cuda_graph_modules cannot be set together",
         fix="keep one of them",
     )
