@@ -173,3 +173,23 @@ def test_a_bucket_that_did_not_earn_its_capture_back_says_so(
     assert all("(no saving beyond noise)" in line for line in lines)
     [warning] = [r.getMessage() for r in caplog.records if "captured bucket(s)" in r.getMessage()]
     assert f"did not pay off within this run for {len(unpaid)} of " in warning
+
+
+def test_a_bucket_captured_and_never_replayed_did_not_pay_off():
+    """(review of 2026-12-04: such a bucket's row said ``paid_off: None``, so the "did not
+    pay off" warning left it out: an RL run that captured again and again and never
+    replayed was told nothing.)"""
+    from cudagraph_plugin.runtime.payoff import bucket_rows
+    from cudagraph_plugin.runtime.report import _bucket_line
+
+    row = {
+        "seq_length": 16, "micro_batch_size": 2, "num_microbatches": 1, "in_bucket": True,
+        "eager_steps": [0, 1, 5], "capture_steps": [3, 20], "replay_steps": [],
+        "capture_seconds": [0.4, 0.4], "replays": 0, "graph_held": False,
+        "eager_step_ms": 12.0, "replay_step_ms": None, "padding_waste_percent": 20.0,
+    }  # fmt: skip
+    [out] = bucket_rows([row], [{"stage": "training", "step": 20, "mib": 300.0}])
+    assert out["paid_off"] is False and out["break_even_steps"] is None
+    assert _bucket_line(out).endswith("NOT paid off in this run (never replayed)")
+    [not_captured] = bucket_rows([{**row, "capture_steps": [], "capture_seconds": []}], [])
+    assert not_captured["paid_off"] is None  # nothing was spent

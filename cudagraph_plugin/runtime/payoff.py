@@ -209,11 +209,14 @@ def bucket_rows(
                 "speedup": eager_ms / replay_ms if eager_ms and replay_ms else None,
                 "pool_mib": None if last is None else last.get("mib"),
                 "break_even_steps": even,
-                # the replays of the capture calls save nothing: replayed steps only
+                # the replays of the capture calls save nothing: replayed steps only; a
+                # bucket captured and never replayed earned nothing back
                 "paid_off": (
-                    pays_off(eager_ms, replay_ms, even, len(row["replay_steps"]))
-                    if capture_seconds
-                    else None
+                    None
+                    if not capture_seconds
+                    else False
+                    if not row["replay_steps"]
+                    else pays_off(eager_ms, replay_ms, even, len(row["replay_steps"]))
                 ),
             }
         )

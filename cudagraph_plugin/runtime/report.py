@@ -281,7 +281,13 @@ def _bucket_line(row: dict[str, Any]) -> str:
             "paid off"
             if row["paid_off"]
             else "NOT paid off in this run"
-            + (" (no saving beyond noise)" if row.get("break_even_steps") is None else "")
+            + (
+                " (never replayed)"
+                if not row.get("replay_steps")
+                else " (no saving beyond noise)"
+                if row.get("break_even_steps") is None
+                else ""
+            )
         )
     return f"{key}: " + ", ".join(parts)
 
