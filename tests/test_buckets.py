@@ -282,9 +282,25 @@ def test_a_shape_outside_every_bucket_runs_eagerly_with_one_log_line_per_new_sha
     ]
     assert len(lines) == 2
     assert "seq_length 48" in lines[0] and "seq_length 40" in lines[1]
+    assert "Fix: add a bucket of at least 48 to cuda_graph_buckets" in lines[0]
     assert actions(result, 48) == [(1, Action.EAGER), (3, Action.EAGER), (6, Action.EAGER)]
     assert len(graphs.graphs) == 1  # bucket 16 only
     assert bucketed == eager
+
+
+def test_an_unpadded_step_is_told_which_bucket_to_pad_to(graphs, caplog):
+    """(review of 2026-12-04: a host that forgot to pad was told at INFO that its steps were
+    "outside every bucket", with no fix, and ran eagerly throughout.)"""
+    with megatron_gpt() as host, caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
+        bucketed = BucketGraphs(BUCKETS, 1, model=host.model)
+        try:
+            for step in range(2):
+                train_step(host, step_kwargs(host, step, [10], pad=False), bucketed, step)
+        finally:
+            assert not release_each(bucketed.release_steps()).failures
+    [said] = [r for r in caplog.records if "outside every CUDA graph bucket" in r.getMessage()]
+    assert said.levelno == logging.WARNING
+    assert "Fix: pad such steps to the bucket 16 (" in said.getMessage()
 
 
 def test_forward_only_calls_run_eagerly(graphs, caplog):
@@ -634,6 +650,24 @@ def test_a_micro_batch_unlike_its_buckets_first_runs_eagerly(graphs, caplog, whe
     assert [a for _, a in bucket_graphs.stats[BucketKey(16, MBS, 1)].calls] == expected
     said = [r.getMessage() for r in caplog.records if "unlike those its bucket" in r.getMessage()]
     assert len(said) == 1 and "shape (2, 16)" in said[0] and "shape (1, 16)" in said[0], said
+
+
+def test_an_odd_first_micro_batch_does_not_keep_its_bucket_eager(graphs, caplog):
+    """(review of 2026-12-04: the bucket's static buffers were made from its first call, a
+    host's partial batch here; every later, correct call was unlike them, and the bucket ran
+    eagerly for the rest of the run, said once at INFO.) Buffers no graph reads yet are made
+    again from the next call, which warms up on them; the unlike step is a warning."""
+
+    def first_short(step: int, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return short(batches) if step == 0 else batches
+
+    with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
+        losses, bucket_graphs = with_and_without_buckets([[10]] * 6, first_short)
+    assert losses[True] == losses[False]
+    W, C, R, E = Action.WARMUP, Action.CAPTURE, Action.REPLAY, Action.EAGER
+    assert [a for _, a in bucket_graphs.stats[BucketKey(16, MBS, 1)].calls] == [W, E, W, C, R, R]
+    [said] = [r for r in caplog.records if "unlike those its bucket" in r.getMessage()]
+    assert said.levelno == logging.WARNING
 
 
 def test_micro_batches_beyond_the_buckets_first_call_are_compared_too(graphs):
@@ -1012,3 +1046,16 @@ def test_right_padding_leaves_the_real_tokens_losses_unchanged(graphs):
             return module(b["tokens"], b["position_ids"], None, labels=b["labels"])
 
         assert torch.allclose(losses(padded)[:, :11], losses(batch), atol=1e-6)
+
+
+def test_a_value_that_changes_every_step_is_said_once(graphs, caplog):
+    """(review of 2026-12-04: the "unlike" line held the difference, so a per-step Python value
+    in the micro-batch, a token count, was said on every step.)"""
+
+    def counted(step: int, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**b, "num_real_tokens": 100 + step} for b in batches]
+
+    with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
+        with_and_without_buckets([[10]] * 5, counted)
+    said = [r.getMessage() for r in caplog.records if "unlike those its bucket" in r.getMessage()]
+    assert len(said) == 1 and "non-tensor values fixed" in said[0]

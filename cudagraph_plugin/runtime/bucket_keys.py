@@ -18,8 +18,9 @@ from cudagraph_plugin.runtime.timing import median_or_none
 
 BUCKET_FIX = (
     "with CUDA graph buckets, pad every micro-batch of a step to the bucket length passed as "
-    "seq_length (cudagraph_plugin.runtime.padding.pad_step), and keep micro_batch_size and the "
-    "tensor dtypes of a bucket fixed"
+    "seq_length (cudagraph_plugin.runtime.padding.pad_step), and keep a bucket's "
+    "micro_batch_size, tensor dtypes, micro-batch keys and non-tensor values fixed (a value "
+    "that changes per step, a token count or a coefficient, goes in a tensor)"
 )
 
 

@@ -255,13 +255,30 @@ class BucketGraphs:
         route = self._decide(key, agreed, step)
         if agreed[7] and route.action is not Action.EAGER:
             self._log_once(
-                ("unlike", key, unlike),
+                ("unlike", key),  # (once per key: a value that differs every step, too)
                 f"a training step with {key} has micro-batches unlike those its bucket's "
                 f"static buffers were made from ({unlike or 'on another rank'}): it runs "
                 f"eagerly on every rank. Fix: {BUCKET_FIX}",
+                logging.WARNING,
             )
             route = Route(Action.EAGER, key, "micro-batches unlike the bucket's")
+        if unlike:
+            self._remake_unused_buffers(key)
         return dataclasses.replace(route, drawn=drawn, listed=listed)
+
+    def _remake_unused_buffers(self, key: BucketKey) -> None:
+        """After an unlike call: static buffers no graph reads yet are made again from the
+        bucket's next call. The first call may have been the odd one (a host's partial
+        batch): kept, it would have made every later call unlike, the bucket eager for the
+        rest of the run. Each key of the bucket then warms up once more on the new buffers."""
+        buffers = (key.seq_length, key.micro_batch_size)
+        if any((k.seq_length, k.micro_batch_size) == buffers for k in self._graphs):
+            return  # a graph reads them: an unlike call stays eager
+        self._shapes.pop(buffers, None)
+        self._buffers.pop(buffers, None)
+        for other in self._calls:
+            if (other.seq_length, other.micro_batch_size) == buffers:
+                self._calls[other] = min(self._calls[other], self.warmup_steps - 1)
 
     def _draw(self, key: BucketKey, data_iterator: Any) -> tuple[list[Any] | None, bool, str]:
         """Draw the micro-batches of a call in a bucket and say how they differ from those
@@ -284,10 +301,20 @@ class BucketGraphs:
             )
             return Route(Action.EAGER, key, "ranks disagree")
         if key.seq_length not in self.buckets:
+            above = [b for b in self.buckets if b > key.seq_length]
+            fix = (
+                f"pad such steps to the bucket {min(above)} "
+                "(cudagraph_plugin.runtime.padding.pad_step) and pass it as seq_length"
+                if above
+                else f"add a bucket of at least {key.seq_length} to cuda_graph_buckets, or "
+                "shorten such steps"
+            )
             self._log_once(
                 ("outside", key),
                 f"a training step with {key} is outside every CUDA graph bucket "
-                f"({', '.join(map(str, self.buckets))}): steps of this shape run eagerly",
+                f"({', '.join(map(str, self.buckets))}): steps of this shape run eagerly. "
+                f"Fix: {fix}",
+                logging.WARNING if above else logging.INFO,  # (not padded: a mistake)
             )
             return Route(Action.EAGER, key, "outside every bucket")
         if key in self._graphs:
@@ -296,7 +323,8 @@ class BucketGraphs:
             self._log_once(
                 ("limit", key),
                 f"a training step with {key} would need a CUDA graph beyond the limit of "
-                f"{self.max_graphs}: steps of this shape run eagerly",
+                f"{self.max_graphs}: steps of this shape run eagerly. Fix: raise max_graphs, "
+                "or use fewer buckets",
             )
             return Route(Action.EAGER, key, "graph limit")
         if self._calls[key] >= self.warmup_steps:
@@ -540,10 +568,10 @@ class BucketGraphs:
         self._reader = None
         self._stream = None
 
-    def _log_once(self, what: Any, message: str) -> None:
+    def _log_once(self, what: Any, message: str, level: int = logging.INFO) -> None:
         if what not in self._logged:
             self._logged.add(what)
-            logger.info("%s", message)
+            logger.log(level, "%s", message)
 
 
 def _liveness_kwargs(check: bool) -> dict[str, bool]:
