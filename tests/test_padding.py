@@ -55,6 +55,17 @@ def test_labels_default_to_the_pad_token_and_positions_count_on_per_row():
     assert out["position_ids"].tolist() == [[0, 1, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 7]]
 
 
+def test_positions_of_a_narrow_integer_type_are_refused_before_they_wrap():
+    """(review of 2026-12-04: int8 positions near 127 counted on to -128, silently.)"""
+    narrow = batch(5)
+    narrow["position_ids"] = torch.tensor([[120, 121, 122, 123, 124]] * 2, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"cannot count on to 135, .* convert it to torch.long"):
+        pad_to_bucket(narrow, (16,), pad_token_id=0)
+    narrow["position_ids"] = torch.arange(5, dtype=torch.int8).repeat(2, 1)
+    out = pad_to_bucket(narrow, (16,), pad_token_id=0).batch
+    assert out["position_ids"].tolist() == [list(range(16))] * 2
+
+
 def test_a_batch_at_a_bucket_length_is_not_padded():
     original = batch(16)
     padded = pad_to_bucket(original, BUCKETS, pad_token_id=0)
@@ -164,6 +175,18 @@ def test_bad_buckets_are_refused_naming_the_field(buckets, match):
     assert str(error.value).startswith("cuda_graph_buckets")
 
 
+def test_bucket_lengths_of_any_integral_type_are_ints_and_a_lone_int_is_named():
+    """(review of 2026-12-04: NumPy integers were refused as "not positive integers", and a
+    lone int as the list gave a bare TypeError.)"""
+    import numpy as np
+
+    buckets = check_buckets(np.array([32, 8]), "cuda_graph_buckets")
+    assert buckets == (8, 32) and all(type(b) is int for b in buckets)
+    assert check_buckets([np.int64(16), torch.tensor(8).item()]) == (8, 16)
+    with pytest.raises(ValueError, match=r"^cuda_graph_buckets=16 is not a list of sequence"):
+        check_buckets(16, "cuda_graph_buckets")
+
+
 def test_bucket_for_and_waste():
     assert check_buckets([32, 8, 16]) == (8, 16, 32)
     assert [bucket_for(n, (8, 16)) for n in (1, 8, 9, 16, 17)] == [8, 8, 16, 16, None]
@@ -237,6 +260,25 @@ def test_extra_keys_must_hold_a_per_token_tensor():
     original["rewards"] = [1.0, 2.0]
     with pytest.raises(ValueError, match=r"batch\['rewards'\], which is a list"):
         pad_to_bucket(original, BUCKETS, pad_token_id=0, extra={"rewards": 0.0})
+
+
+def test_a_per_token_tensor_with_a_trailing_dimension_is_padded_along_the_sequence():
+    """(review of 2026-12-04: a ``[b, s, k]`` tensor, a teacher's top-k log-probabilities,
+    was left unpadded without a word, and naming it in extra was refused with the fix "a
+    per-sequence tensor needs no padding".)"""
+    original = batch(10)
+    original["topk"] = torch.arange(2 * 10 * 4, dtype=torch.float).reshape(2, 10, 4)
+    with pytest.raises(ValueError, match=r"batch\['topk'\] \(shape \(2, 10, 4\)\) has the "
+                       r"sequence length 10 in its dimension 1"):  # fmt: skip
+        pad_to_bucket(original, BUCKETS, pad_token_id=0)
+    out = pad_to_bucket(original, BUCKETS, pad_token_id=0, extra={"topk": -1.0}).batch
+    assert out["topk"].shape == (2, 16, 4)
+    assert torch.equal(out["topk"][:, :10], original["topk"])
+    assert out["topk"][:, 10:].eq(-1.0).all()
+    # a [b, s] extra key is padded along its last dimension, as before
+    original["advantages"] = torch.ones(2, 10)
+    out = pad_to_bucket(original, BUCKETS, pad_token_id=0, extra={"topk": 0.0, "advantages": 0.0})
+    assert out.batch["advantages"].tolist() == [[1.0] * 10 + [0.0] * 6] * 2
 
 
 def test_a_per_token_tensor_of_a_one_dimensional_batch_is_refused_unless_named():

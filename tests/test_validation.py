@@ -2256,6 +2256,11 @@ def test_buckets_the_parallel_layout_cannot_split_are_refused(model, multiple, f
     assert f"e.g. {rounded}" in violation.fix
     even = full_iteration(cuda_graph_buckets=rounded, **model)
     assert not [v for v in find_violations(read_settings(even)) if "multiples" in v.text]
+    # two buckets rounding to one length are suggested once (review of 2026-12-04: "256,256",
+    # itself refused as a length given twice)
+    twice = full_iteration(cuda_graph_buckets="255,256", **model)
+    [violation] = [v for v in find_violations(read_settings(twice)) if "multiples" in v.text]
+    assert violation.fix.endswith("e.g. 256")
     # tensor parallelism alone (no sequence parallelism) splits no sequence
     plain = full_iteration(cuda_graph_buckets="250", tensor_model_parallel_size=2)
     assert not [v for v in find_violations(read_settings(plain)) if "multiples" in v.text]

@@ -5,22 +5,39 @@ the graphs per bucket are :mod:`cudagraph_plugin.runtime.buckets`.
 
 from __future__ import annotations
 
+import numbers
+import operator
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 
+def _length(value: Any) -> int | None:
+    """An integer of any integral type (a NumPy or a 0-d tensor's item included) as an int;
+    None for anything else (bools too)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return operator.index(value)
+
+
 def check_buckets(buckets: Iterable[Any], field: str = "buckets") -> tuple[int, ...]:
-    """The bucket lengths, sorted; a clear error for anything that is not a non-empty set of
-    distinct positive integers."""
-    values = list(buckets)
-    if not values:
+    """The bucket lengths, sorted, as ints; a clear error for anything that is not a
+    non-empty set of distinct positive integers."""
+    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Iterable):
+        raise ValueError(
+            f"{field}={buckets!r} is not a list of sequence lengths: give one, e.g. [512, 1024]"
+        )
+    given = list(buckets)
+    if not given:
         raise ValueError(f"{field} is empty: give at least one sequence length, e.g. 512,1024")
-    for value in values:
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    values = []
+    for value in given:
+        length = _length(value)
+        if length is None or length <= 0:
             raise ValueError(
-                f"{field} must be positive integers (sequence lengths), got {value!r} in {values!r}"
+                f"{field} must be positive integers (sequence lengths), got {value!r} in {given!r}"
             )
+        values.append(length)
     if len(set(values)) != len(values):
         raise ValueError(f"{field} has a length twice: {values!r}; give each length once")
     return tuple(sorted(values))
@@ -38,7 +55,7 @@ def parse_buckets(value: Any, field: str = "buckets") -> tuple[int, ...]:
     for item in value:
         if isinstance(item, str) and re.fullmatch(r"\s*[+-]?\d+\s*", item):
             item = int(item)
-        if isinstance(item, bool) or not isinstance(item, int):
+        if _length(item) is None:
             raise ValueError(f"{item!r} is not a sequence length")
         lengths.append(item)
     return check_buckets(lengths, field)

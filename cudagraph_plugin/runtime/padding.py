@@ -145,11 +145,12 @@ def pad_to_bucket(
     :param overflow: ``"error"`` (default) raises :class:`BucketOverflowError` above the
         largest bucket; ``"keep"`` pads to ``length`` (unpadded without it) and the step
         runs eagerly.
-    :param extra: more keys to pad along their last dimension, each with its pad value
-        (e.g. ``{"advantages": 0.0}``); their last dimension must be the sequence length.
-        Any other tensor whose last dimension is the sequence length (of two or more
-        dimensions; of any in a batch of 1-D sequences) is refused, since leaving it
-        unpadded would break the model's shapes.
+    :param extra: more per-token keys to pad, each with its pad value (e.g.
+        ``{"advantages": 0.0}``), along the sequence: the tokens' own dimension where the
+        tensor has more after it (``[b, s, k]``, a teacher's top-k log-probabilities),
+        else its last, which must then be the sequence length. Any other tensor with the
+        sequence length there (of two or more dimensions; of any in a batch of 1-D
+        sequences) is refused, since leaving it unpadded would break the model's shapes.
     """
     if overflow not in OVERFLOW_CHOICES:
         raise ValueError(
@@ -187,9 +188,13 @@ def pad_to_bucket(
     added = bucket - own
     padded = dict(batch)
     if added:
+        dims = _token_dims(batch)
         for key, (value, _) in values.items():
-            if isinstance(batch.get(key), torch.Tensor):
-                padded[key] = _pad_last(batch[key], added, value)
+            tensor = batch.get(key)
+            if isinstance(tensor, torch.Tensor):
+                axis = _sequence_axis(tensor, own, dims) if key in extra else None
+                padded[key] = _pad_along(tensor, tensor.dim() - 1 if axis is None else axis,
+                                         added, value)  # fmt: skip
         if isinstance(batch.get("position_ids"), torch.Tensor):
             padded["position_ids"] = _continue_positions(batch["position_ids"], added)
         if batch.get("attention_mask") is not None:
@@ -353,11 +358,12 @@ def _check_batch(
             )
         if not isinstance(tensor, torch.Tensor):
             continue
-        if key in extra and (tensor.dim() == 0 or tensor.shape[-1] != length):
+        if key in extra and _sequence_axis(tensor, length, _token_dims(batch)) is None:
             raise ValueError(
-                f"batch[{key!r}] (shape {tuple(tensor.shape)}) is named in extra but its last "
-                f"dimension is not the sequence length {length}; extra pads per-token tensors "
-                "only. Fix: drop it from extra (a per-sequence tensor needs no padding)"
+                f"batch[{key!r}] (shape {tuple(tensor.shape)}) is named in extra but neither "
+                f"its last dimension nor the tokens' sequence dimension is the sequence length "
+                f"{length}; extra pads per-token tensors only. Fix: drop it from extra (a "
+                "per-sequence tensor needs no padding)"
             )
         _check_fits(key, tensor, value, source)
     packed = sorted(
@@ -393,19 +399,37 @@ def _check_batch(
                 f"Fix: build it at [b, 1, {length}, {length}] (a [b, 1, 1, s] key-padding "
                 "mask is not padded here)"
             )
-    sequence_dims = min(
-        batch[key].dim() for key in SEQUENCE_KEYS if isinstance(batch.get(key), torch.Tensor)
-    )
+    sequence_dims = _token_dims(batch)
     known = {*SEQUENCE_KEYS, "attention_mask", *extra}
     for key, value in batch.items():
         if key in known or not isinstance(value, torch.Tensor):
             continue
-        if value.dim() >= min(2, sequence_dims) and value.shape[-1] == length:
+        axis = _sequence_axis(value, length, sequence_dims)
+        if value.dim() >= min(2, sequence_dims) and axis is not None:
             raise ValueError(
                 f"batch[{key!r}] (shape {tuple(value.shape)}) has the sequence length {length} "
-                f"in its last dimension but pad_to_bucket does not know how to pad it. Fix: "
+                f"in its dimension {axis} but pad_to_bucket does not know how to pad it. Fix: "
                 f"pass extra={{{key!r}: <pad value>}}, or drop it from the micro-batch"
             )
+
+
+def _token_dims(batch: Mapping[str, Any]) -> int:
+    """The dimensions of the batch's per-token tensors (2 for ``[b, s]``, 1 for ``[s]``)."""
+    return min(
+        batch[key].dim() for key in SEQUENCE_KEYS if isinstance(batch.get(key), torch.Tensor)
+    )
+
+
+def _sequence_axis(tensor: torch.Tensor, length: int, token_dims: int) -> int | None:
+    """The dimension of ``tensor`` that runs along the sequence: the tokens' own where the
+    tensor has more after it (``[b, s, k]``), else its last; None where that one is not
+    ``length``."""
+    axis = token_dims - 1
+    if tensor.dim() > token_dims and tensor.shape[axis] == length:
+        return axis
+    if tensor.dim() > 0 and tensor.shape[-1] == length:
+        return tensor.dim() - 1
+    return None
 
 
 def _check_fits(key: str, tensor: torch.Tensor, value: Any, source: str) -> None:
@@ -424,15 +448,26 @@ def _check_fits(key: str, tensor: torch.Tensor, value: Any, source: str) -> None
         )
 
 
-def _pad_last(tensor: torch.Tensor, added: int, value: int | float | bool) -> torch.Tensor:
-    filler = torch.full(
-        (*tensor.shape[:-1], added), value, dtype=tensor.dtype, device=tensor.device
-    )
-    return torch.cat([tensor, filler], dim=-1)
+def _pad_along(
+    tensor: torch.Tensor, axis: int, added: int, value: int | float | bool
+) -> torch.Tensor:
+    shape = list(tensor.shape)
+    shape[axis] = added
+    filler = torch.full(shape, value, dtype=tensor.dtype, device=tensor.device)
+    return torch.cat([tensor, filler], dim=axis)
 
 
 def _continue_positions(position_ids: torch.Tensor, added: int) -> torch.Tensor:
     # Each row counts on from its own last position (packed rows restart their count).
+    dtype = position_ids.dtype
+    if not (dtype.is_floating_point or dtype == torch.bool) and torch.iinfo(dtype).max < 2**31 - 1:
+        # a narrow integer type would wrap around (read only for such types: it may sync)
+        last = int(position_ids.max()) if position_ids.numel() else -1
+        if last + added > torch.iinfo(dtype).max:
+            raise ValueError(
+                f"batch['position_ids'] (dtype {dtype}) cannot count on to {last + added}, the "
+                f"last position once padded: it would wrap around; convert it to torch.long"
+            )
     steps = torch.arange(1, added + 1, dtype=position_ids.dtype, device=position_ids.device)
     if position_ids.shape[-1] == 0:
         return torch.cat([position_ids, (steps - 1).expand(*position_ids.shape[:-1], added)], -1)

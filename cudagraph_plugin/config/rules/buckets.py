@@ -60,7 +60,8 @@ def _buckets(s: Settings, env: Environment) -> Iterator[Violation]:
                 ("sequence_parallel", True),
             ]
             splits.append(f"its {s.tensor_model_parallel_size} tensor-parallel ranks")
-        rounded = ",".join(str(-(-b // multiple) * multiple) for b in s.buckets)
+        # (rounded up, each once: 250 and 256 both round to 256)
+        rounded = ",".join(map(str, sorted({-(-b // multiple) * multiple for b in s.buckets})))
         yield violation(
             s,
             tuple(name for name, _ in fields),
