@@ -749,3 +749,14 @@ def test_a_refused_configuration_gets_no_advice():
     assert not [line for line in lines(out) if line.startswith("advice:")]
     code, out = check(["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "mlp"])
     assert code == 0 and "advice: scope mlp is narrower than recommended" in out
+
+
+def test_a_misspelt_recompute_module_is_refused_with_the_name_meant():
+    """(review of 2026-12-04: ``--recompute-modules core_atn`` passed, and hid the dropout
+    rule the right name meets; megatron-core asserts at model build.)"""
+    argv = [*DENSE_TE, "--recompute-granularity", "selective", "--recompute-modules"]
+    code, out = check([*argv, "core_atn"])
+    assert code == 1 and "unknown selective-recompute module(s) 'core_atn'" in out
+    assert "(did you mean core_attn?)" in out
+    code, out = check([*argv, "core_attn", "--attention-dropout", "0"])
+    assert code == 0, out

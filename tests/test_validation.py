@@ -171,6 +171,10 @@ RULE_CASES = {
         bridge(scope="attn", recompute_granularity="selective", attention_dropout=0.0),
         bridge(scope="attn", recompute_granularity="selective", attention_dropout=0.1),
     ),
+    "_recompute_modules_known": (
+        bridge(scope="attn", recompute_granularity="selective", recompute_modules=["layernorm"]),
+        bridge(scope="attn", recompute_granularity="selective", recompute_modules=["layernrm"]),
+    ),
     "_delay_wgrad": (
         bridge(scope="mlp", delay_wgrad_compute=False),
         bridge(scope="attn", delay_wgrad_compute=True, gradient_accumulation_fusion=False),
