@@ -39,6 +39,11 @@ PYTEST_ARGS ?=
 test: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --durations=10 $(XDIST) $(PYTEST_ARGS)
 
+# The configuration check of a command line, without a GPU: make check CHECK_ARGS="--cuda-graph-impl ..."
+CHECK_ARGS ?= --cuda-graph-impl local --cuda-graph-scope full_iteration
+check: $(VENV)/.installed
+	$(BIN)/python -m cudagraph_plugin check $(CHECK_ARGS)
+
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

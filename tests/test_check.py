@@ -222,10 +222,19 @@ def test_impl_none_with_scope_is_ok_and_clears_it():
 def test_impl_none_clears_both_scope_flags_each_with_its_own_value():
     # (refused anyway: both generations' flags may not be given together)
     _, out = check(["--cuda-graph-modules", "attn", "--cuda-graph-scope", "mlp"])
-    assert "auto-fix: cuda_graph_impl is none: cleared --cuda-graph-scope (was mlp)" in lines(out)
-    assert "auto-fix: cuda_graph_impl is none: cleared --cuda-graph-modules (was attn)" in lines(
+    label = "auto-fix (once the problems are fixed)"
+    assert f"{label}: cuda_graph_impl is none: cleared --cuda-graph-scope (was mlp)" in lines(out)
+    assert f"{label}: cuda_graph_impl is none: cleared --cuda-graph-modules (was attn)" in lines(
         out
     )
+
+
+def test_a_refused_configuration_s_auto_fixes_are_labelled_as_applying_once_fixed():
+    """(review of 2026-12-04: ``--cuda-graph-impl locl`` printed "auto-fix: CUDA graphs are
+    on: set --te-rng-tracker=True" beside its refusal; a run writes no fix then.)"""
+    _, out = check(["--cuda-graph-impl", "locl"])
+    assert "auto-fix (once the problems are fixed): CUDA graphs are on" in out
+    assert "  auto-fix: " not in out
 
 
 @pytest.mark.parametrize("argv", [[], ["--cuda-graph-scope", "attn"]], ids=["off", "scope"])

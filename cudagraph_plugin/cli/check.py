@@ -257,13 +257,15 @@ def run_check(argv: Sequence[str] | None = None, out: Any = None) -> int:
         f"Transformer Engine {te_text})",
         file=out,
     )
+    problems = [*own_problems, *result.problems]
+    # (a run applies them only to a configuration without problems)
+    fix_label = "auto-fix (once the problems are fixed)" if problems else "auto-fix"
     for fix in result.autofixes:
-        print(f"  auto-fix: {fix.message}", file=out)
+        print(f"  {fix_label}: {fix.message}", file=out)
     for note in result.advice:
         print(f"  advice: {note}", file=out)
     for note in result.notes:
         print(f"  note: {note}", file=out)
-    problems = [*own_problems, *result.problems]
     if problems:
         print(str(CudaGraphConfigError(problems)), file=out)
         print("FAILED", file=out)
