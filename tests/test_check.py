@@ -769,3 +769,13 @@ def test_a_misspelt_recompute_module_is_refused_with_the_name_meant():
     assert "(did you mean core_attn?)" in out
     code, out = check([*argv, "core_attn", "--attention-dropout", "0"])
     assert code == 0, out
+
+
+@pytest.mark.parametrize("flag", ["--cuda-graph-buckets", "--cuda-graph-report-json"])
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_an_empty_bucket_list_or_report_path_is_a_problem(flag, empty):
+    """(review of 2026-12-04: an unset variable in a launcher, ``--cuda-graph-report-json
+    "$REPORT"``, lost the report without a word.)"""
+    code, out = check([*DENSE_FULL_ITERATION, f"{flag}={empty}"])
+    assert code == 1 and f"{flag} = {empty!r}: an empty value" in out
+    assert "or leave the field out" in out
