@@ -778,4 +778,4 @@ def test_an_empty_bucket_list_or_report_path_is_a_problem(flag, empty):
     "$REPORT"``, lost the report without a word.)"""
     code, out = check([*DENSE_FULL_ITERATION, f"{flag}={empty}"])
     assert code == 1 and f"{flag} = {empty!r}: an empty value" in out
-    assert "or leave the field out" in out
+    assert "or leave the flag out" in out

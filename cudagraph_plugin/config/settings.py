@@ -24,7 +24,12 @@ from cudagraph_plugin.config.fields import (
     lookup,
     resolve,
 )
-from cudagraph_plugin.config.values import FieldProblem, normalise, parse_scope
+from cudagraph_plugin.config.values import (
+    FieldProblem,
+    empty_flag_problem,
+    normalise,
+    parse_scope,
+)
 from cudagraph_plugin.config.vocabulary import (
     DEFAULT_WARMUP_STEPS,
     PEER_EXIT_DEADLINE_S,
@@ -241,6 +246,7 @@ def read_settings(config: Any) -> Settings:
     sources: dict[str, str] = {}
     paths: dict[str, str] = {}
     problems: list[FieldProblem] = []
+    command_line = isinstance(config, argparse.Namespace)
     for setting in FIELD_PATHS:
         value, path = lookup(config, setting)
         if path is None:
@@ -260,6 +266,10 @@ def read_settings(config: Any) -> Settings:
             continue
         if setting == "scope":
             values[setting] = value
+            continue
+        empty = empty_flag_problem(setting, value) if command_line else None
+        if empty is not None:
+            problems.append(empty)
             continue
         try:
             value = normalise(setting, value)
@@ -309,7 +319,7 @@ def read_settings(config: Any) -> Settings:
         impl=impl,
         scope=scope,
         **values,
-        from_command_line=isinstance(config, argparse.Namespace),
+        from_command_line=command_line,
         deprecated_full_scope=names == ("full",),
         duplicated_scopes=duplicated,
         newer_spelling=tuple(newer),
