@@ -490,3 +490,22 @@ def test_ending_a_stuck_te_capture_unfreezes_only_what_megatron_core_froze(monke
     assert not cuda_graphs.is_graph_capturing()
     assert unfrozen == ([True] if freeze_gc else [])
     assert compat.end_stuck_te_capture() is False  # nothing stuck now
+
+
+def test_a_graphs_off_config_does_not_trip_megatron_core_s_full_scope_warning():
+    """(review of 2026-12-04: every graphs-off run on 0.16.1 printed megatron-core's "full
+    scope is deprecated", from its own default, which users took for their flag.)"""
+    import warnings
+
+    from megatron.core.transformer import TransformerConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=16,
+            num_attention_heads=2,
+            use_cpu_initialization=True,
+            **compat.model_config_kwargs("none", (), 3),
+        )
+    assert config.cuda_graph_impl == "none" and config.cuda_graph_scope == []

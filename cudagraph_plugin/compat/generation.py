@@ -48,6 +48,10 @@ def model_config_kwargs(impl: str, scope: tuple[str, ...], warmup_steps: int) ->
     """``TransformerConfig`` fields for these settings, spelled for the installed MCore."""
     kwargs: dict[str, Any] = {"cuda_graph_impl": impl}
     if impl == "none":
+        if not new_generation():
+            # 0.16's default scope "full" warns "full scope is deprecated" on every build, a
+            # graphs-off one too (users take it for their flag); [] is the same whole layer
+            kwargs["cuda_graph_scope"] = []
         return kwargs
     kwargs["cuda_graph_warmup_steps"] = warmup_steps
     kwargs["use_te_rng_tracker"] = True
