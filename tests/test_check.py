@@ -6,6 +6,7 @@ import io
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -779,3 +780,19 @@ def test_an_empty_bucket_list_or_report_path_is_a_problem(flag, empty):
     code, out = check([*DENSE_FULL_ITERATION, f"{flag}={empty}"])
     assert code == 1 and f"{flag} = {empty!r}: an empty value" in out
     assert "or leave the flag out" in out
+
+
+def test_the_console_script_names_itself_and_a_dash_value_gets_its_hint(tmp_path):
+    """(review of 2026-12-04: ``mcgraph-check`` printed ``usage: python -m cudagraph_plugin
+    check``, and ``--cuda-graph-buckets -256,512`` said "expected one argument" alone.)"""
+    script = Path(sys.executable).with_name("mcgraph-check")
+    if not script.exists():
+        pytest.skip("the console script is not installed next to this interpreter")
+    proc = subprocess.run(
+        [str(script), "--cuda-graph-buckets", "-256,512"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("mcgraph-check: error: argument --cuda-graph-buckets")
+    assert "hint: a value starting with '-' is given as --cuda-graph-buckets=VALUE" in proc.stderr
+    assert "usage: mcgraph-check [flags]" in proc.stderr

@@ -32,8 +32,8 @@ from cudagraph_plugin.config.environment import INSTALLED, parse_te_version
 from cudagraph_plugin.config.errors import CudaGraphConfigError, Violation
 
 USAGE = (
-    "usage: python -m cudagraph_plugin check [flags]   (check --help lists them; exit codes: "
-    "0 OK, 1 problems, 2 a broken command line)"
+    "usage: {prog} [flags]   (--help lists them; exit codes: 0 OK, 1 problems, 2 a broken "
+    "command line)"
 )
 FP8_FORMATS = ("e4m3", "hybrid")
 LIST_FLAGS = ("--cuda-graph-scope", "--cuda-graph-modules", "--recompute-modules")
@@ -43,10 +43,15 @@ class _CheckParser(argparse.ArgumentParser):
     """Reports a broken command line in three lines, with a hint, instead of the usage."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}{_hint(self, message)}\n{USAGE}\n")
+        usage = USAGE.format(prog=self.prog)
+        self.exit(2, f"{self.prog}: error: {message}{_hint(self, message)}\n{usage}\n")
 
 
 def _hint(parser: argparse.ArgumentParser, message: str) -> str:
+    if message.endswith(": expected one argument"):
+        # (argparse takes a value starting with "-", "-256,512", for a flag)
+        flag = message.removeprefix("argument ").split(":")[0].split("/")[0]
+        return f"\n  hint: a value starting with '-' is given as {flag}=VALUE"
     if not message.startswith("unrecognized arguments: "):
         return ""
     known = [flag for flag in parser._option_string_actions if flag.startswith("--")]
@@ -69,9 +74,9 @@ def _flags(dest: str) -> list[str]:
     return ["--" + dest.replace("_", "-"), "--" + dest]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m cudagraph_plugin check") -> argparse.ArgumentParser:
     parser = _CheckParser(
-        prog="python -m cudagraph_plugin check",
+        prog=prog,
         allow_abbrev=False,  # as Megatron-LM: a misspelled flag is an error, not a prefix
         description="Check a CUDA-graph configuration against every known constraint, as a "
         "run would. Exit codes: 0 OK, 1 problems (bad flag values included), 2 a broken "
@@ -231,9 +236,11 @@ def _own_flags(args: argparse.Namespace) -> tuple[Any, list[Violation]]:
     return te_version, problems
 
 
-def run_check(argv: Sequence[str] | None = None, out: Any = None) -> int:
+def run_check(
+    argv: Sequence[str] | None = None, out: Any = None, prog: str | None = None
+) -> int:
     out = out or sys.stdout
-    args = build_parser().parse_args(argv)
+    args = (build_parser(prog) if prog else build_parser()).parse_args(argv)
     te_version, own_problems = _own_flags(args)
     given = args.te_version is not None and te_version is not None
     installed = environment.installed_te_version()
@@ -275,4 +282,6 @@ def run_check(argv: Sequence[str] | None = None, out: Any = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_check(argv)
+    """The ``mcgraph-check`` console script: ``python -m cudagraph_plugin check`` under the
+    name it was run by (its usage lines say that name)."""
+    return run_check(argv, prog=os.path.basename(sys.argv[0]) or None)
