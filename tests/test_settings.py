@@ -614,7 +614,8 @@ def test_accepted_forms_are_normalised(field, given, setting, expected):
         ("seq_length", "0", "must be an integer >= 1", "such as 4096"),
         ("cuda_graph_warmup_steps", "x", "must be a non-negative integer", "default: 3"),
         ("moe_expert_capacity_factor", "big", "not a number", "such as 0.1"),
-        ("attention_dropout", "nan", "not a number", "such as 0.1"),
+        ("attention_dropout", "nan", "not a finite number", "such as 0.1"),
+        ("cuda_graph_peer_exit_deadline", "inf", "not a finite number", "from 1 to 3600"),
         ("hidden_dropout", None, None, None),  # None: megatron-core's default stands
         ("cpu_offloading", "maybe", "not a boolean", "use true or false"),
         ("cpu_offloading", 2, "not a boolean", "use true or false"),

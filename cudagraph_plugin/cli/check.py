@@ -236,9 +236,7 @@ def _own_flags(args: argparse.Namespace) -> tuple[Any, list[Violation]]:
     return te_version, problems
 
 
-def run_check(
-    argv: Sequence[str] | None = None, out: Any = None, prog: str | None = None
-) -> int:
+def run_check(argv: Sequence[str] | None = None, out: Any = None, prog: str | None = None) -> int:
     out = out or sys.stdout
     args = (build_parser(prog) if prog else build_parser()).parse_args(argv)
     te_version, own_problems = _own_flags(args)

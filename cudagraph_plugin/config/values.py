@@ -128,8 +128,10 @@ def _to_float(value: Any) -> float:
             number = float(value)
         except ValueError:
             number = None
-    if number is None or not math.isfinite(number):
+    if number is None:
         raise _Unreadable("not a number", "give a number such as 0.1")
+    if not math.isfinite(number):
+        raise _Unreadable("not a finite number", "give a finite number such as 0.1")
     return number
 
 
@@ -152,8 +154,8 @@ def _to_deadline(value: Any) -> float:
     fix = "give 0 (off) or a number of seconds from 1 to 3600, such as 12 (the default)"
     try:
         number = _to_float(value)
-    except _Unreadable:
-        raise _Unreadable("not a number", fix) from None
+    except _Unreadable as exc:
+        raise _Unreadable(exc.problem, fix) from None
     if number != 0 and not 1 <= number <= 3600:
         raise _Unreadable(
             "must be 0 (off) or from 1 s (a rank's shutdown, the graphs freed, takes about a "
