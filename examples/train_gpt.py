@@ -67,7 +67,7 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="train_gpt.py",
         description="Train a tiny Megatron-Core GPT on synthetic tokens, hosting mcgraph plugins.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsOnce,
     )
     model = parser.add_argument_group("model")
     model.add_argument("--num-layers", type=int, default=2)
@@ -220,10 +220,40 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
     )
 
     pluginmanager.hook.mcgraph_add_arguments(parser=parser)
+    for action in parser._actions:  # (a flag without help still shows its default)
+        if action.option_strings and not action.help and _shown_default(action):
+            action.help = "default: %(default)s"
     return parser
 
 
+def _shown_default(action: argparse.Action) -> bool:
+    return action.default not in (None, False, argparse.SUPPRESS)
+
+
+class _DefaultsOnce(argparse.HelpFormatter):
+    """Each flag's default, once: appended to its help unless the help says it already, or
+    the default is nothing to show (None: not set; a switch's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not _shown_default(action) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+# Counts the loop reads, with their least value (a negative one ran, or failed elsewhere).
+_AT_LEAST = {
+    "train_iters": 0, "start_step": 0, "log_interval": 0, "eval_iters": 0,
+    "eval_interval": 0, "seq_length": 1, "micro_batch_size": 1, "num_microbatches": 1,
+    "num_layers": 1, "hidden_size": 1, "num_attention_heads": 1, "vocab_size": 1,
+}  # fmt: skip
+
+
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: bool) -> None:
+    for name, least in _AT_LEAST.items():
+        value = getattr(args, name, None)
+        if value is not None and value < least:
+            parser.error(f"--{name.replace('_', '-')} {value}: give a number >= {least}")
     if args.transformer_impl == "transformer_engine":
         if importlib.util.find_spec("transformer_engine") is None:
             parser.error(
@@ -243,7 +273,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, use_c
         parser.error("--fp8-format needs --transformer-impl transformer_engine (TE's FP8 GEMMs)")
     args.virtual_pipeline_model_parallel_size = _virtual_stages(parser, args)
     if args.start_step > args.train_iters:
-        parser.error("--start-step must not exceed --train-iters")
+        parser.error(
+            f"--start-step {args.start_step} must not exceed --train-iters {args.train_iters}"
+        )
 
 
 def _virtual_stages(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int | None:

@@ -356,6 +356,33 @@ def test_transformer_engine_impl_without_te_is_a_clear_error(
     assert "needs Transformer Engine, which is not installed" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (("--train-iters", "-5"), "--train-iters -5: give a number >= 0"),
+        (("--log-interval", "-1"), "--log-interval -1: give a number >= 0"),
+        (("--seq-length", "0"), "--seq-length 0: give a number >= 1"),
+        (("--train-iters", "3", "--start-step", "4"), "--start-step 4 must not exceed --train-"
+         "iters 3"),
+    ],
+)  # fmt: skip
+def test_a_count_out_of_range_is_a_usage_error_naming_the_flag_given(capsys, argv, said) -> None:
+    """(review of 2026-12-04: ``--train-iters -5`` was blamed on --start-step, and
+    ``--log-interval -1`` ran.)"""
+    with pytest.raises(SystemExit) as excinfo:
+        train(*argv)
+    assert excinfo.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_the_help_says_each_default_once() -> None:
+    """(review of 2026-12-04: "(default: megatron-core's 3) (default: None)", and flags
+    without help showed no default.)"""
+    text = train_gpt.build_parser(get_plugin_manager()).format_help()
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "default: 32" in " ".join(text.split("--seq-length SEQ_LENGTH", 2)[2].split()[:2])
+
+
 # -------------------------------------------------------------------------------------------
 # The example as a program.
 # -------------------------------------------------------------------------------------------
