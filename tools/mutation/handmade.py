@@ -267,8 +267,8 @@ MUTANTS = [
         "bucket-outside-replays",
         "bucket graphs: a shape outside every bucket is warmed up and captured like a bucket",
         BUCKETS_PY,
-        "        if key.seq_length not in self.buckets:\n            self._log_once(\n",
-        "        if False:\n            self._log_once(\n",
+        "        if key.seq_length not in self.buckets:\n            above = [",
+        "        if False:\n            above = [",
         (
             BUCKETS + "test_a_shape_outside_every_bucket_runs_eagerly_with_one_log_line_per_"
             "new_shape",
@@ -549,6 +549,39 @@ MUTANTS = [
         "                self._discard(graph, key, error)\n",
         "                pass\n",
         (BUCKETS + "test_a_capture_interrupted_frees_its_graph_before_the_error_goes_on",),
+    ),
+    Mutant(
+        "guard-not-kept-outermost",
+        "a tryfirst shutdown wrapper registered after the plugin sits outside its guard",
+        "hookspecs/manager.py",
+        "        if registered is not None and not _outermost(plugin):\n",
+        "        if False:\n",
+        (
+            "tests/test_hookspecs_names.py::"
+            "test_an_outermost_object_stays_outside_tryfirst_wrappers_registered_after_it",
+            LIFECYCLE
+            + "test_cleanup_runs_even_if_another_shutdown_wrapper_raises_before_its_yield",
+            LIFECYCLE + "test_the_configured_warm_up_is_the_answer_whatever_registers_later",
+        ),
+    ),
+    Mutant(
+        "second-shutdown-reports-again",
+        "a mcgraph_shutdown fired again (by a plugin) reports and frees a second time",
+        "cudagraph_plugin/runtime/shutdown.py",
+        "        if self.entered:  # fired again",
+        "        if False:  # fired again",
+        (
+            LIFECYCLE
+            + "test_a_plugin_firing_mcgraph_shutdown_itself_gets_one_report_and_one_release",
+        ),
+    ),
+    Mutant(
+        "bucket-odd-first-call-kept",
+        "bucket graphs: static buffers made from an odd first call keep the bucket eager",
+        BUCKETS_PY,
+        "        if unlike:\n            self._remake_unused_buffers(key)\n",
+        "        if False:\n            self._remake_unused_buffers(key)\n",
+        (BUCKETS + "test_an_odd_first_micro_batch_does_not_keep_its_bucket_eager",),
     ),
 ]
 
