@@ -74,6 +74,12 @@ class BucketStats:
     def steps(self, *actions: Action) -> list[int]:
         return [step for step, action in self.calls if action in actions and step is not None]
 
+    def replayed_since_capture(self) -> bool:
+        """Whether a step replayed the key's graph after the call that last captured it."""
+        actions = [action for _, action in self.calls]
+        last = max((i for i, a in enumerate(actions) if a is Action.CAPTURE), default=-1)
+        return Action.REPLAY in actions[last + 1 :]
+
 
 def key_of(kwargs: Mapping[str, Any]) -> BucketKey:
     """The key of one ``forward_backward_func`` call (its keyword arguments)."""

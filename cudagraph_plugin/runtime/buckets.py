@@ -457,6 +457,7 @@ class BucketGraphs:
         ``tell_peers``: the other ranks free theirs at the next training call (the host's
         word may come on one rank only); the route's own invalidation is agreed already."""
         self._told = self._told or tell_peers
+        unreplayed = sum(1 for k in self._graphs if not self.stats[k].replayed_since_capture())
         if self._holds_graphs():
             import torch
 
@@ -476,11 +477,18 @@ class BucketGraphs:
         self.moves.reference = None
         self.invalidations.append((step, reason, result.graphs_freed))
         logger.warning(
-            "CUDA graph buckets: %s: freed %d graph(s) at step %s; each bucket%s is captured "
+            "CUDA graph buckets: %s: freed %d graph(s) at step %s%s; each bucket%s is captured "
             "again after %d warm-up step(s)",
             reason,
             result.graphs_freed,
             step,
+            (
+                f", {unreplayed} of them never replayed since its capture (a capture that "
+                "bought nothing: invalidate less often, or use fewer buckets or a shorter "
+                "warm-up)"
+                if unreplayed
+                else ""
+            ),
             " and the optimizer step" if self._tied else "",
             self.warmup_steps,
         )
