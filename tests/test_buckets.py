@@ -719,7 +719,8 @@ def test_the_host_can_invalidate_the_graphs_explicitly(graphs, caplog):
     # run that captured again and again and never replayed was told nothing until its end)
     assert any(
         "weights reloaded after the rollout: freed 2 graph(s) at step 5, 1 of them never "
-        "replayed since its capture (a capture that bought nothing" in r.message
+        "replayed since its capture (a capture that bought nothing"
+        in r.message
         and "captured again after 1 warm-up step(s)" in r.message
         for r in caplog.records
     )
@@ -1062,3 +1063,27 @@ def test_a_value_that_changes_every_step_is_said_once(graphs, caplog):
         with_and_without_buckets([[10]] * 5, counted)
     said = [r.getMessage() for r in caplog.records if "unlike those its bucket" in r.getMessage()]
     assert len(said) == 1 and "non-tensor values fixed" in said[0]
+
+
+def test_the_buffers_are_made_again_on_every_rank_alike(graphs):
+    """(review of 2026-12-04: only the rank that saw the odd micro-batch made its buffers again
+    and went back to warming up; the others captured at that step, a capture's barrier
+    against a warm-up's gradient all-reduce.) Two ranks, one after the other: A's step 1 is
+    short, B hears of it through the agreement."""
+
+    def rank(odd_step, agree):
+        with megatron_gpt() as host:
+            bucketed = BucketGraphs(BUCKETS, 1, model=host.model, optimizer=host.optimizer,
+                                    agree=agree)  # fmt: skip
+            try:
+                for step in range(4):
+                    kwargs = step_kwargs(host, step, [10])
+                    batches = list(kwargs["data_iterator"])
+                    kwargs["data_iterator"] = iter(short(batches) if step == odd_step else batches)
+                    train_step(host, kwargs, bucketed, step)
+            finally:
+                assert not release_each(bucketed.release_steps()).failures
+        return [action for _, action in bucketed.stats[BucketKey(16, MBS, 1)].calls]
+
+    W, C, E = Action.WARMUP, Action.CAPTURE, Action.EAGER
+    assert rank(1, OtherRank()) == rank(None, OtherRank(unlike_at=2)) == [W, E, W, C]

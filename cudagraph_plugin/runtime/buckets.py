@@ -262,7 +262,7 @@ class BucketGraphs:
                 logging.WARNING,
             )
             route = Route(Action.EAGER, key, "micro-batches unlike the bucket's")
-        if unlike:
+        if agreed[7]:  # (every rank alike, whichever saw it: their warm-ups stay in step)
             self._remake_unused_buffers(key)
         return dataclasses.replace(route, drawn=drawn, listed=listed)
 
