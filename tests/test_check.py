@@ -774,12 +774,31 @@ def test_a_misspelt_recompute_module_is_refused_with_the_name_meant():
 
 @pytest.mark.parametrize("flag", ["--cuda-graph-buckets", "--cuda-graph-report-json"])
 @pytest.mark.parametrize("empty", ["", "  "])
-def test_an_empty_bucket_list_or_report_path_is_a_problem(flag, empty):
+def test_an_empty_bucket_list_or_report_path_is_a_usage_error(capsys, flag, empty):
     """(review of 2026-12-04: an unset variable in a launcher, ``--cuda-graph-report-json
     "$REPORT"``, lost the report without a word.)"""
-    code, out = check([*DENSE_FULL_ITERATION, f"{flag}={empty}"])
-    assert code == 1 and f"{flag} = {empty!r}: an empty value" in out
-    assert "or leave the flag out" in out
+    with pytest.raises(SystemExit) as raised:
+        check([*DENSE_FULL_ITERATION, f"{flag}={empty}"])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert f"an empty value, got {empty!r}: give a value, or leave the flag out" in err
+
+
+def test_a_host_s_empty_default_is_not_taken_for_an_empty_flag():
+    """(review of today's diff: ``parser.set_defaults(cuda_graph_report_json="")``, a host's
+    "not set", was refused as if typed.)"""
+    import argparse
+
+    from cudagraph_plugin.cli import add_cuda_graph_arguments
+    from cudagraph_plugin.config.check import check_config
+
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(cuda_graph_report_json="", cuda_graph_buckets="")
+    add_cuda_graph_arguments(parser)
+    args = parser.parse_args(["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"])
+    assert args.cuda_graph_report_json == "" and check_config(args).ok
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cuda-graph-report-json", ""])
 
 
 def test_the_console_script_names_itself_and_a_dash_value_gets_its_hint(tmp_path):

@@ -108,6 +108,26 @@ class ScopeAction(argparse.Action):
             raise argparse.ArgumentError(self, str(exc)) from None
 
 
+class NotEmpty(argparse.Action):
+    """A flag whose empty value is a usage error: an unset variable in a launcher
+    (``--cuda-graph-report-json "$REPORT"``) would drop the report, or the buckets, without a
+    word. (An action, not a ``type``: argparse runs it only for a flag given, never for a
+    host's default.)"""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        if isinstance(values, str) and not values.strip():
+            raise argparse.ArgumentError(
+                self, f"an empty value, got {values!r}: give a value, or leave the flag out"
+            )
+        setattr(namespace, self.dest, values)
+
+
 class RawScopeAction(ScopeAction):
     """As :class:`ScopeAction`, keeping the joined text for validation to report."""
 
@@ -196,7 +216,12 @@ def add_cuda_graph_arguments(parser: argparse.ArgumentParser, *, lenient: bool =
         ),
         (
             "cuda_graph_report_json",
-            dict(default=None, metavar="PATH", help="also write the run report as JSON here"),
+            dict(
+                action=NotEmpty,
+                default=None,
+                metavar="PATH",
+                help="also write the run report as JSON here",
+            ),
         ),
         (
             "cuda_graph_fallback_on_slowdown",
@@ -209,6 +234,7 @@ def add_cuda_graph_arguments(parser: argparse.ArgumentParser, *, lenient: bool =
         (
             "cuda_graph_buckets",
             dict(
+                action=NotEmpty,
                 default=None,
                 metavar="LENGTHS",
                 help="full_iteration: one graph per sequence-length bucket, e.g. 256,512,1024 "

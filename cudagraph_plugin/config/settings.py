@@ -26,7 +26,6 @@ from cudagraph_plugin.config.fields import (
 )
 from cudagraph_plugin.config.values import (
     FieldProblem,
-    empty_flag_problem,
     normalise,
     parse_scope,
 )
@@ -266,10 +265,6 @@ def read_settings(config: Any) -> Settings:
             continue
         if setting == "scope":
             values[setting] = value
-            continue
-        empty = empty_flag_problem(setting, value) if command_line else None
-        if empty is not None:
-            problems.append(empty)
             continue
         try:
             value = normalise(setting, value)

@@ -389,23 +389,6 @@ _FIX_TEXT = {
 }
 
 
-# Settings whose empty string on a command line is a mistake (an unset variable in a
-# launcher: the run would lose its report, or its buckets, without a word), not "not set"
-# as in a config object's defaults: what to give instead.
-_EMPTY_IS_A_MISTAKE = {
-    "buckets": "sequence lengths such as 256,512,1024",
-    "report_json": "a file path",
-}
-
-
-def empty_flag_problem(setting: str, value: Any) -> FieldProblem | None:
-    """The problem with a flag given as an empty string, where that is a mistake."""
-    if setting in _EMPTY_IS_A_MISTAKE and isinstance(value, str) and not value.strip():
-        fix = f"give {_EMPTY_IS_A_MISTAKE[setting]}, or leave the flag out"
-        return FieldProblem(setting, value, "an empty value", fix)
-    return None
-
-
 def normalise(setting: str, value: Any) -> Any:
     """The value of ``setting`` in the plugin's types, or :data:`MISSING` for "use the
     default". Raises ``ValueError`` carrying a :class:`FieldProblem` when it cannot be read."""
