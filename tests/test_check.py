@@ -815,3 +815,27 @@ def test_the_console_script_names_itself_and_a_dash_value_gets_its_hint(tmp_path
     assert proc.stderr.startswith("mcgraph-check: error: argument --cuda-graph-buckets")
     assert "hint: a value starting with '-' is given as --cuda-graph-buckets=VALUE" in proc.stderr
     assert "usage: mcgraph-check [flags]" in proc.stderr
+
+
+def test_the_recompute_module_names_are_the_installed_megatron_core_s(monkeypatch):
+    """(review of today's diff: 0.19's gdn_norm_out passed with 0.16.1 installed, which
+    refuses it.) Read from megatron-core's source, as importing it says."""
+    from megatron.core.transformer import TransformerConfig
+
+    environment.mcore_recompute_modules.cache_clear()
+    known = environment.mcore_recompute_modules()
+
+    def build(name):
+        return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                 recompute_granularity="selective", recompute_modules=[name])  # fmt: skip
+
+    for name in set(known) - {"moe_act", "mla_up_proj"}:  # (those two need more set-up)
+        build(name)
+    if "gdn_norm_out" not in known:
+        with pytest.raises(AssertionError, match="Invalid choices for recompute_modules"):
+            build("gdn_norm_out")
+    argv = [*DENSE_TE, "--recompute-granularity", "selective", "--recompute-modules"]
+    code, out = check([*argv, "gdn_norm_out"])
+    assert (code == 0) is ("gdn_norm_out" in known), out
+    monkeypatch.setattr(environment, "mcore_recompute_modules", lambda: (*known, "gdn_norm_out"))
+    assert check([*argv, "gdn_norm_out"])[0] == 0

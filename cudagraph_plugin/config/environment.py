@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,30 @@ def mcore_spells_modules() -> bool | None:
         return "cuda_graph_modules" in source.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None
+
+
+RECOMPUTE_MODULES_016 = (
+    "core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts",
+)  # fmt: skip
+"""megatron-core 0.16.1's selective-recompute module names."""
+
+
+@functools.cache
+def mcore_recompute_modules() -> tuple[str, ...]:
+    """The selective-recompute module names the installed megatron-core allows (its
+    ``allowed_modules`` set, read from its ``TransformerConfig`` source without importing
+    it; 0.16.1's where it cannot be read)."""
+    source = _megatron_file("core", "transformer", "transformer_config.py")
+    try:
+        text = source.read_text(encoding="utf-8", errors="replace") if source else ""
+    except OSError:
+        text = ""
+    start = text.find("allowed_modules = {")
+    end = text.find("}", start)
+    if start < 0 or end < 0:
+        return RECOMPUTE_MODULES_016
+    names = tuple(re.findall(r"[\"']([a-z_]+)[\"']", text[start:end]))
+    return names or RECOMPUTE_MODULES_016
 
 
 def newer_spelling_note(settings: Settings) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from cudagraph_plugin.config import environment
 from cudagraph_plugin.config.environment import Environment
 from cudagraph_plugin.config.errors import MCORE, MCORE_16, MCORE_19, Violation
 from cudagraph_plugin.config.rules.base import did_you_mean, rule, scope_value, violation
@@ -143,27 +144,23 @@ def _ep_overlap(s: Settings, env: Environment) -> Iterator[Violation]:
 
 # -- recompute --------------------------------------------------------------------------------
 
-# megatron-core's selective-recompute module names (0.16.1; 0.19 adds gdn_norm_out)
-RECOMPUTE_MODULES = (
-    "core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts",
-    "gdn_norm_out",
-)  # fmt: skip
-
 
 @rule
 def _recompute_modules_known(s: Settings, env: Environment) -> Iterator[Violation]:
-    # (a misspelt name would also hide the dropout rules below, which look for the names)
+    # (a misspelt name would also hide the dropout rules below, which look for the names;
+    # the installed megatron-core's names: 0.19 adds gdn_norm_out, which 0.16.1 refuses)
     if not s.enabled or s.recompute_granularity != "selective":
         return
-    unknown = [name for name in s.effective_recompute_modules if name not in RECOMPUTE_MODULES]
+    known = environment.mcore_recompute_modules()
+    unknown = [name for name in s.effective_recompute_modules if name not in known]
     if unknown:
         yield violation(
             s,
             ("recompute_modules",),
             list(s.effective_recompute_modules),
             f"unknown selective-recompute module(s) {', '.join(map(repr, unknown))}",
-            f"use names from {', '.join(RECOMPUTE_MODULES)}"
-            f"{did_you_mean(unknown[0], RECOMPUTE_MODULES)}",
+            f"use names from {', '.join(known)} (megatron-core {environment.mcore_version()}, "
+            f"installed here){did_you_mean(unknown[0], known)}",
             (MCORE, "Invalid choices for recompute_modules"),
         )
 
