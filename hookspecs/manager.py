@@ -14,7 +14,8 @@ gives the owning plugin's name for it, so errors it raises name the plugin, not 
 
 **Kept outermost.** pluggy puts the ``tryfirst`` wrapper registered last outermost. An
 object whose ``mcgraph_outermost`` attribute is ``True`` (the CUDA graph plugin's shutdown
-guard) is registered again after every other registration, so its ``tryfirst`` wrappers
+guard; it may implement no historic hook, which each registration would replay to it) is
+registered again after every other registration, so its ``tryfirst`` wrappers
 stay outside those of objects registered later (a per-run object registered from a hook, an
 entry point loaded before the plugin); among such objects the registration order holds.
 """
@@ -88,6 +89,17 @@ class McgraphPluginManager(pluggy.PluginManager):
             name = self._free_name(f"{owner}:{kind}" if owner is not None else kind)
         registered = super().register(plugin, name)
         self.registrations += 1
+        if registered is not None and _outermost(plugin):
+            historic = sorted(
+                caller.name for caller in self.get_hookcallers(plugin) or () if caller.is_historic()
+            )
+            if historic:  # (registered again after every registration: replayed each time)
+                super().unregister(plugin, registered)
+                raise ValueError(
+                    f"{registered}: an object with {OUTERMOST_ATTR} = True implements "
+                    f"{', '.join(historic)}, a historic hook, which every registration after "
+                    "it would replay to it again; implement it on another object"
+                )
         if registered is not None and owner is not None:
             self._owners[registered] = owner
         if registered is not None and not _outermost(plugin):

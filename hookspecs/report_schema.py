@@ -311,7 +311,9 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "first step and without steps that held another capture), `speedup`, "
         "`padding_waste_percent` (padded positions of all positions, from `run.step_padded`), "
         "`pool_mib` (what its last capture added to allocated memory; one pool serves every "
-        "bucket), `break_even_steps`, `paid_off` (`None` as `pays_off`); `[]` without buckets",
+        "bucket), `break_even_steps`, `paid_off` (`None` as `pays_off`, and where the bucket "
+        "was never captured; `false` where it was captured and never replayed); `[]` without "
+        "buckets",
     ),
     ReportField(
         "invalidations",

@@ -826,8 +826,10 @@ def test_the_recompute_module_names_are_the_installed_megatron_core_s(monkeypatc
     known = environment.mcore_recompute_modules()
 
     def build(name):
-        return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
-                                 recompute_granularity="selective", recompute_modules=[name])  # fmt: skip
+        return TransformerConfig(
+            num_layers=1, hidden_size=16, num_attention_heads=2,
+            recompute_granularity="selective", recompute_modules=[name],
+        )  # fmt: skip
 
     for name in set(known) - {"moe_act", "mla_up_proj"}:  # (those two need more set-up)
         build(name)

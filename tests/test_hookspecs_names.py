@@ -202,3 +202,19 @@ def test_without_the_attribute_pluggy_s_order_holds(pm):
     with TrainingRun(pm, None, train_iters=0, handle_signals=()):
         pass
     assert seen[:2] == ["enter second", "enter first"]
+
+
+def test_an_outermost_object_with_a_historic_hook_is_refused(pm):
+    """(review of today's diff: registered again after every registration, its
+    ``mcgraph_configure`` was replayed each time.)"""
+
+    class Configures:
+        mcgraph_outermost = True
+
+        @hookimpl
+        def mcgraph_configure(self, config, pluginmanager):
+            pass
+
+    with pytest.raises(ValueError, match=r"implements mcgraph_configure, a historic hook"):
+        pm.register(Configures(), name="configures")
+    assert pm.get_plugin("configures") is None

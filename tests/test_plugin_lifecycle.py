@@ -905,6 +905,70 @@ def test_the_configured_warm_up_is_the_answer_whatever_registers_later(fake_grap
     assert rec.report.to_dict()["warmup_steps"] == 3
 
 
+def test_a_shutdown_fired_inside_the_shutdown_waits_for_the_first_one(fake_graphs, caplog):
+    """(review of today's diff: fired from a plain ``mcgraph_shutdown`` implementation, the
+    second call said the graphs were freed while they were still held, and its guard waited
+    for the peers before the first one freed them.)"""
+    from hookspecs import ShutdownReason
+
+    seen = []
+
+    class FiresAgain:
+        @hookimpl
+        def mcgraph_configure(self, config, pluginmanager):
+            self.pm = pluginmanager
+
+        @hookimpl
+        def mcgraph_shutdown(self, reason):
+            if str(reason) == "completed":
+                self.pm.hook.mcgraph_shutdown(reason=ShutdownReason.EXCEPTION, exception=None)
+                seen.append([g.resets for g in fake_graphs.graphs])
+
+    caplog.set_level(logging.WARNING, "cudagraph_plugin")
+    summary, _ = run(*FULL, "--cuda-graph-warmup-steps", "1", steps=4, plugins=[FiresAgain()])
+    assert summary["shutdown_reason"] == "completed"
+    assert seen == [[0]] and [g.resets for g in fake_graphs.graphs] == [1]
+    [again] = [r.getMessage() for r in caplog.records if "fired again" in r.getMessage()]
+    assert "(reason exception) during this run's shutdown (reason completed)" in again
+    assert "which reports the run and frees its CUDA graphs once it ends" in again
+
+
+def test_a_shutdown_fired_after_the_guard_s_own_release_reports_nothing_more(fake_graphs):
+    """The guard's path (a wrapper raising before its yield skipped the plugin's) counts as
+    the run's shutdown too: a later one reports and frees nothing more."""
+    from hookspecs import ShutdownReason
+
+    reports = []
+
+    class Rude:
+        @hookimpl(wrapper=True)
+        def mcgraph_shutdown(self, reason, exception):
+            raise RuntimeError("rude wrapper")
+            yield  # pragma: no cover
+
+    class Late:
+        @hookimpl
+        def mcgraph_configure(self, config, pluginmanager):
+            self.pm = pluginmanager
+
+        @hookimpl
+        def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
+            self.pm.register(Rude())
+
+        @hookimpl
+        def mcgraph_report(self, report):
+            reports.append(report)
+
+    late = Late()
+    with pytest.raises(RuntimeError, match="rude wrapper"):
+        run(*FULL, "--cuda-graph-warmup-steps", "1", steps=4, plugins=[late])
+    assert len(reports) == 1 and [g.resets for g in fake_graphs.graphs] == [1]
+    late.pm.unregister(name=late.pm.get_name(next(
+        p for p in late.pm.get_plugins() if isinstance(p, Rude))))  # fmt: skip
+    late.pm.hook.mcgraph_shutdown(reason=ShutdownReason.EXCEPTION, exception=None)
+    assert len(reports) == 1 and [g.resets for g in fake_graphs.graphs] == [1]
+
+
 @pytest.mark.parametrize("mark", ["plain", "tryfirst", "trylast"])
 @pytest.mark.parametrize("when", ["model_built", "train_start"])
 def test_cleanup_runs_even_if_another_shutdown_wrapper_raises_before_its_yield(

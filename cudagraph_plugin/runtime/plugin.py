@@ -231,7 +231,11 @@ class CudaGraphPlugin:
         return (yield from self.shutdown.wrap(reason, exception))
 
     def guard_shutdown(self, reason: Any, exception: BaseException | None) -> Any:
-        """The body of :class:`OutermostHooks`' shutdown wrapper (a generator)."""
+        """The body of :class:`OutermostHooks`' shutdown wrapper (a generator). A shutdown
+        fired again (by a plugin; during the first one, or after it) marks nothing and waits
+        for nobody: the first one does both, in their places."""
+        if self.shutdown.entered:
+            return (yield from self.shutdown.guard(reason, exception))
         mark_error = self._end_job(self.shutdown.reason_of(reason), exception)
         try:
             result = yield from self.shutdown.guard(reason, exception)

@@ -33,6 +33,7 @@ class Shutdown:
         self._said_reason = False
         self._first_reason: ShutdownReason | None = None
         self._said_again = False
+        self.released = False  # the first shutdown's release ran (entered: it began)
 
     def reason_of(self, reason: Any) -> ShutdownReason:
         """``reason`` as a :class:`~hookspecs.ShutdownReason`. A host firing
@@ -84,7 +85,10 @@ class Shutdown:
                 logger.error("the run report also failed", exc_info=report_error)
             raise
         finally:
-            self.release_all(str(reason), quiet=quiet, exception=exception)
+            try:
+                self.release_all(str(reason), quiet=quiet, exception=exception)
+            finally:
+                self.released = True
         if report_error is not None:
             raise report_error
         return result
@@ -94,12 +98,16 @@ class Shutdown:
             return
         self._said_again = True
         logger.warning(
-            "mcgraph_shutdown fired again (reason %s) after this run's shutdown (reason %s), "
-            "which reported the run and freed its CUDA graphs: nothing more to report or "
-            "free. Fix: TrainingRun fires mcgraph_shutdown once; a plugin must not fire it "
-            "(raise an exception to end a run)",
+            "mcgraph_shutdown fired again (reason %s) %s this run's shutdown (reason %s), "
+            "which %s: nothing more to report or free here. Fix: TrainingRun fires "
+            "mcgraph_shutdown once; a plugin must not fire it (raise an exception to end a "
+            "run)",
             reason,
+            "after" if self.released else "during",
             self._first_reason,
+            "reported the run and freed its CUDA graphs"
+            if self.released
+            else "reports the run and frees its CUDA graphs once it ends",
         )
 
     def guard(self, reason: Any, exception: BaseException | None) -> Generator[None, Any, Any]:
@@ -124,7 +132,10 @@ class Shutdown:
         except BaseException as report_error:
             logger.error("the run report failed", exc_info=report_error)
         finally:
-            self.release_all(reason, quiet=quiet, exception=exception)
+            try:
+                self.release_all(reason, quiet=quiet, exception=exception)
+            finally:
+                self.released = True
 
 
 def device_may_block(reason: Any, state: RunState) -> bool:
