@@ -296,18 +296,50 @@ def test_a_dict_subclass_and_a_plain_dict_with_the_same_values_are_the_same_batc
 # -- check_replay: check_call's shortcut for the interceptor's remembered training replay ------
 
 
+def _plain_step(data_iterator, model):  # a step function the replay's shortcut trusts
+    raise AssertionError("never called by the guard")
+
+
+_MODEL = [torch.nn.Linear(1, 1)]
+# (the model and a plain step function: without them every replay check takes check_call's
+# path, and the replay's own shortcut, which these tests are about, is never reached)
+CALLEE = {"forward_step_func": _plain_step, "model": _MODEL}
+
+
 def _replay_kwargs(**overrides):
-    kwargs = {"num_microbatches": 2, "seq_length": 8, "micro_batch_size": 2}
+    kwargs = {"num_microbatches": 2, "seq_length": 8, "micro_batch_size": 2, **CALLEE}
     kwargs["data_iterator"] = batches(kwargs["num_microbatches"])
     kwargs.update(overrides)
     return kwargs
+
+
+def armed_for_replays() -> ShapeGuard:
+    """A guard armed by a call with the model and a plain step function, whose replays take
+    the shortcut (``check_call`` is then never reached for an unchanged call)."""
+    guard = ShapeGuard()
+    # (copied: the interceptor's full-iteration path, which snapshots the step function)
+    iterator = guard.check_call("training", 3, _replay_kwargs(), record=True, copied=True)
+    next(iterator), next(iterator)
+    guard.commit("training")
+
+    def unexpected(*args, **kwargs):
+        raise AssertionError("the replay's shortcut fell back to check_call")
+
+    shortcut = guard.check_replay(_replay_kwargs())
+    guard.check_call, real = unexpected, guard.check_call
+    try:
+        next(guard.check_replay(_replay_kwargs()))
+    finally:
+        guard.check_call = real
+    del shortcut
+    return guard
 
 
 @pytest.mark.parametrize(
     "key,value", [("num_microbatches", 3), ("seq_length", 16), ("micro_batch_size", 4)]
 )
 def test_check_replay_refuses_a_changed_call_as_check_call_does(key, value):
-    guard = armed()
+    guard = armed_for_replays()
     with pytest.raises(StaticShapeError) as by_call:
         guard.check_call("training", None, _replay_kwargs(**{key: value}), record=False)
     with pytest.raises(StaticShapeError) as by_replay:
@@ -357,10 +389,12 @@ def test_check_replay_wraps_a_list_subclass_per_chunk_as_check_call_does():
         pass
 
     guard = ShapeGuard()
-    its = guard.check_call("training", 0, {"data_iterator": Chunks([batches(1)])}, record=True)
+    its = guard.check_call(
+        "training", 0, {"data_iterator": Chunks([batches(1)]), **CALLEE}, record=True, copied=True
+    )
     next(its[0])
     guard.commit("training")
-    its = guard.check_replay({"data_iterator": Chunks([batches(1, seq=4)])})
+    its = guard.check_replay({"data_iterator": Chunks([batches(1, seq=4)]), **CALLEE})
     with pytest.raises(StaticShapeError, match="model chunk 0"):
         next(its[0])
 
