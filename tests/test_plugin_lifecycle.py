@@ -905,6 +905,47 @@ def test_the_configured_warm_up_is_the_answer_whatever_registers_later(fake_grap
     assert rec.report.to_dict()["warmup_steps"] == 3
 
 
+@pytest.mark.parametrize(
+    "scope, warmup", [("full", 1), ("full", 2), ("full", 3), ("te", 3)], ids=str
+)
+def test_a_host_s_own_full_cuda_graph_wrapper_around_the_run_s_function_is_refused(
+    fake_graphs, scope, warmup
+):
+    """(review of 2026-12-05: porting Megatron-LM's train(), ``FullCudaGraphWrapper(fwd)`` on
+    the function the run returned was not refused: megatron-core's shared counter moved twice
+    a step, and the run captured at the wrong step, failed with a bare AssertionError or a
+    wiring error blaming the wrong cause; with TE scopes megatron-core captured a graph of
+    its own that nobody freed.)"""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    from cudagraph_plugin.runtime.wiring import CudaGraphWiringError
+
+    class WrapsItsOwn:
+        @hookimpl(wrapper=True, tryfirst=True)  # (outside the CUDA graph plugin's wrapper)
+        def mcgraph_forward_backward_func(self, forward_backward_func):
+            func = yield
+            return FullCudaGraphWrapper(func, cuda_graph_warmup_steps=warmup)
+
+    with pytest.raises(CudaGraphWiringError, match="a FullCudaGraphWrapper of the host's own"):
+        run(*(FULL if scope == "full" else TE), "--cuda-graph-warmup-steps", str(warmup),
+            steps=8, plugins=[WrapsItsOwn()])  # fmt: skip
+    assert all(g.resets == 1 for g in fake_graphs.graphs)  # whatever was captured is freed
+    assert FullCudaGraphWrapper.cuda_graph["training"] is None
+
+
+def test_a_counter_left_by_an_earlier_wrapper_is_no_alarm_for_te_scopes(fake_graphs):
+    """The check counts from the run's first call: megatron-core's counter as another user
+    of the wrapper class left it is no call of this run's."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    FullCudaGraphWrapper.curr_iteration["training"] = 5
+    try:
+        summary, rec = run(*TE, steps=6)
+    finally:
+        FullCudaGraphWrapper.curr_iteration["training"] = 0
+    assert summary["steps"] == 6 and rec.report.graphs_captured
+
+
 def test_a_shutdown_fired_inside_the_shutdown_waits_for_the_first_one(fake_graphs, caplog):
     """(review of today's diff: fired from a plain ``mcgraph_shutdown`` implementation, the
     second call said the graphs were freed while they were still held, and its guard waited

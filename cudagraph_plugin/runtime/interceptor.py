@@ -31,6 +31,16 @@ from cudagraph_plugin.runtime.wiring import CudaGraphWiringError, Wiring
 
 logger = logging.getLogger("cudagraph_plugin")
 
+OWN_WRAPPER = (
+    "megatron-core's FullCudaGraphWrapper counted {stage} calls of the run's "
+    "forward_backward_func that did not come through it ({seen} counted, {ours} made): a "
+    "FullCudaGraphWrapper of the host's own wraps the function run.forward_backward_func() "
+    "returned (Megatron-LM's train() makes one), and both advance megatron-core's class-level "
+    "step counters and graphs (the capture comes at the wrong step, or fails inside "
+    "megatron-core). Fix: drop the host's FullCudaGraphWrapper(...) line and call the run's "
+    "function directly: it captures and replays the full-iteration graph itself"
+)
+
 
 class ForwardBackwardInterceptor:
     def __init__(
@@ -49,6 +59,10 @@ class ForwardBackwardInterceptor:
         self.wrapped: dict[int, tuple[Any, ForwardBackward]] = {}
         self._eager_after_shutdown_logged = False
         self._replay: _Replay | None = None
+        # this run's calls of megatron-core's wrapper per stage, and its counter before them
+        self.full_calls = {"training": 0, "validation": 0}
+        self._full_base: dict[str, int] = {}
+        self.own_wrapper_seen = False  # a host's own wrapper moved the counter (refused)
 
     def wrap(self, func: Any) -> Any:
         """The callable the host gets for ``func``. Idempotent: asking again for the same
@@ -85,6 +99,14 @@ class ForwardBackwardInterceptor:
         self.wrapped.clear()
         self._replay = None
 
+    def free_own_wrapper_state(self) -> int:
+        """With TE scopes, megatron-core's full-iteration state a refused host wrapper left
+        (a graph it captured, its counters): freed at shutdown, outside any capture. (In
+        full-iteration mode the run's own release frees that state.)"""
+        if not self.own_wrapper_seen or self.state.full is not None:
+            return 0
+        return compat.free_full_iteration_graphs()
+
     def call(self, eager: Any, kwargs: dict[str, Any]) -> Any:
         """One call of the host's forward/backward; :meth:`ForwardBackward.__call__` takes
         the remembered replay's shortcut first, when it holds."""
@@ -104,6 +126,8 @@ class ForwardBackwardInterceptor:
             return self._bucketed(state.buckets, eager, kwargs)
         if state.full is not None and state.phase is not Phase.FALLEN_BACK:
             return self._full_iteration(state.full, eager, stage, kwargs)
+        if state.te_mode:  # (no call of this run moves the counter: a host's wrapper does)
+            self._check_counter(stage)
         self.te_capture.check_host_enabled_pre_hooks()
         # (a TE capture that made no graph, accepted eager: nothing to guard)
         if (
@@ -131,9 +155,21 @@ class ForwardBackwardInterceptor:
                 self._check_te_call(kwargs, "forward-only (in training mode)", _TRAIN_MODE_FIX)
         return eager(**kwargs)
 
+    def _check_counter(self, stage: str) -> None:
+        """megatron-core's counter of ``stage`` moved by this run's calls alone (a counter
+        reset, by a release, is taken as the new start)."""
+        seen, ours = compat.full_iteration_calls(stage), self.full_calls[stage]
+        base = self._full_base.setdefault(stage, seen - ours)
+        if seen - base > ours:
+            self.own_wrapper_seen = True  # (what it captured is freed at shutdown)
+            raise CudaGraphWiringError(OWN_WRAPPER.format(stage=stage, seen=seen, ours=ours))
+        if seen - base < ours:
+            self._full_base[stage] = seen - ours
+
     def _full_iteration(
         self, full: FullIterationGraphs, eager: Any, stage: str, kwargs: dict[str, Any]
     ) -> Any:
+        self._check_counter(stage)
         wrapper = full.wrapper_for(eager)
         capturing = full.due(stage)
         kwargs["data_iterator"] = self.guard.check_call(
@@ -143,12 +179,14 @@ class ForwardBackwardInterceptor:
             if stage == "training":
                 self._remember_replay(eager, wrapper)
             result = full.call(wrapper, kwargs)
+            self.full_calls[stage] += 1
             # (counted once the call got through: the guard checks the micro-batches as the
             # schedule draws them, and a refused call replayed nothing)
             self.captures.replayed(stage)
             return result
         self.wiring.full_iteration_capture(stage)
         result = self.captures.bracket(stage, lambda: full.call(wrapper, kwargs))
+        self.full_calls[stage] += 1
         self.guard.commit(stage)
         return result
 
@@ -271,6 +309,7 @@ class ForwardBackward:
             if replay.order_copy:
                 compat.order_input_copy_after_replay(replay.wrapper)
             result = replay.wrapper(**kwargs)
+            interceptor.full_calls["training"] += 1
             captures = interceptor.captures
             captures.replays["training"] += 1
             captures.last_step_replayed = interceptor.state.step

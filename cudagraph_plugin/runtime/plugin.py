@@ -348,6 +348,11 @@ def _own_release_steps(plugin: CudaGraphPlugin) -> list[ReleaseStep]:
     (Made with the plugin, not at shutdown: the less runs before the release, the less a
     second Ctrl-C can land before it.)"""
     return [
+        ReleaseStep(
+            "a refused host FullCudaGraphWrapper's state",
+            plugin.interceptor.free_own_wrapper_state,
+            frees_graphs=True,
+        ),
         ReleaseStep("static-shape guard", plugin.guard.disarm),
         ReleaseStep("pending manual hooks", plugin.te_capture.forget_manual_hooks),
         ReleaseStep("model and optimizer references", plugin._drop_references),
