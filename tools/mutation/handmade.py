@@ -576,6 +576,17 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "host-wrapper-around-the-run-unseen",
+        "a host's own FullCudaGraphWrapper around the run's forward_backward_func goes unseen",
+        "cudagraph_plugin/runtime/interceptor.py",
+        "        if seen - base > ours:\n",
+        "        if False:\n",
+        (
+            LIFECYCLE
+            + "test_a_host_s_own_full_cuda_graph_wrapper_around_the_run_s_function_is_refused",
+        ),
+    ),
+    Mutant(
         "bucket-odd-first-call-kept",
         "bucket graphs: static buffers made from an odd first call keep the bucket eager",
         BUCKETS_PY,
