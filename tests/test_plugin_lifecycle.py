@@ -816,6 +816,31 @@ def test_failed_te_capture_clears_megatron_cores_capture_flag(fake_graphs, monke
     assert "the TE capture failed midway" not in caplog.text
 
 
+def test_a_forward_backward_func_asked_before_model_built_gets_the_model_s_settings(
+    monkeypatch,
+):
+    """(review of 2026-12-05: asked first, the full-iteration wrapper was made from
+    model_config=None, dropping its memory-pool setting, cuda_graph_use_single_mempool, which
+    the optimizer graph built later did get.) It is made at model_built then."""
+    from cudagraph_plugin import compat
+    from cudagraph_plugin.config.settings import read_settings
+    from cudagraph_plugin.runtime import build
+    from cudagraph_plugin.runtime.plugin import CudaGraphPlugin
+
+    settings = read_settings({"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"})
+    plugin = CudaGraphPlugin(settings, pluginmanager=None, cuda=True)
+    monkeypatch.setattr(build, "build_model_graphs", lambda *args, **kwargs: None)
+    read = []
+    monkeypatch.setattr(compat, "single_mempool", lambda config: read.append(config) or True)
+    plugin.interceptor.wrap(lambda **kwargs: None)
+    assert plugin.state.full is None and read == []
+    config = object()
+    plugin.mcgraph_model_built(
+        model=[], optimizer=None, model_config=config, seq_length=8, micro_batch_size=1
+    )
+    assert read == [config] and plugin.state.full.use_single_mempool is True
+
+
 def test_te_needs_the_micro_batch_calculator():
     from types import SimpleNamespace
 

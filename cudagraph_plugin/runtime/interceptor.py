@@ -86,14 +86,21 @@ class ForwardBackwardInterceptor:
         known = self.wrapped.get(id(func))
         if known is not None:
             return known[1]
+        if self.state.model_config is not None:  # (else made by model_built, which has it)
+            self.make_full_graphs()
+        wrapped = ForwardBackward(self, func)
+        self.wrapped[id(func)] = (func, wrapped)
+        return wrapped
+
+    def make_full_graphs(self) -> None:
+        """The full-iteration graphs' holder, once the model config is known (its memory-pool
+        setting): at the first ``wrap`` after ``model_built``, or at ``model_built`` for a
+        host that asked for its forward/backward function first."""
         state = self.state
         if state.full_iteration_mode and state.full is None and not state.settings.buckets:
             state.full = FullIterationGraphs(
                 state.settings.warmup_steps, compat.single_mempool(state.model_config)
             )
-        wrapped = ForwardBackward(self, func)
-        self.wrapped[id(func)] = (func, wrapped)
-        return wrapped
 
     def forget(self) -> None:
         self.wrapped.clear()
