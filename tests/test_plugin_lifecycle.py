@@ -894,6 +894,22 @@ def test_a_plugin_firing_mcgraph_shutdown_itself_gets_one_report_and_one_release
     assert "(reason early_exit)" in again and "a plugin must not fire it" in again
 
 
+class RegistersAtModelBuilt:
+    """Registers ``make()`` from the run's ``mcgraph_model_built``: after the CUDA graph
+    plugin, where pluggy would put a ``tryfirst`` implementation first."""
+
+    def __init__(self, make) -> None:
+        self.make = make
+
+    @hookimpl
+    def mcgraph_configure(self, config, pluginmanager):
+        self.pm = pluginmanager
+
+    @hookimpl
+    def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
+        self.pm.register(self.make())
+
+
 def test_the_configured_warm_up_is_the_answer_whatever_registers_later(fake_graphs):
     """(review of 2026-12-04: a ``tryfirst`` answer to ``mcgraph_warmup_steps`` registered
     after the run plugin won: TE graphs were captured at step 1 while the report said
@@ -906,15 +922,7 @@ def test_the_configured_warm_up_is_the_answer_whatever_registers_later(fake_grap
 
     answers, post_warmup = [], []
 
-    class Watches:
-        @hookimpl
-        def mcgraph_configure(self, config, pluginmanager):
-            self.pm = pluginmanager
-
-        @hookimpl
-        def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
-            self.pm.register(AnswersOne())
-
+    class Watches(RegistersAtModelBuilt):
         @hookimpl(wrapper=True)
         def mcgraph_warmup_steps(self, config):
             answer = yield
@@ -925,7 +933,7 @@ def test_the_configured_warm_up_is_the_answer_whatever_registers_later(fake_grap
         def mcgraph_post_warmup_step(self, step, start_step):
             post_warmup.append(step)
 
-    _, rec = run(*TE, "--cuda-graph-warmup-steps", "3", steps=6, plugins=[Watches()])
+    _, rec = run(*TE, "--cuda-graph-warmup-steps", "3", steps=6, plugins=[Watches(AnswersOne)])
     assert answers == [3] and post_warmup == [3]
     assert rec.report.to_dict()["warmup_steps"] == 3
 
@@ -1012,20 +1020,12 @@ def test_a_shutdown_fired_after_the_guard_s_own_release_reports_nothing_more(fak
             raise RuntimeError("rude wrapper")
             yield  # pragma: no cover
 
-    class Late:
-        @hookimpl
-        def mcgraph_configure(self, config, pluginmanager):
-            self.pm = pluginmanager
-
-        @hookimpl
-        def mcgraph_model_built(self, model, optimizer, model_config, seq_length, micro_batch_size):
-            self.pm.register(Rude())
-
+    class Late(RegistersAtModelBuilt):
         @hookimpl
         def mcgraph_report(self, report):
             reports.append(report)
 
-    late = Late()
+    late = Late(Rude)
     with pytest.raises(RuntimeError, match="rude wrapper"):
         run(*FULL, "--cuda-graph-warmup-steps", "1", steps=4, plugins=[late])
     assert len(reports) == 1 and [g.resets for g in fake_graphs.graphs] == [1]
