@@ -86,7 +86,7 @@ class ForwardBackwardInterceptor:
         known = self.wrapped.get(id(func))
         if known is not None:
             return known[1]
-        if self.state.model_config is not None:  # (else made by model_built, which has it)
+        if self.state.phase is not Phase.CONFIGURED:  # (else made by model_built: the config)
             self.make_full_graphs()
         wrapped = ForwardBackward(self, func)
         self.wrapped[id(func)] = (func, wrapped)
