@@ -55,15 +55,12 @@ def print_refusal(
     rank = os.environ.get("RANK", "0")
     said_here = error.said_here if error.said_here is not None else rank == "0"
     if said_here:
-        _say(refused_by(rank, str(error)) if rank != "0" else str(error), stream)
+        said = refused_by(rank, str(error)) if rank != "0" else str(error)
+        out = stream if stream is not None else sys.stderr
+        # one write: print() writes the line and its newline apart, and on an unbuffered
+        # stream (PYTHONUNBUFFERED) another process's log line can land between them
+        out.write(f"error: {said}\n")
+        out.flush()
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         time.sleep(grace_s)
     return error.exit_code
-
-
-def _say(said: str, stream: Any) -> None:
-    out = stream if stream is not None else sys.stderr
-    # one write: print() writes the line and its newline apart, and on an unbuffered
-    # stream (PYTHONUNBUFFERED) another process's log line can land between them
-    out.write(f"error: {said}\n")
-    out.flush()

@@ -89,7 +89,10 @@ class McgraphPluginManager(pluggy.PluginManager):
             name = self._free_name(f"{owner}:{kind}" if owner is not None else kind)
         registered = super().register(plugin, name)
         self.registrations += 1
-        if registered is not None and _outermost(plugin):
+        if registered is None:
+            return None
+        outermost = _outermost(plugin)
+        if outermost:
             historic = sorted(
                 caller.name for caller in self.get_hookcallers(plugin) or () if caller.is_historic()
             )
@@ -100,9 +103,9 @@ class McgraphPluginManager(pluggy.PluginManager):
                     f"{', '.join(historic)}, a historic hook, which every registration after "
                     "it would replay to it again; implement it on another object"
                 )
-        if registered is not None and owner is not None:
+        if owner is not None:
             self._owners[registered] = owner
-        if registered is not None and not _outermost(plugin):
+        if not outermost:
             self._keep_outermost_last()
         return registered
 

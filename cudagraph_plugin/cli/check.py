@@ -74,9 +74,9 @@ def _flags(dest: str) -> list[str]:
     return ["--" + dest.replace("_", "-"), "--" + dest]
 
 
-def build_parser(prog: str = "python -m cudagraph_plugin check") -> argparse.ArgumentParser:
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = _CheckParser(
-        prog=prog,
+        prog=prog or "python -m cudagraph_plugin check",
         allow_abbrev=False,  # as Megatron-LM: a misspelled flag is an error, not a prefix
         description="Check a CUDA-graph configuration against every known constraint, as a "
         "run would. Exit codes: 0 OK, 1 problems (bad flag values included), 2 a broken "
@@ -90,10 +90,10 @@ def build_parser(prog: str = "python -m cudagraph_plugin check") -> argparse.Arg
     def value(dest: str, default: Any = None, **kwargs: Any) -> None:
         model.add_argument(*_flags(dest), dest=dest, default=default, **kwargs)
 
-    def switch(flag: str, dest: str, *, on: bool = True, **kwargs: Any) -> None:
+    def switch(flag: str, dest: str, *, on: bool = True, group: Any = model, **kwargs: Any) -> None:
         underscores = "--" + flag[2:].replace("-", "_")
         action = "store_true" if on else "store_false"
-        model.add_argument(flag, underscores, dest=dest, action=action, **kwargs)
+        group.add_argument(flag, underscores, dest=dest, action=action, **kwargs)
 
     value(
         "transformer_impl",
@@ -153,9 +153,7 @@ def build_parser(prog: str = "python -m cudagraph_plugin check") -> argparse.Arg
         parallel.add_argument(*flags, dest=dest, default=argparse.SUPPRESS, **kwargs)
 
     def on(flag: str, dest: str, *, value: bool = True) -> None:
-        underscores = "--" + flag[2:].replace("-", "_")
-        action = "store_true" if value else "store_false"
-        parallel.add_argument(flag, underscores, dest=dest, action=action)
+        switch(flag, dest, on=value, group=parallel)
 
     given("tensor_model_parallel_size")
     given("pipeline_model_parallel_size")
@@ -169,11 +167,11 @@ def build_parser(prog: str = "python -m cudagraph_plugin check") -> argparse.Arg
     given("context_parallel_size")
     # Megatron-LM's default (on; its validate_args turns it off without virtual stages, and
     # builds batch_p2p_comm = not overlap_p2p_comm: the settings derive it the same way)
-    parallel.add_argument(
+    switch(
         "--no-overlap-p2p-communication",
-        "--no_overlap_p2p_communication",
-        dest="overlap_p2p_comm",
-        action="store_false",
+        "overlap_p2p_comm",
+        on=False,
+        group=parallel,
         help="Megatron-LM's flag: with virtual pipeline stages, batched p2p communication",
     )
     on("--sequence-parallel", "sequence_parallel")
@@ -238,7 +236,7 @@ def _own_flags(args: argparse.Namespace) -> tuple[Any, list[Violation]]:
 
 def run_check(argv: Sequence[str] | None = None, out: Any = None, prog: str | None = None) -> int:
     out = out or sys.stdout
-    args = (build_parser(prog) if prog else build_parser()).parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     te_version, own_problems = _own_flags(args)
     given = args.te_version is not None and te_version is not None
     installed = environment.installed_te_version()

@@ -34,14 +34,11 @@ def is_optimizer_graph_wrapper(obj: Any) -> bool:
     """``obj`` is a megatron-core ``OptimizerCudaGraphWrapper`` (a host's own, say:
     Megatron-LM's ``train()`` wraps ``optimizer.step`` in one); False where megatron-core
     has none."""
-    module = sys.modules.get("megatron.core.optimizer.optimizer_cuda_graph")
-    if module is None:
-        try:
-            from megatron.core.optimizer import optimizer_cuda_graph as module
-        except ImportError:
-            return False
-    holder = getattr(module, "OptimizerCudaGraphWrapper", None)
-    return holder is not None and isinstance(obj, holder)
+    try:
+        holder = optimizer_graph_holder()
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(obj, holder)
 
 
 def optimizer_graph_captured() -> bool:

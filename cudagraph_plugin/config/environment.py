@@ -95,17 +95,25 @@ def has_optimizer_graph() -> bool | None:
 
 
 @functools.cache
-def mcore_spells_modules() -> bool | None:
-    """Whether the installed megatron-core has 0.18+'s spelling (``cuda_graph_modules``, the
-    ``full_iteration`` impl) in its ``TransformerConfig`` (None: no megatron-core found). Reads
-    the module's text, without importing megatron-core."""
+def _transformer_config_source() -> str | None:
+    """The text of the installed megatron-core's ``transformer_config.py`` (None: not found or
+    not readable), read once, without importing megatron-core."""
     source = _megatron_file("core", "transformer", "transformer_config.py")
     if source is None:
         return None
     try:
-        return "cuda_graph_modules" in source.read_text(encoding="utf-8", errors="replace")
+        return source.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None
+
+
+@functools.cache
+def mcore_spells_modules() -> bool | None:
+    """Whether the installed megatron-core has 0.18+'s spelling (``cuda_graph_modules``, the
+    ``full_iteration`` impl) in its ``TransformerConfig`` (None: no megatron-core found). Reads
+    the module's text, without importing megatron-core."""
+    text = _transformer_config_source()
+    return None if text is None else "cuda_graph_modules" in text
 
 
 RECOMPUTE_MODULES_016 = (
@@ -119,11 +127,7 @@ def mcore_recompute_modules() -> tuple[str, ...]:
     """The selective-recompute module names the installed megatron-core allows (its
     ``allowed_modules`` set, read from its ``TransformerConfig`` source without importing
     it; 0.16.1's where it cannot be read)."""
-    source = _megatron_file("core", "transformer", "transformer_config.py")
-    try:
-        text = source.read_text(encoding="utf-8", errors="replace") if source else ""
-    except OSError:
-        text = ""
+    text = _transformer_config_source() or ""
     start = text.find("allowed_modules = {")
     end = text.find("}", start)
     if start < 0 or end < 0:

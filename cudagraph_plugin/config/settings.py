@@ -24,11 +24,7 @@ from cudagraph_plugin.config.fields import (
     lookup,
     resolve,
 )
-from cudagraph_plugin.config.values import (
-    FieldProblem,
-    normalise,
-    parse_scope,
-)
+from cudagraph_plugin.config.values import FieldProblem, normalise, parse_scope
 from cudagraph_plugin.config.vocabulary import (
     DEFAULT_WARMUP_STEPS,
     PEER_EXIT_DEADLINE_S,
@@ -245,7 +241,6 @@ def read_settings(config: Any) -> Settings:
     sources: dict[str, str] = {}
     paths: dict[str, str] = {}
     problems: list[FieldProblem] = []
-    command_line = isinstance(config, argparse.Namespace)
     for setting in FIELD_PATHS:
         value, path = lookup(config, setting)
         if path is None:
@@ -314,7 +309,7 @@ def read_settings(config: Any) -> Settings:
         impl=impl,
         scope=scope,
         **values,
-        from_command_line=command_line,
+        from_command_line=isinstance(config, argparse.Namespace),
         deprecated_full_scope=names == ("full",),
         duplicated_scopes=duplicated,
         newer_spelling=tuple(newer),

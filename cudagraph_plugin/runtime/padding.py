@@ -349,6 +349,7 @@ def _plain(value: Any) -> int | float | bool:
 def _check_batch(
     batch: Mapping[str, Any], length: int, values: _PadValues, extra: Mapping[str, Any]
 ) -> None:
+    sequence_dims = _token_dims(batch)
     for key, (value, source) in values.items():
         tensor = batch.get(key)
         if key in extra and tensor is not None and not isinstance(tensor, torch.Tensor):
@@ -358,7 +359,7 @@ def _check_batch(
             )
         if not isinstance(tensor, torch.Tensor):
             continue
-        if key in extra and _sequence_axis(tensor, length, _token_dims(batch)) is None:
+        if key in extra and _sequence_axis(tensor, length, sequence_dims) is None:
             raise ValueError(
                 f"batch[{key!r}] (shape {tuple(tensor.shape)}) is named in extra but neither "
                 f"its last dimension nor the tokens' sequence dimension is the sequence length "
@@ -399,7 +400,6 @@ def _check_batch(
                 f"Fix: build it at [b, 1, {length}, {length}] (a [b, 1, 1, s] key-padding "
                 "mask is not padded here)"
             )
-    sequence_dims = _token_dims(batch)
     known = {*SEQUENCE_KEYS, "attention_mask", *extra}
     for key, value in batch.items():
         if key in known or not isinstance(value, torch.Tensor):

@@ -554,8 +554,8 @@ MUTANTS = [
         "guard-not-kept-outermost",
         "a tryfirst shutdown wrapper registered after the plugin sits outside its guard",
         "hookspecs/manager.py",
-        "        if registered is not None and not _outermost(plugin):\n",
-        "        if False:\n",
+        "        if not outermost:\n            self._keep_outermost_last()\n",
+        "        if False:\n            self._keep_outermost_last()\n",
         (
             "tests/test_hookspecs_names.py::"
             "test_an_outermost_object_stays_outside_tryfirst_wrappers_registered_after_it",
