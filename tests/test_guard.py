@@ -463,10 +463,10 @@ def test_the_loop_records_a_full_iteration_capture_as_copied(
     recorded = []
     check_call = ShapeGuard.check_call
 
-    def spy(self, stage, step, kwargs, *, record, copied=False):
+    def spy(self, stage, step, kwargs, *, record, copied=False, **more):
         if record:
             recorded.append(copied)
-        return check_call(self, stage, step, kwargs, record=record, copied=copied)
+        return check_call(self, stage, step, kwargs, record=record, copied=copied, **more)
 
     monkeypatch.setattr(ShapeGuard, "check_call", spy)
     run_recorded(*argv, "--cuda-graph-warmup-steps", "2", steps=5)
@@ -480,10 +480,10 @@ def test_the_rl_loop_records_each_bucket_capture_as_copied(fake_graphs, bucket_f
     recorded = []
     check_call = ShapeGuard.check_call
 
-    def spy(self, stage, step, kwargs, *, record, copied=False):
+    def spy(self, stage, step, kwargs, *, record, copied=False, **more):
         if record:
             recorded.append((stage, copied))
-        return check_call(self, stage, step, kwargs, record=record, copied=copied)
+        return check_call(self, stage, step, kwargs, record=record, copied=copied, **more)
 
     monkeypatch.setattr(ShapeGuard, "check_call", spy)
     rl_loop.run(
@@ -530,3 +530,108 @@ def test_the_same_keys_in_another_order_are_the_same_batch():
     _draw(guard, {"labels": tokens, "tokens": tokens})  # megatron-core copies by key
     with pytest.raises(StaticShapeError, match="labels"):
         _draw(guard, {"labels": tokens[:, :4], "tokens": tokens})
+
+
+# -- warm-up calls against megatron-core's static buffers -----------------------------------------
+
+
+def _warm_up_draw(batch, *, record: bool = False, static_buffers: bool = True, index: int = 0):
+    """Micro-batch ``index`` of a full-iteration call before the capture (``record``: the
+    capture call itself), ``batch`` drawn at that index."""
+    guard = ShapeGuard()
+    kwargs = {"num_microbatches": index + 1, "seq_length": 8, "micro_batch_size": 2}
+    drawn = iter([batch] * (index + 1))
+    iterator = guard.check_call(
+        "training",
+        1,
+        {**kwargs, "data_iterator": drawn},
+        record=record,
+        copied=True,
+        static_buffers=static_buffers,
+    )
+    return [next(iterator) for _ in range(index + 1)]
+
+
+@pytest.fixture
+def made_buffer(monkeypatch):
+    """megatron-core's training static buffer of micro-batch 0, as its first call made it."""
+    from megatron.core.full_cuda_graph import StaticBufferLoader
+
+    buffer = {
+        "tokens": torch.zeros(2, 8, dtype=torch.int64),
+        "mask": torch.ones(2, 8, dtype=torch.bool),
+        "nested": {"pos": torch.zeros(2, 8, dtype=torch.int64)},
+        "max_seqlen": 8,
+    }
+    monkeypatch.setitem(StaticBufferLoader.static_buffers, "training", [buffer])
+    return buffer
+
+
+def _fitting() -> dict:
+    return {
+        "tokens": torch.ones(2, 8, dtype=torch.int64),  # other values: copied in
+        "mask": torch.zeros(2, 8, dtype=torch.bool),
+        "nested": {"pos": torch.ones(2, 8, dtype=torch.int64)},
+        "max_seqlen": 6,  # a value megatron-core sets, not copies: the capture's counts
+    }
+
+
+@needs_mcore_on_cpu
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        ({"tokens": torch.zeros(2, 4, dtype=torch.int64)}, r"shape \(2, 8\) dtype torch.int64 in"),
+        # broadcast by the copy without an error: the silent case
+        ({"mask": torch.ones(2, 1, dtype=torch.bool)}, r"now shape \(2, 1\)"),
+        ({"tokens": torch.zeros(2, 8, dtype=torch.int32)}, "now shape .* torch.int32"),
+        ({"nested": {"pos": torch.zeros(1, 8, dtype=torch.int64)}}, r"batch\['nested'\]\['pos'\]"),
+        ({"nested": {}}, r"batch\['nested'\]\['pos'\]: .* in the buffer, now absent"),
+        ({"tokens": None}, r"batch\['tokens'\]: .* in the buffer, now absent"),
+    ],
+    ids=["shape", "broadcast", "dtype", "nested", "nested-key-gone", "tensor-gone"],
+)
+def test_a_warm_up_call_that_does_not_fit_the_static_buffer_is_refused(made_buffer, change, said):
+    batch = {**_fitting(), **change}
+    with pytest.raises(StaticShapeError, match=said) as info:
+        _warm_up_draw(batch)
+    assert "micro-batch 0 (model chunk 0) at step 1 (warm-up)" in str(info.value)
+    assert "Fix: keep seq_length" in str(info.value)
+
+
+@needs_mcore_on_cpu
+def test_a_key_the_buffer_holds_and_the_micro_batch_lacks_is_refused(made_buffer):
+    """megatron-core leaves such a key in the buffer: the model would get its old value."""
+    batch = _fitting()
+    del batch["max_seqlen"]
+    with pytest.raises(StaticShapeError, match=r"batch\['max_seqlen'\]: a key in the buffer"):
+        _warm_up_draw(batch)
+
+
+@needs_mcore_on_cpu
+def test_a_warm_up_call_that_fits_or_adds_a_key_or_finds_no_buffer_passes(made_buffer):
+    assert len(_warm_up_draw(_fitting())) == 1
+    # a top-level key the buffer lacks: megatron-core makes room for it
+    assert len(_warm_up_draw({**_fitting(), "labels": torch.zeros(2, 3)})) == 1
+    # what megatron-core copies of a (dict, ...) tuple is the dict
+    assert len(_warm_up_draw((_fitting(), "extra"))) == 1
+    with pytest.raises(StaticShapeError, match="tokens"):
+        _warm_up_draw(({**_fitting(), "tokens": torch.zeros(2, 4)}, "extra"))
+    # micro-batch 1 has no buffer yet: this call makes it (micro-batch 0 fits)
+    assert len(_warm_up_draw({**_fitting()}, index=1)) == 2
+
+
+@needs_mcore_on_cpu
+def test_the_capture_call_must_fit_the_static_buffer_too(made_buffer):
+    batch = {**_fitting(), "tokens": torch.zeros(2, 4, dtype=torch.int64)}
+    with pytest.raises(StaticShapeError, match=r"at step 1 \(the capture\)"):
+        _warm_up_draw(batch, record=True)
+
+
+@needs_mcore_on_cpu
+def test_calls_that_copy_into_their_own_buffers_are_not_checked_against_megatron_cores(
+    made_buffer,
+):
+    """A bucket (its own static buffers) or an unwrapped call: no static-buffer check."""
+    batch = {**_fitting(), "tokens": torch.zeros(2, 4, dtype=torch.int64)}
+    assert len(_warm_up_draw(batch, static_buffers=False)) == 1
+    assert len(_warm_up_draw(batch, record=True, static_buffers=False)) == 1

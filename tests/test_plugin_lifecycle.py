@@ -646,6 +646,30 @@ def test_shape_change_before_capture_is_fine(fake_graphs):
     assert summary["steps"] == 6
 
 
+@pytest.mark.parametrize(
+    "seq, warmup, change_at, call",
+    [(16, 3, 1, "warm-up"), (1, 3, 1, "warm-up"), (16, 2, 2, "the capture")],
+    ids=["warm-up", "broadcastable", "capture"],
+)
+def test_a_shape_change_between_warm_up_calls_is_refused_before_megatron_core_copies_it(
+    fake_graphs, seq, warmup, change_at, call
+):
+    """megatron-core's full-iteration wrapper copies every call before the capture into the
+    static buffers its first call made: another shape failed inside its copy (a raw
+    RuntimeError), or, broadcastable (``[2, 1]`` into ``[2, 32]``), trained on the wrong
+    data and captured the graph on it without a word."""
+    rec = Recorder()
+    with pytest.raises(StaticShapeError, match=rf"at step {change_at} \({call}\)") as info:
+        train_gpt.run(
+            ["--train-iters", "6", "--log-interval", "0", *FULL,
+             "--cuda-graph-warmup-steps", str(warmup)],
+            plugins=[rec, ChangeInputs(change_at, seq=seq)],
+        )  # fmt: skip
+    assert f"shape (2, 32) dtype torch.int64 in the buffer, now shape (2, {seq})" in str(info.value)
+    assert fake_graphs.graphs == []  # nothing captured on the wrong data
+    assert rec.events[-1] == ("shutdown", "exception")
+
+
 # -- fallback policy, CPU message, configuration errors -----------------------------------------
 
 

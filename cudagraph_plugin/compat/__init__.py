@@ -53,11 +53,13 @@ from cudagraph_plugin.compat.full_iteration import (
     full_iteration_graphs,
     full_iteration_state_dirty,
     is_full_iteration_wrapper,
+    loader_input,
     loader_orders_its_copy,
     make_full_iteration_wrapper,
     order_input_copy_after_replay,
     reset_full_iteration_counters,
     single_mempool,
+    static_buffer,
 )
 from cudagraph_plugin.compat.generation import model_config_kwargs, new_generation, versions
 from cudagraph_plugin.compat.optimizer import (
@@ -134,6 +136,7 @@ __all__ = [
     "has_optimizer_graph",
     "is_full_iteration_wrapper",
     "is_optimizer_graph_wrapper",
+    "loader_input",
     "loader_orders_its_copy",
     "make_full_iteration_wrapper",
     "make_optimizer_graph_wrapper",
@@ -155,6 +158,7 @@ __all__ = [
     "reset_optimizer_graph_counters",
     "rng_tracker_state",
     "single_mempool",
+    "static_buffer",
     "te_available",
     "te_capture_done",
     "te_captured_microbatches",

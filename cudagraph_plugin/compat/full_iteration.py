@@ -132,6 +132,24 @@ def reset_full_iteration_counters() -> None:
         FullCudaGraphWrapper.curr_iteration[stage] = 0
 
 
+def static_buffer(stage: str, index: int) -> Any:
+    """The static input buffer ``FullCudaGraphWrapper`` copies micro-batch ``index`` of
+    ``stage`` into (one per index, made by the first call that drew that index, shared by
+    the model chunks), or ``None`` while none is made."""
+    from megatron.core.full_cuda_graph import StaticBufferLoader
+
+    buffers = StaticBufferLoader.static_buffers[stage]
+    return buffers[index] if index < len(buffers) else None
+
+
+def loader_input(batch: Any) -> Any:
+    """What ``StaticBufferLoader`` copies of a micro-batch: the dict itself, or the first
+    item of a tuple that starts with one."""
+    if isinstance(batch, tuple) and batch and isinstance(batch[0], dict):
+        return batch[0]
+    return batch
+
+
 def clear_static_buffers() -> None:
     """Drop the class-level static input buffers of both stages (no version resets them)."""
     from megatron.core.full_cuda_graph import StaticBufferLoader

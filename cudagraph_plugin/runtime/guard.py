@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from cudagraph_plugin import compat
 from cudagraph_plugin.runtime import callee
 
 
@@ -208,6 +209,8 @@ class _Reference:
     # (model, forward_step_func, its snapshot) of the call: a full-iteration graph replays
     # their work (callee.py)
     callee: tuple[Any, Any, Any] = (None, None, None)
+    # copied into megatron-core's own class-level static buffers (not a bucket's)
+    buffered: bool = False
 
 
 class ShapeGuard:
@@ -226,6 +229,8 @@ class ShapeGuard:
         self._replay_callee: tuple[Any, Any] = (None, None)
         # the captured step function can change only by being another object (is_fixed)
         self._replay_fixed = False
+        # the step of each stage's warm-up call being checked against the static buffers
+        self._warmup_step: dict[str, int | None] = {}
 
     def is_armed(self, stage: str) -> bool:
         return stage in self._reference
@@ -246,21 +251,31 @@ class ShapeGuard:
         *,
         record: bool,
         copied: bool = False,
+        static_buffers: bool = False,
     ) -> Any:
         """Check (or, with ``record``, remember) one forward/backward call; returns the
         data iterator to pass on, wrapped so each micro-batch is checked as it is drawn.
         ``copied``: the call captures a full-iteration graph, which megatron-core feeds by
-        copying each micro-batch into static buffers (a tensor it cannot copy is refused)."""
+        copying each micro-batch into static buffers (a tensor it cannot copy is refused).
+        ``static_buffers``: those are megatron-core's own class-level buffers of ``stage``,
+        made by its first call: from the first warm-up call on, each micro-batch must fit
+        the buffer it is copied into (:func:`_check_static_buffer`)."""
         data_iterator = kwargs.get("data_iterator")
         if record:
             call = {key: kwargs.get(key) for key in self.CALL_KEYS}
             step_func = kwargs.get("forward_step_func")
             made = (kwargs.get("model"), step_func, callee.snapshot(step_func) if copied else None)
-            self._recording[stage] = _Reference(step, call, copied=copied, callee=made)
+            self._recording[stage] = _Reference(
+                step, call, copied=copied, callee=made, buffered=static_buffers
+            )
             return self._wrap(stage, data_iterator, True)
         ref = self._reference.get(stage)
         if ref is None:
-            return data_iterator
+            if not static_buffers:
+                return data_iterator
+            # a warm-up call: checked against the buffers megatron-core already made
+            self._warmup_step[stage] = step
+            return self._wrap(stage, data_iterator, None)
         for key in self.CALL_KEYS:
             value = kwargs.get(key)
             if value != ref.call[key]:
@@ -301,19 +316,23 @@ class ShapeGuard:
             self._replay_fixed = recorded is not None and callee.is_fixed(recorded)
         self.generation += 1
 
-    def _wrap(self, stage: str, data_iterator: Any, record: bool, chunk: int = 0) -> Any:
+    def _wrap(self, stage: str, data_iterator: Any, record: bool | None, chunk: int = 0) -> Any:
         """The data iterator, checked as it is drawn: one model chunk's (the usual case, on
         every replayed step: wrapped directly), or a list of them (virtual pipeline stages),
-        each wrapped as its chunk; ``None`` (a stage that reads no data) stays ``None``."""
+        each wrapped as its chunk; ``None`` (a stage that reads no data) stays ``None``.
+        ``record``: True records, False checks against the reference, None (a warm-up
+        call) checks against megatron-core's static buffers alone."""
         if isinstance(data_iterator, list):
             return [self._wrap(stage, it, record, c) for c, it in enumerate(data_iterator)]
         if data_iterator is None:
             return None
         return _CheckedIterator(self, stage, data_iterator, record, chunk)
 
-    def _see(self, stage: str, index: int, chunk: int, batch: Any, record: bool) -> None:
+    def _see(self, stage: str, index: int, chunk: int, batch: Any, record: bool | None) -> None:
         if record:
             recording = self._recording[stage]
+            if recording.buffered:
+                _check_static_buffer(stage, index, chunk, batch, recording.step, "the capture")
             hidden = tensors_inside_objects(batch) if recording.copied else []
             if hidden:
                 raise StaticShapeError(
@@ -326,6 +345,9 @@ class ShapeGuard:
                     "forward_step, as Megatron-LM does; or use TE scopes such as attn,mlp"
                 )
             recording.batches[(chunk, index)] = (fingerprint(batch), signature(batch))
+            return
+        if record is None:
+            _check_static_buffer(stage, index, chunk, batch, self._warmup_step.get(stage))
             return
         ref = self._reference[stage]
         known = ref.batches.get((chunk, index))
@@ -348,6 +370,43 @@ class ShapeGuard:
                 f"capture (step {ref.step}): {difference(known[1], described)}; "
                 f"replaying the graph would use stale buffers. Fix: {FIX}"
             )
+
+
+def _check_static_buffer(
+    stage: str, index: int, chunk: int, batch: Any, step: int | None, call: str = "warm-up"
+) -> None:
+    """Before the capture, megatron-core's ``FullCudaGraphWrapper`` copies every call's
+    micro-batch ``index`` into the static buffer the first call made for that index (and
+    the capture records into it). A tensor of another shape fails that copy inside
+    megatron-core, or is broadcast into the buffer without a word (a ``[b, 1]`` tensor
+    into a ``[b, s]`` buffer); another dtype is converted; a key the buffer has and the
+    micro-batch lacks hands the model the old value. Each is refused here, before the
+    copy. (A top-level key the buffer lacks is added by megatron-core: accepted.)"""
+    buffer = compat.static_buffer(stage, index)
+    batch = compat.loader_input(batch)
+    if not isinstance(buffer, dict) or not isinstance(batch, dict):
+        return  # (none made yet; megatron-core refuses a micro-batch that is no dict)
+    made, now = [], []
+    for key, value in buffer.items():
+        path = f"batch[{key!r}]"
+        tensors = _tensor_items(value, path)
+        made += tensors or ([(path, "a key")] if key not in batch else [])
+        if key in batch:
+            now += _tensor_items(batch[key], path)
+    if sorted(made) == sorted(now):
+        return
+    raise StaticShapeError(
+        f"{stage} micro-batch {index} (model chunk {chunk}) at step {step} ({call}) does not "
+        "fit the static buffer megatron-core's FullCudaGraphWrapper made for it at an "
+        f"earlier step: {difference(made, now, 'in the buffer')}. Every call before the "
+        "capture is copied into that buffer: the copy would fail inside megatron-core, or "
+        f"broadcast the tensor into the buffer and train on the wrong data. Fix: {FIX}"
+    )
+
+
+def _tensor_items(value: Any, path: str) -> list[tuple[str, str]]:
+    """The tensors of ``value`` as :func:`signature` describes them (path, shape, dtype)."""
+    return [item for item in signature(value, path) if item[1].startswith("shape ")]
 
 
 CALLEE_FIX = (

@@ -180,7 +180,7 @@ class ForwardBackwardInterceptor:
         wrapper = full.wrapper_for(eager)
         capturing = full.due(stage)
         kwargs["data_iterator"] = self.guard.check_call(
-            stage, self.state.step, kwargs, record=capturing, copied=True
+            stage, self.state.step, kwargs, record=capturing, copied=True, static_buffers=True
         )
         if not capturing:
             if stage == "training":

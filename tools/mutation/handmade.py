@@ -157,10 +157,12 @@ MUTANTS = [
         "full-iteration replays skip the static-shape guard (only the capture call is seen)",
         "cudagraph_plugin/runtime/interceptor.py",
         '        kwargs["data_iterator"] = self.guard.check_call(\n'
-        "            stage, self.state.step, kwargs, record=capturing, copied=True\n        )\n",
+        "            stage, self.state.step, kwargs, record=capturing, copied=True, "
+        "static_buffers=True\n        )\n",
         "        if capturing:\n"
         '            kwargs["data_iterator"] = self.guard.check_call(\n'
-        "                stage, self.state.step, kwargs, record=capturing, copied=True\n"
+        "                stage, self.state.step, kwargs, record=capturing, copied=True, "
+        "static_buffers=True\n"
         "            )\n",
         (
             FAST_PATH
@@ -593,6 +595,18 @@ MUTANTS = [
         "        if agreed[7]:  # (every rank alike",
         "        if False:  # (every rank alike",
         (BUCKETS + "test_an_odd_first_micro_batch_does_not_keep_its_bucket_eager",),
+    ),
+    Mutant(
+        "warm-up-unchecked-against-static-buffers",
+        "full-iteration warm-up calls reach megatron-core's static buffers unchecked: a "
+        "broadcastable shape change trains on the wrong data and is captured",
+        "cudagraph_plugin/runtime/interceptor.py",
+        "copied=True, static_buffers=True\n",
+        "copied=True, static_buffers=False\n",
+        (
+            LIFECYCLE + "test_a_shape_change_between_warm_up_calls_is_refused_before_megatron_core_"
+            "copies_it[broadcastable]",
+        ),
     ),
 ]
 
