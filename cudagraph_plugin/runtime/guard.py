@@ -6,9 +6,11 @@ per-layer graphs index their graphs by ``micro-batch % count``. Either way a cha
 tensor shapes, dtypes or the number of micro-batches after capture gives wrong results
 without an error. The guard records the inputs of the reference call (the capture call for
 full-iteration graphs, the first training call after a per-layer capture) and checks every
-later call before its micro-batches reach the model. A full-iteration graph also replays
-the model and ``forward_step_func`` of its capture call: a later call with others is refused
-too (:mod:`~cudagraph_plugin.runtime.callee`).
+later call before its micro-batches reach the model. Before a full-iteration capture,
+megatron-core already copies each call into the static buffers its first call made: those
+calls are checked against the buffers (:func:`_check_static_buffer`). A full-iteration graph
+also replays the model and ``forward_step_func`` of its capture call: a later call with
+others is refused too (:mod:`~cudagraph_plugin.runtime.callee`).
 """
 
 from __future__ import annotations
