@@ -535,103 +535,171 @@ def test_the_same_keys_in_another_order_are_the_same_batch():
 # -- warm-up calls against megatron-core's static buffers -----------------------------------------
 
 
-def _warm_up_draw(batch, *, record: bool = False, static_buffers: bool = True, index: int = 0):
-    """Micro-batch ``index`` of a full-iteration call before the capture (``record``: the
-    capture call itself), ``batch`` drawn at that index."""
+def _through_megatron(*steps, chunks: int = 1, capture_at: int | None = None) -> list:
+    """Full-iteration calls before the capture (``capture_at``: that step is the capture
+    call), each step a list of micro-batches (or, with ``chunks``, a list of such lists, one
+    per model chunk), drawn through the guard by megatron-core's own ``data_read`` into its
+    real ``StaticBufferLoader`` buffers; returns what the model got at the last step."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    from cpu_redirect import cpu_redirect
+
     guard = ShapeGuard()
-    kwargs = {"num_microbatches": index + 1, "seq_length": 8, "micro_batch_size": 2}
-    drawn = iter([batch] * (index + 1))
-    iterator = guard.check_call(
-        "training",
-        1,
-        {**kwargs, "data_iterator": drawn},
-        record=record,
-        copied=True,
-        static_buffers=static_buffers,
-    )
-    return [next(iterator) for _ in range(index + 1)]
+    seen: list = []
+    with cpu_redirect():
+        wrapper = FullCudaGraphWrapper(lambda **kwargs: None, cuda_graph_warmup_steps=99)
+        for step, drawn in enumerate(steps, 1):
+            lists = drawn if chunks > 1 else [drawn]
+            iterators = [iter(chunk) for chunk in lists]
+            kwargs = {
+                "data_iterator": iterators if chunks > 1 else iterators[0],
+                "num_microbatches": len(lists[0]),
+                "seq_length": 8,
+                "micro_batch_size": 2,
+            }
+            iterator = guard.check_call(
+                "training", step, kwargs, record=step == capture_at, copied=True,
+                static_buffers=True,
+            )  # fmt: skip
+            data = wrapper.data_read(iterator, [object()] * chunks, True, len(lists[0]))
+            seen = [next(chunk_data) for chunk_data in data]
+    return seen
 
 
 @pytest.fixture
-def made_buffer(monkeypatch):
-    """megatron-core's training static buffer of micro-batch 0, as its first call made it."""
+def static_buffers(monkeypatch):
+    """megatron-core's static buffers, empty, for this test alone."""
     from megatron.core.full_cuda_graph import StaticBufferLoader
 
-    buffer = {
-        "tokens": torch.zeros(2, 8, dtype=torch.int64),
-        "mask": torch.ones(2, 8, dtype=torch.bool),
-        "nested": {"pos": torch.zeros(2, 8, dtype=torch.int64)},
-        "max_seqlen": 8,
-    }
-    monkeypatch.setitem(StaticBufferLoader.static_buffers, "training", [buffer])
-    return buffer
+    buffers = {"training": [], "validation": []}
+    monkeypatch.setattr(StaticBufferLoader, "static_buffers", buffers)
+    return buffers
 
 
-def _fitting() -> dict:
-    return {
-        "tokens": torch.ones(2, 8, dtype=torch.int64),  # other values: copied in
-        "mask": torch.zeros(2, 8, dtype=torch.bool),
-        "nested": {"pos": torch.ones(2, 8, dtype=torch.int64)},
-        "max_seqlen": 6,  # a value megatron-core sets, not copies: the capture's counts
-    }
+def _tokens(value: int = 0, width: int = 8, dtype=torch.int64):
+    return torch.full((2, width), value, dtype=dtype)
 
 
 @needs_mcore_on_cpu
 @pytest.mark.parametrize(
-    "change, said",
+    "first, then, said, what",
     [
-        ({"tokens": torch.zeros(2, 4, dtype=torch.int64)}, r"shape \(2, 8\) dtype torch.int64 in"),
-        # broadcast by the copy without an error: the silent case
-        ({"mask": torch.ones(2, 1, dtype=torch.bool)}, r"now shape \(2, 1\)"),
-        ({"tokens": torch.zeros(2, 8, dtype=torch.int32)}, "now shape .* torch.int32"),
-        ({"nested": {"pos": torch.zeros(1, 8, dtype=torch.int64)}}, r"batch\['nested'\]\['pos'\]"),
-        ({"nested": {}}, r"batch\['nested'\]\['pos'\]: .* in the buffer, now absent"),
-        ({"tokens": None}, r"batch\['tokens'\]: .* in the buffer, now absent"),
+        ({"tokens": _tokens()}, {"tokens": _tokens(width=4)},
+         "batch['tokens']: shape (2, 8) dtype torch.int64 in the buffer, now shape (2, 4)",
+         "would fail (the shapes do not match)"),
+        # the silent one: broadcast by megatron-core's copy_
+        ({"tokens": _tokens()}, {"tokens": _tokens(width=1)}, "now shape (2, 1)",
+         "broadcast it into the buffer without an error"),
+        ({"tokens": _tokens()}, {"tokens": _tokens(dtype=torch.int32)},
+         "now shape (2, 8) dtype torch.int32", "convert it to the buffer's dtype"),
+        ({"t": _tokens(), "cu": [_tokens(), _tokens()]}, {"t": _tokens(), "cu": [_tokens()]},
+         "batch['cu']: a list of 2 in the buffer, now a list of 1", "leave the old value"),
+        ({"t": _tokens(), "cu": [_tokens()]}, {"t": _tokens(), "cu": [_tokens(), _tokens()]},
+         "batch['cu']: a list of 1 in the buffer, now a list of 2", "would fail"),
+        ({"t": _tokens(), "m": {"a": 8, "pad": 3}}, {"t": _tokens(), "m": {"a": 8}},
+         "batch['m']: a dict with keys ['a', 'pad'] in the buffer, now a dict with keys ['a']",
+         "leave the old value"),
+        ({"t": _tokens(), "m": {"a": _tokens()}}, {"t": _tokens(), "m": {"a": _tokens(width=2)}},
+         "batch['m']['a']: shape (2, 8)", "would fail"),
+        ({"t": _tokens(), "max_seqlen": 8}, {"t": _tokens()},
+         "batch['max_seqlen']: a key in the buffer, now absent", "leave the old value"),
+        ({"t": _tokens(), "shape": (2, 8)}, {"t": _tokens(), "shape": (2, 8)},
+         "batch['shape']: a tuple of 2 in the buffer, now a tuple of 2",
+         "Unsupported copy for tuple yet"),
+        ({"t": _tokens(), "mask": None}, {"t": _tokens(), "mask": _tokens()},
+         "batch['mask']: NoneType None in the buffer, now shape (2, 8)",
+         "no tensor in the buffer"),
+        ({"t": _tokens()}, {"t": _tokens(), "extra": [_tokens()]},
+         "batch['extra']: absent in the buffer, now a list of 1", "without copying it"),
     ],
-    ids=["shape", "broadcast", "dtype", "nested", "nested-key-gone", "tensor-gone"],
-)
-def test_a_warm_up_call_that_does_not_fit_the_static_buffer_is_refused(made_buffer, change, said):
-    batch = {**_fitting(), **change}
-    with pytest.raises(StaticShapeError, match=said) as info:
-        _warm_up_draw(batch)
-    assert "micro-batch 0 (model chunk 0) at step 1 (warm-up)" in str(info.value)
-    assert "Fix: keep seq_length" in str(info.value)
+    ids=["shape", "broadcast", "dtype", "list-shrinks", "list-grows", "nested-key-gone",
+         "nested-shape", "key-gone", "tuple", "tensor-after-none", "late-list-of-tensors"],
+)  # fmt: skip
+def test_a_warm_up_call_megatron_core_would_copy_wrongly_is_refused(
+    static_buffers, first, then, said, what
+):
+    with pytest.raises(StaticShapeError) as info:
+        _through_megatron([first], [then])
+    message = str(info.value)
+    assert said in message and what in message
+    assert "training micro-batch 0 (model chunk 0) at step 2 (a warm-up call)" in message
+    assert "Fix: keep seq_length" in message and "--cuda-graph-buckets" in message
 
 
 @needs_mcore_on_cpu
-def test_a_key_the_buffer_holds_and_the_micro_batch_lacks_is_refused(made_buffer):
-    """megatron-core leaves such a key in the buffer: the model would get its old value."""
-    batch = _fitting()
-    del batch["max_seqlen"]
-    with pytest.raises(StaticShapeError, match=r"batch\['max_seqlen'\]: a key in the buffer"):
-        _warm_up_draw(batch)
+@pytest.mark.parametrize(
+    "first, then, model_got",
+    [
+        # other values: copied in; a non-tensor value is put in place
+        ([{"t": _tokens(1), "n": 8}], [{"t": _tokens(2), "n": 6}], {"t": _tokens(2), "n": 6}),
+        # a top-level key the buffer lacks: megatron-core makes room for it
+        ([{"t": _tokens(1)}], [{"t": _tokens(2), "l": _tokens(3)}],
+         {"t": _tokens(2), "l": _tokens(3)}),
+        # a tensor followed by None: put in place as None
+        ([{"t": _tokens(1), "m": _tokens()}], [{"t": _tokens(2), "m": None}],
+         {"t": _tokens(2), "m": None}),
+        # what megatron-core copies of a (dict, ...) tuple is the dict
+        ([({"t": _tokens(1)}, "x")], [({"t": _tokens(2)}, "x")], {"t": _tokens(2)}),
+    ],
+    ids=["values", "key-added", "none-after-tensor", "tuple-of-dict"],
+)  # fmt: skip
+def test_a_warm_up_call_megatron_core_copies_rightly_passes(static_buffers, first, then, model_got):
+    [got] = _through_megatron(first, then)
+    assert got.keys() == model_got.keys()
+    for key, value in model_got.items():
+        assert torch.equal(got[key], value) if torch.is_tensor(value) else got[key] == value
 
 
 @needs_mcore_on_cpu
-def test_a_warm_up_call_that_fits_or_adds_a_key_or_finds_no_buffer_passes(made_buffer):
-    assert len(_warm_up_draw(_fitting())) == 1
-    # a top-level key the buffer lacks: megatron-core makes room for it
-    assert len(_warm_up_draw({**_fitting(), "labels": torch.zeros(2, 3)})) == 1
-    # what megatron-core copies of a (dict, ...) tuple is the dict
-    assert len(_warm_up_draw((_fitting(), "extra"))) == 1
-    with pytest.raises(StaticShapeError, match="tokens"):
-        _warm_up_draw(({**_fitting(), "tokens": torch.zeros(2, 4)}, "extra"))
-    # micro-batch 1 has no buffer yet: this call makes it (micro-batch 0 fits)
-    assert len(_warm_up_draw({**_fitting()}, index=1)) == 2
+def test_objects_and_arrays_megatron_core_puts_in_place_may_change(static_buffers):
+    np = pytest.importorskip("numpy")
+    [got] = _through_megatron(
+        [{"t": _tokens(), "a": np.zeros(3)}], [{"t": _tokens(), "a": np.zeros(5)}]
+    )
+    assert got["a"].shape == (5,)
 
 
 @needs_mcore_on_cpu
-def test_the_capture_call_must_fit_the_static_buffer_too(made_buffer):
-    batch = {**_fitting(), "tokens": torch.zeros(2, 4, dtype=torch.int64)}
-    with pytest.raises(StaticShapeError, match=r"at step 1 \(the capture\)"):
-        _warm_up_draw(batch, record=True)
+def test_model_chunks_share_a_buffer_each_with_its_own_keys(static_buffers):
+    """Virtual pipeline stages: megatron-core copies every chunk's micro-batch ``b`` into one
+    buffer; a key one chunk passes and another lacks is no stale key of the other's."""
+    first = [[{"tokens": _tokens(1)}], [{"labels": _tokens(-1)}]]
+    then = [[{"tokens": _tokens(2)}], [{"labels": _tokens(-2)}]]
+    got = _through_megatron(first, then, chunks=2)
+    assert torch.equal(got[0]["tokens"], _tokens(2)) and torch.equal(got[1]["labels"], _tokens(-2))
+    gone = [[{"tokens": _tokens(3)}], [{"other": 1}]]  # chunk 1 no longer passes labels
+    with pytest.raises(StaticShapeError, match=r"model chunk 1\) at step 3 .*batch\['labels'\]"):
+        _through_megatron(first, then, gone, chunks=2)
+
+
+@needs_mcore_on_cpu
+def test_the_capture_call_must_fit_the_static_buffer_too(static_buffers):
+    with pytest.raises(StaticShapeError, match=r"at step 2 \(the capture call\)"):
+        _through_megatron([{"t": _tokens()}], [{"t": _tokens(width=4)}], capture_at=2)
 
 
 @needs_mcore_on_cpu
 def test_calls_that_copy_into_their_own_buffers_are_not_checked_against_megatron_cores(
-    made_buffer,
+    static_buffers,
 ):
     """A bucket (its own static buffers) or an unwrapped call: no static-buffer check."""
-    batch = {**_fitting(), "tokens": torch.zeros(2, 4, dtype=torch.int64)}
-    assert len(_warm_up_draw(batch, static_buffers=False)) == 1
-    assert len(_warm_up_draw(batch, record=True, static_buffers=False)) == 1
+    static_buffers["training"].append({"t": _tokens()})
+    guard = ShapeGuard()
+    for record in (False, True):
+        kwargs = {"num_microbatches": 1, "seq_length": 8, "micro_batch_size": 2,
+                  "data_iterator": iter([{"t": _tokens(width=4)}])}  # fmt: skip
+        iterator = guard.check_call("training", 1, kwargs, record=record, copied=True)
+        assert next(iterator)["t"].shape == (2, 4)
+
+
+@needs_mcore_on_cpu
+def test_a_validation_call_before_the_first_training_step_says_so(static_buffers):
+    static_buffers["validation"].append({"t": _tokens()})
+    guard = ShapeGuard()
+    kwargs = {"num_microbatches": 1, "seq_length": 8, "micro_batch_size": 2,
+              "data_iterator": iter([{"t": _tokens(width=4)}])}  # fmt: skip
+    iterator = guard.check_call(
+        "validation", None, kwargs, record=False, copied=True, static_buffers=True
+    )
+    with pytest.raises(StaticShapeError, match=r"validation micro-batch 0 .* before the first"):
+        next(iterator)

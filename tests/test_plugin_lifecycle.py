@@ -639,7 +639,8 @@ def test_te_graphs_count_micro_batches_only_when_pipelined(monkeypatch):
     assert compat.te_captured_microbatches(Helper()) is None
 
 
-def test_shape_change_before_capture_is_fine(fake_graphs):
+def test_a_shape_set_from_the_first_step_on_is_fine(fake_graphs):
+    """A host's own shape (not the example's), the same at every step: nothing to refuse."""
     summary, _ = run(
         *FULL, "--cuda-graph-warmup-steps", "3", plugins=[ChangeInputs(0, seq=16)], steps=6
     )
@@ -648,7 +649,7 @@ def test_shape_change_before_capture_is_fine(fake_graphs):
 
 @pytest.mark.parametrize(
     "seq, warmup, change_at, call",
-    [(16, 3, 1, "warm-up"), (1, 3, 1, "warm-up"), (16, 2, 2, "the capture")],
+    [(16, 3, 1, "a warm-up call"), (1, 3, 1, "a warm-up call"), (16, 2, 2, "the capture call")],
     ids=["warm-up", "broadcastable", "capture"],
 )
 def test_a_shape_change_between_warm_up_calls_is_refused_before_megatron_core_copies_it(

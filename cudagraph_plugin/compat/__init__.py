@@ -44,6 +44,7 @@ from cudagraph_plugin.compat.device import (
 from cudagraph_plugin.compat.full_iteration import (
     STAGES,
     clear_static_buffers,
+    copy_problem,
     copy_waits_for_current_stream,
     forget_shared_graph_pool,
     free_full_iteration_graph,
@@ -116,6 +117,7 @@ __all__ = [
     "canonical_impl_and_scope",
     "clear_cublas_workspaces",
     "clear_static_buffers",
+    "copy_problem",
     "copy_waits_for_current_stream",
     "cuda_available",
     "current_stream_lookup",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+from collections.abc import Collection
 from typing import Any
 
 STAGES = ("training", "validation")
@@ -148,6 +149,123 @@ def loader_input(batch: Any) -> Any:
     if isinstance(batch, tuple) and batch and isinstance(batch[0], dict):
         return batch[0]
     return batch
+
+
+# what megatron-core's copy into a static buffer does wrong, by the kind of difference
+FAILS = "megatron-core's copy would fail ({})"
+BROADCAST = (
+    "megatron-core's copy would broadcast it into the buffer without an error, and the model "
+    "would train on the wrong data"
+)
+CONVERTED = "megatron-core's copy would convert it to the buffer's dtype"
+STALE = "megatron-core's copy would leave the old value in the buffer, and the model read it"
+ALIASED = (
+    "megatron-core adds such a key to the buffer without copying it: the buffer would hold "
+    "this call's own tensors, and every later call would be copied into them"
+)
+
+
+def copy_problem(
+    buffer: dict[Any, Any], batch: dict[Any, Any], passed_before: Collection[Any] = ()
+) -> tuple[str, ...] | None:
+    """Where ``StaticBufferLoader``'s copy of micro-batch ``batch`` into its existing static
+    ``buffer`` goes wrong, as (path, the buffer's, the batch's, what megatron-core would
+    do), or ``None``. It mirrors 0.16-0.19's code: a top-level key the buffer lacks is added
+    (a tensor as a new device tensor, anything else as it is), then ``clone_tensors_in_struct``
+    copies each tensor into the buffer's, walks dicts and lists, refuses tuples and puts
+    every other value in place. A top-level key the buffer has and ``batch`` lacks stays
+    in the buffer: wrong where the same caller passed it before (``passed_before``; with
+    virtual pipeline stages the model chunks share the buffer, each with its own keys)."""
+    import torch
+
+    gone = sorted((key for key in passed_before if key in buffer and key not in batch), key=str)
+    if gone:
+        return (f"batch[{gone[0]!r}]", "a key", "absent", STALE)
+    for key, value in batch.items():
+        path = f"batch[{key!r}]"
+        if key in buffer:
+            found = _clone_problem(torch, buffer[key], value, path)
+            if found:
+                return found
+        elif not isinstance(value, torch.Tensor):
+            # put in as it is, then copied onto itself (where a tuple inside still fails)
+            found = _clone_problem(torch, value, value, path)
+            if found:
+                return found
+            if _holds_tensor(torch, value):
+                return (path, "absent", _describe(torch, value), ALIASED)
+    return None
+
+
+def _clone_problem(torch: Any, made: Any, value: Any, path: str) -> tuple[str, ...] | None:
+    if isinstance(value, tuple):
+        return (
+            path,
+            _describe(torch, made),
+            _describe(torch, value),
+            FAILS.format('"Unsupported copy for tuple yet"; a list is copied'),
+        )
+    if isinstance(value, torch.Tensor):
+        if not isinstance(made, torch.Tensor):
+            return (
+                path,
+                _describe(torch, made),
+                _describe(torch, value),
+                FAILS.format("no tensor in the buffer to copy into"),
+            )
+        if made.shape != value.shape:
+            try:
+                fits = torch.broadcast_shapes(made.shape, value.shape) == made.shape
+            except RuntimeError:
+                fits = False
+            what = BROADCAST if fits else FAILS.format("the shapes do not match")
+            return (path, _describe(torch, made), _describe(torch, value), what)
+        if made.dtype != value.dtype:
+            return (path, _describe(torch, made), _describe(torch, value), CONVERTED)
+        return None
+    if isinstance(value, list):
+        items = list(enumerate(value))
+        if not isinstance(made, list) or len(made) != len(value):
+            what = (
+                STALE
+                if isinstance(made, list) and len(made) > len(value)
+                else FAILS.format("no matching item in the buffer")
+            )
+            return (path, _describe(torch, made), _describe(torch, value), what)
+        pairs = [(made[i], item, f"{path}[{i}]") for i, item in items]
+    elif isinstance(value, dict):
+        if not isinstance(made, dict) or made.keys() != value.keys():
+            stale = isinstance(made, dict) and made.keys() > value.keys()
+            what = STALE if stale else FAILS.format("no matching key in the buffer")
+            return (path, _describe(torch, made), _describe(torch, value), what)
+        pairs = [(made[k], item, f"{path}[{k!r}]") for k, item in value.items()]
+    else:
+        return None  # put in place as it is
+    for inner_made, item, where in pairs:
+        found = _clone_problem(torch, inner_made, item, where)
+        if found:
+            return found
+    return None
+
+
+def _holds_tensor(torch: Any, value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(torch, item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(torch, item) for item in value)
+    return False
+
+
+def _describe(torch: Any, value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"shape {tuple(value.shape)} dtype {value.dtype}"
+    if isinstance(value, dict):
+        return f"a dict with keys {sorted(map(str, value))}"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"{type(value).__name__} {value!r}"[:80]
 
 
 def clear_static_buffers() -> None:

@@ -8,7 +8,7 @@ without an error. The guard records the inputs of the reference call (the captur
 full-iteration graphs, the first training call after a per-layer capture) and checks every
 later call before its micro-batches reach the model. Before a full-iteration capture,
 megatron-core already copies each call into the static buffers its first call made: those
-calls are checked against the buffers (:func:`_check_static_buffer`). A full-iteration graph
+calls are checked against the buffers (:meth:`_check_static_buffer`). A full-iteration graph
 also replays the model and ``forward_step_func`` of its capture call: a later call with
 others is refused too (:mod:`~cudagraph_plugin.runtime.callee`).
 """
@@ -233,6 +233,9 @@ class ShapeGuard:
         self._replay_fixed = False
         # the step of each stage's warm-up call being checked against the static buffers
         self._warmup_step: dict[str, int | None] = {}
+        # per (stage, model chunk, micro-batch index): the top-level keys that chunk's
+        # micro-batches put in megatron-core's static buffer (the chunks share the buffer)
+        self._buffer_keys: dict[tuple[str, int, int], set[Any]] = {}
 
     def is_armed(self, stage: str) -> bool:
         return stage in self._reference
@@ -261,7 +264,7 @@ class ShapeGuard:
         copying each micro-batch into static buffers (a tensor it cannot copy is refused).
         ``static_buffers``: those are megatron-core's own class-level buffers of ``stage``,
         made by its first call: from the first warm-up call on, each micro-batch must fit
-        the buffer it is copied into (:func:`_check_static_buffer`)."""
+        the buffer it is copied into (:meth:`_check_static_buffer`)."""
         data_iterator = kwargs.get("data_iterator")
         if record:
             call = {key: kwargs.get(key) for key in self.CALL_KEYS}
@@ -334,7 +337,7 @@ class ShapeGuard:
         if record:
             recording = self._recording[stage]
             if recording.buffered:
-                _check_static_buffer(stage, index, chunk, batch, recording.step, "the capture")
+                self._check_static_buffer(stage, index, chunk, batch, recording.step, True)
             hidden = tensors_inside_objects(batch) if recording.copied else []
             if hidden:
                 raise StaticShapeError(
@@ -349,7 +352,7 @@ class ShapeGuard:
             recording.batches[(chunk, index)] = (fingerprint(batch), signature(batch))
             return
         if record is None:
-            _check_static_buffer(stage, index, chunk, batch, self._warmup_step.get(stage))
+            self._check_static_buffer(stage, index, chunk, batch, self._warmup_step.get(stage))
             return
         ref = self._reference[stage]
         known = ref.batches.get((chunk, index))
@@ -373,42 +376,41 @@ class ShapeGuard:
                 f"replaying the graph would use stale buffers. Fix: {FIX}"
             )
 
-
-def _check_static_buffer(
-    stage: str, index: int, chunk: int, batch: Any, step: int | None, call: str = "warm-up"
-) -> None:
-    """Before the capture, megatron-core's ``FullCudaGraphWrapper`` copies every call's
-    micro-batch ``index`` into the static buffer the first call made for that index (and
-    the capture records into it). A tensor of another shape fails that copy inside
-    megatron-core, or is broadcast into the buffer without a word (a ``[b, 1]`` tensor
-    into a ``[b, s]`` buffer); another dtype is converted; a key the buffer has and the
-    micro-batch lacks hands the model the old value. Each is refused here, before the
-    copy. (A top-level key the buffer lacks is added by megatron-core: accepted.)"""
-    buffer = compat.static_buffer(stage, index)
-    batch = compat.loader_input(batch)
-    if not isinstance(buffer, dict) or not isinstance(batch, dict):
-        return  # (none made yet; megatron-core refuses a micro-batch that is no dict)
-    made, now = [], []
-    for key, value in buffer.items():
-        path = f"batch[{key!r}]"
-        tensors = _tensor_items(value, path)
-        made += tensors or ([(path, "a key")] if key not in batch else [])
-        if key in batch:
-            now += _tensor_items(batch[key], path)
-    if sorted(made) == sorted(now):
-        return
-    raise StaticShapeError(
-        f"{stage} micro-batch {index} (model chunk {chunk}) at step {step} ({call}) does not "
-        "fit the static buffer megatron-core's FullCudaGraphWrapper made for it at an "
-        f"earlier step: {difference(made, now, 'in the buffer')}. Every call before the "
-        "capture is copied into that buffer: the copy would fail inside megatron-core, or "
-        f"broadcast the tensor into the buffer and train on the wrong data. Fix: {FIX}"
-    )
-
-
-def _tensor_items(value: Any, path: str) -> list[tuple[str, str]]:
-    """The tensors of ``value`` as :func:`signature` describes them (path, shape, dtype)."""
-    return [item for item in signature(value, path) if item[1].startswith("shape ")]
+    def _check_static_buffer(
+        self,
+        stage: str,
+        index: int,
+        chunk: int,
+        batch: Any,
+        step: int | None,
+        capture: bool = False,
+    ) -> None:
+        """Before the capture, megatron-core's ``FullCudaGraphWrapper`` copies every call's
+        micro-batch ``index`` into the static buffer the first call that reached that index
+        made (and the capture records into it). Where that copy would fail inside
+        megatron-core, or go wrong without a word (a ``[b, 1]`` tensor broadcast into a
+        ``[b, s]`` buffer, a converted dtype, a list that shrank leaving its old tail, a key
+        no longer passed whose old value stays: :func:`compat.copy_problem`), the call is
+        refused before the copy."""
+        batch = compat.loader_input(batch)
+        if not isinstance(batch, dict):
+            return  # (megatron-core refuses a micro-batch that is no dict)
+        keys = self._buffer_keys.setdefault((stage, chunk, index), set())
+        buffer = compat.static_buffer(stage, index)
+        found = compat.copy_problem(buffer, batch, keys) if isinstance(buffer, dict) else None
+        keys.update(batch)
+        if found is None:
+            return
+        path, made, now, what = found
+        when = "before the first training step" if step is None else f"at step {step}"
+        raise StaticShapeError(
+            f"{stage} micro-batch {index} (model chunk {chunk}) {when} ("
+            f"{'the capture call' if capture else 'a warm-up call'}) does not fit the static "
+            "buffer megatron-core's FullCudaGraphWrapper copies it into (made by the first "
+            f"call that reached micro-batch {index}; every call before the capture is copied "
+            f"into it): {path}: {made} in the buffer, now {now}: {what}. Fix: {FIX}; for "
+            "shapes that must change, --cuda-graph-buckets"
+        )
 
 
 CALLEE_FIX = (
@@ -448,7 +450,7 @@ class _CheckedIterator:
     __slots__ = ("_chunk", "_guard", "_index", "_iterator", "_record", "_stage")
 
     def __init__(
-        self, guard: ShapeGuard, stage: str, iterator: Any, record: bool, chunk: int
+        self, guard: ShapeGuard, stage: str, iterator: Any, record: bool | None, chunk: int
     ) -> None:
         self._guard = guard
         self._stage = stage
