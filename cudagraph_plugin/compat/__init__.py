@@ -24,6 +24,9 @@ from __future__ import annotations
 from cudagraph_plugin.compat.ddp import (
     DDPBuildContext,
     forward_pre_hooks_enabled,
+    mark_param_gather_due,
+    param_gather_groups,
+    rearm_param_gather,
     uses_forward_pre_hooks,
 )
 from cudagraph_plugin.compat.device import (
@@ -143,6 +146,7 @@ __all__ = [
     "make_full_iteration_wrapper",
     "make_optimizer_graph_wrapper",
     "make_te_helper",
+    "mark_param_gather_due",
     "max_across_ranks",
     "mcore_version",
     "model_config_kwargs",
@@ -156,6 +160,8 @@ __all__ = [
     "optimizer_graph_state_dirty",
     "optimizer_is_capturable",
     "order_input_copy_after_replay",
+    "param_gather_groups",
+    "rearm_param_gather",
     "reset_full_iteration_counters",
     "reset_optimizer_graph_counters",
     "rng_tracker_state",

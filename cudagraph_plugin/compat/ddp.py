@@ -88,3 +88,52 @@ def uses_forward_pre_hooks(model: list[Any]) -> bool:
 
 def forward_pre_hooks_enabled(model: list[Any]) -> bool:
     return any(len(getattr(chunk, "remove_forward_pre_hook_handles", ())) for chunk in model)
+
+
+def param_gather_groups(model: list[Any]) -> list[Any]:
+    """The DDP bucket groups whose parameter all-gather the forward pre-hooks run (the chunks
+    with the distributed optimizer and ``overlap_param_gather``)."""
+    return [
+        group
+        for chunk in model
+        if getattr(chunk, "use_forward_hook", False)
+        for group in (
+            *getattr(chunk, "bucket_groups", ()),
+            *getattr(chunk, "expert_parallel_bucket_groups", ()),
+        )
+    ]
+
+
+def mark_param_gather_due(groups: list[Any]) -> None:
+    """What ``finish_grad_sync`` leaves at the end of an eager training iteration: each
+    group's all-gather due again at the next forward. A replayed iteration runs no Python,
+    so after one the flags still say "gathered": an eager forward-only call next (an
+    evaluation before its graph is captured, an RL rollout) would then run on the shards
+    gathered before the last optimizer step."""
+    for group in groups:
+        group.param_gather_dispatched = False
+
+
+def rearm_param_gather(model: list[Any]) -> int:
+    """Before a capture: make the next forward all-gather the parameters again, on the DDP
+    chunks whose forward pre-hooks are on; returns how many bucket groups had to be re-armed.
+
+    A pre-hook all-gathers a bucket only while its ``param_gather_dispatched`` is false, and
+    only ``finish_grad_sync`` (the end of a training iteration) clears it. A forward-only
+    call (an evaluation, an RL rollout) or ``disable_forward_pre_hook(param_sync=True)``
+    leaves it set: the next forward runs on the parameters already gathered, which is right
+    eagerly, but a capture then records no all-gather, and every replay runs on stale
+    shards of the other ranks' parameters. An all-gather still in flight is waited for."""
+    rearmed = 0
+    for chunk in model:
+        if not forward_pre_hooks_enabled([chunk]):
+            continue
+        for group in param_gather_groups([chunk]):
+            if not group.param_gather_dispatched:
+                continue
+            if group.param_gather_handle is not None:
+                group.param_gather_handle.wait()
+                group.param_gather_handle = None
+            group.param_gather_dispatched = False
+            rearmed += 1
+    return rearmed

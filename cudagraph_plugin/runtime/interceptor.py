@@ -187,6 +187,8 @@ class ForwardBackwardInterceptor:
                 self._remember_replay(eager, wrapper)
             result = full.call(wrapper, kwargs)
             self.full_calls[stage] += 1
+            if stage == "training":
+                self.after_training_graph()
             # (counted once the call got through: the guard checks the micro-batches as the
             # schedule draws them, and a refused call replayed nothing)
             self.captures.replayed(stage)
@@ -195,7 +197,18 @@ class ForwardBackwardInterceptor:
         result = self.captures.bracket(stage, lambda: full.call(wrapper, kwargs))
         self.full_calls[stage] += 1
         self.guard.commit(stage)
+        if stage == "training":
+            self.after_training_graph()
         return result
+
+    def after_training_graph(self) -> None:
+        """After a training call of full-iteration graphs (a warm-up call too: its eager
+        iteration left the same): DDP's Python state as an eager iteration leaves it
+        (:func:`compat.mark_param_gather_due`)."""
+        model = self.state.model
+        groups = compat.param_gather_groups(model) if model is not None else []
+        if groups:
+            compat.mark_param_gather_due(groups)
 
     def _remember_replay(self, eager: Any, wrapper: Any) -> None:
         """After a training call that replays (not a warm-up call), the fast path of
@@ -205,6 +218,7 @@ class ForwardBackwardInterceptor:
         if graph is None or not self.guard.is_armed("training"):
             self._replay = None
             return
+        model = self.state.model
         self._replay = _Replay(
             eager=eager,
             wrapper=wrapper,
@@ -212,6 +226,7 @@ class ForwardBackwardInterceptor:
             graph=graph,
             guard_generation=self.guard.generation,
             order_copy=not compat.loader_orders_its_copy(),
+            gather_groups=compat.param_gather_groups(model) if model is not None else [],
         )
 
     def _bucketed(self, buckets: BucketGraphs, eager: Any, kwargs: dict[str, Any]) -> Any:
@@ -221,12 +236,15 @@ class ForwardBackwardInterceptor:
         route = buckets.route(kwargs, step)
         if route.action is Action.CAPTURE:
             self.wiring.full_iteration_capture("training")
-            return self.captures.bracket(
+            result = self.captures.bracket(
                 "training", lambda: buckets.run(route, eager, kwargs, step)
             )
+            self.after_training_graph()
+            return result
         result = buckets.run(route, eager, kwargs, step)
         if route.action is Action.REPLAY:
             self.captures.replayed("training")
+            self.after_training_graph()
         return result
 
     def _check_te_microbatches(self, kwargs: dict[str, Any]) -> None:
@@ -278,6 +296,7 @@ class _Replay:
     graph: Any
     guard_generation: int
     order_copy: bool  # megatron-core's loader does not order its copy itself (0.16)
+    gather_groups: list[Any]  # (compat.mark_param_gather_due after each replay)
 
     def holds(self, state: RunState, guard: ShapeGuard) -> bool:
         return (
@@ -316,6 +335,8 @@ class ForwardBackward:
             if replay.order_copy:
                 compat.order_input_copy_after_replay(replay.wrapper)
             result = replay.wrapper(**kwargs)
+            if replay.gather_groups:
+                compat.mark_param_gather_due(replay.gather_groups)
             interceptor.full_calls["training"] += 1
             captures = interceptor.captures
             captures.replays["training"] += 1

@@ -7,7 +7,8 @@ nothing drives the capture. So, on a CUDA device with graphs on:
 * training starts only after ``run.model_built()`` (the build checks and the TE helper);
 * a full-iteration capture needs the DDP forward pre-hooks on where the model uses them
   (else the captured iteration has no parameter all-gather and every replay trains on
-  stale shards);
+  stale shards), and their all-gather due: one a forward-only call already did is made due
+  again (:func:`compat.rearm_param_gather`);
 * by the end of the capture step every requested graph exists: the TE helper found
   graphable layers, the forward/backward came from ``run.forward_backward_func()`` and ran,
   ``optimizer.step`` went through the optimizer graph.
@@ -93,6 +94,17 @@ class Wiring:
                 "(run.enable_forward_pre_hook(model)) before the capture step, e.g. after the "
                 "first step as Megatron-LM does, or raise cuda_graph_warmup_steps past the "
                 "step at which the host enables them"
+            )
+        rearmed = compat.rearm_param_gather(model) if model is not None else 0
+        if rearmed:
+            logger.info(
+                "full-iteration %s capture at step %s: the DDP parameter all-gather of %d "
+                "bucket group(s) was already done (a forward-only call since the last "
+                "training iteration: an evaluation, a rollout); made due again so that the "
+                "graph records it (else every replay would run on stale shards)",
+                stage,
+                self.state.step,
+                rearmed,
             )
 
     def te_layers_found(self, layer_count: int, skips_empty_stage: bool) -> None:
