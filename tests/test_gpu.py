@@ -393,6 +393,17 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     # -- two GPUs -------------------------------------------------------------------------
     Scenario("dp2_full_iteration", (), FULL, nproc=2),
+    # an evaluation (forward-only, the pre-hooks' all-gather done) before the capture and
+    # between replays: the capture must record the all-gather, eager calls after a replay
+    # must gather again; training and evaluation losses equal the eager twin's
+    Scenario(
+        "dp2_full_iteration_overlap_eval",
+        (*OVERLAP, "--eval-interval", "3", "--eval-iters", "2"),
+        FULL,
+        nproc=2,
+        stages=("training", "validation"),
+        toggles=HOST_TOGGLES,
+    ),
     Scenario(
         "dp2_te_attn_mlp_distopt",
         (*TE_SPEC, "--use-distributed-optimizer"),
@@ -738,6 +749,13 @@ def check_parity(scenario: Scenario, graphed: TrainJob, eager: TrainJob) -> None
             **dict(scenario.tolerance),
             msg=lambda text, rank=rank: f"rank {rank}: graphed vs eager losses: {text}",
         )
+        if "--eval-interval" in scenario.base:  # (the validation graph's too)
+            torch.testing.assert_close(
+                torch.tensor(graphed.record(rank)["eval_losses"]),
+                torch.tensor(eager.record(rank)["eval_losses"]),
+                **dict(scenario.tolerance),
+                msg=lambda text, rank=rank: f"rank {rank}: graphed vs eager eval losses: {text}",
+            )
 
 
 def check_failure(scenario: Scenario, job: TrainJob) -> None:

@@ -264,3 +264,22 @@ def test_two_data_parallel_ranks_with_buckets_and_offload(jobs_root):
         _same_losses(graphed, eager, rank)
     assert lengths_of(graphed.record(0)["report"]) == lengths_of(graphed.record(1)["report"])
     assert "illegal memory access" not in graphed.result.output()
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(DEVICE_COUNT < 2, reason="needs 2 GPUs")
+def test_two_data_parallel_ranks_with_the_overlapped_param_all_gather(jobs_root):
+    """The distributed optimizer's all-gather in the DDP forward pre-hooks: each rollout (a
+    forward-only pass) leaves it done, so a bucket captured after one recorded none and
+    every replay trained on the other rank's stale shards (tests/test_param_gather_cpu.py
+    shows it over gloo); the losses must equal the eager twin's."""
+    argv = (*LOOP, *BF16, "--use-distributed-optimizer", "--overlap-param-gather",
+            "--overlap-grad-reduce")  # fmt: skip
+    graphed = _job(
+        "rl_dp2_overlap", "graphed", (*argv, *GRAPHS, "--cuda-graph-buckets", BUCKETS),
+        jobs_root, nproc=2,
+    )  # fmt: skip
+    eager = _job("rl_dp2_overlap", "eager", argv, jobs_root, nproc=2)
+    for rank in (0, 1):
+        _check_schedule(graphed.record(rank)["report"], every_bucket=False)
+        _same_losses(graphed, eager, rank)

@@ -455,6 +455,18 @@ def test_parity_is_per_rank_within_the_bf16_tolerance() -> None:
         test_gpu.check_parity(s, off, eager)
 
 
+def test_parity_of_a_scenario_with_evaluation_covers_its_evaluation_losses() -> None:
+    s = test_gpu.BY_NAME["dp2_full_iteration_overlap_eval"]
+    ranks = (0, 1)
+    eager = job_of(s, {r: {"losses": [7.0, 6.0], "eval_losses": [6.5, 5.5]} for r in ranks})
+    same = job_of(s, {r: {"losses": [7.0, 6.0], "eval_losses": [6.5, 5.51]} for r in ranks})
+    test_gpu.check_parity(s, same, eager)
+    stale = {**{0: {"losses": [7.0, 6.0], "eval_losses": [6.5, 5.5]}},
+             1: {"losses": [7.0, 6.0], "eval_losses": [6.5, 5.7]}}  # fmt: skip
+    with pytest.raises(AssertionError, match="rank 1: graphed vs eager eval losses"):
+        test_gpu.check_parity(s, job_of(s, stale), eager)
+
+
 def test_capture_stages_come_from_the_events_around_them() -> None:
     events = [
         ["step", 3],

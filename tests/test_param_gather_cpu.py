@@ -54,11 +54,18 @@ def _summary(tmp_path: Path, name: str, loop: str, mode: str, args: tuple[str, .
 
 
 @pytest.mark.parametrize(
-    "interval", ["3", "4"], ids=["evaluation-before-the-capture", "evaluation-after-replays"]
+    "interval, iters, warmup",
+    [("3", "2", "3"), ("4", "2", "3"), ("2", "1", "4")],
+    # (evaluations follow steps 2, 5, 8 / 3, 7 / 1, 3, 5, 7, 9; training captured at step 3
+    # / 3 / 4, validation at its 4th / 4th / 5th call): an evaluation right before the
+    # capture; one right after it; an eager one after replays the fast path remembered
+    ids=["before-the-capture", "after-the-capture", "eager-after-remembered-replays"],
 )
-def test_evaluations_between_steps_keep_graphed_losses_equal_to_eager(tmp_path, interval):
-    args = ("--train-iters", "9", "--log-interval", "0", "--cuda-graph-warmup-steps", "3",
-            *NO_DROPOUT, *OVERLAP, "--eval-interval", interval, "--eval-iters", "2")  # fmt: skip
+def test_evaluations_between_steps_keep_graphed_losses_equal_to_eager(
+    tmp_path, interval, iters, warmup
+):
+    args = ("--train-iters", "10", "--log-interval", "0", "--cuda-graph-warmup-steps", warmup,
+            *NO_DROPOUT, *OVERLAP, "--eval-interval", interval, "--eval-iters", iters)  # fmt: skip
     eager = _summary(tmp_path, "eval", "train_gpt", "eager", (*args, "--cuda-graph-impl", "none"))
     graphed = _summary(tmp_path, "eval", "train_gpt", "graphs", (*args, *FULL))
     assert graphed["losses"] == eager["losses"]

@@ -34,6 +34,7 @@ STEPS = "tests/test_step_listener.py::"
 GUARD = "tests/test_guard.py::"
 PEERS = "tests/test_peer_failure_cpu.py::"
 DEADLINE = "tests/test_peer_deadline.py::"
+PARAM_GATHER = "tests/test_param_gather_cpu.py::"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -616,6 +617,42 @@ MUTANTS = [
         "    gone = sorted((key for key in passed_before if key in buffer and key not in batch)",
         "    gone = sorted((key for key in () if key in buffer and key not in batch)",
         (GUARD + "test_a_warm_up_call_megatron_core_would_copy_wrongly_is_refused[key-gone]",),
+    ),
+    Mutant(
+        "param-gather-not-rearmed-before-capture",
+        "a capture after a forward-only call records no DDP parameter all-gather: every "
+        "replay trains on stale shards",
+        "cudagraph_plugin/runtime/wiring.py",
+        "        rearmed = compat.rearm_param_gather(model) if model is not None else 0\n",
+        "        rearmed = 0\n",
+        (
+            PARAM_GATHER + "test_evaluations_between_steps_keep_graphed_losses_equal_to_eager"
+            "[before-the-capture]",
+        ),
+    ),
+    Mutant(
+        "param-gather-left-done-after-replay",
+        "after a training replay (the remembered fast path) DDP still says the parameters "
+        "are gathered: the next eager evaluation runs on stale shards",
+        "cudagraph_plugin/runtime/interceptor.py",
+        "            if replay.gather_groups:\n",
+        "            if False:\n",
+        (
+            PARAM_GATHER + "test_evaluations_between_steps_keep_graphed_losses_equal_to_eager"
+            "[eager-after-remembered-replays]",
+        ),
+    ),
+    Mutant(
+        "param-gather-left-done-after-bucket-replay",
+        "after a bucket's replay DDP still says the parameters are gathered: the next RL "
+        "rollout runs on stale shards",
+        "cudagraph_plugin/runtime/interceptor.py",
+        "        if groups:\n            compat.mark_param_gather_due(groups)\n",
+        "        if False:\n            compat.mark_param_gather_due(groups)\n",
+        (
+            PARAM_GATHER
+            + "test_rl_rollouts_between_bucketed_steps_keep_graphed_losses_equal_to_eager",
+        ),
     ),
 ]
 
