@@ -535,11 +535,14 @@ def test_the_same_keys_in_another_order_are_the_same_batch():
 # -- warm-up calls against megatron-core's static buffers -----------------------------------------
 
 
-def _through_megatron(*steps, chunks: int = 1, capture_at: int | None = None) -> list:
+def _through_megatron(
+    *steps, chunks: int = 1, capture_at: int | None = None, forward_step=None
+) -> list:
     """Full-iteration calls before the capture (``capture_at``: that step is the capture
     call), each step a list of micro-batches (or, with ``chunks``, a list of such lists, one
     per model chunk), drawn through the guard by megatron-core's own ``data_read`` into its
-    real ``StaticBufferLoader`` buffers; returns what the model got at the last step."""
+    real ``StaticBufferLoader`` buffers; ``forward_step`` is given each micro-batch the
+    model gets (megatron-core's buffer itself); returns what the model got at the last step."""
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
     from cpu_redirect import cpu_redirect
@@ -563,6 +566,8 @@ def _through_megatron(*steps, chunks: int = 1, capture_at: int | None = None) ->
             )  # fmt: skip
             data = wrapper.data_read(iterator, [object()] * chunks, True, len(lists[0]))
             seen = [next(chunk_data) for chunk_data in data]
+            for batch in seen if forward_step else ():
+                forward_step(batch)
     return seen
 
 
@@ -657,6 +662,24 @@ def test_objects_and_arrays_megatron_core_puts_in_place_may_change(static_buffer
         [{"t": _tokens(), "a": np.zeros(3)}], [{"t": _tokens(), "a": np.zeros(5)}]
     )
     assert got["a"].shape == (5,)
+
+
+@needs_mcore_on_cpu
+def test_a_forward_step_that_converts_the_buffer_in_place_is_no_dtype_change(static_buffers):
+    """megatron-core hands forward_step its buffer: one that converts a value in place
+    changes the buffer's dtype, and each later copy converts to it, as each eager call's
+    forward_step would. The micro-batches passed keep their dtype: nothing to refuse."""
+
+    def forward_step(batch):
+        batch["mask"] = batch["mask"].double()
+
+    mask = torch.ones(2, 8)
+    steps = [[{"t": _tokens(), "mask": mask}] for _ in range(3)]
+    [got] = _through_megatron(*steps, forward_step=forward_step)
+    assert got["mask"].dtype == torch.float64
+    changed = [{"t": _tokens(), "mask": mask.half()}]  # what the host passes: refused
+    with pytest.raises(StaticShapeError, match=r"\(passed as torch.float32\).*torch.float16"):
+        _through_megatron(*steps, changed, forward_step=forward_step)
 
 
 @needs_mcore_on_cpu

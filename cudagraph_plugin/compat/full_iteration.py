@@ -166,7 +166,10 @@ ALIASED = (
 
 
 def copy_problem(
-    buffer: dict[Any, Any], batch: dict[Any, Any], passed_before: Collection[Any] = ()
+    buffer: dict[Any, Any] | None,
+    batch: dict[Any, Any],
+    passed_before: Collection[Any] = (),
+    dtypes_passed: dict[str, Any] | None = None,
 ) -> tuple[str, ...] | None:
     """Where ``StaticBufferLoader``'s copy of micro-batch ``batch`` into its existing static
     ``buffer`` goes wrong, as (path, the buffer's, the batch's, what megatron-core would
@@ -175,21 +178,33 @@ def copy_problem(
     copies each tensor into the buffer's, walks dicts and lists, refuses tuples and puts
     every other value in place. A top-level key the buffer has and ``batch`` lacks stays
     in the buffer: wrong where the same caller passed it before (``passed_before``; with
-    virtual pipeline stages the model chunks share the buffer, each with its own keys)."""
+    virtual pipeline stages the model chunks share the buffer, each with its own keys).
+
+    A tensor's dtype is compared with the dtype the same caller passed first at its path
+    (``dtypes_passed``, filled in as new paths come; with no ``buffer`` yet, only that):
+    megatron-core hands ``forward_step`` the buffer itself, and one that converts a value
+    in place (``batch["mask"] = batch["mask"].bool()``) changes the buffer's dtype, which
+    every later copy then converts to, as each eager call's ``forward_step`` would."""
     import torch
 
+    seen = {} if dtypes_passed is None else dtypes_passed
+    if buffer is None:
+        _clone_problem(torch, batch, batch, "batch", seen)
+        return None
     gone = sorted((key for key in passed_before if key in buffer and key not in batch), key=str)
     if gone:
         return (f"batch[{gone[0]!r}]", "a key", "absent", STALE)
     for key, value in batch.items():
         path = f"batch[{key!r}]"
         if key in buffer:
-            found = _clone_problem(torch, buffer[key], value, path)
+            found = _clone_problem(torch, buffer[key], value, path, seen)
             if found:
                 return found
-        elif not isinstance(value, torch.Tensor):
+        elif isinstance(value, torch.Tensor):
+            seen.setdefault(path, value.dtype)  # (a new device tensor of its dtype)
+        else:
             # put in as it is, then copied onto itself (where a tuple inside still fails)
-            found = _clone_problem(torch, value, value, path)
+            found = _clone_problem(torch, value, value, path, seen)
             if found:
                 return found
             if _holds_tensor(torch, value):
@@ -197,7 +212,9 @@ def copy_problem(
     return None
 
 
-def _clone_problem(torch: Any, made: Any, value: Any, path: str) -> tuple[str, ...] | None:
+def _clone_problem(
+    torch: Any, made: Any, value: Any, path: str, seen: dict[str, Any]
+) -> tuple[str, ...] | None:
     if isinstance(value, tuple):
         return (
             path,
@@ -220,8 +237,10 @@ def _clone_problem(torch: Any, made: Any, value: Any, path: str) -> tuple[str, .
                 fits = False
             what = BROADCAST if fits else FAILS.format("the shapes do not match")
             return (path, _describe(torch, made), _describe(torch, value), what)
-        if made.dtype != value.dtype:
-            return (path, _describe(torch, made), _describe(torch, value), CONVERTED)
+        first = seen.setdefault(path, value.dtype)
+        if value.dtype != first:
+            return (path, f"{_describe(torch, made)} (passed as {first})",
+                    _describe(torch, value), CONVERTED)  # fmt: skip
         return None
     if isinstance(value, list):
         items = list(enumerate(value))
@@ -242,7 +261,7 @@ def _clone_problem(torch: Any, made: Any, value: Any, path: str) -> tuple[str, .
     else:
         return None  # put in place as it is
     for inner_made, item, where in pairs:
-        found = _clone_problem(torch, inner_made, item, where)
+        found = _clone_problem(torch, inner_made, item, where, seen)
         if found:
             return found
     return None

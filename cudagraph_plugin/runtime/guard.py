@@ -234,8 +234,9 @@ class ShapeGuard:
         # the step of each stage's warm-up call being checked against the static buffers
         self._warmup_step: dict[str, int | None] = {}
         # per (stage, model chunk, micro-batch index): the top-level keys that chunk's
-        # micro-batches put in megatron-core's static buffer (the chunks share the buffer)
-        self._buffer_keys: dict[tuple[str, int, int], set[Any]] = {}
+        # micro-batches put in megatron-core's static buffer (the chunks share the buffer),
+        # and the dtype each tensor path was first passed with
+        self._buffer_keys: dict[tuple[str, int, int], tuple[set[Any], dict[str, Any]]] = {}
 
     def is_armed(self, stage: str) -> bool:
         return stage in self._reference
@@ -395,9 +396,11 @@ class ShapeGuard:
         batch = compat.loader_input(batch)
         if not isinstance(batch, dict):
             return  # (megatron-core refuses a micro-batch that is no dict)
-        keys = self._buffer_keys.setdefault((stage, chunk, index), set())
+        keys, dtypes = self._buffer_keys.setdefault((stage, chunk, index), (set(), {}))
         buffer = compat.static_buffer(stage, index)
-        found = compat.copy_problem(buffer, batch, keys) if isinstance(buffer, dict) else None
+        found = compat.copy_problem(
+            buffer if isinstance(buffer, dict) else None, batch, keys, dtypes
+        )
         keys.update(batch)
         if found is None:
             return
