@@ -193,3 +193,48 @@ def test_per_layer_graphs_do_not_compare_the_model_or_the_step_function():
     guard = ShapeGuard()
     call(guard, record=True, copied=False)
     call(guard, copied=False, model=[torch.nn.Linear(2, 2)], step_func=make_closure(3.0))
+
+
+@pytest.mark.parametrize("replay", ["check_call", "check_replay"])
+def test_a_full_iteration_call_in_another_train_eval_mode_than_its_capture_is_refused(replay):
+    """The graph replays the mode it was captured in: a validation graph captured by
+    forward-only calls in training mode (an RL host's log-probs) ran dropout in every later
+    eval-mode evaluation, silently (review of 2026-12-05)."""
+    model = [torch.nn.Dropout(0.5), torch.nn.Linear(2, 2)]
+    step_func = functools.partial(loss_step, 1.0)
+    guard = ShapeGuard()
+    call(guard, record=True, model=model, step_func=step_func)  # captured in train mode
+    check = (
+        (lambda: call(guard, model=model, step_func=step_func))
+        if replay == "check_call"
+        else (lambda: next(guard.check_replay(_kwargs(model, step_func))))
+    )
+    check()  # the same mode: replays
+    model[0].eval()
+    with pytest.raises(StaticShapeError, match=r"mixed train/eval mode \(captured in train mode"):
+        check()
+    model[1].eval()
+    with pytest.raises(StaticShapeError, match=r"model in eval mode .*Fix: call with the model"):
+        check()
+    for chunk in model:
+        chunk.train()
+    check()  # back in the captured mode
+
+
+def test_per_layer_references_do_not_compare_the_mode():
+    model = [torch.nn.Linear(2, 2)]
+    guard = ShapeGuard()
+    call(guard, record=True, copied=False, model=model)
+    model[0].eval()
+    call(guard, copied=False, model=model)
+
+
+def _kwargs(model, step_func):
+    return {
+        "num_microbatches": 1,
+        "seq_length": 8,
+        "micro_batch_size": 2,
+        "data_iterator": iter([{"tokens": torch.zeros(2, 8, dtype=torch.int64)}]),
+        "model": model,
+        "forward_step_func": step_func,
+    }

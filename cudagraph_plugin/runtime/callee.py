@@ -84,6 +84,13 @@ def same_models(given: Any, captured: Any) -> bool:
     return False
 
 
+def modes(model: Any) -> tuple[Any, ...]:
+    """Each model chunk's ``training`` flag: a full-iteration graph replays the mode it was
+    captured in (dropout on or off, whatever mode the model is in at the replay)."""
+    chunks = model if isinstance(model, (list, tuple)) else (model,)
+    return tuple(getattr(chunk, "training", None) for chunk in chunks)
+
+
 def describe(func: Any) -> str:
     inner = func.func if isinstance(func, functools.partial) else func
     name = getattr(inner, "__qualname__", None) or type(inner).__name__

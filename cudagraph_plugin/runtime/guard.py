@@ -213,6 +213,8 @@ class _Reference:
     callee: tuple[Any, Any, Any] = (None, None, None)
     # copied into megatron-core's own class-level static buffers (not a bucket's)
     buffered: bool = False
+    # each model chunk's training flag at the call (callee.modes; copied calls only)
+    modes: tuple[Any, ...] = ()
 
 
 class ShapeGuard:
@@ -231,6 +233,7 @@ class ShapeGuard:
         self._replay_callee: tuple[Any, Any] = (None, None)
         # the captured step function can change only by being another object (is_fixed)
         self._replay_fixed = False
+        self._replay_modes: tuple[Any, ...] = ()
         # the step of each stage's warm-up call being checked against the static buffers
         self._warmup_step: dict[str, int | None] = {}
         # per (stage, model chunk, micro-batch index): the top-level keys that chunk's
@@ -247,6 +250,7 @@ class ShapeGuard:
         self._replay_values = None
         self._replay_callee = (None, None)
         self._replay_fixed = False
+        self._replay_modes = ()
         self.generation += 1
 
     def check_call(
@@ -272,7 +276,12 @@ class ShapeGuard:
             step_func = kwargs.get("forward_step_func")
             made = (kwargs.get("model"), step_func, callee.snapshot(step_func) if copied else None)
             self._recording[stage] = _Reference(
-                step, call, copied=copied, callee=made, buffered=static_buffers
+                step,
+                call,
+                copied=copied,
+                callee=made,
+                buffered=static_buffers,
+                modes=callee.modes(kwargs.get("model")) if copied else (),
             )
             return self._wrap(stage, data_iterator, True)
         ref = self._reference.get(stage)
@@ -303,6 +312,7 @@ class ShapeGuard:
             or kwargs.get("forward_step_func") is not step_func
             or not self._replay_fixed
             or kwargs.get("model") is not model
+            or callee.modes(model) != self._replay_modes
         ):
             # (says what changed; a forward_step_func made again alike passes there, and
             # one with closure variables is looked at again: a value may change in place)
@@ -320,6 +330,7 @@ class ShapeGuard:
             model, step_func, recorded = ref.callee
             self._replay_callee = (model, step_func)
             self._replay_fixed = recorded is not None and callee.is_fixed(recorded)
+            self._replay_modes = ref.modes
         self.generation += 1
 
     def _wrap(self, stage: str, data_iterator: Any, record: bool | None, chunk: int = 0) -> Any:
@@ -417,7 +428,10 @@ class ShapeGuard:
 
 
 CALLEE_FIX = (
-    "pass the same model and forward_step_func on every call (make forward_step_func once; "
+    "call with the model in the mode of the capture (chunk.train() before training steps; "
+    "evaluations in eval mode from the first one on, the validation graph being captured in "
+    "the mode of its capture call), and pass the same model and forward_step_func on every "
+    "call (make forward_step_func once; "
     "give a value that changes per step, a loss coefficient say, to the loss as a tensor in "
     "the micro-batch, or as a device tensor filled in place); with --cuda-graph-buckets, "
     "run.invalidate_graphs() after a deliberate change captures the buckets again; or run "
@@ -432,6 +446,12 @@ def _check_callee(stage: str, ref: _Reference, kwargs: dict[str, Any]) -> None:
     given = kwargs.get("forward_step_func")
     if not callee.same_models(kwargs.get("model"), model):
         what = "another model"
+    elif callee.modes(model) != ref.modes:
+        what = (
+            f"the model in {_mode_name(callee.modes(model))} mode (captured in "
+            f"{_mode_name(ref.modes)} mode: dropout and every other mode-dependent layer "
+            "run as captured)"
+        )
     elif recorded is not None and not callee.same_snapshot(callee.snapshot(given), recorded):
         what = (
             f"another forward_step_func ({callee.describe(given)}, captured with "
@@ -444,6 +464,11 @@ def _check_callee(stage: str, ref: _Reference, kwargs: dict[str, Any]) -> None:
         f"{ref.step}): the graph replays the captured call's computation, so the change "
         f"would be silently ignored. Fix: {CALLEE_FIX}"
     )
+
+
+def _mode_name(modes: tuple[Any, ...]) -> str:
+    names = {"train" if flag else "eval" for flag in modes}
+    return names.pop() if len(names) == 1 else "mixed train/eval"
 
 
 class _CheckedIterator:
