@@ -201,7 +201,7 @@ def test_a_full_iteration_call_in_another_train_eval_mode_than_its_capture_is_re
     forward-only calls in training mode (an RL host's log-probs) ran dropout in every later
     eval-mode evaluation, silently (review of 2026-12-05)."""
     model = [torch.nn.Dropout(0.5), torch.nn.Linear(2, 2)]
-    step_func = functools.partial(loss_step, 1.0)
+    step_func = Host().forward_step  # (a bound method: the replay's shortcut trusts it)
     guard = ShapeGuard()
     call(guard, record=True, model=model, step_func=step_func)  # captured in train mode
     check = (

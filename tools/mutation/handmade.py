@@ -35,6 +35,7 @@ GUARD = "tests/test_guard.py::"
 PEERS = "tests/test_peer_failure_cpu.py::"
 DEADLINE = "tests/test_peer_deadline.py::"
 PARAM_GATHER = "tests/test_param_gather_cpu.py::"
+CALLEE = "tests/test_guard_callee.py::"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -652,6 +653,28 @@ MUTANTS = [
         (
             PARAM_GATHER
             + "test_rl_rollouts_between_bucketed_steps_keep_graphed_losses_equal_to_eager",
+        ),
+    ),
+    Mutant(
+        "mode-of-the-capture-unchecked",
+        "a full-iteration graph replays its capture's train/eval mode for a call in the other",
+        "cudagraph_plugin/runtime/guard.py",
+        "    elif callee.modes(model) != ref.modes:\n",
+        "    elif False:\n",
+        (
+            CALLEE + "test_a_full_iteration_call_in_another_train_eval_mode_than_its_capture_"
+            "is_refused[check_call]",
+        ),
+    ),
+    Mutant(
+        "mode-of-the-capture-unchecked-on-the-fast-path",
+        "the remembered replay path replays a training graph with the model in another mode",
+        "cudagraph_plugin/runtime/guard.py",
+        "            or callee.modes(model) != self._replay_modes\n",
+        "",
+        (
+            CALLEE + "test_a_full_iteration_call_in_another_train_eval_mode_than_its_capture_"
+            "is_refused[check_replay]",
         ),
     ),
 ]
