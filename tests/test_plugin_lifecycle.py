@@ -1190,6 +1190,9 @@ def test_an_invalidation_after_an_evaluation_s_capture_goes_eager_without_a_wiri
     assert summary["steps"] == 6
     assert [e["graphs_freed"] for e in rec.report.invalidations] == [1]
     assert "the run goes on eagerly" in caplog.text
+    # (the run went on past its capture step: it did not end before the training capture)
+    captured = rec.report.format_table()
+    assert "for evaluation only (invalidated before the training capture: eager" in captured
 
 
 def test_te_graphs_invalidated_at_the_end_of_their_capture_step_are_no_wiring_error(fake_graphs):

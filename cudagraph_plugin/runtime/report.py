@@ -188,10 +188,15 @@ class RunReport:
         if not self.graphs_captured:
             rows.append(("captured", f"NO GRAPH CAPTURED: {self.no_graph_reason}"))
         else:
+            ended = (
+                "invalidated before the training capture: eager since"
+                if self.invalidations
+                else "the run ended before the training capture"
+            )
             at = (
                 f"at step {self.capture_step}"
                 if self.capture_step is not None
-                else "for evaluation only (the run ended before the training capture)"
+                else f"for evaluation only ({ended})"
             )
             rows.append(
                 ("captured", f"{self.graph_count} graph(s) {at} in {self.capture_seconds:.3f} s")
