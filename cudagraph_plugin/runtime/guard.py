@@ -239,7 +239,7 @@ class ShapeGuard:
         # per (stage, model chunk, micro-batch index): the top-level keys that chunk's
         # micro-batches put in megatron-core's static buffer (the chunks share the buffer),
         # and the dtype each tensor path was first passed with
-        self._buffer_keys: dict[tuple[str, int, int], tuple[set[Any], dict[str, Any]]] = {}
+        self._passed_to_buffers: dict[tuple[str, int, int], tuple[set[Any], dict[str, Any]]] = {}
 
     def is_armed(self, stage: str) -> bool:
         return stage in self._reference
@@ -268,8 +268,8 @@ class ShapeGuard:
         ``copied``: the call captures a full-iteration graph, which megatron-core feeds by
         copying each micro-batch into static buffers (a tensor it cannot copy is refused).
         ``static_buffers``: those are megatron-core's own class-level buffers of ``stage``,
-        made by its first call: from the first warm-up call on, each micro-batch must fit
-        the buffer it is copied into (:meth:`_check_static_buffer`)."""
+        made by its first call: from the second call on, each micro-batch must fit the
+        buffer it is copied into (:meth:`_check_static_buffer`)."""
         data_iterator = kwargs.get("data_iterator")
         if record:
             call = {key: kwargs.get(key) for key in self.CALL_KEYS}
@@ -407,7 +407,7 @@ class ShapeGuard:
         batch = compat.loader_input(batch)
         if not isinstance(batch, dict):
             return  # (megatron-core refuses a micro-batch that is no dict)
-        keys, dtypes = self._buffer_keys.setdefault((stage, chunk, index), (set(), {}))
+        keys, dtypes = self._passed_to_buffers.setdefault((stage, chunk, index), (set(), {}))
         buffer = compat.static_buffer(stage, index)
         found = compat.copy_problem(
             buffer if isinstance(buffer, dict) else None, batch, keys, dtypes
