@@ -509,3 +509,61 @@ def test_a_graphs_off_config_does_not_trip_megatron_core_s_full_scope_warning():
             **compat.model_config_kwargs("none", (), 3),
         )
     assert config.cuda_graph_impl == "none" and config.cuda_graph_scope == []
+
+
+class _Handle:
+    """An all-gather's work handle, as ``torch.distributed`` returns it (``wait()``)."""
+
+    def __init__(self) -> None:
+        self.waited = 0
+
+    def wait(self) -> None:
+        self.waited += 1
+
+
+class _BucketGroup:
+    """The two fields of megatron-core's ``_ParamAndGradBucketGroup`` the all-gather
+    bookkeeping uses (checked against the real class below)."""
+
+    def __init__(self, dispatched: bool, handle: _Handle | None = None) -> None:
+        self.param_gather_dispatched = dispatched
+        self.param_gather_handle = handle
+
+
+def test_the_bucket_group_stand_in_has_megatron_cores_fields():
+    import inspect
+
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    source = inspect.getsource(_ParamAndGradBucketGroup)
+    assert "self.param_gather_dispatched = False" in source
+    assert "self.param_gather_handle = None" in source
+    assert "assert self.param_gather_handle is None" in source  # why an open one is waited
+
+
+def test_an_all_gather_made_due_again_waits_for_one_still_in_flight():
+    """A forward-only call dispatches the next group's all-gather early; if none of that
+    group's modules ran, its handle is still open after a replay: waited for and cleared,
+    else megatron-core's next dispatch trips its ``assert ... handle is None``."""
+    handle = _Handle()
+    groups = [_BucketGroup(True, handle), _BucketGroup(True), _BucketGroup(False)]
+    compat.mark_param_gather_due(groups)
+    assert [g.param_gather_dispatched for g in groups] == [False, False, False]
+    assert groups[0].param_gather_handle is None and handle.waited == 1
+
+
+def test_rearm_counts_the_groups_gathered_on_chunks_whose_pre_hooks_are_on():
+    class Chunk:
+        use_forward_hook = True
+
+        def __init__(self, hooks_on, groups):
+            self.remove_forward_pre_hook_handles = {object(): None} if hooks_on else {}
+            self.bucket_groups = groups
+            self.expert_parallel_bucket_groups = []
+
+    on = Chunk(True, [_BucketGroup(True, _Handle()), _BucketGroup(False)])
+    off = Chunk(False, [_BucketGroup(True)])  # (hooks off: a capture gathers nothing there)
+    assert compat.rearm_param_gather([on, off]) == 1
+    assert not on.bucket_groups[0].param_gather_dispatched
+    assert on.bucket_groups[0].param_gather_handle is None
+    assert off.bucket_groups[0].param_gather_dispatched

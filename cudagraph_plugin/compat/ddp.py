@@ -109,8 +109,13 @@ def mark_param_gather_due(groups: list[Any]) -> None:
     group's all-gather due again at the next forward. A replayed iteration runs no Python,
     so after one the flags still say "gathered": an eager forward-only call next (an
     evaluation before its graph is captured, an RL rollout) would then run on the shards
-    gathered before the last optimizer step."""
+    gathered before the last optimizer step. An all-gather still in flight (dispatched
+    early by a forward-only call that never reached its modules) is waited for first:
+    megatron-core asserts that none is when it dispatches the next."""
     for group in groups:
+        if group.param_gather_handle is not None:
+            group.param_gather_handle.wait()
+            group.param_gather_handle = None
         group.param_gather_dispatched = False
 
 
@@ -124,16 +129,12 @@ def rearm_param_gather(model: list[Any]) -> int:
     leaves it set: the next forward runs on the parameters already gathered, which is right
     eagerly, but a capture then records no all-gather, and every replay runs on stale
     shards of the other ranks' parameters. An all-gather still in flight is waited for."""
-    rearmed = 0
-    for chunk in model:
-        if not forward_pre_hooks_enabled([chunk]):
-            continue
-        for group in param_gather_groups([chunk]):
-            if not group.param_gather_dispatched:
-                continue
-            if group.param_gather_handle is not None:
-                group.param_gather_handle.wait()
-                group.param_gather_handle = None
-            group.param_gather_dispatched = False
-            rearmed += 1
-    return rearmed
+    done = [
+        group
+        for chunk in model
+        if forward_pre_hooks_enabled([chunk])
+        for group in param_gather_groups([chunk])
+        if group.param_gather_dispatched
+    ]
+    mark_param_gather_due(done)
+    return len(done)
