@@ -302,6 +302,31 @@ def torchrun_command(nproc: int, script: str | Path, *args: str) -> list[str]:
     ]
 
 
+CPU_RANKS = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+"""What the environment of a job of gloo ranks on the CPU adds to this process's: no GPU
+seen, one thread per rank (the ranks share the machine's cores), output unbuffered."""
+
+
+def run_cpu_ranks(
+    nproc: int, script: str | Path, *args: str, log_dir: Path, name: str, timeout_s: float
+) -> JobResult:
+    """``script args`` under torchrun as ``nproc`` gloo ranks on the CPU (:data:`CPU_RANKS`);
+    on a timeout every rank's stacks are dumped (``SIGUSR1``, where the script registered
+    ``faulthandler`` for it) before the kill. Asserts the job ended by itself with status 0
+    and left no process."""
+    result = run_job(
+        torchrun_command(nproc, script, *args),
+        log_dir=log_dir,
+        timeout_s=timeout_s,
+        name=name,
+        env={**os.environ, **CPU_RANKS},
+        dump_signal=signal.SIGUSR1,
+    )
+    assert not result.timed_out and result.rc == 0, f"{result.describe()}\n{result.tail()}"
+    assert result.leftovers == []
+    return result
+
+
 def first_failure(status: int, local_rank: int) -> str:
     """What torchrun logs of the first worker it saw fail (``failed (exitcode: 2)
     local_rank: 1 (pid: ...) of binary: ...``): which rank ended the job, and how."""

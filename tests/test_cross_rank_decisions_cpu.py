@@ -12,17 +12,14 @@ Each job is ``tests/peer_host.py --mode decisions``.
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from jobs import run_job, torchrun_command
+from jobs import run_cpu_ranks
 
 HOST = Path(__file__).resolve().parent / "peer_host.py"
-CPU = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 pytestmark = pytest.mark.slow
 
@@ -32,16 +29,10 @@ def decisions(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     """Each rank's answers: ``{rank: {"any_rank": {holder: result}, "watch": {holder: ...}}}``."""
     nproc = request.param
     out = tmp_path_factory.mktemp(f"decisions{nproc}")
-    result = run_job(
-        torchrun_command(nproc, HOST, "--mode", "decisions", "--out", str(out)),
-        log_dir=out,
-        timeout_s=150,
-        name=f"decisions-{nproc}",
-        env={**os.environ, **CPU},
-        dump_signal=signal.SIGUSR1,
-    )
-    assert not result.timed_out and result.rc == 0, f"{result.describe()}\n{result.tail()}"
-    assert result.leftovers == []
+    result = run_cpu_ranks(
+        nproc, HOST, "--mode", "decisions", "--out", str(out),
+        log_dir=out, name=f"decisions-{nproc}", timeout_s=150,
+    )  # fmt: skip
     answers: dict[int, dict[str, Any]] = {}
     for rank in range(nproc):
         path = out / f"decisions{rank}.json"

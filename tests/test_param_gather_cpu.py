@@ -20,17 +20,14 @@ gloo collectives it recorded.
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
 from cpu_only import needs_mcore_on_cpu
 
-from jobs import run_job, torchrun_command
+from jobs import run_cpu_ranks
 
 JOB = Path(__file__).resolve().parent / "fake_graph_job.py"
-CPU = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 OVERLAP = ("--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce")
 NO_DROPOUT = ("--attention-dropout", "0", "--hidden-dropout", "0")
 FULL = ("--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration")
@@ -40,16 +37,10 @@ pytestmark = [pytest.mark.slow, needs_mcore_on_cpu]
 
 def _summary(tmp_path: Path, name: str, loop: str, mode: str, args: tuple[str, ...]) -> dict:
     out = tmp_path / f"{name}-{mode}"
-    result = run_job(
-        torchrun_command(2, JOB, str(out / "summary.json"), loop, mode, "--", *args),
-        log_dir=out,
-        timeout_s=240,
-        name=f"{name}-{mode}",
-        env={**os.environ, **CPU},
-        dump_signal=signal.SIGUSR1,
-    )
-    assert not result.timed_out and result.rc == 0, f"{result.describe()}\n{result.tail()}"
-    assert result.leftovers == []
+    run_cpu_ranks(
+        2, JOB, str(out / "summary.json"), loop, mode, "--", *args,
+        log_dir=out, name=f"{name}-{mode}", timeout_s=240,
+    )  # fmt: skip
     return json.loads((out / "summary.json").read_text())
 
 

@@ -44,7 +44,7 @@ from cudagraph_plugin.runtime.peers import (
     describe_end,
 )
 from hookspecs import ShutdownReason, TrainingRun, get_plugin_manager, hookimpl
-from jobs import JobResult, first_failure, run_job, torchrun_command
+from jobs import CPU_RANKS, JobResult, first_failure, run_job, torchrun_command
 
 HOST = Path(__file__).resolve().parent / "peer_host.py"
 POLL_S = 0.05
@@ -677,7 +677,6 @@ def test_the_mark_says_how_the_run_ended():
 # -------------------------------------------------------------------------------------------
 
 JOB_TIMEOUT_S = 150
-CPU = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 # name: (ranks, launcher, host arguments)
 JOBS: dict[str, tuple[int, str, list[str]]] = {
@@ -737,7 +736,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
             log_dir=out,
             timeout_s=JOB_TIMEOUT_S,
             name=name,
-            env={**os.environ, **CPU},
+            env={**os.environ, **CPU_RANKS},
             dump_signal=signal.SIGUSR1,
         )
         return Job(name, result, out)
