@@ -63,6 +63,8 @@ class ForwardBackwardInterceptor:
         self.full_calls = {"training": 0, "validation": 0}
         self._full_base: dict[str, int] = {}
         self.own_wrapper_seen = False  # a host's own wrapper moved the counter (refused)
+        # compat.param_gather_groups of the model they were found for (_gather_groups)
+        self._groups: tuple[Any, list[Any]] = (None, [])
 
     def wrap(self, func: Any) -> Any:
         """The callable the host gets for ``func``. Idempotent: asking again for the same
@@ -105,6 +107,7 @@ class ForwardBackwardInterceptor:
     def forget(self) -> None:
         self.wrapped.clear()
         self._replay = None
+        self._groups = (None, [])
 
     def free_own_wrapper_state(self) -> int:
         """With TE scopes, megatron-core's full-iteration state a refused host wrapper left
@@ -205,10 +208,19 @@ class ForwardBackwardInterceptor:
         """After a training call of full-iteration graphs (a warm-up call too: its eager
         iteration left the same): DDP's Python state as an eager iteration leaves it
         (:func:`compat.mark_param_gather_due`)."""
-        model = self.state.model
-        groups = compat.param_gather_groups(model) if model is not None else []
+        groups = self._gather_groups()
         if groups:
             compat.mark_param_gather_due(groups)
+
+    def _gather_groups(self) -> list[Any]:
+        """The run model's DDP bucket groups whose all-gather the pre-hooks run, found once
+        per model (DDP makes them when it is built): every training graph call needs them."""
+        model = self.state.model
+        if model is None:
+            return []
+        if self._groups[0] is not model:
+            self._groups = (model, compat.param_gather_groups(model))
+        return self._groups[1]
 
     def _remember_replay(self, eager: Any, wrapper: Any) -> None:
         """After a training call that replays (not a warm-up call), the fast path of
@@ -218,7 +230,6 @@ class ForwardBackwardInterceptor:
         if graph is None or not self.guard.is_armed("training"):
             self._replay = None
             return
-        model = self.state.model
         self._replay = _Replay(
             eager=eager,
             wrapper=wrapper,
@@ -226,7 +237,7 @@ class ForwardBackwardInterceptor:
             graph=graph,
             guard_generation=self.guard.generation,
             order_copy=not compat.loader_orders_its_copy(),
-            gather_groups=compat.param_gather_groups(model) if model is not None else [],
+            gather_groups=self._gather_groups(),
         )
 
     def _bucketed(self, buckets: BucketGraphs, eager: Any, kwargs: dict[str, Any]) -> Any:
