@@ -301,6 +301,50 @@ def test_bad_loop_flags_are_refused_with_the_fix(argv, match, capsys):
     assert match in capsys.readouterr().err
 
 
+TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn"]
+
+
+@pytest.mark.parametrize(
+    "argv,refused",
+    [
+        (GRAPHS, "its rollouts (forward only, never padded) and training steps would come "
+         "at lengths 4, 5, 6, ... 48"),
+        (["--cuda-graph-impl", "full_iteration"], "add --cuda-graph-buckets"),
+        ([*GRAPHS, "--pad-to-buckets", "48"], "rollouts (forward only, never padded)"),
+        ([*TE, "--pad-to-buckets", "16,32,48"], "its training steps (after --pad-to-buckets) "
+         "would come at lengths 16, 32, 48"),
+        ([*TE, "--pad-to-buckets", "32"], "lengths 32, 33, 34, ... 48"),
+        (TE, "--pad-to-buckets L, L >= --max-length 48"),
+        ([*TE, "--pad-to-buckets", "48"], None),
+        ([*GRAPHS, "--cuda-graph-buckets", "16,32,48"], None),
+        ([*GRAPHS, "--min-length", "48"], None),
+        ([*TE, "--min-length", "20", "--max-length", "20"], None),
+        (["--cuda-graph-impl", "local"], None),  # (the plugin refuses it, with its own fix)
+        ([], None),
+    ],
+)  # fmt: skip
+def test_graphs_that_would_see_a_changed_shape_are_refused_before_the_build(argv, refused, capsys):
+    """Without buckets a CUDA graph holds one shape: lengths this loop would draw that change
+    it are refused up front, not by the plugin's guard once the model is built."""
+    parser = rl_loop.build_parser(get_plugin_manager())
+    args = parser.parse_args([*LOOP, *argv])
+    if refused is None:
+        rl_loop._check(parser, args, use_cuda=False)
+        return
+    with pytest.raises(SystemExit) as exit_info:
+        rl_loop._check(parser, args, use_cuda=False)
+    assert exit_info.value.code == 2
+    assert refused in capsys.readouterr().err
+
+
+def test_a_refused_shape_stops_the_run_before_the_model_is_built(monkeypatch, capsys):
+    monkeypatch.setattr(rl_loop.train_gpt, "set_up", lambda *a, **k: pytest.fail("built"))
+    with pytest.raises(SystemExit) as exit_info:
+        rl_loop.run([*LOOP, "--cpu", *GRAPHS])
+    assert exit_info.value.code == 2
+    assert "a CUDA graph holds one shape" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("bf16,refused", [([], True), (["--bf16"], False)])
 def test_offload_on_a_gpu_needs_bf16(bf16, refused, capsys):
     """An fp32 optimizer's parameters are the model's: megatron-core's offload_to_cpu() would
