@@ -324,6 +324,16 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "`then` (what followed); `[]` without",
     ),
     ReportField(
+        "captures",
+        "list[dict[str, Any]]",
+        "",
+        "every capture of the run in the order they ran (recaptures after an invalidation "
+        "and each bucket's included): `stage` (`training`, `validation` or `optimizer`), "
+        "`step` (the training step counter when it ran: for `validation`, the last step "
+        "begun; `None` before the first), `seconds` (as `capture_seconds` counts it), `mib` "
+        "(what it added to allocated memory); `[]` without",
+    ),
+    ReportField(
         "shutdown_reason",
         "str",
         "",

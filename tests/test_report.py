@@ -192,6 +192,7 @@ def make_report(**overrides) -> RunReport:
         pays_off=None,
         buckets=[],
         invalidations=[],
+        captures=[{"stage": "training", "step": 3, "seconds": 0.5, "mib": 64.0}],
         shutdown_reason="completed",
         device="NVIDIA H200",
         versions={"torch": "2.11", "megatron-core": "0.16.1", "transformer-engine": None},
@@ -224,6 +225,7 @@ UNCAPTURED = dict(  # what a run that captured nothing reports
     pays_off=None,
     buckets=[],
     invalidations=[],
+    captures=[],
     device="cpu",
 )
 

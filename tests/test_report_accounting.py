@@ -202,6 +202,13 @@ def test_a_validation_capture_in_an_evaluation_leaves_its_step_a_replay_sample(f
     assert stages == [("training", 3), ("validation", 7)]
     data = rec.report.to_dict()
     assert (data["eager_steps"], data["replay_steps"]) == ([1, 2], list(range(4, 12)))
+    assert [(c["stage"], c["step"]) for c in data["captures"]] == stages
+    # the table's row says which capture ran when (it read "2 graph(s) at step 3")
+    total = sum(c["seconds"] for c in data["captures"])
+    assert (
+        f"2 graph(s) at most at once; 2 capture(s) in {total:.3f} s: training at step 3; "
+        "validation at step 7"
+    ) in rec.report.format_table()
 
 
 def test_a_run_that_captured_only_for_evaluation_says_so(fake_graphs):
@@ -214,9 +221,14 @@ def test_a_run_that_captured_only_for_evaluation_says_so(fake_graphs):
     assert [c["stage"] for c in rec.graph_plugin.capture.records] == ["validation"]
     report = rec.report
     assert report.graphs_captured and report.capture_step is None
-    assert "graph(s) for evaluation only (the run ended before the training capture)" in (
+    assert "graph(s) for evaluation only (the run ended before the training capture) in " in (
         report.format_table()
     )
+    assert "verdict      no training step ran on a graph (only evaluations did)" in (
+        report.format_table()
+    )  # (it said "no step ran after the capture step", of a capture step it has not)
+    # the evaluation after step 0 (eval-interval 1): 3 warm-up calls, the capture at its 4th
+    assert "s: validation at step 0" in report.format_table()
     assert "step None" not in report.format_table()
 
 

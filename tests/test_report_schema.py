@@ -64,8 +64,8 @@ VERSION_1 = [
 
 # Version 2 (unreleased): after ``capture_seconds``, ``capture_cost_seconds`` (what break-even
 # uses); after ``graphs_held``, ``replays`` per captured stage (issue 22), ``notes`` and
-# ``thin_sample`` (issue 21), ``break_even_steps``, ``pays_off``, ``buckets`` and
-# ``invalidations`` (issue 23).
+# ``thin_sample`` (issue 21), ``break_even_steps``, ``pays_off``, ``buckets``,
+# ``invalidations`` (issue 23) and ``captures`` (each capture's stage and step).
 _COST = [name for name, _, _ in VERSION_1].index("capture_seconds") + 1
 _AT = [name for name, _, _ in VERSION_1].index("graphs_held") + 1
 VERSION_2 = [
@@ -79,6 +79,7 @@ VERSION_2 = [
     ("pays_off", "bool | None", ""),
     ("buckets", "list[dict[str, Any]]", ""),
     ("invalidations", "list[dict[str, Any]]", ""),
+    ("captures", "list[dict[str, Any]]", ""),
     *VERSION_1[_AT:],
 ]
 

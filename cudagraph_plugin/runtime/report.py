@@ -141,6 +141,7 @@ class RunReport:
     pays_off: bool | None
     buckets: list[dict[str, Any]]
     invalidations: list[dict[str, Any]]
+    captures: list[dict[str, Any]]
     shutdown_reason: str
     device: str
     versions: dict[str, str | None]
@@ -180,6 +181,31 @@ class RunReport:
         path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
         return path
 
+    def _captured_row(self, at: str) -> str:
+        """``N graph(s) at step S in T s`` where every capture ran in the capture step; else
+        the steps of each stage's captures (a validation graph, buckets, recaptures), which
+        the total time covers."""
+        total = f"in {self.capture_seconds:.3f} s"
+        steps: dict[str, list[Any]] = {}
+        for capture in self.captures:
+            steps.setdefault(capture["stage"], []).append(capture["step"])
+        if self.capture_step is not None and all(
+            step == [self.capture_step] * len(step) for step in steps.values()
+        ):
+            return f"{self.graph_count} graph(s) {at} {total}"
+        stages = "; ".join(
+            f"{stage} " + ("before the first step" if at_steps == [None] else
+            f"at step{'s' if len(at_steps) > 1 else ''} "
+            + ", ".join("-" if n is None else str(n) for n in at_steps))
+            for stage, at_steps in steps.items()
+        )  # fmt: skip
+        if self.capture_step is None:
+            return f"{self.graph_count} graph(s) {at} {total}: {stages}"
+        return (
+            f"{self.graph_count} graph(s) at most at once; {len(self.captures)} capture(s) "
+            f"{total}: {stages}"
+        )
+
     def format_table(self) -> str:
         d = self.to_dict()
         scope = ",".join(self.scope) or "-"
@@ -198,9 +224,7 @@ class RunReport:
                 if self.capture_step is not None
                 else f"for evaluation only ({ended})"
             )
-            rows.append(
-                ("captured", f"{self.graph_count} graph(s) {at} in {self.capture_seconds:.3f} s")
-            )
+            rows.append(("captured", self._captured_row(at)))
         rows.append(("eager step", _ms(self.eager_step_ms, self.eager_steps)))
         if self.graphs_captured:
             rows.append(("replay step", _ms(self.replay_step_ms, self.replay_steps)))
@@ -434,6 +458,9 @@ class Reporter:
                     )
                     + ": nothing to compare like for like"
                 )
+            elif result == "unknown" and captures.training_capture_step() is None:
+                # (the hints of verdict() are about the training capture step)
+                text = "no training step ran on a graph (only evaluations did): nothing to compare"
             elif optimizer_only:
                 text += (
                     " (no bucket graph replayed: each shape's steps whose optimizer graph "
@@ -503,6 +530,7 @@ class Reporter:
                 judge=lambda eager, replay: verdict(eager, replay, relative=True)[0],
             ),
             invalidations=list(self.invalidations),
+            captures=[dict(record) for record in captures.records],
             shutdown_reason=reason,
             device=_device_name(state.cuda),
             versions=compat.versions(),
