@@ -1,10 +1,14 @@
 # Set-up and the two commands README.md gives: `make demo` and `make test`.
-# Each creates/updates .venv; on a machine without CUDA it installs the CPU build of torch
-# first (installing megatron-core into an empty environment would pull a multi-GB CUDA torch).
+# Each creates/updates .venv; on a machine without CUDA it installs torch first
+# (installing megatron-core into an empty environment would pull a multi-GB CUDA torch):
+# the CPU build where pip's configured sources offer it (this project's machines: a local
+# wheel directory), else set TORCH_INDEX=https://download.pytorch.org/whl/cpu (PyPI's
+# Linux torch is the CUDA build).
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH_CPU ?= torch==2.13.0
+TORCH_INDEX ?=
 MUTANTS_ARGS ?=
 DEMO_ARGS ?= --cuda-graph-impl local --cuda-graph-scope full_iteration --train-iters 20
 
@@ -18,8 +22,8 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml hookspecs/setup.cfg hookspecs/pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
 	@if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
-	  echo "no CUDA device: installing the CPU build of torch ($(TORCH_CPU)) first"; \
-	  $(BIN)/python -m pip install -q "$(TORCH_CPU)"; \
+	  echo "no CUDA device: installing torch ($(TORCH_CPU)$(if $(TORCH_INDEX), from $(TORCH_INDEX))) first"; \
+	  $(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_CPU)"; \
 	fi
 	$(BIN)/python -m pip install -q -e ./hookspecs -e '.[test]'
 	touch $@

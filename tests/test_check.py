@@ -841,3 +841,14 @@ def test_the_recompute_module_names_are_the_installed_megatron_core_s(monkeypatc
     assert (code == 0) is ("gdn_norm_out" in known), out
     monkeypatch.setattr(environment, "mcore_recompute_modules", lambda: (*known, "gdn_norm_out"))
     assert check([*argv, "gdn_norm_out"])[0] == 0
+
+
+def test_the_help_lists_each_spelling_of_a_flag_once():
+    """A one-word flag (``--fp16``) has one spelling: the help listed it twice (``--fp16,
+    --fp16``), the underscored twin of its dashed form being itself."""
+    parser = build_parser()
+    for action in parser._actions:
+        assert len(set(action.option_strings)) == len(action.option_strings), action
+    assert build_parser().parse_args(["--fp16", "--optimizer", "sgd"]).fp16 is True
+    # two-word flags keep both spellings
+    assert build_parser().parse_args(["--use_distributed_optimizer"]).use_distributed_optimizer

@@ -71,7 +71,8 @@ def _hint(parser: argparse.ArgumentParser, message: str) -> str:
 
 
 def _flags(dest: str) -> list[str]:
-    return ["--" + dest.replace("_", "-"), "--" + dest]
+    """The dashed and the underscored spelling of a flag (one for a one-word flag)."""
+    return list(dict.fromkeys(["--" + dest.replace("_", "-"), "--" + dest]))
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -91,9 +92,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         model.add_argument(*_flags(dest), dest=dest, default=default, **kwargs)
 
     def switch(flag: str, dest: str, *, on: bool = True, group: Any = model, **kwargs: Any) -> None:
-        underscores = "--" + flag[2:].replace("-", "_")
         action = "store_true" if on else "store_false"
-        group.add_argument(flag, underscores, dest=dest, action=action, **kwargs)
+        group.add_argument(*_flags(flag[2:].replace("-", "_")), dest=dest, action=action, **kwargs)
 
     value(
         "transformer_impl",
