@@ -27,8 +27,8 @@ host) and the graphs are captured again after their warm-up. ``--pad-to-buckets`
 pads the same way without graphs: the eager twin for loss comparisons. Graphs without
 ``--cuda-graph-buckets`` hold one shape for the whole run: lengths that would change it are
 refused before the model is built (full-iteration graphs take the unpadded rollouts too;
-Transformer Engine's per-layer graphs only the training steps, which ``--pad-to-buckets``
-with one length covering ``--max-length`` keeps to one shape).
+Transformer Engine's per-layer graphs, captured for ``--seq-length``, only the training
+steps, which ``--pad-to-buckets`` with that one length keeps to it).
 
 Every ``train_gpt.py`` flag applies (model, parallelism, optimizer, schedule, plugins'
 flags) except ``--eval-interval`` (the rollouts are this loop's forward-only passes);
@@ -60,6 +60,7 @@ import torch
 from step_clock import StepClock
 
 import train_gpt
+from cudagraph_plugin.config.settings import read_settings
 from cudagraph_plugin.runtime.padding import pad_step, padding_waste_percent, parse_buckets
 from hookspecs import ConfigurationError, PeerRefused, TrainingRun, print_refusal
 
@@ -177,44 +178,48 @@ def _check_one_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     """CUDA graphs without ``--cuda-graph-buckets`` hold one shape for the whole run: refuse
     up front the lengths this loop would draw that change it (the plugin would refuse the
     first changed call, after the model build). Full-iteration graphs take the rollouts too
-    (forward-only calls get a graph of their own), and those are never padded; Transformer
-    Engine's per-layer graphs run in training mode only, so its training steps' lengths
-    alone must stay (padded by ``--pad-to-buckets``)."""
-    impl = getattr(args, "cuda_graph_impl", None) or "none"
-    if impl == "none" or getattr(args, "cuda_graph_buckets", None):
+    (forward-only calls get a graph of their own), and those are never padded. Transformer
+    Engine's per-layer graphs run in training mode only and are captured for the model's
+    ``--seq-length``: every training step must come at that length (``--pad-to-buckets``).
+    The settings are read as the plugin reads them (either megatron-core spelling)."""
+    settings = read_settings(args)
+    if settings.impl == "none" or settings.buckets:
         return
-    full_iteration = impl == "full_iteration" or (
-        impl == "local" and "full_iteration" in (getattr(args, "cuda_graph_scope", None) or ())
-    )
-    if not full_iteration and impl != "transformer_engine":
+    full_iteration = settings.impl == "local" and "full_iteration" in settings.scope
+    if not full_iteration and settings.impl != "transformer_engine":
         return  # (what the plugin refuses, with its own fix)
     multiple = args.length_multiple
     drawn = range(-(-args.min_length // multiple) * multiple, args.max_length + 1, multiple)
-    lengths = sorted(
-        set(drawn)
-        if full_iteration
-        else {next((b for b in args.buckets or () if b >= n), n) for n in drawn}
-    )
-    if len(lengths) < 2:
-        return
-    what = (
-        "its rollouts (forward only, never padded) and training steps"
-        if full_iteration
-        else "its training steps (after --pad-to-buckets)"
-    )
-    fix = (
-        "add --cuda-graph-buckets LENGTHS (one full-iteration graph per bucket, rollouts "
-        "eager), or draw one length (--min-length = --max-length)"
-        if full_iteration
-        else "pad every training step to one length (--pad-to-buckets L, L >= --max-length "
-        f"{args.max_length}), or draw one length (--min-length = --max-length); "
-        "--cuda-graph-buckets needs full-iteration graphs"
-    )
+    if full_iteration:
+        lengths = list(drawn)
+        if len(lengths) < 2:
+            return
+        what = (
+            "a full-iteration graph holds one shape, and its rollouts (forward only, never "
+            "padded) and training steps"
+        )
+        fix = (
+            "add --cuda-graph-buckets LENGTHS (one full-iteration graph per bucket, rollouts "
+            "eager), or draw one length (--min-length = --max-length)"
+        )
+    else:
+        lengths = sorted({next((b for b in args.buckets or () if b >= n), n) for n in drawn})
+        if lengths == [args.seq_length]:
+            return
+        what = (
+            "Transformer Engine's per-layer graphs are captured for the model's --seq-length "
+            f"({args.seq_length}), and its training steps (after --pad-to-buckets)"
+        )
+        fix = (
+            f"pad every training step to it (--pad-to-buckets {args.seq_length}), or draw "
+            f"that length alone (--min-length = --max-length = {args.seq_length}); "
+            "--cuda-graph-buckets needs full-iteration graphs"
+        )
     shown = ", ".join(map(str, lengths[:3])) + (f", ... {lengths[-1]}" if len(lengths) > 3 else "")
     parser.error(
-        f"--cuda-graph-impl {impl} without --cuda-graph-buckets: a CUDA graph holds one shape, "
-        f"and {what} would come at lengths {shown} (--min-length {args.min_length}, "
-        f"--max-length {args.max_length}). Fix: {fix}"
+        f"--cuda-graph-impl {args.cuda_graph_impl} without --cuda-graph-buckets: {what} "
+        f"would come at length(s) {shown} (--min-length {args.min_length}, --max-length "
+        f"{args.max_length}). Fix: {fix}"
     )
 
 

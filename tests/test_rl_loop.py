@@ -308,17 +308,27 @@ TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn"]
     "argv,refused",
     [
         (GRAPHS, "its rollouts (forward only, never padded) and training steps would come "
-         "at lengths 4, 5, 6, ... 48"),
+         "at length(s) 4, 5, 6, ... 48"),
         (["--cuda-graph-impl", "full_iteration"], "add --cuda-graph-buckets"),
+        # megatron-core 0.19's field name, read as the plugin reads it
+        (["--cuda-graph-impl", "local", "--cuda-graph-modules", "full_iteration"],
+         "add --cuda-graph-buckets"),
         ([*GRAPHS, "--pad-to-buckets", "48"], "rollouts (forward only, never padded)"),
         ([*TE, "--pad-to-buckets", "16,32,48"], "its training steps (after --pad-to-buckets) "
-         "would come at lengths 16, 32, 48"),
-        ([*TE, "--pad-to-buckets", "32"], "lengths 32, 33, 34, ... 48"),
-        (TE, "--pad-to-buckets L, L >= --max-length 48"),
+         "would come at length(s) 16, 32, 48"),
+        ([*TE, "--pad-to-buckets", "32"], "length(s) 32, 33, 34, ... 48"),
+        (TE, "pad every training step to it (--pad-to-buckets 48)"),
+        # one length, but not the model's: TE captured its graphs for --seq-length (seen on
+        # an H100, 2026-12-05: StaticShapeError after the capture, "captured for seq_length=32")
+        ([*TE, "--pad-to-buckets", "24", "--max-length", "24"], "captured for the model's "
+         "--seq-length (48), and its training steps (after --pad-to-buckets) would come at "
+         "length(s) 24"),
+        ([*TE, "--min-length", "20", "--max-length", "20"], "length(s) 20"),
         ([*TE, "--pad-to-buckets", "48"], None),
+        ([*TE, "--min-length", "48"], None),
         ([*GRAPHS, "--cuda-graph-buckets", "16,32,48"], None),
         ([*GRAPHS, "--min-length", "48"], None),
-        ([*TE, "--min-length", "20", "--max-length", "20"], None),
+        ([*GRAPHS, "--min-length", "20", "--max-length", "20"], None),
         (["--cuda-graph-impl", "local"], None),  # (the plugin refuses it, with its own fix)
         ([], None),
     ],
@@ -342,7 +352,7 @@ def test_a_refused_shape_stops_the_run_before_the_model_is_built(monkeypatch, ca
     with pytest.raises(SystemExit) as exit_info:
         rl_loop.run([*LOOP, "--cpu", *GRAPHS])
     assert exit_info.value.code == 2
-    assert "a CUDA graph holds one shape" in capsys.readouterr().err
+    assert "a full-iteration graph holds one shape" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bf16,refused", [([], True), (["--bf16"], False)])
