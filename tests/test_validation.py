@@ -1909,6 +1909,36 @@ def test_warmup_warning_with_the_numbers(warmup, start, iters, says):
     assert says in warning
 
 
+@pytest.mark.parametrize(
+    "iters, says",
+    [
+        (6, "the capture step 11 (start_step + warm-up) is never reached, so no CUDA graph "
+         "will be captured; use fewer than 5 baseline step(s) or train longer"),
+        (12, "captured at the last step (11) and never replayed, so the run cannot show a "
+         "speed-up; use at most 9 baseline step(s) or train longer"),
+    ],
+)  # fmt: skip
+def test_a_warmup_the_baseline_raised_is_warned_about_as_the_baseline(iters, says):
+    """The user set cuda_graph_baseline_steps, not the warm-up: the warning named the
+    warm-up field (never given) and its fix did not help."""
+
+    def with_baseline(steps):
+        config = bridge()
+        config.cuda_graph_baseline_steps = steps
+        return read_settings(config)
+
+    warning = warmup_warning(with_baseline(10), 0, iters)
+    assert warning.startswith(
+        "cuda_graph_baseline_steps=10 (the warm-up raised to 11 from "
+        f"model.cuda_graph_warmup_steps=3) and this run trains {iters} step(s)"
+    ), warning
+    assert warning.endswith(says), warning
+    # the fix it gives is enough: that many baseline steps leave a replayed step
+    enough = 4 if iters == 6 else 9
+    assert "never reached" not in (warmup_warning(with_baseline(enough), 0, iters) or "")
+    assert warmup_warning(with_baseline(enough - (iters == 6)), 0, iters) is None
+
+
 @pytest.mark.parametrize("warmup, start, iters", [(3, 0, 10), (8, 0, 10), (0, 5, 7)])
 def test_no_warmup_warning_when_a_replay_step_follows_the_capture(warmup, start, iters):
     s = read_settings(bridge(cuda_graph_warmup_steps=warmup))

@@ -111,21 +111,32 @@ def warmup_warning(settings: Settings, start_step: int, train_iters: int) -> str
     steps = train_iters - start_step
     warmup = settings.warmup_steps
     capture = start_step + warmup
+    given = settings.warmup_from_baseline
+    # a warm-up the baseline raised is fixed there: it is one more than the baseline
+    knob, fewer = (
+        (f"{settings.field('warmup_steps')}={warmup}", "warm-up")
+        if given is None
+        else (
+            f"{settings.field('baseline_steps')}={settings.baseline_steps} (the warm-up "
+            f"raised to {warmup} from {settings.field('warmup_steps')}={given})",
+            "baseline",
+        )
+    )
+    offset = 0 if given is None else 1
     where = (
-        f"{settings.field('warmup_steps')}={warmup} and this run trains {steps} step(s) "
-        f"(steps {start_step}..{train_iters - 1}: start_step={start_step}, "
-        f"train_iters={train_iters})"
+        f"{knob} and this run trains {steps} step(s) (steps {start_step}..{train_iters - 1}: "
+        f"start_step={start_step}, train_iters={train_iters})"
     )
     if warmup >= steps:
         return (
             f"{where}: the capture step {capture} (start_step + warm-up) is never reached, so "
-            f"no CUDA graph will be captured; use fewer than {steps} warm-up step(s) or train "
-            "longer"
+            f"no CUDA graph will be captured; use fewer than {steps - offset} {fewer} step(s) "
+            "or train longer"
         )
     if warmup == steps - 1:
         return (
             f"{where}: the graphs are captured at the last step ({capture}) and never "
-            f"replayed, so the run cannot show a speed-up; use at most {max(steps - 2, 0)} "
-            "warm-up step(s) or train longer"
+            f"replayed, so the run cannot show a speed-up; use at most "
+            f"{max(steps - 2 - offset, 0)} {fewer} step(s) or train longer"
         )
     return None
