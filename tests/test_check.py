@@ -251,6 +251,16 @@ def test_fallback_with_graphs_off_is_said_not_refused(argv):
 
 
 @pytest.mark.parametrize(
+    "flag", [["--cuda-graph-baseline-steps", "5"], ["--cuda-graph-accept-eager"]]
+)
+def test_the_other_graphs_only_settings_with_graphs_off_are_said(flag):
+    """They were ignored without a word (a user review)."""
+    code, out = check(flag)
+    assert code == 0, out
+    assert f"{flag[0]} has nothing to do with CUDA graphs off (--cuda-graph-impl=none)" in out
+
+
+@pytest.mark.parametrize(
     "argv,value",
     [([*DENSE_TE], "(True, 'transformer_engine', 'attn,mlp')")],
     ids=["te-scopes"],

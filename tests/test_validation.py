@@ -189,7 +189,7 @@ RULE_CASES = {
         full_iteration(cuda_graph_warmup_steps=0),
     ),
     "_fp16_full_iteration": (bridge(scope="attn", fp16=True), full_iteration(fp16=True)),
-    "_fallback_full_iteration": (
+    "_graphs_only_settings": (
         with_fallback(full_iteration()),
         with_fallback(bridge()),  # TE scopes: no full-iteration graph
     ),

@@ -133,21 +133,27 @@ def _fp16_full_iteration(s: Settings, env: Environment) -> Iterator[Violation]:
         )
 
 
-# -- the fallback policy ----------------------------------------------------------------------
+# -- the settings for graphs only (the fallback policy among them) ----------------------------
 
 
 @rule
-def _fallback_full_iteration(s: Settings, env: Environment) -> Iterator[Violation | Note]:
-    if not s.fallback_on_slowdown:
-        return
+def _graphs_only_settings(s: Settings, env: Environment) -> Iterator[Violation | Note]:
+    """The plugin's settings that act on graphs only. Given with graphs off, each is said,
+    not refused (a recipe that sets one by default must still run its eager baseline; the
+    switches have no off form on a command line); the fallback policy needs a
+    full-iteration graph."""
     if not s.enabled:
-        # (a recipe that sets it by default must still run its eager baseline: said, not
-        # refused; the flag has no off form on a command line)
-        yield Note(
-            f"{s.field('fallback_on_slowdown')} has nothing to do with CUDA graphs off "
-            f"({s.field('impl')}={s.impl})"
-        )
-    elif not (s.impl == "local" and s.full_iteration):
+        given = {
+            "fallback_on_slowdown": s.fallback_on_slowdown,
+            "baseline_steps": s.baseline_steps is not None,
+            "accept_eager": s.accept_eager,
+        }
+        for setting in (setting for setting, on in given.items() if on):
+            yield Note(
+                f"{s.field(setting)} has nothing to do with CUDA graphs off "
+                f"({s.field('impl')}={s.impl})"
+            )
+    elif s.fallback_on_slowdown and not (s.impl == "local" and s.full_iteration):
         yield violation(
             s,
             ("fallback_on_slowdown", "impl", "scope"),
