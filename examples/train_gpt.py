@@ -246,6 +246,8 @@ _AT_LEAST = {
     "train_iters": 0, "start_step": 0, "log_interval": 0, "eval_iters": 0,
     "eval_interval": 0, "seq_length": 1, "micro_batch_size": 1, "num_microbatches": 1,
     "num_layers": 1, "hidden_size": 1, "num_attention_heads": 1, "vocab_size": 1,
+    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "num_experts": 1,
+    "moe_router_topk": 1, "lr": 0, "min_lr": 0,
 }  # fmt: skip
 
 
@@ -265,6 +267,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, use_c
             parser.error("--transformer-impl transformer_engine needs a CUDA device")
     if not use_cuda and (blocker := cpu_run_blocker()) is not None:
         parser.error(("--cpu: " if args.cpu else "no CUDA device: ") + blocker)
+    _check_layout(parser, args)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         parser.error("--overlap-param-gather needs --use-distributed-optimizer")
     if args.loss_scale is not None and not args.fp16:
@@ -276,6 +279,42 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, use_c
         parser.error(
             f"--start-step {args.start_step} must not exceed --train-iters {args.train_iters}"
         )
+
+
+def _check_layout(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What megatron-core would refuse later, with a traceback, after the run started."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % (tp * pp):
+        parser.error(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = "
+            f"{tp * pp} ranks per model replica must divide the job's {world} process(es) "
+            f"(WORLD_SIZE); launch {tp * pp} (or a multiple: torchrun --nproc-per-node "
+            f"{tp * pp}), or lower the sizes"
+        )
+    if args.sequence_parallel and tp == 1:
+        parser.error(
+            "--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits each "
+            "sequence over the tensor-parallel ranks)"
+        )
+    if args.num_experts is not None and args.moe_router_topk > args.num_experts:
+        parser.error(
+            f"--moe-router-topk {args.moe_router_topk} must not exceed --num-experts "
+            f"{args.num_experts} (each token is routed to that many experts)"
+        )
+    if args.eval_interval and args.eval_iters < 1:
+        parser.error(f"--eval-interval {args.eval_interval} needs --eval-iters >= 1")
+    if args.capturable_optimizer and "optimizer_cuda_graph" not in _optimizer_config_fields():
+        parser.error(
+            "--capturable-optimizer needs megatron-core 0.17+ (its OptimizerConfig has no "
+            "optimizer_cuda_graph field here); install a newer megatron-core or drop the flag"
+        )
+
+
+def _optimizer_config_fields() -> set[str]:
+    from megatron.core.optimizer import OptimizerConfig
+
+    return {field.name for field in dataclasses.fields(OptimizerConfig)}
 
 
 def _virtual_stages(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int | None:

@@ -375,6 +375,42 @@ def test_a_count_out_of_range_is_a_usage_error_naming_the_flag_given(capsys, arg
     assert said in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (("--tensor-model-parallel-size", "2"), "--tensor-model-parallel-size 2 x "
+         "--pipeline-model-parallel-size 1 = 2 ranks per model replica must divide the job's 1 "
+         "process(es)"),
+        (("--pipeline-model-parallel-size", "2"), "torchrun --nproc-per-node 2"),
+        (("--sequence-parallel",), "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+        (("--num-experts", "2", "--moe-router-topk", "3"), "--moe-router-topk 3 must not exceed "
+         "--num-experts 2"),
+        (("--eval-interval", "2", "--eval-iters", "0"), "--eval-interval 2 needs --eval-iters "
+         ">= 1"),
+        (("--lr", "-1"), "--lr -1.0: give a number >= 0"),
+    ],
+)  # fmt: skip
+def test_a_layout_megatron_core_would_refuse_later_is_a_usage_error(capsys, argv, said) -> None:
+    """A user review (2026-12-05): each ran into megatron-core's own error, or an
+    ``IndexError`` of the example, with a traceback after the run had started."""
+    with pytest.raises(SystemExit) as excinfo:
+        train("--train-iters", "2", *argv)
+    assert excinfo.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    "optimizer_cuda_graph" in train_gpt._optimizer_config_fields(),
+    reason="this megatron-core has the capturable optimizer (0.17+)",
+)
+def test_the_capturable_optimizer_on_an_older_megatron_core_is_a_usage_error(capsys) -> None:
+    """It failed in OptimizerConfig with a TypeError (unexpected keyword argument)."""
+    with pytest.raises(SystemExit) as excinfo:
+        train("--train-iters", "2", "--capturable-optimizer")
+    assert excinfo.value.code == 2
+    assert "--capturable-optimizer needs megatron-core 0.17+" in capsys.readouterr().err
+
+
 def test_the_help_says_each_default_once() -> None:
     """(review of 2026-12-04: "(default: megatron-core's 3) (default: None)", and flags
     without help showed no default.)"""
