@@ -387,14 +387,21 @@ def test_full_iteration_mixed_rejected():
     assert len(err.violations) == 2
 
 
-def test_full_iteration_mixed_new_generation_spelling_rejected():
-    rejected(
-        bridge("full_iteration", None, cuda_graph_modules=["attn"]),
-        fields=["model.cuda_graph_modules"],
-        value="'full_iteration,attn'",
-        phrase="full_iteration cannot be mixed with other scopes (attn)",
-        fix="use scope full_iteration alone",
+@pytest.mark.parametrize("modules", [["attn"], ["full_iteration", "attn"]])
+def test_full_iteration_mixed_new_generation_spelling_rejected_in_its_words(modules):
+    """One problem, in the fields and values the user wrote: it was two, both quoting the
+    plugin's reading of them (impl 'local', scope 'full_iteration,attn'), with a fix in
+    megatron-core 0.16's spelling (a user review, 2026-12-05)."""
+    err = rejected(
+        bridge("full_iteration", None, cuda_graph_modules=modules),
+        fields=["model.cuda_graph_impl", "model.cuda_graph_modules"],
+        value="('full_iteration', 'attn')",
+        phrase="cuda_graph_impl=full_iteration captures the whole forward and backward and "
+        "takes no modules (attn)",
+        fix="drop model.cuda_graph_modules, or use cuda_graph_impl=transformer_engine",
     )
+    assert len(err.violations) == 1, str(err)
+    assert "'local'" not in str(err)
 
 
 def test_local_with_per_layer_scopes_rejected():

@@ -125,6 +125,8 @@ class Settings:
     # the fields as written in megatron-core 0.18+'s spelling ("--cuda-graph-impl
     # full_iteration", "cuda_graph_modules"): a note where the installed one does not know it
     newer_spelling: tuple[str, ...] = ()
+    # megatron-core 0.18+'s impl full_iteration (read as local with scope full_iteration)
+    full_iteration_impl: bool = False
     input_problems: tuple[FieldProblem, ...] = ()
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
     paths: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
@@ -300,7 +302,8 @@ def read_settings(config: Any) -> Settings:
         newer.append(f"{sources['impl']}=full_iteration")
     if names and paths.get("scope", "").endswith(SCOPE_FIELD_NAMES[1]):
         newer.append(sources["scope"])
-    impl, scope = canonical_impl_and_scope(values.pop("impl", "none"), names)
+    given_impl = values.pop("impl", "none")
+    impl, scope = canonical_impl_and_scope(given_impl, names)
     # megatron-core accepts a scope listed twice; the plugin uses each once and says so.
     # counted in the names the user wrote: the 0.18+ impl full_iteration adds its own
     duplicated = tuple(dict.fromkeys(n for n in names if n and names.count(n) > 1))
@@ -313,6 +316,7 @@ def read_settings(config: Any) -> Settings:
         deprecated_full_scope=names == ("full",),
         duplicated_scopes=duplicated,
         newer_spelling=tuple(newer),
+        full_iteration_impl=given_impl == "full_iteration",
         scope_conflict=_scope_conflict(config),
         input_problems=tuple(problems),
         sources=sources,

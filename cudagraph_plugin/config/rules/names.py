@@ -154,7 +154,20 @@ def _full_iteration_only_local(s: Settings, env: Environment) -> Iterator[Violat
 
 @rule
 def _full_iteration_alone(s: Settings, env: Environment) -> Iterator[Violation]:
-    if s.full_iteration and len(set(s.scope)) > 1:
+    if s.full_iteration and len(set(s.scope)) > 1 and s.full_iteration_impl:
+        # (0.18+'s spelling: said in the user's words, not in the local + scope read of it)
+        given = ",".join(name for name in s.scope[1:])
+        yield violation(
+            s,
+            ("impl", "scope"),
+            ("full_iteration", given),
+            f"cuda_graph_impl=full_iteration captures the whole forward and backward and "
+            f"takes no modules ({given})",
+            f"drop {s.field('scope')}, or use cuda_graph_impl=transformer_engine with these "
+            "modules",
+            (MCORE_19, 'cuda_graph_modules must be empty when cuda_graph_impl="full_iteration"'),
+        )
+    elif s.full_iteration and len(set(s.scope)) > 1:
         others = sorted(set(s.scope) - {"full_iteration"})
         yield violation(
             s,
@@ -171,7 +184,8 @@ def _full_iteration_alone(s: Settings, env: Environment) -> Iterator[Violation]:
 @rule
 def _local_is_full_iteration(s: Settings, env: Environment) -> Iterator[Violation]:
     per_layer = [name for name in s.scope if name in TE_SCOPES]
-    if s.impl == "local" and per_layer:
+    # (0.18+'s impl full_iteration with modules: _full_iteration_alone says it)
+    if s.impl == "local" and per_layer and not s.full_iteration_impl:
         yield violation(
             s,
             ("impl", "scope"),
