@@ -12,6 +12,7 @@ from cudagraph_plugin.runtime.padding import (
     pad_step,
     pad_to_bucket,
     padding_waste_percent,
+    parse_buckets,
     sequence_length,
 )
 
@@ -173,6 +174,26 @@ def test_bad_buckets_are_refused_naming_the_field(buckets, match):
     with pytest.raises(ValueError, match=match) as error:
         check_buckets(buckets, "cuda_graph_buckets")
     assert str(error.value).startswith("cuda_graph_buckets")
+
+
+@pytest.mark.parametrize(
+    "given,said",
+    [
+        ("0,-3,7", "cuda_graph_buckets must be positive integers (sequence lengths), got 0, -3 "
+         "in [0, -3, 7]"),
+        ("16,16,-3", "got -3 in [16, 16, -3]; and cuda_graph_buckets has a length twice: 16 in "
+         "[16, 16]"),
+        ("0,-3,a", "'a' is not a sequence length; and cuda_graph_buckets must be positive "
+         "integers (sequence lengths), got 0, -3 in [0, -3]"),
+        ("a,b,32", "'a', 'b' are not sequence lengths"),
+    ],
+)  # fmt: skip
+def test_every_bad_bucket_is_said_at_once(given, said):
+    """(a user review, 2026-12-05: only the first bad entry was said, the next one on the
+    next try.)"""
+    with pytest.raises(ValueError) as error:
+        parse_buckets(given, "cuda_graph_buckets")
+    assert said in str(error.value)
 
 
 def test_bucket_lengths_of_any_integral_type_are_ints_and_a_lone_int_is_named():

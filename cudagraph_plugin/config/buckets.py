@@ -30,16 +30,23 @@ def check_buckets(buckets: Iterable[Any], field: str = "buckets") -> tuple[int, 
     given = list(buckets)
     if not given:
         raise ValueError(f"{field} is empty: give at least one sequence length, e.g. 512,1024")
-    values = []
-    for value in given:
-        length = _length(value)
-        if length is None or length <= 0:
-            raise ValueError(
-                f"{field} must be positive integers (sequence lengths), got {value!r} in {given!r}"
-            )
-        values.append(length)
+    lengths = [_length(value) for value in given]
+    bad = [value for value, length in zip(given, lengths, strict=True) if not (length or 0) > 0]
+    values = [length for length in lengths if length is not None and length > 0]
+    problems = []  # every one at once
+    if bad:
+        problems.append(
+            f"{field} must be positive integers (sequence lengths), got "
+            f"{', '.join(map(repr, bad))} in {given!r}"
+        )
     if len(set(values)) != len(values):
-        raise ValueError(f"{field} has a length twice: {values!r}; give each length once")
+        twice = sorted({length for length in values if values.count(length) > 1})
+        problems.append(
+            f"{field} has a length twice: {', '.join(map(str, twice))} in {values!r}; give each "
+            "length once"
+        )
+    if problems:
+        raise ValueError("; and ".join(problems))
     return tuple(sorted(values))
 
 
@@ -51,14 +58,22 @@ def parse_buckets(value: Any, field: str = "buckets") -> tuple[int, ...]:
         value = [part for part in re.split(r"[,\s]+", value.strip()) if part]
     if not isinstance(value, Iterable) or isinstance(value, Mapping):
         raise ValueError("not a list of sequence lengths")
-    lengths = []
+    lengths, not_lengths = [], []
     for item in value:
         if isinstance(item, str) and re.fullmatch(r"\s*[+-]?\d+\s*", item):
             item = int(item)
-        if _length(item) is None:
-            raise ValueError(f"{item!r} is not a sequence length")
-        lengths.append(item)
-    return check_buckets(lengths, field)
+        (not_lengths if _length(item) is None else lengths).append(item)
+    if not not_lengths:
+        return check_buckets(lengths, field)
+    said = ", ".join(map(repr, not_lengths))
+    verb = "is not a sequence length" if len(not_lengths) == 1 else "are not sequence lengths"
+    message = f"{said} {verb}"
+    try:  # and what is wrong with the rest, in the same message
+        if lengths:
+            check_buckets(lengths, field)
+    except ValueError as more:
+        message += f"; and {more}"
+    raise ValueError(message)
 
 
 def bucket_for(length: int, buckets: Sequence[int]) -> int | None:
