@@ -232,6 +232,26 @@ def test_a_run_that_captured_only_for_evaluation_says_so(fake_graphs):
     assert "step None" not in report.format_table()
 
 
+@pytest.mark.parametrize(
+    "buckets, warmup, reason",
+    [
+        ("16", "3", "no training step fit a CUDA graph bucket (16): every step came at a "
+         "length outside them (32) and ran eagerly; add a bucket that fits them"),
+        ("32,64", "9", "no bucket got past its warm-up (9 step(s) of its own before its "
+         "capture): the most any saw was 8 (seq_length 32)"),
+    ],
+)  # fmt: skip
+def test_a_bucketed_run_that_captured_nothing_says_why(bucket_fakes, buckets, warmup, reason):
+    """A run whose steps (all at --seq-length 32) fit no bucket said it "ended (after step
+    7) before the capture step (start_step + 3)": the wrong reason (a user review)."""
+    _, rec = run_recorded(
+        *FULL, "--cuda-graph-buckets", buckets, "--cuda-graph-warmup-steps", warmup, steps=8
+    )
+    data = rec.report.to_dict()
+    assert data["graphs_captured"] is False
+    assert data["no_graph_reason"] == reason
+
+
 # -- a capture that produced no graph is no capture ---------------------------------------
 
 

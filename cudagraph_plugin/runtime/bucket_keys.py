@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from cudagraph_plugin.config.buckets import padding_waste_percent
@@ -79,6 +79,28 @@ class BucketStats:
         actions = [action for _, action in self.calls]
         last = max((i for i, a in enumerate(actions) if a is Action.CAPTURE), default=-1)
         return Action.REPLAY in actions[last + 1 :]
+
+
+def no_capture_reason(
+    stats: Mapping[BucketKey, BucketStats], buckets: Sequence[int], warmup_steps: int
+) -> str | None:
+    """Why bucketed graphs captured nothing, where the run's length is not why: no step
+    fit a bucket, or none got past its own warm-up; ``None`` before any step."""
+    if not stats:
+        return None
+    fitting = [entry for entry in stats.values() if entry.in_bucket]
+    if not fitting:
+        outside = ", ".join(map(str, sorted({key.seq_length for key in stats})))
+        return (
+            f"no training step fit a CUDA graph bucket ({', '.join(map(str, buckets))}): "
+            f"every step came at a length outside them ({outside}) and ran eagerly; add a "
+            "bucket that fits them"
+        )
+    most = max(fitting, key=lambda entry: len(entry.calls))
+    return (
+        f"no bucket got past its warm-up ({warmup_steps} step(s) of its own before its "
+        f"capture): the most any saw was {len(most.calls)} (seq_length {most.key.seq_length})"
+    )
 
 
 def key_of(kwargs: Mapping[str, Any]) -> BucketKey:

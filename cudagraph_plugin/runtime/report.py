@@ -19,6 +19,7 @@ from typing import Any
 
 from cudagraph_plugin import compat
 from cudagraph_plugin.config.logs import JOB_WIDE
+from cudagraph_plugin.runtime.bucket_keys import no_capture_reason
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.measurement import Measurement
 from cudagraph_plugin.runtime.payoff import (
@@ -557,6 +558,10 @@ class Reporter:
                 "as cuda_graph_accept_eager allows)"
             )
         reason = state.no_graph_reason()
+        if reason is None and state.buckets is not None:
+            reason = no_capture_reason(
+                state.buckets.stats, state.buckets.buckets, state.settings.warmup_steps
+            )
         if reason is not None:
             return reason
         if state.step is None:
