@@ -114,17 +114,22 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: bool) -> None:
+    """The loop's own checks: every problem found is said at once (exit status 2)."""
+    problems: list[str] = []
     if args.eval_interval:
-        parser.error(
+        problems.append(
             "--eval-interval does not apply to rl_loop.py: its rollouts are the forward-only "
             "passes (--rollout-batches)"
         )
     args.max_length = args.seq_length if args.max_length is None else args.max_length
     if not 1 <= args.min_length <= args.max_length <= args.seq_length:
-        parser.error(
+        problems.append(
             f"need 1 <= --min-length ({args.min_length}) <= --max-length ({args.max_length}) "
             f"<= --seq-length ({args.seq_length}, the model's longest sequence)"
         )
+    if args.steps_per_round < 1 or args.rollout_batches < 1:
+        problems.append("--steps-per-round and --rollout-batches must be at least 1")
+    train_gpt.refuse(parser, problems)  # (the checks below compute with these)
     # sequence parallelism splits each sequence over the tensor-parallel ranks: every
     # length drawn (the rollouts' too, which no bucket pads) is a multiple of their number
     args.length_multiple = (
@@ -133,48 +138,56 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: 
         else 1
     )
     if args.max_length // args.length_multiple * args.length_multiple < args.min_length:
-        parser.error(
+        problems.append(
             f"--sequence-parallel with --tensor-model-parallel-size "
             f"{args.tensor_model_parallel_size} needs a length between --min-length "
             f"({args.min_length}) and --max-length ({args.max_length}) that is a multiple of "
             f"{args.length_multiple}; widen the range"
         )
-    if args.steps_per_round < 1 or args.rollout_batches < 1:
-        parser.error("--steps-per-round and --rollout-batches must be at least 1")
     if args.offload_interval < 0 or args.offload_interval % args.steps_per_round:
-        parser.error(
+        problems.append(
             f"--offload-interval {args.offload_interval} must be 0 or a positive multiple of "
             f"--steps-per-round {args.steps_per_round} (the state is offloaded between rounds)"
         )
     if args.offload_interval and use_cuda and not args.bf16:
-        parser.error(
+        problems.append(
             "--offload-interval needs --bf16 on a GPU: without it megatron-core's optimizer "
             "holds the model's own parameters (or, distributed, views of them), and its "
             "offload_to_cpu() would move the weights the rollout needs to the host"
         )
+    problems += _bucket_problems(args)
+    if not problems:  # (it reads the lengths and buckets checked above)
+        problems += _one_shape_problems(args)
+    train_gpt.refuse(parser, problems)
+
+
+def _bucket_problems(args: argparse.Namespace) -> list[str]:
+    """The padding buckets (``args.buckets``: None without) and what is wrong with them."""
     source = "--pad-to-buckets" if args.pad_to_buckets else "--cuda-graph-buckets"
     lengths = args.pad_to_buckets or getattr(args, "cuda_graph_buckets", None)
+    args.buckets = None
     try:
         args.buckets = None if lengths is None else parse_buckets(lengths, source)
     except ValueError as error:
         message = str(error)  # check_buckets' messages start with the field's name
-        parser.error(message if message.startswith(source) else f"{source}: {message}")
+        return [message if message.startswith(source) else f"{source}: {message}"]
+    problems = []
     uneven = [b for b in args.buckets or () if b % args.length_multiple]
     if uneven:
-        parser.error(
+        problems.append(
             f"{source}: {', '.join(map(str, uneven))} not a multiple of "
             f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: with "
             "--sequence-parallel megatron-core splits each sequence over those ranks"
         )
     if args.buckets is not None and args.buckets[-1] > args.seq_length:
-        parser.error(
+        problems.append(
             f"{source}: the largest bucket ({args.buckets[-1]}) exceeds --seq-length "
             f"({args.seq_length}, the model's position embeddings); raise --seq-length"
         )
-    _check_one_shape(parser, args)
+    return problems
 
 
-def _check_one_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def _one_shape_problems(args: argparse.Namespace) -> list[str]:
     """CUDA graphs without ``--cuda-graph-buckets`` hold one shape for the whole run: refuse
     up front the lengths this loop would draw that change it (the plugin would refuse the
     first changed call, after the model build). Full-iteration graphs take the rollouts too
@@ -183,32 +196,35 @@ def _check_one_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     ``--seq-length``: every training step must come at that length (``--pad-to-buckets``).
     The settings are read as the plugin reads them (either megatron-core spelling)."""
     settings = read_settings(args)
-    if settings.impl == "none" or settings.buckets:
-        return
+    # (buckets given, valid or not, or a value it cannot read: the plugin judges them)
+    if settings.impl == "none" or settings.input_problems:
+        return []
+    if getattr(args, "cuda_graph_buckets", None) is not None:
+        return []
     full_iteration = settings.impl == "local" and "full_iteration" in settings.scope
     if not full_iteration and settings.impl != "transformer_engine":
-        return  # (what the plugin refuses, with its own fix)
+        return []  # (what the plugin refuses, with its own fix)
     multiple = args.length_multiple
     drawn = range(-(-args.min_length // multiple) * multiple, args.max_length + 1, multiple)
+    padded = sorted({next((b for b in args.buckets or () if b >= n), n) for n in drawn})
     if full_iteration:
         lengths = list(drawn)
         if len(lengths) < 2:
-            return
-        what = (
-            "a full-iteration graph holds one shape, and its rollouts (forward only, never "
-            "padded) and training steps"
-        )
+            return []
+        what = "a full-iteration graph holds one shape, and its rollouts (forward only, never "
+        what += "padded) and training steps" if len(padded) > 1 else "padded)"
         fix = (
             "add --cuda-graph-buckets LENGTHS (one full-iteration graph per bucket, rollouts "
             "eager), or draw one length (--min-length = --max-length)"
         )
     else:
-        lengths = sorted({next((b for b in args.buckets or () if b >= n), n) for n in drawn})
+        lengths = padded
         if lengths == [args.seq_length]:
-            return
+            return []
         what = (
             "Transformer Engine's per-layer graphs are captured for the model's --seq-length "
-            f"({args.seq_length}), and its training steps (after --pad-to-buckets)"
+            f"({args.seq_length}), and its training steps"
+            + (" (after --pad-to-buckets)" if args.pad_to_buckets else "")
         )
         fix = (
             f"pad every training step to it (--pad-to-buckets {args.seq_length}), or draw "
@@ -216,11 +232,11 @@ def _check_one_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             "--cuda-graph-buckets needs full-iteration graphs"
         )
     shown = ", ".join(map(str, lengths[:3])) + (f", ... {lengths[-1]}" if len(lengths) > 3 else "")
-    parser.error(
+    return [
         f"--cuda-graph-impl {args.cuda_graph_impl} without --cuda-graph-buckets: {what} "
         f"would come at length(s) {shown} (--min-length {args.min_length}, --max-length "
         f"{args.max_length}). Fix: {fix}"
-    )
+    ]
 
 
 @dataclasses.dataclass

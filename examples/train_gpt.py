@@ -247,68 +247,89 @@ _AT_LEAST = {
     "eval_interval": 0, "seq_length": 1, "micro_batch_size": 1, "num_microbatches": 1,
     "num_layers": 1, "hidden_size": 1, "num_attention_heads": 1, "vocab_size": 1,
     "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "num_experts": 1,
-    "moe_router_topk": 1, "lr": 0, "min_lr": 0,
+    "moe_router_topk": 1, "lr": 0, "min_lr": 0, "num_layers_per_virtual_pipeline_stage": 1,
+    "num_virtual_stages_per_pipeline_rank": 1,
 }  # fmt: skip
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: bool) -> None:
+    """The host's own checks: every problem found is said at once (exit status 2)."""
+    problems: list[str] = []
     for name, least in _AT_LEAST.items():
         value = getattr(args, name, None)
         if value is not None and value < least:
-            parser.error(f"--{name.replace('_', '-')} {value}: give a number >= {least}")
+            problems.append(f"--{name.replace('_', '-')} {value}: give a number >= {least}")
+    refuse(parser, problems)  # (the checks below divide by these counts)
     if args.transformer_impl == "transformer_engine":
         if importlib.util.find_spec("transformer_engine") is None:
-            parser.error(
+            problems.append(
                 "--transformer-impl transformer_engine needs Transformer Engine, which is not "
                 "installed (pip install 'transformer-engine[pytorch]'); use --transformer-impl "
                 "local"
             )
-        if not use_cuda:
-            parser.error("--transformer-impl transformer_engine needs a CUDA device")
+        elif not use_cuda:
+            problems.append("--transformer-impl transformer_engine needs a CUDA device")
     if not use_cuda and (blocker := cpu_run_blocker()) is not None:
-        parser.error(("--cpu: " if args.cpu else "no CUDA device: ") + blocker)
-    _check_layout(parser, args)
+        problems.append(("--cpu: " if args.cpu else "no CUDA device: ") + blocker)
+    problems += _layout_problems(args)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
-        parser.error("--overlap-param-gather needs --use-distributed-optimizer")
+        problems.append("--overlap-param-gather needs --use-distributed-optimizer")
     if args.loss_scale is not None and not args.fp16:
-        parser.error("--loss-scale needs --fp16 (bf16 and fp32 scale no loss)")
+        problems.append("--loss-scale needs --fp16 (bf16 and fp32 scale no loss)")
     if args.fp8_format is not None and args.transformer_impl != "transformer_engine":
-        parser.error("--fp8-format needs --transformer-impl transformer_engine (TE's FP8 GEMMs)")
-    args.virtual_pipeline_model_parallel_size = _virtual_stages(parser, args)
+        problems.append("--fp8-format needs --transformer-impl transformer_engine (TE's FP8 GEMMs)")
+    args.virtual_pipeline_model_parallel_size = _virtual_stages(args, problems)
     if args.start_step > args.train_iters:
-        parser.error(
+        problems.append(
             f"--start-step {args.start_step} must not exceed --train-iters {args.train_iters}"
         )
+    refuse(parser, problems)
 
 
-def _check_layout(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def refuse(parser: argparse.ArgumentParser, problems: Sequence[str]) -> None:
+    """Exit with status 2 saying every problem (none: return): one line for one, a numbered
+    list for several, and where ``--help`` lists the flags (not the whole usage)."""
+    if not problems:
+        return
+    said = (
+        problems[0]
+        if len(problems) == 1
+        else f"{len(problems)} problems:\n"
+        + "\n".join(f"  {n}. {p}" for n, p in enumerate(problems, 1))
+    )
+    parser.exit(2, f"{parser.prog}: error: {said}\n({parser.prog} --help lists the flags)\n")
+
+
+def _layout_problems(args: argparse.Namespace) -> list[str]:
     """What megatron-core would refuse later, with a traceback, after the run started."""
+    problems = []
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % (tp * pp):
-        parser.error(
+        problems.append(
             f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = "
             f"{tp * pp} ranks per model replica must divide the job's {world} process(es) "
             f"(WORLD_SIZE); launch {tp * pp} (or a multiple: torchrun --nproc-per-node "
             f"{tp * pp}), or lower the sizes"
         )
     if args.sequence_parallel and tp == 1:
-        parser.error(
+        problems.append(
             "--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits each "
             "sequence over the tensor-parallel ranks)"
         )
     if args.num_experts is not None and args.moe_router_topk > args.num_experts:
-        parser.error(
+        problems.append(
             f"--moe-router-topk {args.moe_router_topk} must not exceed --num-experts "
             f"{args.num_experts} (each token is routed to that many experts)"
         )
     if args.eval_interval and args.eval_iters < 1:
-        parser.error(f"--eval-interval {args.eval_interval} needs --eval-iters >= 1")
+        problems.append(f"--eval-interval {args.eval_interval} needs --eval-iters >= 1")
     if args.capturable_optimizer and "optimizer_cuda_graph" not in _optimizer_config_fields():
-        parser.error(
+        problems.append(
             "--capturable-optimizer needs megatron-core 0.17+ (its OptimizerConfig has no "
             "optimizer_cuda_graph field here); install a newer megatron-core or drop the flag"
         )
+    return problems
 
 
 def _optimizer_config_fields() -> set[str]:
@@ -317,29 +338,30 @@ def _optimizer_config_fields() -> set[str]:
     return {field.name for field in dataclasses.fields(OptimizerConfig)}
 
 
-def _virtual_stages(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int | None:
-    """Model chunks per pipeline rank (None: no interleaving), as Megatron-LM derives it."""
+def _virtual_stages(args: argparse.Namespace, problems: list[str]) -> int | None:
+    """Model chunks per pipeline rank (None: no interleaving), as Megatron-LM derives it;
+    what is wrong with the flags is added to ``problems``."""
     pp = args.pipeline_model_parallel_size
     if args.num_layers_per_virtual_pipeline_stage is None:
         vpp = args.num_virtual_stages_per_pipeline_rank
     else:
+        per_stage = args.num_layers // pp
         if args.num_layers % pp:
-            parser.error(
+            problems.append(
                 f"--num-layers {args.num_layers} must be divisible by "
                 f"--pipeline-model-parallel-size {pp}"
             )
-        per_stage = args.num_layers // pp
-        if per_stage % args.num_layers_per_virtual_pipeline_stage:
-            parser.error(
+        elif per_stage % args.num_layers_per_virtual_pipeline_stage:
+            problems.append(
                 f"the {per_stage} layers per pipeline stage must be divisible by "
                 f"--num-layers-per-virtual-pipeline-stage "
                 f"{args.num_layers_per_virtual_pipeline_stage}"
             )
         vpp = per_stage // args.num_layers_per_virtual_pipeline_stage
     if vpp is not None and pp == 1:
-        parser.error("virtual pipeline stages need --pipeline-model-parallel-size > 1")
+        problems.append("virtual pipeline stages need --pipeline-model-parallel-size > 1")
     if vpp is not None and vpp > 1 and args.num_microbatches % pp:
-        parser.error(
+        problems.append(
             f"the interleaved schedule needs --num-microbatches ({args.num_microbatches}) "
             f"divisible by --pipeline-model-parallel-size ({pp})"
         )

@@ -331,7 +331,8 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "and each bucket's included): `stage` (`training`, `validation` or `optimizer`), "
         "`step` (the training step counter when it ran: for `validation`, the last step "
         "begun; `None` before the first), `seconds` (as `capture_seconds` counts it), `mib` "
-        "(what it added to allocated memory); `[]` without",
+        "(what it added to allocated memory), `graphs` (the graphs it added: 0 where it "
+        "produced none); `[]` without",
     ),
     ReportField(
         "shutdown_reason",

@@ -411,6 +411,22 @@ def test_the_capturable_optimizer_on_an_older_megatron_core_is_a_usage_error(cap
     assert "--capturable-optimizer needs megatron-core 0.17+" in capsys.readouterr().err
 
 
+def test_every_problem_of_the_host_flags_is_said_at_once(capsys) -> None:
+    """One at a time, each after a 50-line usage dump (a user review, 2026-12-05)."""
+    with pytest.raises(SystemExit) as excinfo:
+        train(
+            "--loss-scale", "5", "--overlap-param-gather", "--pipeline-model-parallel-size",
+            "2", "--num-virtual-stages-per-pipeline-rank", "2", "--num-microbatches", "3",
+        )  # fmt: skip
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert "train_gpt.py: error: 4 problems:\n  1. --tensor-model-parallel-size 1 x " in err
+    assert "\n  2. --overlap-param-gather needs --use-distributed-optimizer\n" in err
+    assert "\n  3. --loss-scale needs --fp16" in err
+    assert "\n  4. the interleaved schedule needs --num-microbatches (3)" in err
+    assert "usage:" not in err and "(train_gpt.py --help lists the flags)" in err
+
+
 def test_the_help_says_each_default_once() -> None:
     """(review of 2026-12-04: "(default: megatron-core's 3) (default: None)", and flags
     without help showed no default.)"""
@@ -577,10 +593,12 @@ def test_virtual_stages_from_layers_per_stage_as_megatron_lm_derives_them() -> N
         ["--pipeline-model-parallel-size", "2", "--num-layers", "8",
          "--num-layers-per-virtual-pipeline-stage", "2", "--num-microbatches", "4"]
     )  # fmt: skip
-    assert train_gpt._virtual_stages(parser, args) == 2
+    problems: list[str] = []
+    assert train_gpt._virtual_stages(args, problems) == 2
     args = parser.parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "8",
                               "--num-layers-per-virtual-pipeline-stage", "4"])  # fmt: skip
-    assert train_gpt._virtual_stages(parser, args) is None  # one chunk per rank: no interleaving
+    assert train_gpt._virtual_stages(args, problems) is None  # one chunk per rank: no interleaving
+    assert problems == []
 
 
 TWO_RANK_ARGV = [
@@ -689,7 +707,7 @@ def test_the_plugin_judges_the_example_s_recompute_as_megatron_core_does(extra, 
     parser = train_gpt.build_parser(get_plugin_manager())
     argv = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
     args = parser.parse_args([*argv, "--recompute-granularity", "selective", *extra])
-    args.virtual_pipeline_model_parallel_size = train_gpt._virtual_stages(parser, args)
+    args.virtual_pipeline_model_parallel_size = train_gpt._virtual_stages(args, [])
     result = check_config(args, te_version=None)
     assert result.ok is not refused
     s = result.settings

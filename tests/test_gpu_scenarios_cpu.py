@@ -17,11 +17,14 @@ import subprocess
 import sys
 import tarfile
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+import rl_loop
 import test_gpu
+import test_gpu_rl
 from test_gpu import SCENARIOS, Scenario
 
 import train_gpt
@@ -118,6 +121,47 @@ def test_every_scenario_passes_the_plugins_validation(monkeypatch) -> None:
     pipeline.remove("--no-batch-p2p-comm")
     with pytest.raises(CudaGraphConfigError, match="batch_isend_irecv"):
         configure(pipeline)
+
+
+def _host_accepts(module: Any, argv: Sequence[str], nproc: int, monkeypatch) -> None:
+    """``module``'s own checks (the example host's, on a GPU machine with TE) accept ``argv``
+    in a job of ``nproc`` processes: they exit 2 otherwise."""
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name: str, *args: Any) -> Any:
+        te = name == "transformer_engine"
+        return object() if te else real_find_spec(name, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setenv("WORLD_SIZE", str(nproc))
+        patch.setattr(train_gpt.importlib.util, "find_spec", find_spec)
+        parser = module.build_parser(get_plugin_manager())
+        args = parser.parse_args(list(argv))
+        train_gpt._check_args(parser, args, use_cuda=True)
+        if module is rl_loop:
+            rl_loop._check(parser, args, use_cuda=True)
+
+
+def test_the_example_hosts_accept_every_gpu_job_s_command_line(monkeypatch) -> None:
+    """The hosts' own checks run before anything is built: one that refused a GPU test's
+    command line would only be found on the GPU (a review, 2026-12-05)."""
+    for scenario in SCENARIOS:
+        for argv in (scenario.argv(), scenario.eager_argv()):
+            _host_accepts(train_gpt, argv, scenario.nproc, monkeypatch)
+    loop, graphs, buckets = test_gpu_rl.LOOP, test_gpu_rl.GRAPHS, test_gpu_rl.BUCKETS
+    for argv, nproc in [
+        ((*loop, *test_gpu_rl.BF16), 1),
+        ((*loop, *test_gpu_rl.BF16, *graphs, "--cuda-graph-buckets", buckets), 2),
+        ((*loop, *test_gpu_rl.BF16, *test_gpu_rl.OFFLOAD, *graphs, "--cuda-graph-buckets",
+          buckets, "--optimizer-cuda-graph", "--transformer-impl", "transformer_engine"), 1),
+        ((*loop, *test_gpu_rl.ROPE, *graphs, "--cuda-graph-buckets", buckets), 1),
+    ]:  # fmt: skip
+        _host_accepts(rl_loop, argv, nproc, monkeypatch)
+    # ... and they do refuse: a two-process layout in a one-process job
+    with pytest.raises(SystemExit):
+        _host_accepts(train_gpt, test_gpu.BY_NAME["tp2_sp_te_attn"].argv(), 1, monkeypatch)
+    with pytest.raises(SystemExit):
+        _host_accepts(train_gpt, test_gpu.BY_NAME["pp2_te_attn_mlp"].argv(), 1, monkeypatch)
 
 
 def test_scenario_names_are_the_test_ids_and_the_eager_twins_are_shared() -> None:

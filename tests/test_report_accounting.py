@@ -203,6 +203,8 @@ def test_a_validation_capture_in_an_evaluation_leaves_its_step_a_replay_sample(f
     data = rec.report.to_dict()
     assert (data["eager_steps"], data["replay_steps"]) == ([1, 2], list(range(4, 12)))
     assert [(c["stage"], c["step"]) for c in data["captures"]] == stages
+    assert [set(c) for c in data["captures"]] == [{"stage", "step", "seconds", "mib", "graphs"}] * 2
+    assert [c["graphs"] for c in data["captures"]] == [1, 1]
     # the table's row says which capture ran when (it read "2 graph(s) at step 3")
     total = sum(c["seconds"] for c in data["captures"])
     assert (
@@ -250,6 +252,29 @@ def test_a_bucketed_run_that_captured_nothing_says_why(bucket_fakes, buckets, wa
     data = rec.report.to_dict()
     assert data["graphs_captured"] is False
     assert data["no_graph_reason"] == reason
+
+
+def test_warmups_started_over_are_said_with_the_bucket_reason() -> None:
+    """(a review: "the most any saw was 60" with a warm-up of 5 read as a contradiction where
+    invalidations had started the warm-ups over)"""
+    from types import SimpleNamespace
+
+    from cudagraph_plugin.runtime.bucket_keys import (
+        Action,
+        BucketKey,
+        BucketStats,
+        no_capture_reason,
+    )
+
+    key = BucketKey(32, 2, 1)
+    stats = BucketStats(key, True, calls=[(n, Action.WARMUP) for n in range(12)])
+    graphs = SimpleNamespace(stats={key: stats}, buckets=(32,))
+    said = no_capture_reason(graphs, 5, invalidations=3)
+    assert said.endswith(
+        "the most any saw was 12 in all, 3 invalidation(s) starting the warm-ups over "
+        "(seq_length 32)"
+    ), said
+    assert "invalidation" not in no_capture_reason(graphs, 20)
 
 
 # -- a capture that produced no graph is no capture ---------------------------------------

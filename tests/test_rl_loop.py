@@ -313,7 +313,9 @@ TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn"]
         # megatron-core 0.19's field name, read as the plugin reads it
         (["--cuda-graph-impl", "local", "--cuda-graph-modules", "full_iteration"],
          "add --cuda-graph-buckets"),
-        ([*GRAPHS, "--pad-to-buckets", "48"], "rollouts (forward only, never padded)"),
+        # the training steps are all 48: only the rollouts change
+        ([*GRAPHS, "--pad-to-buckets", "48"], "its rollouts (forward only, never padded) "
+         "would come at length(s) 4, 5, 6, ... 48"),
         ([*TE, "--pad-to-buckets", "16,32,48"], "its training steps (after --pad-to-buckets) "
          "would come at length(s) 16, 32, 48"),
         ([*TE, "--pad-to-buckets", "32"], "length(s) 32, 33, 34, ... 48"),
@@ -323,10 +325,15 @@ TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn"]
         ([*TE, "--pad-to-buckets", "24", "--max-length", "24"], "captured for the model's "
          "--seq-length (48), and its training steps (after --pad-to-buckets) would come at "
          "length(s) 24"),
-        ([*TE, "--min-length", "20", "--max-length", "20"], "length(s) 20"),
+        ([*TE, "--min-length", "20", "--max-length", "20"], "and its training steps would "
+         "come at length(s) 20"),
         ([*TE, "--pad-to-buckets", "48"], None),
         ([*TE, "--min-length", "48"], None),
         ([*GRAPHS, "--cuda-graph-buckets", "16,32,48"], None),
+        # a bad --cuda-graph-buckets beside --pad-to-buckets is the plugin's to name (it was
+        # told "add --cuda-graph-buckets")
+        ([*GRAPHS, "--pad-to-buckets", "16,32", "--cuda-graph-buckets", "16,x"], None),
+        ([*GRAPHS, "--pad-to-buckets", "16,32", "--cuda-graph-buckets", "0"], None),
         ([*GRAPHS, "--min-length", "48"], None),
         ([*GRAPHS, "--min-length", "20", "--max-length", "20"], None),
         (["--cuda-graph-impl", "local"], None),  # (the plugin refuses it, with its own fix)
@@ -353,6 +360,17 @@ def test_a_refused_shape_stops_the_run_before_the_model_is_built(monkeypatch, ca
         rl_loop.run([*LOOP, "--cpu", *GRAPHS])
     assert exit_info.value.code == 2
     assert "a full-iteration graph holds one shape" in capsys.readouterr().err
+
+
+def test_every_problem_of_the_loop_flags_is_said_at_once(capsys):
+    """(each was said alone, after a 50-line usage dump)"""
+    with pytest.raises(SystemExit) as exit_info:
+        rl_loop.run([*LOOP, "--cpu", "--offload-interval", "6", "--pad-to-buckets", "16,64"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "rl_loop.py: error: 2 problems:\n  1. --offload-interval 6 must be" in err, err
+    assert "\n  2. --pad-to-buckets: the largest bucket (64) exceeds --seq-length" in err, err
+    assert "usage:" not in err
 
 
 @pytest.mark.parametrize("bf16,refused", [([], True), (["--bf16"], False)])

@@ -396,9 +396,9 @@ def test_full_iteration_mixed_new_generation_spelling_rejected_in_its_words(modu
         bridge("full_iteration", None, cuda_graph_modules=modules),
         fields=["model.cuda_graph_impl", "model.cuda_graph_modules"],
         value="('full_iteration', 'attn')",
-        phrase="cuda_graph_impl=full_iteration captures the whole forward and backward and "
-        "takes no modules (attn)",
-        fix="drop model.cuda_graph_modules, or use cuda_graph_impl=transformer_engine",
+        phrase="model.cuda_graph_impl=full_iteration captures the whole forward and backward "
+        "and takes no modules (attn)",
+        fix="drop model.cuda_graph_modules, or use model.cuda_graph_impl=transformer_engine",
     )
     assert len(err.violations) == 1, str(err)
     assert "'local'" not in str(err)
@@ -1917,33 +1917,38 @@ def test_warmup_warning_with_the_numbers(warmup, start, iters, says):
 
 
 @pytest.mark.parametrize(
-    "iters, says",
+    "baseline, iters, says",
     [
-        (6, "the capture step 11 (start_step + warm-up) is never reached, so no CUDA graph "
-         "will be captured; use fewer than 5 baseline step(s) or train longer"),
-        (12, "captured at the last step (11) and never replayed, so the run cannot show a "
+        (10, 6, "the capture step 11 (start_step + warm-up) is never reached, so no CUDA graph "
+         "will be captured; use at most 3 baseline step(s) or train longer"),
+        (10, 12, "captured at the last step (11) and never replayed, so the run cannot show a "
          "speed-up; use at most 9 baseline step(s) or train longer"),
+        # the warm-up given (3) is itself too long for 3 steps: both must come down
+        (5, 3, "never reached, so no CUDA graph will be captured; use at most 0 baseline "
+         "step(s) and at most 1 warm-up step(s) or train longer"),
+        (5, 1, "never reached, so no CUDA graph will be captured; train longer"),
     ],
 )  # fmt: skip
-def test_a_warmup_the_baseline_raised_is_warned_about_as_the_baseline(iters, says):
+def test_a_warmup_the_baseline_raised_is_warned_about_as_the_baseline(baseline, iters, says):
     """The user set cuda_graph_baseline_steps, not the warm-up: the warning named the
-    warm-up field (never given) and its fix did not help."""
+    warm-up field (never given) and its fix did not help. The fix it gives now works."""
 
-    def with_baseline(steps):
-        config = bridge()
-        config.cuda_graph_baseline_steps = steps
+    def settings(baseline, warmup=3):
+        config = bridge(cuda_graph_warmup_steps=warmup)
+        config.cuda_graph_baseline_steps = baseline
         return read_settings(config)
 
-    warning = warmup_warning(with_baseline(10), 0, iters)
+    warning = warmup_warning(settings(baseline), 0, iters)
     assert warning.startswith(
-        "cuda_graph_baseline_steps=10 (the warm-up raised to 11 from "
+        f"cuda_graph_baseline_steps={baseline} (the warm-up raised to {baseline + 1} from "
         f"model.cuda_graph_warmup_steps=3) and this run trains {iters} step(s)"
     ), warning
     assert warning.endswith(says), warning
-    # the fix it gives is enough: that many baseline steps leave a replayed step
-    enough = 4 if iters == 6 else 9
-    assert "never reached" not in (warmup_warning(with_baseline(enough), 0, iters) or "")
-    assert warmup_warning(with_baseline(enough - (iters == 6)), 0, iters) is None
+    fixed = re.findall(r"at most (\d+) baseline step\(s\)(?: and at most (\d+) warm-up)?", says)
+    if fixed:
+        fewer_baseline, fewer_warmup = fixed[0]
+        again = settings(int(fewer_baseline), int(fewer_warmup or 3))
+        assert warmup_warning(again, 0, iters) is None, "the fix it gave did not work"
 
 
 @pytest.mark.parametrize("warmup, start, iters", [(3, 0, 10), (8, 0, 10), (0, 5, 7)])

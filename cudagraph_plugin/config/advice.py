@@ -111,32 +111,40 @@ def warmup_warning(settings: Settings, start_step: int, train_iters: int) -> str
     steps = train_iters - start_step
     warmup = settings.warmup_steps
     capture = start_step + warmup
-    given = settings.warmup_from_baseline
-    # a warm-up the baseline raised is fixed there: it is one more than the baseline
-    knob, fewer = (
-        (f"{settings.field('warmup_steps')}={warmup}", "warm-up")
-        if given is None
-        else (
-            f"{settings.field('baseline_steps')}={settings.baseline_steps} (the warm-up "
-            f"raised to {warmup} from {settings.field('warmup_steps')}={given})",
-            "baseline",
+    if warmup >= steps:
+        said = (
+            f"the capture step {capture} (start_step + warm-up) is never reached, so no CUDA "
+            "graph will be captured"
         )
-    )
-    offset = 0 if given is None else 1
+    elif warmup == steps - 1:
+        said = (
+            f"the graphs are captured at the last step ({capture}) and never replayed, so the "
+            "run cannot show a speed-up"
+        )
+    else:
+        return None
+    most = steps - 2  # the longest warm-up whose graphs are replayed in this run
+    warmup_field = settings.field("warmup_steps")
+    given = settings.warmup_from_baseline
+    fixes = []
+    if given is None:
+        knob = f"{warmup_field}={warmup}"
+        fixes.append((most, "warm-up"))
+    else:
+        # the baseline raised the warm-up to one more than itself: it is what to lower, and
+        # the warm-up given too where it is itself too long
+        knob = (
+            f"{settings.field('baseline_steps')}={settings.baseline_steps} (the warm-up "
+            f"raised to {warmup} from {warmup_field}={given})"
+        )
+        fixes.append((most - 1, "baseline"))
+        if given > most:
+            fixes.append((most, "warm-up"))
     where = (
         f"{knob} and this run trains {steps} step(s) (steps {start_step}..{train_iters - 1}: "
         f"start_step={start_step}, train_iters={train_iters})"
     )
-    if warmup >= steps:
-        return (
-            f"{where}: the capture step {capture} (start_step + warm-up) is never reached, so "
-            f"no CUDA graph will be captured; use fewer than {steps - offset} {fewer} step(s) "
-            "or train longer"
-        )
-    if warmup == steps - 1:
-        return (
-            f"{where}: the graphs are captured at the last step ({capture}) and never "
-            f"replayed, so the run cannot show a speed-up; use at most "
-            f"{max(steps - 2 - offset, 0)} {fewer} step(s) or train longer"
-        )
-    return None
+    if any(count < 0 for count, _ in fixes):
+        return f"{where}: {said}; train longer"
+    fewer = " and ".join(f"at most {count} {what} step(s)" for count, what in fixes)
+    return f"{where}: {said}; use {fewer} or train longer"

@@ -81,11 +81,13 @@ class BucketStats:
         return Action.REPLAY in actions[last + 1 :]
 
 
-def no_capture_reason(
-    stats: Mapping[BucketKey, BucketStats], buckets: Sequence[int], warmup_steps: int
-) -> str | None:
-    """Why bucketed graphs captured nothing, where the run's length is not why: no step
-    fit a bucket, or none got past its own warm-up; ``None`` before any step."""
+def no_capture_reason(graphs: Any, warmup_steps: int, invalidations: int = 0) -> str | None:
+    """Why the bucket graphs ``graphs`` (a :class:`~cudagraph_plugin.runtime.buckets.
+    BucketGraphs`: its ``stats`` per key and its ``buckets``) captured nothing, where the
+    run's length is not why: no step fit a bucket, or none got past its own warm-up (which
+    each invalidation starts over); ``None`` before any step."""
+    stats: Mapping[BucketKey, BucketStats] = graphs.stats
+    buckets: Sequence[int] = graphs.buckets
     if not stats:
         return None
     fitting = [entry for entry in stats.values() if entry.in_bucket]
@@ -97,9 +99,13 @@ def no_capture_reason(
             "bucket that fits them"
         )
     most = max(fitting, key=lambda entry: len(entry.calls))
+    over = f" in all, {invalidations} invalidation(s) starting the warm-ups over" * bool(
+        invalidations
+    )
     return (
         f"no bucket got past its warm-up ({warmup_steps} step(s) of its own before its "
-        f"capture): the most any saw was {len(most.calls)} (seq_length {most.key.seq_length})"
+        f"capture): the most any saw was {len(most.calls)}{over} (seq_length "
+        f"{most.key.seq_length})"
     )
 
 

@@ -560,7 +560,7 @@ class Reporter:
         reason = state.no_graph_reason()
         if reason is None and state.buckets is not None:
             reason = no_capture_reason(
-                state.buckets.stats, state.buckets.buckets, state.settings.warmup_steps
+                state.buckets, state.settings.warmup_steps, len(self.invalidations)
             )
         if reason is not None:
             return reason

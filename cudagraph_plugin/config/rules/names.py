@@ -161,9 +161,9 @@ def _full_iteration_alone(s: Settings, env: Environment) -> Iterator[Violation]:
             s,
             ("impl", "scope"),
             ("full_iteration", given),
-            f"cuda_graph_impl=full_iteration captures the whole forward and backward and "
+            f"{s.field('impl')}=full_iteration captures the whole forward and backward and "
             f"takes no modules ({given})",
-            f"drop {s.field('scope')}, or use cuda_graph_impl=transformer_engine with these "
+            f"drop {s.field('scope')}, or use {s.field('impl')}=transformer_engine with these "
             "modules",
             (MCORE_19, 'cuda_graph_modules must be empty when cuda_graph_impl="full_iteration"'),
         )
