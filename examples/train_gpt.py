@@ -1001,7 +1001,9 @@ def main() -> int:
         print(
             f"trained {summary['steps']} step(s) on {summary['device']}: loss "
             f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, "
-            f"median step {summary['median_step_ms']:.2f} ms"
+            f"median step {summary['median_step_ms']:.2f} ms (of every step timed, the first "
+            "and any capture step included; the CUDA graph report's eager and replay figures "
+            "leave them out)"
         )
     else:  # no step, or a pipeline stage that computes no loss
         print(f"trained {summary['steps']} step(s) on {summary['device']}")
