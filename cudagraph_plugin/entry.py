@@ -12,8 +12,9 @@ import argparse
 from typing import Any
 
 from cudagraph_plugin.cli.flags import add_cuda_graph_arguments
+from cudagraph_plugin.runtime.configure_refusal import note_configure_speaker
 from cudagraph_plugin.runtime.plugin import CudaGraphPlugin, OutermostHooks
-from hookspecs import hookimpl
+from hookspecs import ConfigurationError, hookimpl
 
 RUN_PLUGIN_NAME = "cudagraph:CudaGraphPlugin"
 """The name the plugin manager gives the per-run plugin (``<plugin>:<ClassName>``): it is
@@ -27,7 +28,11 @@ def mcgraph_add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @hookimpl
 def mcgraph_configure(config: Any, pluginmanager: Any) -> None:
-    plugin = CudaGraphPlugin.configure(config, pluginmanager)
+    try:
+        plugin = CudaGraphPlugin.configure(config, pluginmanager)
+    except ConfigurationError as refused:
+        note_configure_speaker(refused)  # (which rank says it: no watch runs yet)
+        raise
     try:
         pluginmanager.register(plugin)
     except BaseException:

@@ -181,30 +181,63 @@ def test_a_refused_configuration_is_said_once_without_a_traceback(tmp_path, job_
     assert "exitcode  : 2" in two.output()  # torchrun's summary of the failed workers
 
 
-@pytest.mark.slow
-def test_a_refusal_is_said_even_when_rank_0_gets_there_last(tmp_path, job_env):
-    # torchrun ends the whole job at the first worker that exits non-zero. A rank other than
-    # 0, which has nothing to print, must not be that worker: rank 0 (slowed down here by
-    # 3 s at start-up, as a loaded machine does) would be stopped before it says anything.
-    slow_start = tmp_path / "slow_start"
-    slow_start.mkdir()
-    (slow_start / "sitecustomize.py").write_text(
-        "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(3)\n"
+def _rank_1_job(tmp_path, job_env, name: str, rank_1: str, *argv: str):
+    """A torchrun job of 2 ranks of the example whose rank 1 runs ``rank_1`` (Python) at
+    start-up (a ``sitecustomize``)."""
+    start = tmp_path / name
+    start.mkdir()
+    (start / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('RANK') == '1':\n" + rank_1
     )
-    paths = [str(slow_start), *filter(None, [job_env.get("PYTHONPATH")])]
+    paths = [str(start), *filter(None, [job_env.get("PYTHONPATH")])]
     env = {**job_env, "PYTHONPATH": os.pathsep.join(paths)}
-    bad = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "attn", "--train-iters", "3"]
-    job = run_job(
-        torchrun_command(2, EXAMPLE, *bad), log_dir=tmp_path / "job", timeout_s=180, env=env
-    )
-    assert job.rc != 0 and not job.leftovers, job.tail()
-    assert job.output().count("1 problem(s) with the CUDA graph configuration") == 1, job.tail()
-    # the one traceback is torchrun's own ChildFailedError; none from a worker
+    return run_job(
+        torchrun_command(2, EXAMPLE, *argv), log_dir=tmp_path / f"{name}-job", timeout_s=180,
+        env=env,
+    )  # fmt: skip
+
+
+def _said_once_by_one_worker(job, said: str) -> None:
     output = job.output()
+    assert job.rc != 0 and not job.leftovers, job.tail()
+    assert output.count("1 problem(s) with the CUDA graph configuration") == 1, job.tail()
+    assert output.count(said) == 1, job.tail()
+    # the one traceback is torchrun's own ChildFailedError; none from a worker
     assert output.count("Traceback") == 1 and "ChildFailedError" in output, job.tail()
     assert "pluggy" not in output and 'train_gpt.py", line' not in output, job.tail()
-    # rank 0 said it and exited first; torchrun then ended rank 1, still waiting
-    assert "exitcode  : 2" in output and "local_rank: 0" in output, job.tail()
+    assert "exitcode  : 2" in output, job.tail()
+
+
+@pytest.mark.slow
+def test_a_refusal_is_said_even_when_rank_0_gets_there_last(tmp_path, job_env):
+    # torchrun ends the whole job at the first worker that exits non-zero. A rank with
+    # nothing to print must not be that worker: the rank that says it would be stopped
+    # before it says anything. Rank 0, slowed down by 3 s at start-up (as a loaded machine
+    # does), refuses last: rank 1, the first to refuse (counted in torchrun's store), says it.
+    bad = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "attn", "--train-iters", "3"]
+    job = _rank_1_job(
+        tmp_path,
+        job_env,
+        "slow0",
+        "    pass\nelif os.environ.get('RANK') == '0':\n    time.sleep(3)\n",
+        *bad,
+    )
+    _said_once_by_one_worker(job, "error: rank 1 refused the run: 1 problem(s)")
+
+
+@pytest.mark.slow
+def test_a_refusal_on_one_rank_alone_is_said_by_it(tmp_path, job_env):
+    """Rank 1 alone refuses in configure (its environment differs); rank 0 goes on into its
+    process-group set-up. The refusal was never printed: rank 1 left it to rank 0, which
+    torchrun then ended (the configure refusal noticed and left on 2026-12-04)."""
+    env_problem = (
+        "    os.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'expandable_segments:True'\n"
+        "    os.environ['NCCL_GRAPH_REGISTER'] = '1'\n"
+    )
+    good = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
+    job = _rank_1_job(tmp_path, job_env, "env1", env_problem, *good, "--train-iters", "3")
+    _said_once_by_one_worker(job, "error: rank 1 refused the run: 1 problem(s)")
+    assert "fix: export NCCL_GRAPH_REGISTER=0" in job.output(), job.tail()
 
 
 def test_print_refusal_writes_its_line_in_one_piece(monkeypatch):

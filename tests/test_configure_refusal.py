@@ -1,0 +1,69 @@
+"""Which rank says a refusal made in configure (``runtime.configure_refusal``), against a
+real ``TCPStore`` standing in for torchrun's agent store (the job tests in
+``tests/test_talk_once.py`` run it under torchrun itself)."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import pytest
+import torch.distributed as dist
+
+from cudagraph_plugin.runtime.configure_refusal import note_configure_speaker
+from hookspecs import ConfigurationError
+
+
+@pytest.fixture
+def agent_env():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    yield {
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "WORLD_SIZE": "4",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(server.port),
+        "TORCHELASTIC_RUN_ID": "run-a",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }
+    del server
+
+
+def said(env) -> bool | None:
+    error = ConfigurationError("1 problem(s)")
+    note_configure_speaker(error, env)
+    return error.said_here
+
+
+def test_the_first_refusing_rank_says_it_and_no_other(agent_env):
+    assert [said(agent_env) for _ in range(3)] == [True, False, False]
+    # a restart of the job (torchrun's next attempt) counts afresh, and so does another run
+    assert said({**agent_env, "TORCHELASTIC_RESTART_COUNT": "1"}) is True
+    assert said({**agent_env, "TORCHELASTIC_RUN_ID": "run-b"}) is True
+
+
+def test_a_speaker_already_chosen_is_kept(agent_env):
+    error = ConfigurationError("x")
+    error.said_here = False
+    note_configure_speaker(error, agent_env)
+    assert error.said_here is False
+    assert said(agent_env) is True  # (it did not count itself)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"TORCHELASTIC_USE_AGENT_STORE": "False"},  # another launcher: rank 0 says it
+        {"WORLD_SIZE": "1"},
+        {"MASTER_PORT": "not-a-port"},
+    ],
+)
+def test_outside_a_torchrun_job_of_several_ranks_nothing_is_decided(agent_env, change):
+    assert said({**agent_env, **change}) is None
+    assert said(agent_env) is True  # nothing was counted
+
+
+def test_a_store_that_does_not_answer_decides_nothing(agent_env):
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    assert said({**agent_env, "MASTER_PORT": str(port)}) is None
