@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from cudagraph_plugin.cli.flags import add_cuda_graph_arguments
-from cudagraph_plugin.runtime.configure_refusal import note_configure_speaker
+from cudagraph_plugin.runtime.configure_refusal import configured, note_configure_speaker
 from cudagraph_plugin.runtime.plugin import CudaGraphPlugin, OutermostHooks
 from hookspecs import ConfigurationError, hookimpl
 
@@ -28,10 +28,11 @@ def mcgraph_add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @hookimpl
 def mcgraph_configure(config: Any, pluginmanager: Any) -> None:
+    run = configured()
     try:
         plugin = CudaGraphPlugin.configure(config, pluginmanager)
     except ConfigurationError as refused:
-        note_configure_speaker(refused)  # (which rank says it: no watch runs yet)
+        note_configure_speaker(refused, run)  # (which rank says it: no watch runs yet)
         raise
     try:
         pluginmanager.register(plugin)

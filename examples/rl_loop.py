@@ -114,7 +114,13 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: bool) -> None:
-    """The loop's own checks: every problem found is said at once (exit status 2)."""
+    """The loop's own checks alone (:func:`_problems`), said at once (exit status 2)."""
+    train_gpt.refuse(parser, _problems(args, use_cuda))
+
+
+def _problems(args: argparse.Namespace, use_cuda: bool) -> list[str]:
+    """What is wrong with the loop's own flags (``train_gpt``'s host says them with its own).
+    Sets ``args.max_length``, ``args.length_multiple`` and ``args.buckets``."""
     problems: list[str] = []
     if args.eval_interval:
         problems.append(
@@ -122,23 +128,26 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: 
             "passes (--rollout-batches)"
         )
     args.max_length = args.seq_length if args.max_length is None else args.max_length
-    if not 1 <= args.min_length <= args.max_length <= args.seq_length:
-        problems.append(
-            f"need 1 <= --min-length ({args.min_length}) <= --max-length ({args.max_length}) "
-            f"<= --seq-length ({args.seq_length}, the model's longest sequence)"
-        )
-    if args.steps_per_round < 1 or args.rollout_batches < 1:
-        problems.append("--steps-per-round and --rollout-batches must be at least 1")
-    train_gpt.refuse(parser, problems)  # (the checks below compute with these)
-    # sequence parallelism splits each sequence over the tensor-parallel ranks: every
-    # length drawn (the rollouts' too, which no bucket pads) is a multiple of their number
     args.length_multiple = (
         args.tensor_model_parallel_size
         if args.sequence_parallel and args.tensor_model_parallel_size > 1
         else 1
     )
+    args.buckets = None
+    lengths = []  # (the checks below compute with these)
+    if not 1 <= args.min_length <= args.max_length <= args.seq_length:
+        lengths.append(
+            f"need 1 <= --min-length ({args.min_length}) <= --max-length ({args.max_length}) "
+            f"<= --seq-length ({args.seq_length}, the model's longest sequence)"
+        )
+    if args.steps_per_round < 1 or args.rollout_batches < 1:
+        lengths.append("--steps-per-round and --rollout-batches must be at least 1")
+    if lengths:
+        return problems + lengths
+    # sequence parallelism splits each sequence over the tensor-parallel ranks: every
+    # length drawn (the rollouts' too, which no bucket pads) is a multiple of their number
     if args.max_length // args.length_multiple * args.length_multiple < args.min_length:
-        problems.append(
+        lengths.append(
             f"--sequence-parallel with --tensor-model-parallel-size "
             f"{args.tensor_model_parallel_size} needs a length between --min-length "
             f"({args.min_length}) and --max-length ({args.max_length}) that is a multiple of "
@@ -155,10 +164,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: 
             "holds the model's own parameters (or, distributed, views of them), and its "
             "offload_to_cpu() would move the weights the rollout needs to the host"
         )
-    problems += _bucket_problems(args)
-    if not problems:  # (it reads the lengths and buckets checked above)
-        problems += _one_shape_problems(args)
-    train_gpt.refuse(parser, problems)
+    lengths += _bucket_problems(args)
+    if not lengths:  # (it reads the lengths and buckets checked above)
+        lengths += _one_shape_problems(args)
+    return problems + lengths
 
 
 def _bucket_problems(args: argparse.Namespace) -> list[str]:
@@ -489,7 +498,7 @@ def run(argv: Sequence[str] | None = None, plugins: Sequence[Any] = ()) -> dict[
     ``seq_lengths`` (each step's padded length), ``padding_waste_percent``, ``offloads`` and
     ``reloads_moved`` (reloads that put the gradient buffers at new addresses)."""
     return train_gpt.host_run(
-        argv, plugins, parser=build_parser, train=_train, record=_RLRecord(), check=_check
+        argv, plugins, parser=build_parser, train=_train, record=_RLRecord(), problems=_problems
     )
 
 

@@ -252,8 +252,14 @@ _AT_LEAST = {
 }  # fmt: skip
 
 
-def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: bool) -> None:
-    """The host's own checks: every problem found is said at once (exit status 2)."""
+def _check_args(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    use_cuda: bool,
+    more: Callable[[argparse.Namespace, bool], list[str]] | None = None,
+) -> None:
+    """The host's own checks, and a loop's ``more(args, use_cuda)`` problems: every problem
+    found is said at once (exit status 2)."""
     problems: list[str] = []
     for name, least in _AT_LEAST.items():
         value = getattr(args, name, None)
@@ -283,6 +289,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, use_c
         problems.append(
             f"--start-step {args.start_step} must not exceed --train-iters {args.train_iters}"
         )
+    if more is not None:
+        problems += more(args, use_cuda)
     refuse(parser, problems)
 
 
@@ -346,18 +354,20 @@ def _virtual_stages(args: argparse.Namespace, problems: list[str]) -> int | None
         vpp = args.num_virtual_stages_per_pipeline_rank
     else:
         per_stage = args.num_layers // pp
+        vpp = per_stage // args.num_layers_per_virtual_pipeline_stage
         if args.num_layers % pp:
             problems.append(
                 f"--num-layers {args.num_layers} must be divisible by "
                 f"--pipeline-model-parallel-size {pp}"
             )
+            vpp = None  # (what it gives once fixed is not known: no more problems from it)
         elif per_stage % args.num_layers_per_virtual_pipeline_stage:
             problems.append(
                 f"the {per_stage} layers per pipeline stage must be divisible by "
                 f"--num-layers-per-virtual-pipeline-stage "
                 f"{args.num_layers_per_virtual_pipeline_stage}"
             )
-        vpp = per_stage // args.num_layers_per_virtual_pipeline_stage
+            vpp = None
     if vpp is not None and pp == 1:
         problems.append("virtual pipeline stages need --pipeline-model-parallel-size > 1")
     if vpp is not None and vpp > 1 and args.num_microbatches % pp:
@@ -947,22 +957,20 @@ def host_run(
     parser: Any,
     train: Any,
     record: Any,
-    check: Any = None,
+    problems: Callable[[argparse.Namespace, bool], list[str]] | None = None,
 ) -> dict[str, Any]:
     """One run of a host loop: the plugin manager, the command line (every plugin's options
     included), the :class:`hookspecs.TrainingRun` around ``train(training, args, use_cuda,
     record)``, the process groups torn down after the run's shutdown hook; returns
-    ``record.summary(device, shutdown_reason)``. ``check(parser, args, use_cuda)`` adds the
-    host's own argument checks."""
+    ``record.summary(device, shutdown_reason)``. ``problems(args, use_cuda)`` adds the
+    loop's own argument checks (said with the host's, at once)."""
     pm = get_plugin_manager()
     for plugin in plugins:
         pm.register(plugin)
     argument_parser = parser(pm)
     args = argument_parser.parse_args(argv)
     use_cuda = torch.cuda.is_available() and not args.cpu
-    _check_args(argument_parser, args, use_cuda)
-    if check is not None:
-        check(argument_parser, args, use_cuda)
+    _check_args(argument_parser, args, use_cuda, more=problems)
 
     # On the CPU the CUDA graph plugin still validates the requested configuration, then
     # says in one line that graphs need a CUDA device and runs eagerly; nothing to do here.

@@ -599,6 +599,16 @@ def test_virtual_stages_from_layers_per_stage_as_megatron_lm_derives_them() -> N
                               "--num-layers-per-virtual-pipeline-stage", "4"])  # fmt: skip
     assert train_gpt._virtual_stages(args, problems) is None  # one chunk per rank: no interleaving
     assert problems == []
+    # a layout that does not divide says so, and nothing that follows from its floored
+    # numbers (8 layers per stage by 3: "2 chunks" would ask for divisible micro-batches)
+    args = parser.parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "16",
+                              "--num-layers-per-virtual-pipeline-stage", "3",
+                              "--num-microbatches", "3"])  # fmt: skip
+    assert train_gpt._virtual_stages(args, problems) is None
+    assert problems == [
+        "the 8 layers per pipeline stage must be divisible by "
+        "--num-layers-per-virtual-pipeline-stage 3"
+    ]
 
 
 TWO_RANK_ARGV = [

@@ -137,9 +137,8 @@ def _host_accepts(module: Any, argv: Sequence[str], nproc: int, monkeypatch) -> 
         patch.setattr(train_gpt.importlib.util, "find_spec", find_spec)
         parser = module.build_parser(get_plugin_manager())
         args = parser.parse_args(list(argv))
-        train_gpt._check_args(parser, args, use_cuda=True)
-        if module is rl_loop:
-            rl_loop._check(parser, args, use_cuda=True)
+        more = rl_loop._problems if module is rl_loop else None
+        train_gpt._check_args(parser, args, use_cuda=True, more=more)
 
 
 def test_the_example_hosts_accept_every_gpu_job_s_command_line(monkeypatch) -> None:
@@ -148,20 +147,33 @@ def test_the_example_hosts_accept_every_gpu_job_s_command_line(monkeypatch) -> N
     for scenario in SCENARIOS:
         for argv in (scenario.argv(), scenario.eager_argv()):
             _host_accepts(train_gpt, argv, scenario.nproc, monkeypatch)
-    loop, graphs, buckets = test_gpu_rl.LOOP, test_gpu_rl.GRAPHS, test_gpu_rl.BUCKETS
-    for argv, nproc in [
-        ((*loop, *test_gpu_rl.BF16), 1),
-        ((*loop, *test_gpu_rl.BF16, *graphs, "--cuda-graph-buckets", buckets), 2),
-        ((*loop, *test_gpu_rl.BF16, *test_gpu_rl.OFFLOAD, *graphs, "--cuda-graph-buckets",
-          buckets, "--optimizer-cuda-graph", "--transformer-impl", "transformer_engine"), 1),
-        ((*loop, *test_gpu_rl.ROPE, *graphs, "--cuda-graph-buckets", buckets), 1),
+    loop, bf16, graphs = test_gpu_rl.LOOP, test_gpu_rl.BF16, test_gpu_rl.GRAPHS
+    bucketed = (*graphs, "--cuda-graph-buckets", test_gpu_rl.BUCKETS)
+    offload = (*bf16, *test_gpu_rl.OFFLOAD)
+    for argv, nproc in [  # the command lines of tests/test_gpu_rl.py's jobs
+        ((*loop, *bf16), 1),
+        ((*loop, *bf16, *bucketed), 1),
+        ((*loop, *bf16, *graphs, "--cuda-graph-buckets", "512"), 1),
+        ((*loop, *bf16, *test_gpu_rl.ROPE, *bucketed), 1),
+        ((*loop, *offload, "--invalidate-after-reload", *bucketed), 1),
+        ((*loop, *offload, *bucketed, "--optimizer-cuda-graph", "--transformer-impl",
+          "transformer_engine"), 1),
+        ((*loop, *offload, "--invalidate-after-reload", *bucketed), 2),
+        ((*loop, *bf16, "--use-distributed-optimizer", "--overlap-param-gather",
+          "--overlap-grad-reduce", *bucketed), 2),
     ]:  # fmt: skip
         _host_accepts(rl_loop, argv, nproc, monkeypatch)
-    # ... and they do refuse: a two-process layout in a one-process job
-    with pytest.raises(SystemExit):
-        _host_accepts(train_gpt, test_gpu.BY_NAME["tp2_sp_te_attn"].argv(), 1, monkeypatch)
-    with pytest.raises(SystemExit):
-        _host_accepts(train_gpt, test_gpu.BY_NAME["pp2_te_attn_mlp"].argv(), 1, monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["tp2_sp_te_attn", "pp2_te_attn_mlp"])
+def test_the_hosts_check_refuses_a_two_process_layout_in_one_process(
+    name, monkeypatch, capsys
+) -> None:
+    """(what makes the test above one that can fail)"""
+    with pytest.raises(SystemExit) as refused:
+        _host_accepts(train_gpt, test_gpu.BY_NAME[name].argv(), 1, monkeypatch)
+    assert refused.value.code == 2
+    assert "ranks per model replica must divide the job's 1 process(es)" in capsys.readouterr().err
 
 
 def test_scenario_names_are_the_test_ids_and_the_eager_twins_are_shared() -> None:

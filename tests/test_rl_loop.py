@@ -363,13 +363,19 @@ def test_a_refused_shape_stops_the_run_before_the_model_is_built(monkeypatch, ca
 
 
 def test_every_problem_of_the_loop_flags_is_said_at_once(capsys):
-    """(each was said alone, after a 50-line usage dump)"""
+    """(each was said alone, after a 50-line usage dump; the host's before the loop's, so
+    the first fix could point the wrong way: --eval-iters, for a flag the loop refuses)"""
     with pytest.raises(SystemExit) as exit_info:
-        rl_loop.run([*LOOP, "--cpu", "--offload-interval", "6", "--pad-to-buckets", "16,64"])
+        rl_loop.run(
+            [*LOOP, "--cpu", "--offload-interval", "6", "--pad-to-buckets", "16,64",
+             "--eval-interval", "2", "--eval-iters", "0"]
+        )  # fmt: skip
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "rl_loop.py: error: 2 problems:\n  1. --offload-interval 6 must be" in err, err
-    assert "\n  2. --pad-to-buckets: the largest bucket (64) exceeds --seq-length" in err, err
+    assert "rl_loop.py: error: 4 problems:\n  1. --eval-interval 2 needs --eval-iters >= 1" in err
+    assert "\n  2. --eval-interval does not apply to rl_loop.py" in err, err
+    assert "\n  3. --offload-interval 6 must be" in err, err
+    assert "\n  4. --pad-to-buckets: the largest bucket (64) exceeds --seq-length" in err, err
     assert "usage:" not in err
 
 

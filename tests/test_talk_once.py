@@ -197,11 +197,12 @@ def _rank_1_job(tmp_path, job_env, name: str, rank_1: str, *argv: str):
     )  # fmt: skip
 
 
-def _said_once_by_one_worker(job, said: str) -> None:
+def _said_once_by_one_worker(job, *said: str) -> None:
+    """The refusal said once, in one of the forms ``said``, by one worker, no traceback."""
     output = job.output()
     assert job.rc != 0 and not job.leftovers, job.tail()
     assert output.count("1 problem(s) with the CUDA graph configuration") == 1, job.tail()
-    assert output.count(said) == 1, job.tail()
+    assert sum(output.count(form) for form in said) == 1, job.tail()
     # the one traceback is torchrun's own ChildFailedError; none from a worker
     assert output.count("Traceback") == 1 and "ChildFailedError" in output, job.tail()
     assert "pluggy" not in output and 'train_gpt.py", line' not in output, job.tail()
@@ -213,7 +214,8 @@ def test_a_refusal_is_said_even_when_rank_0_gets_there_last(tmp_path, job_env):
     # torchrun ends the whole job at the first worker that exits non-zero. A rank with
     # nothing to print must not be that worker: the rank that says it would be stopped
     # before it says anything. Rank 0, slowed down by 3 s at start-up (as a loaded machine
-    # does), refuses last: rank 1, the first to refuse (counted in torchrun's store), says it.
+    # does), mostly refuses last: the first to refuse (counted in torchrun's store) says it,
+    # rank 1 then (naming itself), rank 0 on a machine that slowed rank 1 more.
     bad = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "attn", "--train-iters", "3"]
     job = _rank_1_job(
         tmp_path,
@@ -222,7 +224,9 @@ def test_a_refusal_is_said_even_when_rank_0_gets_there_last(tmp_path, job_env):
         "    pass\nelif os.environ.get('RANK') == '0':\n    time.sleep(3)\n",
         *bad,
     )
-    _said_once_by_one_worker(job, "error: rank 1 refused the run: 1 problem(s)")
+    _said_once_by_one_worker(
+        job, "error: rank 1 refused the run: 1 problem(s)", "error: 1 problem(s)"
+    )
 
 
 @pytest.mark.slow
