@@ -691,3 +691,38 @@ def test_a_grad_norm_skip_threshold_changed_after_the_capture_is_refused(
         "OptimizerConfig.grad_norm_skip_threshold is now float 10.0, float inf at capture"
         in str(raised.value)
     )
+
+
+def test_a_wrapper_left_by_an_earlier_run_does_not_free_this_runs_graph(graphs, capturable):
+    """megatron-core's ``OptimizerCudaGraphWrapper.__del__`` frees the class-level graph,
+    whichever instance captured it. A wrapper of an earlier run left in a reference cycle
+    (a host's own, refused; ``optimizer.step = wrapper(optimizer.step)`` is one) freed the
+    running graph when the collector reached it in the middle of a later run: the steps
+    went on eagerly without a word (found by a random test order on 2026-12-05)."""
+    import gc
+
+    class Host:
+        pass
+
+    stale = Host()
+    stale.step = fake_optimizer_graph.OptimizerCudaGraphWrapper(lambda: None)
+    stale.me = stale  # (a cycle: only the collector frees it)
+    del stale
+    seen = {}
+
+    class CollectsAfterTheCapture:
+        @hookimpl
+        def mcgraph_train_step_end(self, step, metrics):
+            if step == 4:
+                gc.collect()
+                seen["live"] = compat.optimizer_graph_captured()
+
+    enabled = gc.isenabled()
+    gc.disable()  # (the collector runs where the test says, not at random)
+    try:
+        _, rec = run(*OPTIM, "--cuda-graph-warmup-steps", "2", plugins=[CollectsAfterTheCapture()])
+    finally:
+        if enabled:
+            gc.enable()
+    assert seen == {"live": True}
+    assert rec.report.replays["optimizer"] == 5  # steps 3-7, all on the graph

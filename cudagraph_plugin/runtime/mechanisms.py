@@ -19,6 +19,7 @@ the plugin brackets their captures. All megatron-core access goes through ``comp
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -158,6 +159,11 @@ class OptimizerGraphs:
     """The optimizer step in a CUDA graph (megatron-core's ``OptimizerCudaGraphWrapper``)."""
 
     def __init__(self, optimizer: Any, warmup_steps: int, use_single_mempool: bool) -> None:
+        # megatron-core's wrapper frees the class-level graph in its __del__, whichever
+        # instance captured it: wrappers of earlier runs left in reference cycles (a host's
+        # own, refused: optimizer.step = wrapper(optimizer.step) is one) are collected now,
+        # before this run captures, not when the collector reaches them in its middle
+        gc.collect()
         if compat.optimizer_graph_state_dirty():
             logger.warning(
                 "megatron-core's OptimizerCudaGraphWrapper holds state from an earlier run in "
