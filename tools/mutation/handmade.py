@@ -677,6 +677,17 @@ MUTANTS = [
             "is_refused[check_replay]",
         ),
     ),
+    Mutant(
+        "stale-optimizer-wrapper-not-collected",
+        "a wrapper of an earlier run, collected mid-run, frees the running optimizer graph",
+        "cudagraph_plugin/runtime/mechanisms.py",
+        "        gc.collect()\n        if compat.optimizer_graph_state_dirty():\n",
+        "        if compat.optimizer_graph_state_dirty():\n",
+        (
+            "tests/test_optimizer_graph.py::test_a_wrapper_left_by_an_earlier_run_does_not_"
+            "free_this_runs_graph",
+        ),
+    ),
 ]
 
 
