@@ -61,7 +61,12 @@ from step_clock import StepClock
 
 import train_gpt
 from cudagraph_plugin.config.settings import read_settings
-from cudagraph_plugin.runtime.padding import pad_step, padding_waste_percent, parse_buckets
+from cudagraph_plugin.runtime.padding import (
+    bucket_for,
+    pad_step,
+    padding_waste_percent,
+    parse_buckets,
+)
 from hookspecs import ConfigurationError, PeerRefused, TrainingRun, print_refusal
 
 logger = logging.getLogger("rl_loop")
@@ -171,10 +176,10 @@ def _problems(args: argparse.Namespace, use_cuda: bool) -> list[str]:
 
 
 def _bucket_problems(args: argparse.Namespace) -> list[str]:
-    """The padding buckets (``args.buckets``: None without) and what is wrong with them."""
+    """The padding buckets (into ``args.buckets``, which :func:`_problems` set to None) and
+    what is wrong with them."""
     source = "--pad-to-buckets" if args.pad_to_buckets else "--cuda-graph-buckets"
     lengths = args.pad_to_buckets or getattr(args, "cuda_graph_buckets", None)
-    args.buckets = None
     try:
         args.buckets = None if lengths is None else parse_buckets(lengths, source)
     except ValueError as error:
@@ -215,13 +220,17 @@ def _one_shape_problems(args: argparse.Namespace) -> list[str]:
         return []  # (what the plugin refuses, with its own fix)
     multiple = args.length_multiple
     drawn = range(-(-args.min_length // multiple) * multiple, args.max_length + 1, multiple)
-    padded = sorted({next((b for b in args.buckets or () if b >= n), n) for n in drawn})
+    # each step's length after the padding (one above every bucket keeps its own)
+    padded = sorted({bucket_for(n, args.buckets or ()) or n for n in drawn})
     if full_iteration:
         lengths = list(drawn)
         if len(lengths) < 2:
             return []
-        what = "a full-iteration graph holds one shape, and its rollouts (forward only, never "
-        what += "padded) and training steps" if len(padded) > 1 else "padded)"
+        also = " and training steps" if len(padded) > 1 else ""
+        what = (
+            "a full-iteration graph holds one shape, and its rollouts (forward only, never "
+            f"padded){also}"
+        )
         fix = (
             "add --cuda-graph-buckets LENGTHS (one full-iteration graph per bucket, rollouts "
             "eager), or draw one length (--min-length = --max-length)"

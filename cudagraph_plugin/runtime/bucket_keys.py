@@ -99,8 +99,10 @@ def no_capture_reason(graphs: Any, warmup_steps: int, invalidations: int = 0) ->
             "bucket that fits them"
         )
     most = max(fitting, key=lambda entry: len(entry.calls))
-    over = f" in all, {invalidations} invalidation(s) starting the warm-ups over" * bool(
-        invalidations
+    over = (
+        f" in all, {invalidations} invalidation(s) starting the warm-ups over"
+        if invalidations
+        else ""
     )
     return (
         f"no bucket got past its warm-up ({warmup_steps} step(s) of its own before its "

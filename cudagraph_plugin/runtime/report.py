@@ -191,7 +191,7 @@ class RunReport:
         for capture in self.captures:
             steps.setdefault(capture["stage"], []).append(capture["step"])
         if self.capture_step is not None and all(
-            step == [self.capture_step] * len(step) for step in steps.values()
+            capture["step"] == self.capture_step for capture in self.captures
         ):
             return f"{self.graph_count} graph(s) {at} {total}"
         stages = "; ".join(

@@ -156,7 +156,7 @@ def _full_iteration_only_local(s: Settings, env: Environment) -> Iterator[Violat
 def _full_iteration_alone(s: Settings, env: Environment) -> Iterator[Violation]:
     if s.full_iteration and len(set(s.scope)) > 1 and s.full_iteration_impl:
         # (0.18+'s spelling: said in the user's words, not in the local + scope read of it)
-        given = ",".join(name for name in s.scope[1:])
+        given = ",".join(s.scope[1:])
         yield violation(
             s,
             ("impl", "scope"),
