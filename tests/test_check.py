@@ -576,6 +576,69 @@ def test_flag_without_value_exits_2():
     assert info.value.code == 2
 
 
+# A Megatron-LM command line as pasted from a launcher: flags the check does not read
+# (several values, a store_true, a negative number, a misspelling of one it reads) around
+# the flags it does read.
+PASTED = [
+    "--num-layers", "24", "--data-path", "1.0", "/data/a", "1.0", "/data/b", "--bf16",
+    "--adam-eps", "-1e-8", "--seq-lenght", "4096", "--lr=6e-4",
+    *DENSE_FULL_ITERATION, "--micro-batch-size", "4", "--tensor-model-parallel-size", "2",
+    "--num-experts", "8", "--moe-router-topk", "2", "--cpu-offloading",
+]  # fmt: skip
+
+
+def test_a_pasted_megatron_lm_command_line_gets_the_verdict_of_the_flags_it_reads():
+    """(2026-12-05: a whole Megatron-LM command line exited 2 on its first flag the check
+    does not read, ``--num-layers``, with "did you mean --num-experts?" hints; the only way
+    was to pick the CUDA-graph flags out by hand.)"""
+    code, out = check([*PASTED, "--skip-unknown-flags"])
+    plain_code, plain = check([*DENSE_FULL_ITERATION, "--micro-batch-size", "4",
+                               "--tensor-model-parallel-size", "2", "--num-experts", "8",
+                               "--cpu-offloading"])  # fmt: skip
+    notes = [line for line in lines(out) if "does not read" in line]
+    assert notes == [
+        "note: 7 flag(s) this check does not read were skipped (--skip-unknown-flags): "
+        "--num-layers, --data-path, --bf16, --adam-eps, --seq-lenght (did you mean "
+        "--seq-length?), --lr, --moe-router-topk"
+    ], out
+    # the rest is the verdict of the flags it reads alone (here: problems, exit 1)
+    assert (code, [line for line in lines(out) if line not in notes]) == (plain_code, lines(plain))
+    assert code == 1 and "--cpu-offloading = True" in out
+
+
+def test_without_the_option_a_pasted_command_line_is_broken_and_the_hint_names_it(capsys):
+    with pytest.raises(SystemExit) as raised:
+        check(PASTED)
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --num-layers 24 --data-path" in err
+    assert "hint: checking a whole Megatron-LM command line? add --skip-unknown-flags" in err
+
+
+@pytest.mark.parametrize(
+    ("broken", "said"),
+    [
+        # the plugin's own namespace: a misspelling there changes the verdict
+        (["--cuda-graph-warmup", "3"], "did you mean --cuda-graph-warmup-steps?"),
+        (["--cuda_graph_bucket=8,16"], "unrecognized arguments: --cuda_graph_bucket=8,16"),
+        # a value that follows no flag (here a second value of a one-value flag)
+        (["--micro-batch-size", "4", "8"], "unrecognized arguments: 8"),
+    ],
+)  # fmt: skip
+def test_skipping_unknown_flags_still_refuses_a_broken_command_line(capsys, broken, said):
+    with pytest.raises(SystemExit) as raised:
+        check([*DENSE_FULL_ITERATION, "--skip-unknown-flags", *broken])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err, err
+    assert "add --skip-unknown-flags" not in err
+
+
+def test_skipping_with_nothing_to_skip_says_nothing():
+    code, out = check([*DENSE_FULL_ITERATION, "--skip_unknown_flags"])
+    assert code == 0 and "does not read" not in out
+
+
 def test_help_documents_the_exit_codes():
     proc = _run("check", "--help")
     assert proc.returncode == 0

@@ -11,6 +11,12 @@ auto-fixes the run would apply, the advice, and what cannot be checked on this m
 a laptop); without it they are checked against the installed Transformer Engine, or
 reported as "not checked here" when there is none.
 
+``--skip-unknown-flags`` checks a whole Megatron-LM command line as pasted: the flags this
+check does not read (``--data-path``, ``--lr``, ...) are named in one note, with a "did you
+mean" where one is close to a flag it reads, and skipped. An unknown flag in the plugin's own
+``--cuda-graph-`` namespace still breaks the command line: a misspelling there changes the
+verdict.
+
 Exit codes: 0 the configuration can work; 1 it has problems (a bad flag value is one more
 problem, listed with the others); 2 the command line itself is broken (an unknown flag, a
 flag without its value).
@@ -37,6 +43,8 @@ USAGE = (
 )
 FP8_FORMATS = ("e4m3", "hybrid")
 LIST_FLAGS = ("--cuda-graph-scope", "--cuda-graph-modules", "--recompute-modules")
+SKIP_FLAG = "--skip-unknown-flags"
+OWN_NAMESPACE = ("--cuda-graph-", "--cuda_graph_")
 
 
 class _CheckParser(argparse.ArgumentParser):
@@ -67,7 +75,53 @@ def _hint(parser: argparse.ArgumentParser, message: str) -> str:
                 f"{token}: a value without a flag; only {', '.join(LIST_FLAGS)} take several values"
             )
         after_flag = token.startswith("-")
+    unknown = message.removeprefix("unrecognized arguments: ").split()
+    if any(_is_flag(t) and not t.startswith(OWN_NAMESPACE) for t in unknown):
+        hints.append(
+            f"checking a whole Megatron-LM command line? add {SKIP_FLAG}: the flags this check "
+            "does not read are then named in a note and skipped"
+        )
     return "".join(f"\n  hint: {hint}" for hint in hints)
+
+
+def _is_flag(token: str) -> bool:
+    """A flag, not a value: ``-1e-8`` (a negative number argparse does not recognise as
+    one) is a value."""
+    if not token.startswith("-"):
+        return False
+    try:
+        float(token)
+    except ValueError:
+        return True
+    return False
+
+
+def _skip_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> str | None:
+    """The note naming the flags (and their values) a ``--skip-unknown-flags`` check skips;
+    a broken command line (an unknown flag in the plugin's own namespace, or a value that
+    follows no unknown flag) goes to ``parser.error`` as without the option."""
+    known = [flag for flag in parser._option_string_actions if flag.startswith("--")]
+    broken, skipped = [], []
+    in_unknown_flag = False
+    for token in unknown:
+        if _is_flag(token):
+            name = token.split("=")[0]
+            in_unknown_flag = not name.startswith(OWN_NAMESPACE)
+            if not in_unknown_flag:
+                broken.append(token)
+                continue
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+            skipped.append(f"{name} (did you mean {close[0]}?)" if close else name)
+        elif not in_unknown_flag:
+            broken.append(token)
+    if broken:
+        parser.error(f"unrecognized arguments: {' '.join(broken)}")
+    if not skipped:
+        return None
+    return (
+        f"{len(skipped)} flag(s) this check does not read were skipped ({SKIP_FLAG}): "
+        + ", ".join(skipped)
+    )
 
 
 def _flags(dest: str) -> list[str]:
@@ -201,6 +255,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="check the Transformer Engine rules against this version (default: the installed "
         "one; without either they are reported as not checked here)",
     )
+    parser.add_argument(
+        *_flags("skip_unknown_flags"),
+        dest="skip_unknown_flags",
+        action="store_true",
+        help="check a whole Megatron-LM command line as pasted: flags this check does not "
+        "read are named in a note and skipped (a misspelled --cuda-graph-... flag still "
+        "exits 2)",
+    )
     return parser
 
 
@@ -236,7 +298,13 @@ def _own_flags(args: argparse.Namespace) -> tuple[Any, list[Violation]]:
 
 def run_check(argv: Sequence[str] | None = None, out: Any = None, prog: str | None = None) -> int:
     out = out or sys.stdout
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args, unknown = parser.parse_known_args(argv)
+    skipped = None
+    if unknown and not args.skip_unknown_flags:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # (what parse_args says)
+    if unknown:
+        skipped = _skip_unknown(parser, unknown)
     te_version, own_problems = _own_flags(args)
     given = args.te_version is not None and te_version is not None
     installed = environment.installed_te_version()
@@ -267,7 +335,7 @@ def run_check(argv: Sequence[str] | None = None, out: Any = None, prog: str | No
         print(f"  {fix_label}: {fix.message}", file=out)
     for note in result.advice:
         print(f"  advice: {note}", file=out)
-    for note in result.notes:
+    for note in [*([skipped] if skipped else []), *result.notes]:
         print(f"  note: {note}", file=out)
     if problems:
         print(str(CudaGraphConfigError(problems)), file=out)
