@@ -170,7 +170,7 @@ def _step_number(where: str, name: str, value: Any) -> int:
     raise TypeError(
         f"{where}: {name} must be an integer, got {value!r} ({type(value).__name__}); "
         f"pass {name} as an int (int({name}) for a whole number read as a float, e.g. "
-        "from JSON)"
+        "from JSON, or held in a tensor)"
     )
 
 
@@ -438,15 +438,33 @@ class TrainingRun(RunSignals):
 
     def step_padded(self, *, seq_length: int, real_tokens: int, padded_tokens: int) -> None:
         """Tell the plugins this step's micro-batches were padded to ``seq_length`` (call it
-        inside ``train_step``, where the padding happens)."""
+        inside ``train_step``, where the padding happens; once per micro-batch is fine, the
+        counts add up). The numbers reach the plugins as ints: an integer tensor is taken
+        (``loss_mask.sum()`` of an integer mask), a float or a negative count is refused."""
         self._check_active()
-        self._call(
-            "mcgraph_step_padded",
-            step=self._next_step,
-            seq_length=seq_length,
-            real_tokens=real_tokens,
-            padded_tokens=padded_tokens,
-        )
+        where = "TrainingRun.step_padded"
+        if self._running_step is None:
+            raise RuntimeError(
+                f"{where} called between steps (the next is step {self._next_step}): the "
+                "padding would be counted to a step that did not pad it. Fix: call it inside "
+                "`with run.train_step(step)`, where the step's micro-batches are padded"
+            )
+        counts = {
+            "seq_length": _step_number(where, "seq_length", seq_length),
+            "real_tokens": _step_number(where, "real_tokens", real_tokens),
+            "padded_tokens": _step_number(where, "padded_tokens", padded_tokens),
+        }
+        least = {"seq_length": 1, "real_tokens": 0, "padded_tokens": 0}
+        bad = {name: n for name, n in counts.items() if n < least[name]}
+        if bad:
+            raise ValueError(
+                f"{where}: "
+                + ", ".join(f"{name}={n}" for name, n in bad.items())
+                + ": seq_length must be positive, the token counts not negative. Fix: pass "
+                "the padded length, the real positions and the padded ones (pad_step's "
+                "seq_length, tokens - padding, padding)"
+            )
+        self._call("mcgraph_step_padded", step=self._running_step, **counts)
 
     def invalidate_graphs(self, reason: str) -> None:
         """Tell the plugins that what captured graphs point at may have moved (a checkpoint

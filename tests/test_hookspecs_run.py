@@ -562,3 +562,66 @@ def test_per_run_plugin_with_an_unknown_hook_is_refused_after_configure(pm):
         with TrainingRun(pm, None, train_iters=1):
             pass
     assert shutdowns == ["exception"]
+
+
+class PaddingListener:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    @hookimpl
+    def mcgraph_step_padded(self, step, seq_length, real_tokens, padded_tokens):
+        self.calls.append((step, seq_length, real_tokens, padded_tokens))
+
+
+def test_step_padded_between_steps_is_refused_naming_where_to_call_it(pm):
+    """(review of 2026-12-05: a call between steps 1 and 2 was counted to step 2, and bucket
+    16's padding waste read 94.4 % where its steps had 37.5 %.)"""
+    listener = PaddingListener()
+    pm.register(listener)
+    with TrainingRun(pm, None, train_iters=3) as run:
+        with run.train_step(0):
+            run.step_padded(seq_length=16, real_tokens=10, padded_tokens=6)
+        with pytest.raises(RuntimeError) as excinfo:
+            run.step_padded(seq_length=16, real_tokens=1, padded_tokens=15)
+        with run.train_step(1):
+            run.step_padded(seq_length=16, real_tokens=8, padded_tokens=8)
+            run.step_padded(seq_length=16, real_tokens=9, padded_tokens=7)  # (per micro-batch)
+    assert str(excinfo.value).startswith(
+        "TrainingRun.step_padded called between steps (the next is step 1)"
+    )
+    assert "Fix: call it inside `with run.train_step(step)`" in str(excinfo.value)
+    assert listener.calls == [(0, 16, 10, 6), (1, 16, 8, 8), (1, 16, 9, 7)]
+
+
+def test_step_padded_takes_integer_tensors_as_ints_and_refuses_floats_and_negatives(pm):
+    """(review of 2026-12-05: ``real_tokens=loss_mask.sum()`` trained every step, then the
+    report's JSON write failed at shutdown, "Object of type Tensor is not JSON
+    serializable"; ``padded_tokens=None`` failed inside the plugin on step 0.)"""
+    torch = pytest.importorskip("torch")
+    listener = PaddingListener()
+    pm.register(listener)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    with TrainingRun(pm, None, train_iters=1) as run:
+        with run.train_step(0):
+            run.step_padded(
+                seq_length=torch.tensor(4), real_tokens=mask.sum(), padded_tokens=(1 - mask).sum()
+            )
+            for kwargs, said in [
+                (dict(real_tokens=mask.float().sum()), "real_tokens must be an integer, got"),
+                (dict(padded_tokens=None), "padded_tokens must be an integer, got None"),
+                (dict(seq_length=4.0), "seq_length must be an integer, got 4.0 (float)"),
+            ]:
+                args = dict(seq_length=4, real_tokens=3, padded_tokens=1) | kwargs
+                with pytest.raises(TypeError, match="TrainingRun.step_padded: ") as excinfo:
+                    run.step_padded(**args)
+                assert said in str(excinfo.value)
+            for kwargs, said in [
+                (dict(padded_tokens=-1), "padded_tokens=-1: "),
+                (dict(seq_length=0, real_tokens=-2), "seq_length=0, real_tokens=-2: "),
+            ]:
+                args = dict(seq_length=4, real_tokens=3, padded_tokens=1) | kwargs
+                with pytest.raises(ValueError) as excinfo:
+                    run.step_padded(**args)
+                assert str(excinfo.value).startswith(f"TrainingRun.step_padded: {said}")
+    assert listener.calls == [(0, 4, 3, 1)]
+    assert all(type(value) is int for value in listener.calls[0])
