@@ -196,6 +196,22 @@ def test_every_bad_bucket_is_said_at_once(given, said):
     assert said in str(error.value)
 
 
+@pytest.mark.parametrize("given", ["256,,512", "256,512,", ",256", "256, ,512"])
+def test_an_empty_length_between_commas_is_refused(given):
+    """(review of 2026-12-05: ``--cuda-graph-buckets 256,$MID,512`` with ``MID`` unset ran
+    with two buckets, where an empty scope name, ``attn,,mlp``, is a problem.)"""
+    with pytest.raises(ValueError) as error:
+        parse_buckets(given, "cuda_graph_buckets")
+    assert str(error.value) == (
+        "an empty length between commas (an unset variable in the command?): give every "
+        "length, or leave the comma out"
+    )
+    assert parse_buckets(given.replace(",,", ",").strip(",").replace(", ,", ","), "b") == (
+        (256, 512) if "512" in given else (256,)
+    )
+    assert parse_buckets("256, 512  1024") == (256, 512, 1024)  # commas or spaces
+
+
 def test_bucket_lengths_of_any_integral_type_are_ints_and_a_lone_int_is_named():
     """(review of 2026-12-04: NumPy integers were refused as "not positive integers", and a
     lone int as the list gave a bare TypeError.)"""

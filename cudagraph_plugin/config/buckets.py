@@ -54,7 +54,14 @@ def parse_buckets(value: Any, field: str = "buckets") -> tuple[int, ...]:
     """The setting's accepted form: a list of ints or a string ``"256,512,1024"`` (commas or
     spaces; digit strings count as ints), checked by :func:`check_buckets`. Raises
     ``ValueError`` saying what is wrong."""
+    problems = []
     if isinstance(value, str):
+        if re.search(r"(^|,)\s*(,|$)", value.strip()) and value.strip():
+            # "256,,512", "256,512,": an unset variable in a launcher drops a bucket
+            problems.append(
+                "an empty length between commas (an unset variable in the command?): give "
+                "every length, or leave the comma out"
+            )
         value = [part for part in re.split(r"[,\s]+", value.strip()) if part]
     if not isinstance(value, Iterable) or isinstance(value, Mapping):
         raise ValueError("not a list of sequence lengths")
@@ -63,17 +70,18 @@ def parse_buckets(value: Any, field: str = "buckets") -> tuple[int, ...]:
         if isinstance(item, str) and re.fullmatch(r"\s*[+-]?\d+\s*", item):
             item = int(item)
         (not_lengths if _length(item) is None else lengths).append(item)
-    if not not_lengths:
+    if not not_lengths and not problems:
         return check_buckets(lengths, field)
-    said = ", ".join(map(repr, not_lengths))
-    verb = "is not a sequence length" if len(not_lengths) == 1 else "are not sequence lengths"
-    message = f"{said} {verb}"
+    if not_lengths:
+        said = ", ".join(map(repr, not_lengths))
+        verb = "is not a sequence length" if len(not_lengths) == 1 else "are not sequence lengths"
+        problems.append(f"{said} {verb}")
     try:  # and what is wrong with the rest, in the same message
         if lengths:
             check_buckets(lengths, field)
     except ValueError as more:
-        message += f"; and {more}"
-    raise ValueError(message)
+        problems.append(str(more))
+    raise ValueError("; and ".join(problems))
 
 
 def bucket_for(length: int, buckets: Sequence[int]) -> int | None:
