@@ -1401,6 +1401,13 @@ def test_advice_full_iteration_is_wider_than_recommended(moe, kind):
     assert "1.5-2x" in note
 
 
+def test_no_advice_against_full_iteration_where_buckets_need_it():
+    """(review of 2026-12-05: a bucketed run, which only full_iteration serves, was told to
+    start with TE attn,mlp.)"""
+    assert scope_notes(full_iteration(cuda_graph_buckets="256,512")) == []
+    assert scope_notes(full_iteration()) != []
+
+
 def test_advice_expandable_segments():
     env = {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6,expandable_segments:True"}
     (note,) = notes(bridge(), env)

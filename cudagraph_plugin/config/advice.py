@@ -51,6 +51,8 @@ def advice(settings: Settings, environ: Any = None) -> list[str]:
         pass  # unknown or deprecated names: validation says what is wrong with the scope
     elif s.full_iteration and s.transformer_impl == "local":
         pass  # per-layer TE graphs need Transformer Engine layers: full_iteration is the option
+    elif s.full_iteration and s.buckets:
+        pass  # graphs per length bucket are full-iteration graphs: no narrower option
     elif s.full_iteration:
         notes.append(
             f"scope full_iteration is wider than recommended for a first {kind} run "
