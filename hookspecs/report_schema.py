@@ -313,15 +313,16 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "`pool_mib` (what its last capture added to allocated memory; one pool serves every "
         "bucket), `break_even_steps`, `paid_off` (`None` as `pays_off`, and where the bucket "
         "was never captured; `false` where it was captured and never replayed); `[]` without "
-        "buckets",
+        "buckets, and where graphs are off (no CUDA device: the padding is not counted then)",
     ),
     ReportField(
         "invalidations",
         "list[dict[str, Any]]",
         "",
         "each `run.invalidate_graphs(reason)`, and each time the bucket graphs' address "
-        "check saw memory move (`reason` says what moved): `step`, `reason`, `graphs_freed`, "
-        "`then` (what followed); `[]` without",
+        "check saw memory move (`reason` says what moved): `step` (the step running, or the "
+        "last one run: `null` before the first), `reason`, `graphs_freed`, `then` (what "
+        "followed); `[]` without",
     ),
     ReportField(
         "captures",

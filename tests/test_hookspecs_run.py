@@ -612,7 +612,7 @@ def test_step_padded_takes_integer_tensors_as_ints_and_refuses_floats_and_negati
                 (dict(seq_length=4.0), "seq_length must be an integer, got 4.0 (float)"),
             ]:
                 args = dict(seq_length=4, real_tokens=3, padded_tokens=1) | kwargs
-                with pytest.raises(TypeError, match="TrainingRun.step_padded: ") as excinfo:
+                with pytest.raises(TypeError, match=r"TrainingRun\.step_padded: ") as excinfo:
                     run.step_padded(**args)
                 assert said in str(excinfo.value)
             for kwargs, said in [

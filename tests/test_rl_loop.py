@@ -24,7 +24,7 @@ from bucket_schedule import expected_schedule, lengths_of, schedule_of
 from cpu_only import needs_mcore_on_cpu
 
 from cudagraph_plugin.runtime.fingerprint import MoveWatch
-from hookspecs import get_plugin_manager
+from hookspecs import get_plugin_manager, hookimpl
 from jobs import torchrun_command
 from recording import InvalidateAt
 
@@ -270,8 +270,40 @@ def test_two_invalidations_in_one_step_are_not_taken_for_a_starved_warmup(
     )
     report = json.loads(path.read_text())
     assert [e["step"] for e in report["invalidations"]] == [0, 0]
+    assert {e["then"] for e in report["invalidations"]} == {"each bucket's warm-up starts over"}
     assert report["graphs_captured"] is True
     assert not [r for r in caplog.records if "nothing is ever captured" in r.getMessage()]
+
+
+class InvalidateBeforeTraining:
+    """The host's invalidation before the first step (a checkpoint loaded after the build)."""
+
+    @hookimpl
+    def mcgraph_configure(self, config, pluginmanager):
+        self.pm = pluginmanager
+
+    @hookimpl(trylast=True)  # (after the CUDA graph plugin's)
+    def mcgraph_model_built(self):
+        self.pm.hook.mcgraph_invalidate_graphs(reason="checkpoint loaded")
+
+
+def test_an_invalidation_that_frees_nothing_says_what_it_did(bucket_fakes, tmp_path, caplog):
+    """(review of 2026-12-05: one before the first step read "invalidated  step None: ...
+    (0 freed; recaptured after their warm-up)": nothing was freed, nothing to recapture.)"""
+    caplog.set_level(logging.INFO, logger="cudagraph_plugin")
+    path = tmp_path / "report.json"
+    rl_loop.run(
+        [*LOOP, *GRAPHS, "--cuda-graph-buckets", "16,32,48", "--cuda-graph-report-json", str(path)],
+        plugins=[InvalidateBeforeTraining()],
+    )
+    [event] = json.loads(path.read_text())["invalidations"]
+    assert event == {
+        "step": None, "reason": "checkpoint loaded", "graphs_freed": 0,
+        "then": "each bucket's warm-up starts over",
+    }  # fmt: skip
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert "invalidated  before the first step: checkpoint loaded (0 freed; each bucket's" in said
+    assert "step None" not in said
 
 
 def test_the_fingerprint_check_is_what_catches_the_move(bucket_fakes, tmp_path, monkeypatch):

@@ -477,11 +477,11 @@ class BucketGraphs:
         self.moves.reference = None
         self.invalidations.append((step, reason, result.graphs_freed))
         logger.warning(
-            "CUDA graph buckets: %s: freed %d graph(s) at step %s%s; each bucket%s is captured "
+            "CUDA graph buckets: %s: freed %d graph(s) %s%s; each bucket%s is captured "
             "again after %d warm-up step(s)",
             reason,
             result.graphs_freed,
-            step,
+            "before the first step" if step is None else f"at step {step}",
             (
                 f", {unreplayed} of them never replayed since its capture (a capture that "
                 "bought nothing: invalidate less often, or use fewer buckets or a shorter "

@@ -69,7 +69,8 @@ class Invalidation:
         check saw memory move (``BucketGraphs.on_invalidate``)."""
         self.captures.graph_count = self.state.graphs_held()  # the report's "held now"
         before = self.events[-1] if self.events else None
-        self._record(reason, freed, "recaptured after their warm-up", step=step)
+        then = "recaptured after their warm-up" if freed else "each bucket's warm-up starts over"
+        self._record(reason, freed, then, step=step)
         now, warmup = self.events[-1]["step"], self.state.settings.warmup_steps
         if freed or self.starved or before is None or before["graphs_freed"]:
             return

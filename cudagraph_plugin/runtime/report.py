@@ -265,7 +265,8 @@ class RunReport:
         rows += [
             (
                 "invalidated",
-                f"step {e['step']}: {e['reason']} ({e['graphs_freed']} freed; {e['then']})",
+                f"{'before the first step' if e['step'] is None else 'step ' + str(e['step'])}"
+                f": {e['reason']} ({e['graphs_freed']} freed; {e['then']})",
             )
             for e in self.invalidations
         ]
