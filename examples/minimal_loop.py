@@ -112,7 +112,10 @@ def train(run: TrainingRun, args: argparse.Namespace, cuda: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    pm = get_plugin_manager()  # a fresh manager with every installed plugin, once per run
+    try:
+        pm = get_plugin_manager()  # a fresh manager with every installed plugin, once per run
+    except ConfigurationError as refused:  # (two installed plugins of one name)
+        return print_refusal(refused)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-iters", type=int, default=5)
     parser.add_argument("--trace", action="store_true", help="print each hook call")

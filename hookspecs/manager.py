@@ -31,6 +31,7 @@ from typing import Any
 import pluggy
 
 from hookspecs import host_defaults, spec
+from hookspecs.errors import ConfigurationError
 from hookspecs.markers import PROJECT_NAME
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,40 @@ def _installed_entry_points() -> dict[str, str | None]:
         ep.name: ep.dist.name if ep.dist is not None else None
         for ep in importlib.metadata.entry_points(group=PROJECT_NAME)
     }
+
+
+def _providers() -> dict[str, list[str]]:
+    """Each installed plugin name and the distributions (``name version``) that provide it,
+    once each (a distribution found twice on the path is one)."""
+    found: dict[str, dict[str, str]] = {}
+    for ep in importlib.metadata.entry_points(group=PROJECT_NAME):
+        dist = ep.dist
+        key = _canonical_distribution(dist.name) if dist is not None else f"?{ep.value}"
+        shown = f"{dist.name} {dist.version}" if dist is not None else ep.value
+        found.setdefault(ep.name, {}).setdefault(key, shown)
+    return {name: sorted(dists.values()) for name, dists in found.items()}
+
+
+def _one_plugin_per_name(pm: McgraphPluginManager) -> None:
+    """Refuse two distributions that give a plugin the same name: pluggy loads the first
+    it finds (by the order of ``sys.path``) and skips the other without a word, so a
+    third-party ``cudagraph`` entry point would replace the CUDA graph plugin."""
+    clashes = {
+        name: dists
+        for name, dists in _providers().items()
+        if len(dists) > 1 and not pm.is_blocked(name)
+    }
+    if clashes:
+        raise ConfigurationError(
+            "; ".join(
+                f"{len(dists)} installed distributions provide a plugin named {name!r} "
+                f"({', '.join(dists)})"
+                for name, dists in clashes.items()
+            )
+            + f": only the first found on sys.path would load, the other skipped without "
+            f"a word. Fix: uninstall all but one (pip uninstall), or rename the other's "
+            f"{PROJECT_NAME!r} entry point"
+        )
 
 
 def _canonical_distribution(name: str) -> str:
@@ -207,12 +242,15 @@ def get_plugin_manager(load_entrypoints: bool = True) -> McgraphPluginManager:
 
     :raises pluggy.PluginValidationError: if a loaded plugin implements an unknown hook
         or a hook with unknown arguments (``check_pending``).
+    :raises hookspecs.ConfigurationError: if two installed distributions give a plugin
+        the same name (one not blocked): pluggy would load one and skip the other.
     """
     pm = McgraphPluginManager()
     pm.add_hookspecs(spec)
     pm.register(host_defaults, name=HOST_DEFAULTS_NAME)
     if load_entrypoints:
         _block(pm, _installed_entry_points())
+        _one_plugin_per_name(pm)
         pm.load_setuptools_entrypoints(PROJECT_NAME)
         loaded = [
             name if dist is None else f"{name} ({dist})"

@@ -42,9 +42,9 @@ def install(tmp_path, monkeypatch):
     """Install a fake distribution: an importable module plus its ``.dist-info``."""
     created_modules = []
 
-    def _install(ep_name: str, source: str = PLUGIN_SOURCE) -> str:
+    def _install(ep_name: str, source: str = PLUGIN_SOURCE, dist: str | None = None) -> str:
         module = f"mcgraph_fake_{ep_name}_{uuid.uuid4().hex[:8]}"
-        dist = f"fake-{ep_name}".replace("_", "-")
+        dist = dist or f"fake-{ep_name}".replace("_", "-")
         (tmp_path / f"{module}.py").write_text(source)
         info = tmp_path / f"{dist.replace('-', '_')}-0.1.dist-info"
         info.mkdir()
@@ -80,6 +80,34 @@ def test_installed_plugin_is_registered_under_its_entry_point_name(install, monk
     with TrainingRun(pm, "the-config", train_iters=0):
         pass
     assert plugin.CALLS == [("configure", "the-config"), ("shutdown", "completed")]
+
+
+def test_two_distributions_giving_a_plugin_one_name_are_refused(install, monkeypatch, capsys):
+    """(review of 2026-12-05: pluggy loaded the first found on sys.path and skipped the
+    other without a word; a third-party ``cudagraph`` entry point replaced the CUDA graph
+    plugin, and the run went on with no graphs and no report.)"""
+    from hookspecs import ConfigurationError
+
+    install("fakeplug", dist="fake-one")
+    install("fakeplug", dist="fake-two")
+    install("other_fake")
+    block(monkeypatch, "")
+    with pytest.raises(ConfigurationError) as refused:
+        get_plugin_manager()
+    assert str(refused.value) == (
+        "2 installed distributions provide a plugin named 'fakeplug' (fake-one 0.1, fake-two "
+        "0.1): only the first found on sys.path would load, the other skipped without a "
+        "word. Fix: uninstall all but one (pip uninstall), or rename the other's 'mcgraph' "
+        "entry point"
+    )
+    import minimal_loop  # a host says it as other refusals: no traceback, exit status 2
+
+    assert minimal_loop.main(["--train-iters", "0"]) == 2
+    assert capsys.readouterr().err == f"error: {refused.value}\n"
+    block(monkeypatch, "fakeplug")  # blocked: neither loads, nothing to choose
+    pm = get_plugin_manager()
+    assert not pm.has_plugin("fakeplug") and pm.has_plugin("other_fake")
+    assert get_plugin_manager(load_entrypoints=False) is not None
 
 
 def test_load_entrypoints_false_loads_nothing(install, monkeypatch):
