@@ -35,13 +35,27 @@ def mcgraph_configure(config: Any, pluginmanager: Any) -> None:
         note_configure_speaker(refused, run)  # (which rank says it: no watch runs yet)
         raise
     try:
-        pluginmanager.register(plugin)
+        if pluginmanager.register(plugin) is None:
+            raise _half_blocked(RUN_PLUGIN_NAME)
     except BaseException:
         plugin.forget_log_filter()  # (a refused registration: no shutdown will)
         raise
     try:
-        pluginmanager.register(OutermostHooks(plugin))  # (kept outermost: see its docstring)
+        # (kept outermost: see its docstring)
+        if pluginmanager.register(OutermostHooks(plugin)) is None:
+            raise _half_blocked("cudagraph:OutermostHooks")
     except BaseException:
         pluginmanager.unregister(plugin)
         plugin.forget_log_filter()
         raise
+
+
+def _half_blocked(name: str) -> ConfigurationError:
+    """A registration the manager refused because ``name`` is blocked (``register``
+    answers None): the run would have validated its flags, then ignored them."""
+    return ConfigurationError(
+        f"MCGRAPH_BLOCK_PLUGINS blocks {name!r}, a part of the CUDA graph plugin: the run "
+        "would check its CUDA graph flags and then ignore them (no graphs, no report, no "
+        "shutdown of its own). Fix: block 'cudagraph' to run without the plugin, or take "
+        f"{name!r} out of MCGRAPH_BLOCK_PLUGINS"
+    )

@@ -22,6 +22,7 @@ entry point loaded before the plugin); among such objects the registration order
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 import logging
 import os
@@ -160,6 +161,22 @@ class McgraphPluginManager(pluggy.PluginManager):
         self._owners.pop(removed_name or "", None)
         return removed
 
+    def check_pending(self) -> None:
+        """pluggy's check, whose error names an object by its repr: a note names it as
+        messages do, with the hook it may have meant."""
+        try:
+            super().check_pending()
+        except pluggy.PluginValidationError as error:
+            name = self.get_name(error.plugin)
+            hook = str(error).split("'")[1] if str(error).startswith("unknown hook '") else ""
+            close = difflib.get_close_matches(hook, [n for n in vars(spec) if n[:7] == "mcgraph"])
+            if name is not None:
+                error.add_note(
+                    f"registered as {name!r}, of plugin {self.describe(name)}"
+                    + (f"; did you mean {close[0]}?" if close else "")
+                )
+            raise
+
     def plugin_name(self, name: str) -> str:
         """The name of the plugin that the object registered as ``name`` belongs to."""
         return self._owners.get(name, name)
@@ -273,6 +290,15 @@ def _block(pm: McgraphPluginManager, installed: dict[str, str | None]) -> None:
         pm.set_blocked(name)
         if name in installed:
             logger.info("plugin %r is blocked by %s", name, BLOCK_ENV_VAR)
+        elif name.partition(":")[0] in installed and name.partition(":")[2]:
+            logger.info(
+                "%r, an object plugin %r registers for a run, is blocked by %s (plugin %r "
+                "itself loads)",
+                name,
+                name.partition(":")[0],
+                BLOCK_ENV_VAR,
+                name.partition(":")[0],
+            )
         elif _canonical_distribution(name) in by_distribution:
             plugin = by_distribution[_canonical_distribution(name)]
             logger.warning(

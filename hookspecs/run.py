@@ -24,6 +24,8 @@ from typing import Any
 
 import pluggy
 
+from hookspecs import answers
+from hookspecs.answers import merge_kwargs
 from hookspecs.manager import McgraphPluginManager, describe_plugin
 from hookspecs.progress import StepProgress
 from hookspecs.reasons import PeerFailed, ShutdownReason, SignalReceived
@@ -41,28 +43,6 @@ _USED_MANAGERS: weakref.WeakSet[pluggy.PluginManager] = weakref.WeakSet()
 # signal handlers, which hold it: such a run must be left, `with` does it.)
 _ACTIVE_LOCK = threading.Lock()
 _active: weakref.ref[TrainingRun] | None = None
-
-
-def merge_kwargs(
-    results: list[dict[str, Any] | None], what: str, base: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """Merge keyword-argument dicts contributed by plugins (collected hook results).
-
-    :param results: The hook's collected results; ``None`` entries are skipped.
-    :param what: What the kwargs are for, used in the error message.
-    :param base: The host's own kwargs, merged first.
-    :raises ValueError: if two contributions set the same key to different values.
-    """
-    merged: dict[str, Any] = dict(base or {})
-    for contribution in results:
-        for key, value in (contribution or {}).items():
-            if key in merged and merged[key] != value:
-                raise ValueError(
-                    f"{what}: conflicting values for {key!r}: {merged[key]!r} and {value!r}; "
-                    f"make the host and its plugins agree on {key!r}"
-                )
-            merged[key] = value
-    return merged
 
 
 def blame(pluginmanager: pluggy.PluginManager, hook_name: str, exc: BaseException) -> None:
@@ -317,13 +297,15 @@ class TrainingRun(RunSignals):
         """``TransformerConfig`` keyword arguments: ``base`` plus the plugins' contributions."""
         self._check_active()
         results = self._call("mcgraph_model_config_kwargs", config=self.config)
-        return merge_kwargs(results, "TransformerConfig", base)
+        who = answers.answered_by(self.pluginmanager, "mcgraph_model_config_kwargs")
+        return merge_kwargs(results, "TransformerConfig", base, who=who)
 
     def rng_options(self, base: dict[str, Any] | None = None) -> dict[str, Any]:
         """``model_parallel_cuda_manual_seed`` keyword arguments: ``base`` plus the plugins'."""
         self._check_active()
         results = self._call("mcgraph_rng_options", config=self.config)
-        return merge_kwargs(results, "model_parallel_cuda_manual_seed", base)
+        who = answers.answered_by(self.pluginmanager, "mcgraph_rng_options")
+        return merge_kwargs(results, "model_parallel_cuda_manual_seed", base, who=who)
 
     def rng_initialized(self) -> None:
         """Tell the plugins the RNG has been seeded (they check the active tracker)."""
@@ -335,7 +317,9 @@ class TrainingRun(RunSignals):
         """Enter every context manager the plugins ask for while the host builds DDP."""
         self._check_active()
         with contextlib.ExitStack() as stack:
-            for manager in self._call("mcgraph_model_build_context", config=self.config):
+            managers = self._call("mcgraph_model_build_context", config=self.config)
+            who = answers.answered_by(self.pluginmanager, "mcgraph_model_build_context")
+            for manager in answers.context_managers(managers, who):
                 stack.enter_context(manager)
             yield
 
@@ -362,9 +346,10 @@ class TrainingRun(RunSignals):
     def forward_backward_func(self, forward_backward_func: Any) -> Any:
         """The forward/backward callable to use, possibly wrapped by plugins."""
         self._check_active()
-        return self._call(
-            "mcgraph_forward_backward_func", forward_backward_func=forward_backward_func
-        )
+        hook = "mcgraph_forward_backward_func"
+        function = self._call(hook, forward_backward_func=forward_backward_func)
+        who = answers.answered_by(self.pluginmanager, hook)
+        return answers.forward_backward_answer(function, forward_backward_func, who)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -495,14 +480,8 @@ class TrainingRun(RunSignals):
 
     def _start_training(self) -> None:
         warmup = self._call("mcgraph_warmup_steps", config=self.config)
-        if warmup is not None and (
-            isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0
-        ):
-            raise ValueError(
-                f"mcgraph_warmup_steps answered {warmup!r}; a plugin must answer a "
-                "non-negative int or None"
-            )
-        self._warmup_steps = warmup
+        who = answers.answered_by(self.pluginmanager, "mcgraph_warmup_steps")
+        self._warmup_steps = answers.warmup_answer(warmup, who)
         self._train_started = True
         self._call(
             "mcgraph_train_start",

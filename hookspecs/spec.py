@@ -203,8 +203,11 @@ def mcgraph_warmup_steps(config: Any) -> int | None:
     plugin manager keeps first whatever registers later, so its answer is the one a run
     uses. Answer it yourself only where the CUDA graph plugin is not
     loaded (blocked, or in your plugin's own tests); to see the answer, wrap the hook
-    (``answer = yield``). If no plugin answers, the run has no post-warmup step and
-    :func:`mcgraph_post_warmup_step` never fires.
+    (``answer = yield``) and return it unchanged: the CUDA graph plugin refuses, at the
+    post-warmup step, a run whose answer another plugin changed (its capture step would not
+    be the post-warmup step). An answer that is not a non-negative int or ``None`` is
+    refused naming the plugins that implement the hook. If no plugin answers, the run has
+    no post-warmup step and :func:`mcgraph_post_warmup_step` never fires.
 
     :param config: The host's configuration object.
 

@@ -143,6 +143,23 @@ def test_blocked_plugin_is_not_loaded_and_logged(install, monkeypatch, caplog, v
     assert pm.has_plugin("other_fake") == ("other_fake" not in value)
 
 
+def test_blocking_an_object_a_plugin_registers_is_said_as_such(install, monkeypatch, caplog):
+    """(review of 2026-12-05: ``fakeplug:Timer`` blocked the object, and the log said "no
+    installed plugin has that name".)"""
+    install("fakeplug")
+    block(monkeypatch, "fakeplug:Timer,nosuch:Timer")
+    with caplog.at_level(logging.INFO, logger="hookspecs.manager"):
+        get_plugin_manager()
+    said = {r.levelno: r.getMessage() for r in caplog.records if "Timer" in r.getMessage()}
+    assert said[logging.INFO] == (
+        f"'fakeplug:Timer', an object plugin 'fakeplug' registers for a run, is blocked by "
+        f"{BLOCK_ENV_VAR} (plugin 'fakeplug' itself loads)"
+    )
+    assert said[logging.WARNING].startswith(
+        f"{BLOCK_ENV_VAR} names 'nosuch:Timer', but no installed plugin has that name"
+    )
+
+
 def test_blocking_an_unknown_name_warns_with_the_installed_names(install, monkeypatch, caplog):
     install("fakeplug")
     block(monkeypatch, "no_such_plugin")

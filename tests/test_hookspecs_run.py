@@ -476,6 +476,7 @@ def test_bad_warmup_answer_raises(pm, answer):
     with pytest.raises(ValueError, match="mcgraph_warmup_steps answered") as excinfo:
         run_fake_host(pm, train_iters=3)
     assert repr(answer) in str(excinfo.value)
+    assert f"answered {answer!r} (answered by plugin 'Recorder');" in str(excinfo.value)
     assert "train_step_start" not in rec.names()
     assert rec.calls[-1] == ("shutdown", ShutdownReason.EXCEPTION, excinfo.value)
 
@@ -556,12 +557,17 @@ def test_per_run_plugin_with_an_unknown_hook_is_refused_after_configure(pm):
         def mcgraph_shutdown(self, reason, exception):
             shutdowns.append(str(reason))
 
-    pm.register(Registers())
+    pm.register(Registers(), name="steptimer")
     pm.register(Watch())
-    with pytest.raises(pluggy.PluginValidationError, match="mcgraph_train_step_ned"):
+    with pytest.raises(pluggy.PluginValidationError, match="mcgraph_train_step_ned") as raised:
         with TrainingRun(pm, None, train_iters=1):
             pass
     assert shutdowns == ["exception"]
+    # (review of 2026-12-05: the object was named by its repr, "<...Typo object at 0x...>")
+    assert raised.value.__notes__[0] == (
+        "registered as 'steptimer:Typo', of plugin 'steptimer'; did you mean "
+        "mcgraph_train_step_end?"
+    )
 
 
 class PaddingListener:
@@ -625,3 +631,117 @@ def test_step_padded_takes_integer_tensors_as_ints_and_refuses_floats_and_negati
                 assert str(excinfo.value).startswith(f"TrainingRun.step_padded: {said}")
     assert listener.calls == [(0, 4, 3, 1)]
     assert all(type(value) is int for value in listener.calls[0])
+
+
+# -- answers that a run uses, checked where it takes them, naming who answered -------------
+
+
+class Answers:
+    """A plugin giving the answers set on it (None: no implementation result)."""
+
+    def __init__(self, **answers: Any) -> None:
+        self.answers = answers
+
+    @hookimpl
+    def mcgraph_model_config_kwargs(self, config):
+        return self.answers.get("kwargs")
+
+    @hookimpl
+    def mcgraph_rng_options(self, config):
+        return self.answers.get("rng")
+
+    @hookimpl
+    def mcgraph_model_build_context(self, config):
+        return self.answers.get("context")
+
+    @hookimpl(wrapper=True)
+    def mcgraph_forward_backward_func(self, forward_backward_func):
+        given = yield
+        return self.answers.get("fbf", given)
+
+
+@contextlib.contextmanager
+def _build_context():
+    yield
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        ([("hidden_dropout", 0.0)], "TransformerConfig: a plugin answered [('hidden_dropout', "
+         "0.0)] (list), not a dict of keyword arguments (answered by plugin 'bad'); answer a "
+         "dict, or None for nothing"),
+        ("", "TransformerConfig: a plugin answered '' (str), not a dict"),  # (falsy: skipped)
+        ({"hidden_dropout": 0.0}, "TransformerConfig: conflicting values for 'hidden_dropout': "
+         "the host's 0.1 and a plugin's 0.0 (answered by plugin 'bad'); make the host and its "
+         "plugins agree on 'hidden_dropout'"),
+    ],
+)  # fmt: skip
+def test_a_bad_kwargs_answer_names_the_value_and_the_plugin(pm, answer, said):
+    """(review of 2026-12-05: a list failed inside the merge, "'list' object has no
+    attribute 'items'", a falsy non-dict was dropped, and a conflict named neither side.)"""
+    pm.register(Answers(kwargs=answer), name="bad")
+    with TrainingRun(pm, None, train_iters=0) as run:
+        with pytest.raises((TypeError, ValueError)) as excinfo:
+            run.model_config_kwargs(base={"hidden_dropout": 0.1})
+    assert str(excinfo.value).startswith(said), str(excinfo.value)
+
+
+def test_with_two_implementations_every_plugin_that_may_have_answered_is_named(pm):
+    pm.register(Answers(rng={"seed": 1}), name="one")
+    pm.register(Answers(rng={"seed": 2}), name="two")
+    with TrainingRun(pm, None, train_iters=0) as run:
+        with pytest.raises(ValueError) as excinfo:
+            run.rng_options()
+    assert str(excinfo.value) == (
+        "model_parallel_cuda_manual_seed: conflicting values for 'seed': a plugin's 2 and a "
+        "plugin's 1 (implemented by plugins 'two', 'one'); make the host and its plugins agree "
+        "on 'seed'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (_build_context, "mcgraph_model_build_context answered <function _build_context at "),
+        (3, "mcgraph_model_build_context answered 3 (int), not a context manager (answered by "
+         "plugin 'bad'); answer one, or None for nothing"),
+    ],
+)  # fmt: skip
+def test_a_build_context_that_is_no_context_manager_is_named(pm, answer, said):
+    """(review of 2026-12-05: "'builtins.int' object does not support the context manager
+    protocol", no plugin named; the @contextmanager function itself, uncalled, the same.)"""
+    pm.register(Answers(context=answer), name="bad")
+    with TrainingRun(pm, None, train_iters=0) as run:
+        with pytest.raises(TypeError) as excinfo:
+            with run.model_build_context():
+                pass
+    assert str(excinfo.value).startswith(said), str(excinfo.value)
+    if callable(answer):
+        assert str(excinfo.value).endswith(
+            "return the context manager, not the function that makes it (call it: `return "
+            "build_context()`)"
+        )
+    good = get_plugin_manager(load_entrypoints=False)
+    good.register(Answers(context=_build_context()), name="good")
+    with TrainingRun(good, None, train_iters=0) as run:
+        with run.model_build_context():
+            pass
+
+
+@pytest.mark.parametrize("answer", [None, 3])
+def test_a_forward_backward_answer_that_is_not_callable_fails_where_it_is_taken(pm, answer):
+    """(review of 2026-12-05: ``None`` was handed to the host, and failed at step 0 as
+    "'NoneType' object is not callable", in another plugin's frame.)"""
+    pm.register(Answers(fbf=answer), name="bad")
+
+    def fwd_bwd(**kwargs):
+        return []
+
+    with TrainingRun(pm, None, train_iters=0) as run:
+        with pytest.raises(TypeError) as excinfo:
+            run.forward_backward_func(fwd_bwd)
+    assert str(excinfo.value).startswith(
+        f"mcgraph_forward_backward_func answered {answer!r} ({type(answer).__name__}) for "
+        f"{fwd_bwd!r}, not a callable (answered by plugin 'bad'); a wrapper answers"
+    )

@@ -1266,3 +1266,53 @@ def test_a_forward_only_call_in_training_mode_at_another_shape_is_refused_with_t
 def test_a_forward_only_call_in_eval_mode_or_at_the_captured_shape_passes(fake_graphs, plugin):
     summary, _ = run(*TE, "--cuda-graph-warmup-steps", "1", plugins=[plugin], steps=5)
     assert summary["shutdown_reason"] == "completed"
+
+
+@needs_mcore_on_cpu
+@pytest.mark.parametrize("part", ["cudagraph:CudaGraphPlugin", "cudagraph:OutermostHooks"])
+def test_blocking_a_part_of_the_plugin_is_refused_not_a_run_without_graphs(monkeypatch, part):
+    """(review of 2026-12-05: ``MCGRAPH_BLOCK_PLUGINS=cudagraph:CudaGraphPlugin`` with
+    full_iteration asked for ran to the end, exit 0, with no graphs, no report and no
+    shutdown line: the manager refused the per-run plugin without a word.)"""
+    blocked = os.environ.get("MCGRAPH_BLOCK_PLUGINS", "")
+    monkeypatch.setenv("MCGRAPH_BLOCK_PLUGINS", f"{part},{blocked}")
+    with pytest.raises(ConfigurationError) as refused:
+        train_gpt.run(["--cpu", *FULL, "--train-iters", "2"])
+    assert str(refused.value).startswith(
+        f"MCGRAPH_BLOCK_PLUGINS blocks {part!r}, a part of the CUDA graph plugin: the run "
+        "would check its CUDA graph flags and then ignore them"
+    )
+    assert "Fix: block 'cudagraph' to run without the plugin" in str(refused.value)
+
+
+class ChangesTheWarmup:
+    def __init__(self, answer: int) -> None:
+        self.answer = answer
+
+    @hookimpl(wrapper=True)
+    def mcgraph_warmup_steps(self, config):
+        yield
+        return self.answer
+
+
+@needs_mcore_on_cpu
+@pytest.mark.parametrize("answer", [1, 4])
+def test_a_wrapper_that_changes_the_warmup_answer_is_refused_at_the_post_warmup_step(answer):
+    """(review of 2026-12-05: a wrapper answering 1 where the plugin answered 3 moved the
+    post-warmup step (where TE graphs are captured) to step 1, while megatron-core's
+    full-iteration capture stayed at step 3 and the report said warm-up 3.)"""
+    with pytest.raises(ValueError) as raised:
+        train_gpt.run(
+            ["--cpu", *FULL, "--cuda-graph-warmup-steps", "3", "--train-iters", "6"],
+            plugins=[ChangesTheWarmup(answer)],
+        )
+    assert str(raised.value).startswith(
+        f"the run's post-warmup step is step {answer}, {answer} step(s) after its start, but "
+        "the CUDA graph plugin answered mcgraph_warmup_steps with 3: a wrapper of another "
+        "plugin changed the answer"
+    )
+    # a wrapper that reads the answer and keeps it is the documented use
+    train_gpt.run(
+        ["--cpu", *FULL, "--cuda-graph-warmup-steps", "3", "--train-iters", "6"],
+        plugins=[ChangesTheWarmup(3)],
+    )

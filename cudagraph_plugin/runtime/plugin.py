@@ -202,6 +202,16 @@ class CudaGraphPlugin:
 
     @hookimpl
     def mcgraph_post_warmup_step(self, step: int, start_step: int) -> None:
+        own = self.settings.warmup_steps
+        if step - start_step != own:
+            raise ValueError(
+                f"the run's post-warmup step is step {step}, {step - start_step} step(s) after "
+                f"its start, but the CUDA graph plugin answered mcgraph_warmup_steps with "
+                f"{own}: a wrapper of another plugin changed the answer, so the run's "
+                "post-warmup step is not the capture step. Fix: set cuda_graph_warmup_steps "
+                "(--cuda-graph-warmup-steps) to the warm-up you want; a wrapper may read the "
+                "answer (`answer = yield; return answer`), not change it"
+            )
         if self.state.te_mode:  # full-iteration graphs are captured inside forward_backward
             self.te_capture.capture(step)
 

@@ -1,0 +1,123 @@
+"""What plugins answer to the hooks whose results a run uses, checked where the run takes
+them, and who answered.
+
+A run uses four kinds of answer: keyword-argument dicts (``mcgraph_model_config_kwargs``,
+``mcgraph_rng_options``, merged by :func:`merge_kwargs`), context managers
+(``mcgraph_model_build_context``), the warm-up length (``mcgraph_warmup_steps``) and the
+forward/backward callable (``mcgraph_forward_backward_func``). A wrong answer fails here,
+naming the value, what was expected and the plugins whose implementation gave it: pluggy
+hands the run the answers without their authors, so where more than one plugin implements
+the hook the message names each of them (the host's own defaults excepted). Without this a
+list from a kwargs hook failed as ``'list' object has no attribute 'items'`` inside the
+merge, and a ``None`` from a forward/backward wrapper as ``'NoneType' object is not
+callable`` at step 0, in another plugin's frame.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+from hookspecs.manager import HOST_DEFAULTS_NAME, describe_plugin
+
+
+def answered_by(pluginmanager: pluggy.PluginManager, hook_name: str) -> str:
+    """``answered by plugin 'x' (dist)`` or ``implemented by plugins 'x' (dist), 'y'``: the
+    plugins whose ``hook_name`` implementations may have given an answer (objects a plugin
+    registered count as that plugin), the host's defaults excepted."""
+    impls = getattr(pluginmanager.hook, hook_name).get_hookimpls()
+    names = list(
+        dict.fromkeys(
+            describe_plugin(pluginmanager, impl.plugin_name)
+            for impl in reversed(impls)  # (the order pluggy calls them in)
+            if impl.plugin_name != HOST_DEFAULTS_NAME
+        )
+    )
+    if not names:
+        return "answered by the host's defaults"
+    if len(names) == 1:
+        return f"answered by plugin {names[0]}"
+    return f"implemented by plugins {', '.join(names)}"
+
+
+def merge_kwargs(
+    results: list[dict[str, Any] | None],
+    what: str,
+    base: dict[str, Any] | None = None,
+    *,
+    who: str = "",
+) -> dict[str, Any]:
+    """Merge keyword-argument dicts contributed by plugins (collected hook results).
+
+    :param results: The hook's collected results; ``None`` entries are skipped.
+    :param what: What the kwargs are for, used in the error message.
+    :param base: The host's own kwargs, merged first.
+    :param who: Who answered (:func:`answered_by`), added to an error's message.
+    :raises TypeError: if a contribution is not a dict (``None`` aside).
+    :raises ValueError: if two contributions set the same key to different values.
+    """
+    merged: dict[str, Any] = dict(base or {})
+    source = dict.fromkeys(merged, "the host's")
+    by = f" ({who})" if who else ""
+    for contribution in results:
+        if contribution is None:
+            continue
+        if not isinstance(contribution, dict):
+            raise TypeError(
+                f"{what}: a plugin answered {contribution!r} ({type(contribution).__name__}), "
+                f"not a dict of keyword arguments{by}; answer a dict, or None for nothing"
+            )
+        for key, value in contribution.items():
+            if key in merged and merged[key] != value:
+                raise ValueError(
+                    f"{what}: conflicting values for {key!r}: {source[key]} {merged[key]!r} "
+                    f"and a plugin's {value!r}{by}; make the host and its plugins agree on "
+                    f"{key!r}"
+                )
+            merged[key] = value
+            source.setdefault(key, "a plugin's")
+    return merged
+
+
+def context_managers(results: list[Any], who: str) -> list[Any]:
+    """The answers of ``mcgraph_model_build_context``, each a context manager."""
+    for manager in results:
+        if not (hasattr(manager, "__enter__") and hasattr(manager, "__exit__")):
+            hint = (
+                ": return the context manager, not the function that makes it (call it: "
+                "`return build_context()`)"
+                if callable(manager)
+                else ""
+            )
+            raise TypeError(
+                f"mcgraph_model_build_context answered {manager!r} "
+                f"({type(manager).__name__}), not a context manager ({who}); answer one, or "
+                f"None for nothing{hint}"
+            )
+    return results
+
+
+def warmup_answer(warmup: Any, who: str) -> int | None:
+    """The answer of ``mcgraph_warmup_steps``: a non-negative int or ``None``."""
+    if warmup is not None and (
+        isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0
+    ):
+        raise ValueError(
+            f"mcgraph_warmup_steps answered {warmup!r} ({who}); a plugin must answer a "
+            "non-negative int or None"
+        )
+    return warmup
+
+
+def forward_backward_answer(function: Any, given: Any, who: str) -> Any:
+    """The answer of ``mcgraph_forward_backward_func``: a callable (the host's default
+    implementation answers the function it was given)."""
+    if not callable(function):
+        raise TypeError(
+            f"mcgraph_forward_backward_func answered {function!r} ({type(function).__name__}) "
+            f"for {given!r}, not a callable ({who}); a wrapper answers the function it was "
+            "given, or a callable that calls it (`return (yield)` in a wrapper=True "
+            "implementation)"
+        )
+    return function
