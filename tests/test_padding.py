@@ -149,6 +149,30 @@ def test_pad_step_pads_every_micro_batch_to_the_bucket_of_the_longest():
     assert pad_step([batch(3)], BUCKETS, pad_token_id=0, length=20).seq_length == 32
 
 
+def test_pad_step_refuses_a_length_below_its_longest_micro_batch():
+    """(review of 2026-12-05: pad_step took the longer micro-batch's length without a word,
+    where pad_to_bucket refuses; a job-wide length below a rank's own longest means the
+    ranks' agreement is broken, and they would pad to different buckets.)"""
+    with pytest.raises(ValueError) as refused:
+        pad_step([batch(3), batch(10)], BUCKETS, pad_token_id=0, length=9)
+    assert str(refused.value).startswith(
+        "length=9 is shorter than micro-batch 1 (10 tokens); pass the longest length of the "
+        "step over every data-parallel rank"
+    )
+    assert pad_step([batch(3), batch(10)], BUCKETS, pad_token_id=0, length=10).seq_length == 16
+
+
+def test_a_negative_pad_token_id_is_refused_an_ignored_label_is_not():
+    """(review of 2026-12-05: ``pad_token_id=-1`` was accepted, and failed later inside the
+    model's embedding, "index out of range in self".)"""
+    with pytest.raises(ValueError, match=r"^pad_token_id=-1 is not a token id .* label_pad_id's$"):
+        pad_step([batch(3)], BUCKETS, pad_token_id=-1)
+    original = batch(3)
+    del original["loss_mask"]
+    padded = pad_step([original], BUCKETS, pad_token_id=0, label_pad_id=-100).batches[0]
+    assert padded["labels"][:, 3:].eq(-100).all() and padded["tokens"][:, 3:].eq(0).all()
+
+
 def test_pad_step_above_every_bucket_keeps_one_length_for_the_step():
     step = pad_step([batch(40), batch(35)], BUCKETS, pad_token_id=0, overflow="keep")
     assert step.seq_length == 40

@@ -219,10 +219,18 @@ def pad_step(
         raise ValueError("pad_step needs at least one micro-batch")
     buckets = _buckets(buckets)
     length = _length(length)
-    longest = max(sequence_length(batch) for batch in batches)
+    lengths = [sequence_length(batch) for batch in batches]
+    longest = max(lengths)
+    if length is not None and length < longest:
+        # (the job-wide longest is never below this rank's: a broken agreement)
+        raise ValueError(
+            f"length={length} is shorter than micro-batch {lengths.index(longest)} ({longest} "
+            "tokens); pass the longest length of the step over every data-parallel rank (an "
+            "all-reduce MAX of each rank's longest), or leave length out"
+        )
     # Above every bucket (overflow="keep") the step runs eagerly, but still at one length
     # for all its micro-batches (forward_backward_func takes one seq_length).
-    target = longest if length is None else max(longest, length)
+    target = longest if length is None else length
     results = [
         pad_to_bucket(
             batch,
@@ -313,6 +321,13 @@ def _pad_values(
                 f"extra[{key!r}] must be the pad value (an int, float or bool), got {value!r}"
             )
     pad_token_id = int(pad_token_id)
+    if pad_token_id < 0:
+        raise ValueError(
+            f"pad_token_id={pad_token_id} is not a token id (the embedding looks it up, and "
+            "a negative index fails there, on a GPU as a device-side assert). Fix: pass the "
+            "tokenizer's pad id (its eos id when it has none); an ignored label such as -100 "
+            "is label_pad_id's"
+        )
     label_pad_id = None if label_pad_id is None else int(label_pad_id)
     extra = {key: _plain(value) for key, value in extra.items()}
     if (
