@@ -12,6 +12,11 @@ Public API (imported on first use, so ``import cudagraph_plugin`` stays cheap)::
     abort_process_groups(timeout_s=10)   # a host's teardown after an abnormal end: every
                                          # process group aborted at once (see its docstring)
 
+    from cudagraph_plugin import pad_step, BucketOverflowError   # bucketed graphs: padding
+
+    from cudagraph_plugin import StaticShapeError, HyperparameterChangedError   # what a
+                                         # replay refuses (a changed shape or setting)
+
 The package is layered; each layer imports only the ones listed before it (a test keeps
 it so, ``docs/architecture.md`` draws it):
 
@@ -42,6 +47,11 @@ _EXPORTS = {
     "Violation": "cudagraph_plugin.config.errors",
     "AutoFix": "cudagraph_plugin.config.fixes",
     "abort_process_groups": "cudagraph_plugin.compat.device",
+    "pad_step": "cudagraph_plugin.runtime.padding",
+    "pad_to_bucket": "cudagraph_plugin.runtime.padding",
+    "BucketOverflowError": "cudagraph_plugin.runtime.padding",
+    "StaticShapeError": "cudagraph_plugin.runtime.guard",
+    "HyperparameterChangedError": "cudagraph_plugin.runtime.optimizer_sync",
 }
 __all__ = ["__version__", *_EXPORTS]
 

@@ -70,6 +70,12 @@ def test_the_public_names_are_unchanged():
         "Violation",
         "AutoFix",
         "abort_process_groups",  # added by issue 22 (hosts' teardown after a failure)
+        # added for issue 23's hosts (review of 2026-12-05: they lived in runtime/ only)
+        "pad_step",
+        "pad_to_bucket",
+        "BucketOverflowError",
+        "StaticShapeError",
+        "HyperparameterChangedError",
     }
     from cudagraph_plugin.config.check import ConfigCheck, check_config
     from cudagraph_plugin.config.errors import CudaGraphConfigError
@@ -77,6 +83,10 @@ def test_the_public_names_are_unchanged():
     assert cudagraph_plugin.check_config is check_config
     assert cudagraph_plugin.ConfigCheck is ConfigCheck
     assert cudagraph_plugin.CudaGraphConfigError is CudaGraphConfigError
+    from cudagraph_plugin.runtime import guard, padding
+
+    assert cudagraph_plugin.pad_step is padding.pad_step
+    assert cudagraph_plugin.StaticShapeError is guard.StaticShapeError
 
 
 def test_compat_and_cli_keep_their_old_names():

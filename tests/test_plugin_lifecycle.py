@@ -1316,3 +1316,25 @@ def test_a_wrapper_that_changes_the_warmup_answer_is_refused_at_the_post_warmup_
         ["--cpu", *FULL, "--cuda-graph-warmup-steps", "3", "--train-iters", "6"],
         plugins=[ChangesTheWarmup(3)],
     )
+
+
+@needs_mcore_on_cpu
+def test_buckets_longer_than_the_learned_position_embeddings_are_refused_at_the_build(
+    bucket_fakes,
+):
+    """(review of 2026-12-05: a bucket of 128 over a model of max_sequence_length 64 was
+    accepted; the first step padded to it failed in the embedding, "index out of range in
+    self", on a GPU a device-side assert.) Rotary embeddings take any length."""
+    from cudagraph_plugin.config.errors import CudaGraphConfigError
+
+    argv = [*FULL, "--seq-length", "32", "--cuda-graph-buckets", "16,32,48,64"]
+    with pytest.raises(CudaGraphConfigError) as refused:
+        run(*argv, steps=2)
+    assert "  1. --cuda-graph-buckets = 48,64: longer than model chunk 0's learned position " in (
+        str(refused.value)
+    )
+    assert (
+        "fix: drop the buckets above 32, or build the model with max_sequence_length >= 64 "
+        "(or position_embedding_type='rope')"
+    ) in str(refused.value)
+    run(*argv, "--position-embedding-type", "rope", steps=2)

@@ -167,6 +167,8 @@ def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer
                     _UNWRAPPED_FIX,
                 )
             )
+    if state.settings.buckets:
+        violations += _bucket_position_problems(state.settings, model)
     missing = build.missing(model)
     if missing:
         chunks = ", ".join(map(str, missing))
@@ -346,3 +348,36 @@ def _built_config_problems(
                 )
             )
     return violations
+
+
+def _bucket_position_problems(settings: Settings, model: Any) -> list[Violation]:
+    """Buckets longer than the learned position embeddings of the chunk that has them
+    (``position_embedding_type="learned_absolute"``): a step padded to one fails in the
+    embedding's lookup. Rotary embeddings are computed for any length."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    for index, chunk in enumerate(model):
+        try:
+            inner = get_attr_wrapped_model(chunk, "position_embedding_type", return_model_obj=True)
+        except RuntimeError:  # (no such attribute on any wrapper level: not a GPT model)
+            continue
+        limit = getattr(inner, "max_sequence_length", None)
+        if inner.position_embedding_type != "learned_absolute" or not isinstance(limit, int):
+            continue
+        if not getattr(inner, "pre_process", True):  # (a later pipeline stage: no embedding)
+            continue
+        over = [bucket for bucket in settings.buckets or () if bucket > limit]
+        if over:
+            return [
+                Violation(
+                    (settings.field("buckets"),),
+                    ",".join(map(str, over)),
+                    f"longer than model chunk {index}'s learned position embeddings "
+                    f"(max_sequence_length={limit}): a step padded to "
+                    f"{'them' if len(over) > 1 else 'it'} fails in the embedding's lookup "
+                    "(index out of range; on a GPU, a device-side assert)",
+                    f"drop the buckets above {limit}, or build the model with "
+                    f"max_sequence_length >= {max(over)} (or position_embedding_type='rope')",
+                )
+            ]
+    return []
