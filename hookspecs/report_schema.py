@@ -305,7 +305,10 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "",
         "one entry per shape the bucketed full-iteration graphs saw (`--cuda-graph-buckets`): "
         "`seq_length`, `micro_batch_size`, `num_microbatches`, `in_bucket`, `eager_steps`, "
-        "`capture_steps`, `replay_steps` (the steps of each action), `capture_seconds`, "
+        "`capture_steps`, `replay_steps` (the steps of each action), `capture_seconds` (each "
+        "capture's recording of the graph alone, what its break-even counts: the run's "
+        "`captures` time the whole capture call, the replay that gives the capture step its "
+        "results included), "
         "`replays` (after its capture calls, as `replays` counts them: they add up to its "
         "`training`), `graph_held`, `eager_step_ms`, `replay_step_ms` (medians without its "
         "first step and without steps that held another capture), `speedup`, "

@@ -241,14 +241,21 @@ def test_a_run_that_captured_only_for_evaluation_says_so(fake_graphs):
          "length outside them (32) and ran eagerly; add a bucket that fits them"),
         ("32,64", "9", "no bucket got past its warm-up (9 step(s) of its own before its "
          "capture): the most any saw was 8 (seq_length 32)"),
+        # (review of 2026-12-05: steps that were not padded, shorter than a bucket, were told
+        # to add a bucket, where each step's own warning said to pad)
+        ("16,64", "3", "no training step fit a CUDA graph bucket (16, 64): every step came at "
+         "a length outside them (32) and ran eagerly; pad each step to its bucket (pad_step) "
+         "and pass that length as seq_length"),
     ],
 )  # fmt: skip
 def test_a_bucketed_run_that_captured_nothing_says_why(bucket_fakes, buckets, warmup, reason):
     """A run whose steps (all at --seq-length 32) fit no bucket said it "ended (after step
     7) before the capture step (start_step + 3)": the wrong reason (a user review)."""
     _, rec = run_recorded(
-        *FULL, "--cuda-graph-buckets", buckets, "--cuda-graph-warmup-steps", warmup, steps=8
-    )
+        *FULL, "--cuda-graph-buckets", buckets, "--cuda-graph-warmup-steps", warmup,
+        # (rotary: a bucket above --seq-length 32 is refused over learned embeddings)
+        "--position-embedding-type", "rope", steps=8,
+    )  # fmt: skip
     data = rec.report.to_dict()
     assert data["graphs_captured"] is False
     assert data["no_graph_reason"] == reason
@@ -275,6 +282,13 @@ def test_warmups_started_over_are_said_with_the_bucket_reason() -> None:
         "(seq_length 32)"
     ), said
     assert "invalidation" not in no_capture_reason(graphs, 20)
+    # unpadded steps, some longer than every bucket: both fixes
+    outside = {BucketKey(n, 2, 1): BucketStats(BucketKey(n, 2, 1), False) for n in (20, 70)}
+    graphs = SimpleNamespace(stats=outside, buckets=(16, 64))
+    assert no_capture_reason(graphs, 5).endswith(
+        "(20, 70) and ran eagerly; pad each step to its bucket (pad_step) and pass that length "
+        "as seq_length, and add a bucket for the longer ones (70)"
+    )
 
 
 # -- a capture that produced no graph is no capture ---------------------------------------

@@ -92,11 +92,20 @@ def no_capture_reason(graphs: Any, warmup_steps: int, invalidations: int = 0) ->
         return None
     fitting = [entry for entry in stats.values() if entry.in_bucket]
     if not fitting:
-        outside = ", ".join(map(str, sorted({key.seq_length for key in stats})))
+        lengths = sorted({key.seq_length for key in stats})
+        longer = [length for length in lengths if length > max(buckets)]
+        # (a length below the largest bucket fits one once padded to it)
+        fix = (
+            "pad each step to its bucket (pad_step) and pass that length as seq_length"
+            if len(longer) < len(lengths)
+            else "add a bucket that fits them"
+        )
+        if longer and len(longer) < len(lengths):
+            fix += f", and add a bucket for the longer ones ({', '.join(map(str, longer))})"
         return (
             f"no training step fit a CUDA graph bucket ({', '.join(map(str, buckets))}): "
-            f"every step came at a length outside them ({outside}) and ran eagerly; add a "
-            "bucket that fits them"
+            f"every step came at a length outside them ({', '.join(map(str, lengths))}) and "
+            f"ran eagerly; {fix}"
         )
     most = max(fitting, key=lambda entry: len(entry.calls))
     over = (
