@@ -447,6 +447,16 @@ def _train(
     training: TrainingRun, args: argparse.Namespace, use_cuda: bool, record: _RLRecord
 ) -> None:
     setup = train_gpt.set_up(training, args, use_cuda)
+    graphed = getattr(args, "cuda_graph_buckets", None)
+    others = sorted(set(args.buckets or ()) - set(parse_buckets(graphed) if graphed else ()))
+    if args.pad_to_buckets and graphed and others:
+        logger.warning(
+            "--pad-to-buckets %s pads some steps to %s, not a --cuda-graph-buckets length (%s): "
+            "those steps run eagerly (leave --pad-to-buckets out to pad to the graph buckets)",
+            args.pad_to_buckets,
+            ", ".join(map(str, others)),
+            graphed,
+        )
     data = _Data(args, setup)
     pre_hooks = train_gpt.PreHookToggle(training, args, setup)
     offload = _Offload(setup)

@@ -84,6 +84,13 @@ def test_a_length_outside_every_bucket_runs_eagerly_with_one_log_line(
     outside = [r for r in caplog.records if "outside every CUDA graph bucket" in r.getMessage()]
     assert len(outside) == 1 and "seq_length 48" in outside[0].getMessage()
     assert graphs["losses"] == eager["losses"]
+    # (review of 2026-12-05: --pad-to-buckets overrode the graph buckets without a word)
+    said = [r.getMessage() for r in caplog.records if "--pad-to-buckets" in r.getMessage()]
+    assert said == [
+        "--pad-to-buckets 16,32,48 pads some steps to 48, not a --cuda-graph-buckets length "
+        "(16,32): those steps run eagerly (leave --pad-to-buckets out to pad to the graph "
+        "buckets)"
+    ]
 
 
 def test_lengths_above_every_bucket_keep_their_length_and_run_eagerly(
