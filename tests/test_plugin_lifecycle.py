@@ -1338,3 +1338,40 @@ def test_buckets_longer_than_the_learned_position_embeddings_are_refused_at_the_
         "(or position_embedding_type='rope')"
     ) in str(refused.value)
     run(*argv, "--position-embedding-type", "rope", steps=2)
+
+
+class CountsCalls:
+    """A forward/backward wrapper counting the calls of the callable it returns."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def _counted(self, inner):
+        def counted(**kwargs):
+            self.calls += 1
+            return inner(**kwargs)
+
+        return counted
+
+    @hookimpl(wrapper=True)
+    def mcgraph_forward_backward_func(self, forward_backward_func):
+        return self._counted((yield))
+
+
+class CountsCallsFirst(CountsCalls):
+    @hookimpl(wrapper=True, tryfirst=True)
+    def mcgraph_forward_backward_func(self, forward_backward_func):
+        return self._counted((yield))
+
+
+def test_a_tryfirst_forward_backward_wrapper_runs_every_step_a_plain_one_inside_is_captured(
+    fake_graphs,
+):
+    """What the spec says of where a wrapper lands (review of 2026-12-05: the order of two
+    plain wrappers followed sys.path): a plain wrapper registered before the run is inside
+    the CUDA graph plugin's, in the captured iteration, so its Python runs in the warm-up
+    and capture steps only; ``tryfirst=True`` keeps one outside, on every step."""
+    outside, inside = CountsCallsFirst(), CountsCalls()
+    _, rec = run(*FULL, "--cuda-graph-warmup-steps", "3", plugins=(outside, inside), steps=8)
+    assert rec.report.capture_step == 3 and rec.report.replays == {"training": 4}
+    assert (outside.calls, inside.calls) == (8, 4)  # steps 0-2 warm up, 3 captures
