@@ -43,7 +43,8 @@ def print_refusal(
     plugin watching the job found that out (``error.said_here``; a rank other than 0 names
     itself), else rank 0 of a launcher's job (``RANK``), every rank having the same to
     say. A :class:`~hookspecs.reasons.PeerRefused` (this rank was told of another rank's
-    refusal) is said by that rank, never here.
+    refusal) is said by that rank, never here. The plugin that refused is named on a line
+    of its own where the run found it (the note ``raised by plugin ...``).
 
     The ranks that do not say it (``WORLD_SIZE`` > 1) return only after ``grace_s``
     seconds. A launcher that ends the whole job at the first worker that exits (torchrun)
@@ -59,7 +60,9 @@ def print_refusal(
         out = stream if stream is not None else sys.stderr
         # one write: print() writes the line and its newline apart, and on an unbuffered
         # stream (PYTHONUNBUFFERED) another process's log line can land between them
-        out.write(f"error: {said}\n")
+        # which plugin refused (the note TrainingRun adds naming it), on a line of its own
+        who = [n for n in getattr(error, "__notes__", ()) if n.startswith("raised by plugin ")]
+        out.write(f"error: {said}\n" + "".join(f"  ({note})\n" for note in who))
         out.flush()
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         time.sleep(grace_s)

@@ -265,3 +265,29 @@ def test_print_refusal_writes_its_line_in_one_piece(monkeypatch):
     stream = Unbuffered()
     errors.print_refusal(errors.ConfigurationError("scope attn: fix it"), stream=stream)
     assert stream.writes == ["error: scope attn: fix it\n", "<flush>"]
+
+
+def test_a_refusal_names_the_plugin_that_refused_on_a_line_of_its_own(monkeypatch):
+    """(review of 2026-12-05: a third-party plugin's refusal printed its message alone; the
+    note naming the plugin, which the run adds, was dropped.)"""
+    import io
+
+    from hookspecs import ConfigurationError, TrainingRun, errors, get_plugin_manager, hookimpl
+
+    class Refuses:
+        @hookimpl
+        def mcgraph_configure(self, config, pluginmanager):
+            raise ConfigurationError("--cfgkw-dropout=1.5: must be in [0, 1); fix: lower it")
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(Refuses(), name="cfgkw")
+    with pytest.raises(ConfigurationError) as refused:
+        with TrainingRun(pm, None, train_iters=1):
+            pass
+    monkeypatch.setenv("RANK", "0")
+    stream = io.StringIO()
+    assert errors.print_refusal(refused.value, stream=stream) == 2
+    assert stream.getvalue() == (
+        "error: --cfgkw-dropout=1.5: must be in [0, 1); fix: lower it\n"
+        "  (raised by plugin 'cfgkw' in its mcgraph_configure implementation)\n"
+    )
