@@ -71,7 +71,8 @@ FIRED_ELSEWHERE = {
         "a plugin after a capture (or the host: `run.enable_forward_pre_hook(...)`)"
     ),
     "mcgraph_step_padded": "the host: `run.step_padded(...)`, inside a step it padded",
-    "mcgraph_invalidate_graphs": "the host: `run.invalidate_graphs(reason)`, between steps",
+    "mcgraph_invalidate_graphs": "the host: `run.invalidate_graphs(reason)`, before the next "
+    "training call",
     "mcgraph_before_capture": "the CUDA graph plugin, right before a capture",
     "mcgraph_after_capture": "the CUDA graph plugin, right after a successful capture",
     "mcgraph_report": "the CUDA graph plugin, inside `mcgraph_shutdown`",

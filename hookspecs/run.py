@@ -453,8 +453,9 @@ class TrainingRun(RunSignals):
 
     def invalidate_graphs(self, reason: str) -> None:
         """Tell the plugins that what captured graphs point at may have moved (a checkpoint
-        load, parameters or optimizer state offloaded and brought back): call it between
-        steps, after the move."""
+        load, parameters or optimizer state offloaded and brought back): call it after the
+        move and before the next training call, between steps or in a step before its
+        forward/backward."""
         self._check_active()
         self._call("mcgraph_invalidate_graphs", reason=reason)
 

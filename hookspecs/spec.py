@@ -313,8 +313,9 @@ def mcgraph_invalidate_graphs(reason: str) -> None:
     model, offloaded parameters, gradients or optimizer state and brought them back, or
     replaced tensors some other way.
 
-    Fired by :meth:`hookspecs.TrainingRun.invalidate_graphs`, between steps (never inside a
-    capture). The CUDA graph plugin frees its graphs before their next replay: bucketed
+    Fired by :meth:`hookspecs.TrainingRun.invalidate_graphs`, after the move and before
+    the next training call: between steps, or in a step before its forward/backward (never
+    inside a capture). The CUDA graph plugin frees its graphs before their next replay: bucketed
     full-iteration graphs are captured again after their warm-up; other graphs are freed and
     the run goes on eagerly (said in the log).
 

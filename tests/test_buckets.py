@@ -220,6 +220,36 @@ def test_summary_gives_each_bucket_its_step_times_and_padding_waste(graphs):
     assert row16["graph_held"] is False  # released at the end of train()
 
 
+def test_padding_reported_at_another_length_than_the_step_s_call_is_said_once(graphs, caplog):
+    """(review of 2026-12-05: a step_padded length that matched no training call, the
+    unpadded longest say, was dropped without a word: the row's padding read null.)"""
+    caplog.set_level(logging.WARNING, logger="cudagraph_plugin")
+
+    schedule = [[10], [10], [10]]  # padded to 16 each
+
+    def before(step):
+        def report(host, graphs_):
+            graphs_.record_padding(10, real_tokens=10, padded_tokens=6, step=step)
+
+        return report
+
+    _, bucketed = train(schedule, bucketed=True, warmup=1, between={0: before(0), 1: before(1)})
+    bucketed.record_padding(12, real_tokens=10, padded_tokens=6, step=2)  # after its call
+    said = [r.getMessage() for r in caplog.records if "run.step_padded said" in r.getMessage()]
+    assert said == [
+        "run.step_padded said step 0 was padded to seq_length 10, but its training call came "
+        "at seq_length 16: that padding counts for no bucket of the report (said once for "
+        "these lengths). Fix: pass step_padded the length the micro-batches were padded to, "
+        "the seq_length forward_backward_func gets (pad_step's seq_length)",
+        "run.step_padded said step 2 was padded to seq_length 12, but its training call came "
+        "at seq_length 16: that padding counts for no bucket of the report (said once for "
+        "these lengths). Fix: pass step_padded the length the micro-batches were padded to, "
+        "the seq_length forward_backward_func gets (pad_step's seq_length)",
+    ]
+    bucketed.record_padding(16, real_tokens=10, padded_tokens=6, step=2)  # the right length
+    assert len([r for r in caplog.records if "run.step_padded said" in r.getMessage()]) == 2
+
+
 def test_the_micro_batch_count_is_part_of_the_graph_key(graphs):
     # three steps of one micro-batch, then three of two, all in bucket 16, warm-up 1
     schedule = [[10], [10], [10], [9, 12], [9, 12], [9, 12]]

@@ -142,11 +142,25 @@ class PaddingLedger:
 
     def __init__(self) -> None:
         self._counts: dict[tuple[int | None, int], list[int]] = {}
+        self._routed: dict[int | None, int] = {}  # each step's training call's seq_length
 
-    def record(self, step: int | None, seq_length: int, real: int, padded: int) -> None:
+    def record(
+        self, step: int | None, seq_length: int, real: int, padded: int
+    ) -> list[tuple[int, int]]:
+        """Count the padding; (padded to, called at) where the step's training call came
+        already at another length (the padding would count for no row: ``unmatched``)."""
         counts = self._counts.setdefault((step, seq_length), [0, 0])
         counts[0] += real
         counts[1] += padded
+        called = self._routed.get(step)
+        return [] if called in (None, seq_length) else [(seq_length, called)]
+
+    def routed(self, step: int | None, seq_length: int) -> list[tuple[int, int]]:
+        """Note the seq_length of ``step``'s training call; (padded to, called at) for the
+        padding reported for it before at another length."""
+        self._routed[step] = seq_length
+        said = {length for (at, length) in self._counts if at == step and length != seq_length}
+        return [(length, seq_length) for length in sorted(said)]
 
     def waste_percent(self, seq_length: int, steps: Collection[int | None]) -> float | None:
         """Padded positions of all positions of ``steps`` at ``seq_length``."""
@@ -155,6 +169,17 @@ class PaddingLedger:
             if length == seq_length and step in steps:
                 real, padded = real + step_real, padded + step_padded
         return padding_waste_percent(real, padded)
+
+
+def unmatched(step: int | None, padded_to: int, called: int) -> str:
+    """What is wrong with padding reported at another length than the step's call."""
+    return (
+        f"run.step_padded said step {step} was padded to seq_length {padded_to}, but its "
+        f"training call came at seq_length {called}: that padding counts for no bucket of the "
+        "report (said once for these lengths). Fix: pass step_padded the length the "
+        "micro-batches were padded to, the seq_length forward_backward_func gets (pad_step's "
+        "seq_length)"
+    )
 
 
 def differs_from_buffers(seen: list[tuple[Any, Any]], drawn: list[Any]) -> str:

@@ -43,26 +43,25 @@ eagerly, said once. The shape guard (``guard.ShapeGuard``) checks each replayed 
 against its graph's capture call too.
 
 Memory that moves: before every training call while graphs are held, an
-:class:`AddressFingerprint` (``data_ptr()`` of DDP's parameter and gradient buffers, a
-every parameter, the loss scale) is compared
-with the one taken at capture; if anything moved (offload and reload, ``param.data = ...``)
-every graph is freed and each bucket is captured again after its warm-up, with a log line
-saying why; :meth:`BucketGraphs.invalidate` does the same on the host's word. Graphs of
-other mechanisms that read the same memory (the optimizer graph, whose captured step reads
-the gradient buffers, the main parameters and Adam's state) are tied to these
+:class:`AddressFingerprint` (``data_ptr()`` of DDP's parameter and gradient buffers, of
+every parameter, the loss scale) is compared with the one taken at capture; if anything
+moved (offload and reload, ``param.data = ...``) every graph is freed and each bucket is
+captured again after its warm-up, with a log line saying why;
+:meth:`BucketGraphs.invalidate` does the same on the host's word. Graphs of other
+mechanisms that read the same memory (the optimizer graph, whose captured step reads the
+gradient buffers, the main parameters and Adam's state) are tied to these
 (:meth:`BucketGraphs.tie`): they are freed with them and captured again after their own
 warm-up; the fingerprint then also samples the optimizer's state, and any call of
 megatron-core's optimizer offload API counts as a move (it gives every state tensor new
-memory one by one: a sample can come back unchanged). In a
-multi-rank job every rank must take the same action in a step (a capture holds barriers,
-the graphs hold collectives): each training call agrees on the key and on "memory moved"
-with one small all-reduce; on disagreement the step runs eagerly on every rank.
+memory one by one: a sample can come back unchanged). In a multi-rank job every rank must
+take the same action in a step (a capture holds barriers, the graphs hold collectives):
+each training call agrees on the key and on "memory moved" with one small all-reduce; on
+disagreement the step runs eagerly on every rank.
 
 What the fingerprint cannot see (the host then calls :meth:`BucketGraphs.invalidate`, or a
 debugging run captures with ``check_input_liveness``): optimizer state moved by the host's
 own code where the sampled tensors came back at their old addresses; other cached tensors
-freed behind the graphs' back,
-or cuBLAS workspaces cleared while graphs live.
+freed behind the graphs' back, or cuBLAS workspaces cleared while graphs live.
 
 None of this fires hooks: the plugin brackets :meth:`BucketGraphs.run` of a
 ``Action.CAPTURE`` route with its capture hooks, timing and memory snapshots.
@@ -93,6 +92,7 @@ from cudagraph_plugin.runtime.bucket_keys import (
     iterators_over,
     key_of,
     summary_rows,
+    unmatched,
 )
 from cudagraph_plugin.runtime.fingerprint import AddressFingerprint, MoveWatch
 from cudagraph_plugin.runtime.guard import (
@@ -253,6 +253,8 @@ class BucketGraphs:
                 "memory the graphs point at moved: " + "; ".join(moved), step=step, tell_peers=False
             )
         route = self._decide(key, agreed, step)
+        for pair in self.padding.routed(step, key.seq_length):
+            self._log_once(("padding", pair), unmatched(step, *pair), logging.WARNING)
         if agreed[7] and route.action is not Action.EAGER:
             self._log_once(
                 ("unlike", key),  # (once per key: a value that differs every step, too)
@@ -522,7 +524,8 @@ class BucketGraphs:
         self, seq_length: int, real_tokens: int, padded_tokens: int, *, step: int | None
     ) -> None:
         """Count a step's real and padded token positions (from ``padding.pad_step``)."""
-        self.padding.record(step, seq_length, real_tokens, padded_tokens)
+        for pair in self.padding.record(step, seq_length, real_tokens, padded_tokens):
+            self._log_once(("padding", pair), unmatched(step, *pair), logging.WARNING)
 
     def summary(
         self,
