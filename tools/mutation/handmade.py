@@ -688,6 +688,64 @@ MUTANTS = [
             "free_this_runs_graph",
         ),
     ),
+    Mutant(
+        "plugin-name-clash-loaded",
+        "a second distribution's plugin of one name (a third-party `cudagraph`) is dropped "
+        "or replaces the CUDA graph plugin without a word",
+        "hookspecs/manager.py",
+        "        _one_plugin_per_name(pm)\n",
+        "",
+        (
+            "tests/test_hookspecs_manager.py::test_two_distributions_giving_a_plugin_one_name_"
+            "are_refused",
+        ),
+    ),
+    Mutant(
+        "changed-warmup-answer-accepted",
+        "a wrapper that changes the warm-up answer moves the post-warmup (TE capture) step",
+        "cudagraph_plugin/runtime/plugin.py",
+        "        if step - start_step != own:\n",
+        "        if False:\n",
+        (
+            LIFECYCLE + "test_a_wrapper_that_changes_the_warmup_answer_is_refused_at_the_post_"
+            "warmup_step",
+        ),
+    ),
+    Mutant(
+        "blocked-run-object-accepted",
+        "a blocked part of the CUDA graph plugin leaves a run that asked for graphs eager, "
+        "exit 0",
+        "cudagraph_plugin/entry.py",
+        "        if pluginmanager.register(plugin) is None:\n",
+        "        if pluginmanager.register(plugin) is None and False:\n",
+        (
+            LIFECYCLE + "test_blocking_a_part_of_the_plugin_is_refused_not_a_run_without_graphs",
+        ),
+    ),
+    Mutant(
+        "bucket-over-position-embeddings-accepted",
+        "a bucket longer than the learned position embeddings fails in the embedding lookup",
+        "cudagraph_plugin/runtime/build.py",
+        "        violations += _bucket_position_problems(state.settings, model)\n",
+        "",
+        (
+            LIFECYCLE + "test_buckets_longer_than_the_learned_position_embeddings_are_refused_"
+            "at_the_build",
+        ),
+    ),
+    Mutant(
+        "step-padded-between-steps-accepted",
+        "padding reported between steps counts for the next step's bucket",
+        "hookspecs/run.py",
+        "        if self._running_step is None:\n            raise RuntimeError(\n"
+        '                f"{where} called between steps',
+        "        if False:\n            raise RuntimeError(\n"
+        '                f"{where} called between steps',
+        (
+            "tests/test_hookspecs_run.py::test_step_padded_between_steps_is_refused_naming_"
+            "where_to_call_it",
+        ),
+    ),
 ]
 
 
