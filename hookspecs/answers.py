@@ -15,6 +15,7 @@ callable`` at step 0, in another plugin's frame.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pluggy
@@ -54,7 +55,7 @@ def merge_kwargs(
     :param what: What the kwargs are for, used in the error message.
     :param base: The host's own kwargs, merged first.
     :param who: Who answered (:func:`answered_by`), added to an error's message.
-    :raises TypeError: if a contribution is not a dict (``None`` aside).
+    :raises TypeError: if a contribution is not a mapping (``None`` aside).
     :raises ValueError: if two contributions set the same key to different values.
     """
     merged: dict[str, Any] = dict(base or {})
@@ -63,7 +64,7 @@ def merge_kwargs(
     for contribution in results:
         if contribution is None:
             continue
-        if not isinstance(contribution, dict):
+        if not isinstance(contribution, Mapping):
             raise TypeError(
                 f"{what}: a plugin answered {contribution!r} ({type(contribution).__name__}), "
                 f"not a dict of keyword arguments{by}; answer a dict, or None for nothing"
@@ -113,6 +114,11 @@ def warmup_answer(warmup: Any, who: str) -> int | None:
 def forward_backward_answer(function: Any, given: Any, who: str) -> Any:
     """The answer of ``mcgraph_forward_backward_func``: a callable (the host's default
     implementation answers the function it was given)."""
+    if not callable(function) and function is given:
+        raise TypeError(
+            f"run.forward_backward_func was given {given!r} ({type(given).__name__}), not a "
+            "callable; pass megatron-core's get_forward_backward_func()"
+        )
     if not callable(function):
         raise TypeError(
             f"mcgraph_forward_backward_func answered {function!r} ({type(function).__name__}) "

@@ -154,6 +154,23 @@ def _step_number(where: str, name: str, value: Any) -> int:
     )
 
 
+def _count(where: str, name: str, value: Any) -> int:
+    """A count of positions as an int: an integer of any kind, or a whole number held as a
+    float or in a one-element tensor (a float mask's ``sum()``); anything else is refused,
+    naming ``where``'s argument ``name`` and the value."""
+    if not isinstance(value, (bool, str, bytes)):
+        with contextlib.suppress(TypeError):
+            return operator.index(value)
+        with contextlib.suppress(TypeError, ValueError, RuntimeError):
+            number = float(value)
+            if number.is_integer():
+                return int(number)
+    raise TypeError(
+        f"{where}: {name} must be a whole number, got {value!r} ({type(value).__name__}); "
+        f"pass the count of token positions (int(loss_mask.sum()))"
+    )
+
+
 class TrainingRun(RunSignals):
     """Fires the lifecycle hooks of one training run in order.
 
@@ -423,21 +440,23 @@ class TrainingRun(RunSignals):
 
     def step_padded(self, *, seq_length: int, real_tokens: int, padded_tokens: int) -> None:
         """Tell the plugins this step's micro-batches were padded to ``seq_length`` (call it
-        inside ``train_step``, where the padding happens; once per micro-batch is fine, the
-        counts add up). The numbers reach the plugins as ints: an integer tensor is taken
-        (``loss_mask.sum()`` of an integer mask), a float or a negative count is refused."""
+        inside ``train_step``, the step whose training call takes them; once per micro-batch
+        is fine, the counts add up). The numbers reach the plugins as ints: a whole number
+        held as a float or in a one-element tensor is taken (``loss_mask.sum()``), a
+        fraction, ``None`` or a negative count is refused."""
         self._check_active()
         where = "TrainingRun.step_padded"
         if self._running_step is None:
             raise RuntimeError(
-                f"{where} called between steps (the next is step {self._next_step}): the "
-                "padding would be counted to a step that did not pad it. Fix: call it inside "
-                "`with run.train_step(step)`, where the step's micro-batches are padded"
+                f"{where} called between steps (the next is step {self._next_step}): it counts "
+                "for the step whose training call takes the padded micro-batches, which is not "
+                "known here. Fix: call it inside `with run.train_step(step)`, where that step "
+                "pads them"
             )
         counts = {
             "seq_length": _step_number(where, "seq_length", seq_length),
-            "real_tokens": _step_number(where, "real_tokens", real_tokens),
-            "padded_tokens": _step_number(where, "padded_tokens", padded_tokens),
+            "real_tokens": _count(where, "real_tokens", real_tokens),
+            "padded_tokens": _count(where, "padded_tokens", padded_tokens),
         }
         least = {"seq_length": 1, "real_tokens": 0, "padded_tokens": 0}
         bad = {name: n for name, n in counts.items() if n < least[name]}

@@ -183,8 +183,9 @@ def mcgraph_forward_backward_func(forward_backward_func: Any) -> Any:
     The returned callable keeps megatron-core's keyword-only signature. Where a wrapper
     lands matters with full-iteration graphs: the CUDA graph plugin's wrapper (plain,
     registered when the run is configured) captures the callable it gets, so a plain
-    wrapper registered before it is inside the captured iteration and its Python runs in
-    the warm-up and capture steps only, never on a replay; a wrapper that must run on every
+    wrapper registered before it is inside the captured iteration and its Python runs only
+    on the steps that do not replay (warm-up, capture, a step that runs eagerly), never on a
+    replay; a wrapper that must run on every
     step (timing, logging) declares ``tryfirst=True``, which keeps it outside. The answer
     must be callable (refused where the run takes it, naming the plugins that implement
     the hook).

@@ -235,6 +235,7 @@ def test_padding_reported_at_another_length_than_the_step_s_call_is_said_once(gr
 
     _, bucketed = train(schedule, bucketed=True, warmup=1, between={0: before(0), 1: before(1)})
     bucketed.record_padding(12, real_tokens=10, padded_tokens=6, step=2)  # after its call
+    bucketed.summary()  # (the last step's is said with the report)
     said = [r.getMessage() for r in caplog.records if "run.step_padded said" in r.getMessage()]
     assert said == [
         "run.step_padded said step 0 was padded to seq_length 10, but its training call came "
@@ -247,7 +248,22 @@ def test_padding_reported_at_another_length_than_the_step_s_call_is_said_once(gr
         "the seq_length forward_backward_func gets (pad_step's seq_length)",
     ]
     bucketed.record_padding(16, real_tokens=10, padded_tokens=6, step=2)  # the right length
+    bucketed.summary()
     assert len([r for r in caplog.records if "run.step_padded said" in r.getMessage()]) == 2
+
+
+def test_a_step_with_training_calls_at_two_lengths_may_report_both():
+    """(review of this session's diff: with the last call's length alone, a step of two
+    calls at 16 and 32 was told its padding to 16 matched no call.) Each step is compared
+    once it is over, without a scan of the run's history."""
+    from cudagraph_plugin.runtime.bucket_keys import PaddingLedger
+
+    ledger = PaddingLedger()
+    assert ledger.record(5, 16, 10, 6) == [] and ledger.record(5, 32, 20, 12) == []
+    assert ledger.routed(5, 16) == [] and ledger.routed(5, 32) == []
+    assert ledger.record(6, 16, 10, 6) == [] and ledger.routed(6, 32) == []
+    assert ledger.routed(7, 16) == [(6, 16, 32)]  # step 6 padded to 16, called at 32
+    assert ledger.finish() == []  # step 7: called, nothing reported
 
 
 def test_the_micro_batch_count_is_part_of_the_graph_key(graphs):

@@ -593,28 +593,33 @@ def test_step_padded_between_steps_is_refused_naming_where_to_call_it(pm):
             run.step_padded(seq_length=16, real_tokens=8, padded_tokens=8)
             run.step_padded(seq_length=16, real_tokens=9, padded_tokens=7)  # (per micro-batch)
     assert str(excinfo.value).startswith(
-        "TrainingRun.step_padded called between steps (the next is step 1)"
+        "TrainingRun.step_padded called between steps (the next is step 1): it counts for the "
+        "step whose training call takes the padded micro-batches"
     )
     assert "Fix: call it inside `with run.train_step(step)`" in str(excinfo.value)
     assert listener.calls == [(0, 16, 10, 6), (1, 16, 8, 8), (1, 16, 9, 7)]
 
 
-def test_step_padded_takes_integer_tensors_as_ints_and_refuses_floats_and_negatives(pm):
+def test_step_padded_takes_whole_counts_as_ints_and_refuses_fractions_and_negatives(pm):
     """(review of 2026-12-05: ``real_tokens=loss_mask.sum()`` trained every step, then the
     report's JSON write failed at shutdown, "Object of type Tensor is not JSON
-    serializable"; ``padded_tokens=None`` failed inside the plugin on step 0.)"""
+    serializable"; ``padded_tokens=None`` failed inside the plugin on step 0.) A float
+    mask's sum, megatron-core's loss mask, is a whole number: taken."""
     torch = pytest.importorskip("torch")
     listener = PaddingListener()
     pm.register(listener)
-    mask = torch.tensor([[1, 1, 1, 0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     with TrainingRun(pm, None, train_iters=1) as run:
         with run.train_step(0):
             run.step_padded(
                 seq_length=torch.tensor(4), real_tokens=mask.sum(), padded_tokens=(1 - mask).sum()
             )
+            run.step_padded(seq_length=4, real_tokens=3.0, padded_tokens=(1 - mask).long().sum())
             for kwargs, said in [
-                (dict(real_tokens=mask.float().sum()), "real_tokens must be an integer, got"),
-                (dict(padded_tokens=None), "padded_tokens must be an integer, got None"),
+                (dict(real_tokens=mask.sum() / 2), "real_tokens must be a whole number, got"),
+                (dict(padded_tokens=None), "padded_tokens must be a whole number, got None"),
+                (dict(padded_tokens="1"), "padded_tokens must be a whole number, got '1'"),
+                (dict(real_tokens=mask), "real_tokens must be a whole number, got tensor("),
                 (dict(seq_length=4.0), "seq_length must be an integer, got 4.0 (float)"),
             ]:
                 args = dict(seq_length=4, real_tokens=3, padded_tokens=1) | kwargs
@@ -629,8 +634,8 @@ def test_step_padded_takes_integer_tensors_as_ints_and_refuses_floats_and_negati
                 with pytest.raises(ValueError) as excinfo:
                     run.step_padded(**args)
                 assert str(excinfo.value).startswith(f"TrainingRun.step_padded: {said}")
-    assert listener.calls == [(0, 4, 3, 1)]
-    assert all(type(value) is int for value in listener.calls[0])
+    assert listener.calls == [(0, 4, 3, 1), (0, 4, 3, 1)]
+    assert all(type(value) is int for call in listener.calls for value in call)
 
 
 # -- answers that a run uses, checked where it takes them, naming who answered -------------
@@ -745,3 +750,23 @@ def test_a_forward_backward_answer_that_is_not_callable_fails_where_it_is_taken(
         f"mcgraph_forward_backward_func answered {answer!r} ({type(answer).__name__}) for "
         f"{fwd_bwd!r}, not a callable (answered by plugin 'bad'); a wrapper answers"
     )
+
+
+def test_a_callable_the_host_did_not_give_is_the_host_s_not_a_plugin_s(pm):
+    """(review of this session's diff: ``run.forward_backward_func(None)`` through a
+    pass-through wrapper said "answered by plugin 'timer'".)"""
+    pm.register(Answers(), name="timer")  # its wrapper answers what it got
+    with TrainingRun(pm, None, train_iters=0) as run:
+        with pytest.raises(TypeError) as excinfo:
+            run.forward_backward_func(None)
+    assert str(excinfo.value) == (
+        "run.forward_backward_func was given None (NoneType), not a callable; pass "
+        "megatron-core's get_forward_backward_func()"
+    )
+
+
+def test_merge_kwargs_takes_any_mapping():
+    """(review of this session's diff: the new type check refused a MappingProxyType.)"""
+    from types import MappingProxyType
+
+    assert merge_kwargs([MappingProxyType({"a": 1}), None], "X") == {"a": 1}

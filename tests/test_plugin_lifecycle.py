@@ -1286,7 +1286,7 @@ def test_blocking_a_part_of_the_plugin_is_refused_not_a_run_without_graphs(monke
 
 
 class ChangesTheWarmup:
-    def __init__(self, answer: int) -> None:
+    def __init__(self, answer: int | None) -> None:
         self.answer = answer
 
     @hookimpl(wrapper=True)
@@ -1295,26 +1295,42 @@ class ChangesTheWarmup:
         return self.answer
 
 
-@needs_mcore_on_cpu
 @pytest.mark.parametrize("answer", [1, 4])
-def test_a_wrapper_that_changes_the_warmup_answer_is_refused_at_the_post_warmup_step(answer):
+def test_a_wrapper_that_changes_the_warmup_answer_is_refused_at_the_post_warmup_step(
+    fake_graphs, answer
+):
     """(review of 2026-12-05: a wrapper answering 1 where the plugin answered 3 moved the
     post-warmup step (where TE graphs are captured) to step 1, while megatron-core's
     full-iteration capture stayed at step 3 and the report said warm-up 3.)"""
+    argv = [*FULL, "--cuda-graph-warmup-steps", "3"]
     with pytest.raises(ValueError) as raised:
-        train_gpt.run(
-            ["--cpu", *FULL, "--cuda-graph-warmup-steps", "3", "--train-iters", "6"],
-            plugins=[ChangesTheWarmup(answer)],
-        )
+        run(*argv, plugins=[ChangesTheWarmup(answer)], steps=6)
     assert str(raised.value).startswith(
         f"the run's post-warmup step is step {answer}, {answer} step(s) after its start, but "
-        "the CUDA graph plugin answered mcgraph_warmup_steps with 3: a wrapper of another "
-        "plugin changed the answer"
+        "the CUDA graph plugin answered mcgraph_warmup_steps with 3: another plugin changed "
+        "the answer (a wrapper of the hook, or an implementation called before the plugin's)"
     )
     # a wrapper that reads the answer and keeps it is the documented use
-    train_gpt.run(
-        ["--cpu", *FULL, "--cuda-graph-warmup-steps", "3", "--train-iters", "6"],
-        plugins=[ChangesTheWarmup(3)],
+    run(*argv, plugins=[ChangesTheWarmup(3)], steps=6)
+
+
+@needs_mcore_on_cpu
+def test_with_graphs_off_another_warmup_answer_is_no_concern():
+    """(review of this session's diff: the refusal fired in runs that capture nothing, the
+    plugin merely installed.)"""
+    summary, _ = run("--cpu", *FULL, plugins=[ChangesTheWarmup(1)], steps=4)
+    assert summary["shutdown_reason"] == "completed"
+
+
+def test_a_warmup_answer_of_none_says_the_te_capture_never_came(fake_graphs):
+    """(review of this session's diff: it said "the TE capture at step 2 produced no graph.
+    Fix: check that the scope matches layers", of a capture that never ran.)"""
+    from cudagraph_plugin.runtime.wiring import CudaGraphWiringError
+
+    with pytest.raises(CudaGraphWiringError) as raised:
+        run(*TE, "--cuda-graph-warmup-steps", "2", plugins=[ChangesTheWarmup(None)], steps=4)
+    assert "the run's post-warmup step, where TE graphs are captured, did not come by step 2: " in (
+        str(raised.value)
     )
 
 

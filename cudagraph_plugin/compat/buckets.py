@@ -9,7 +9,10 @@ it can move into ``compat/`` as it is. Feature detection, never version numbers:
 * generator states to register in each graph: ``get_all_rng_states()`` (both);
 * DDP's contiguous buffers: ``buffers`` and ``expert_parallel_buffers``, each with
   ``param_data`` (distributed optimizer only) and ``grad_data`` (both);
-* scratch buffers: ``parallel_state._GLOBAL_MEMORY_BUFFER.buffer`` (both).
+* scratch buffers: ``parallel_state._GLOBAL_MEMORY_BUFFER.buffer`` (both);
+* a chunk's learned position embeddings: ``position_embedding_type`` and
+  ``max_sequence_length`` under its wrappers (``megatron.core.utils.get_attr_wrapped_model``);
+* torch's ``torch.cuda.graph(check_input_liveness=...)`` (torch 2.13+).
 
 Lazy imports only: importing this module imports neither torch nor megatron-core.
 """
@@ -17,6 +20,7 @@ Lazy imports only: importing this module imports neither torch nor megatron-core
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -310,3 +314,36 @@ def stale_capture_streams_overridden() -> Iterator[None]:
         yield
     finally:
         setter(before)
+
+
+def liveness_kwargs(check: bool) -> dict[str, bool]:
+    """``torch.cuda.graph``'s keyword for its input-liveness check (a replay that reads a
+    freed tensor raises), where ``check`` asks for it; refused where torch lacks it."""
+    if not check:
+        return {}
+    import torch
+
+    if "check_input_liveness" not in inspect.signature(torch.cuda.graph).parameters:
+        raise ValueError(
+            f"check_input_liveness=True needs torch.cuda.graph(check_input_liveness=...), "
+            f"which torch {torch.__version__} lacks (torch 2.13 has it). Fix: upgrade torch "
+            "or leave the check off"
+        )
+    return {"check_input_liveness": True}
+
+
+def learned_position_limit(chunk: Any) -> int | None:
+    """The longest sequence a model chunk's learned position embeddings take
+    (``max_sequence_length`` where ``position_embedding_type`` is ``"learned_absolute"``
+    and the chunk has the embedding, its first pipeline stage); ``None`` where nothing
+    limits the length (rotary embeddings, a later stage, not a GPT-like model)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    try:
+        inner = get_attr_wrapped_model(chunk, "position_embedding_type", return_model_obj=True)
+    except RuntimeError:  # (no such attribute on any wrapper level)
+        return None
+    limit = getattr(inner, "max_sequence_length", None)
+    if inner.position_embedding_type != "learned_absolute" or not isinstance(limit, int):
+        return None
+    return limit if getattr(inner, "pre_process", True) else None

@@ -138,29 +138,48 @@ def key_of(kwargs: Mapping[str, Any]) -> BucketKey:
 class PaddingLedger:
     """Real and padded token positions per (step, length), as the host reports them
     (``run.step_padded``): a report row (a key) counts the steps it ran, as keys of one
-    length differ in their micro-batch count."""
+    length differ in their micro-batch count. Lengths reported for a step that none of its
+    training calls came at count for no row: :meth:`record` and :meth:`routed` return them,
+    ``(step, padded to, called at)``, once the step is over (a step may make several
+    calls); :meth:`finish` those of the last step."""
 
     def __init__(self) -> None:
         self._counts: dict[tuple[int | None, int], list[int]] = {}
-        self._routed: dict[int | None, int] = {}  # each step's training call's seq_length
+        # the step being reported, its reported lengths and its training calls' lengths
+        self._step: int | None = None
+        self._padded: set[int] = set()
+        self._called: set[int] = set()
 
     def record(
         self, step: int | None, seq_length: int, real: int, padded: int
-    ) -> list[tuple[int, int]]:
-        """Count the padding; (padded to, called at) where the step's training call came
-        already at another length (the padding would count for no row: ``unmatched``)."""
+    ) -> list[tuple[int | None, int, int]]:
+        said = self._move_to(step)
         counts = self._counts.setdefault((step, seq_length), [0, 0])
         counts[0] += real
         counts[1] += padded
-        called = self._routed.get(step)
-        return [] if called in (None, seq_length) else [(seq_length, called)]
+        self._padded.add(seq_length)
+        return said
 
-    def routed(self, step: int | None, seq_length: int) -> list[tuple[int, int]]:
-        """Note the seq_length of ``step``'s training call; (padded to, called at) for the
-        padding reported for it before at another length."""
-        self._routed[step] = seq_length
-        said = {length for (at, length) in self._counts if at == step and length != seq_length}
-        return [(length, seq_length) for length in sorted(said)]
+    def routed(self, step: int | None, seq_length: int) -> list[tuple[int | None, int, int]]:
+        """Note the seq_length of one of ``step``'s training calls."""
+        said = self._move_to(step)
+        self._called.add(seq_length)
+        return said
+
+    def finish(self) -> list[tuple[int | None, int, int]]:
+        """The lengths of the step being reported that no training call of it came at
+        (nothing where it made no training call: there is nothing to compare)."""
+        if not self._called:
+            return []
+        called = min(self._called)
+        return [(self._step, length, called) for length in sorted(self._padded - self._called)]
+
+    def _move_to(self, step: int | None) -> list[tuple[int | None, int, int]]:
+        if step == self._step:
+            return []
+        said = self.finish()
+        self._step, self._padded, self._called = step, set(), set()
+        return said
 
     def waste_percent(self, seq_length: int, steps: Collection[int | None]) -> float | None:
         """Padded positions of all positions of ``steps`` at ``seq_length``."""

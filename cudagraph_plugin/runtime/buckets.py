@@ -72,7 +72,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import inspect
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -172,7 +171,7 @@ class BucketGraphs:
         self.max_graphs = max_graphs
         self.fingerprint = fingerprint or AddressFingerprint(model, optimizer)
         self._agree = agree or bucket_compat.max_across_ranks
-        self._liveness = _liveness_kwargs(check_input_liveness)
+        self._liveness = bucket_compat.liveness_kwargs(check_input_liveness)
         self.guard = ShapeGuard()
         self.stats: dict[BucketKey, BucketStats] = {}
         self.invalidations: list[tuple[int | None, str, int]] = []
@@ -253,8 +252,7 @@ class BucketGraphs:
                 "memory the graphs point at moved: " + "; ".join(moved), step=step, tell_peers=False
             )
         route = self._decide(key, agreed, step)
-        for pair in self.padding.routed(step, key.seq_length):
-            self._log_once(("padding", pair), unmatched(step, *pair), logging.WARNING)
+        self._say_padding(self.padding.routed(step, key.seq_length))
         if agreed[7] and route.action is not Action.EAGER:
             self._log_once(
                 ("unlike", key),  # (once per key: a value that differs every step, too)
@@ -524,8 +522,12 @@ class BucketGraphs:
         self, seq_length: int, real_tokens: int, padded_tokens: int, *, step: int | None
     ) -> None:
         """Count a step's real and padded token positions (from ``padding.pad_step``)."""
-        for pair in self.padding.record(step, seq_length, real_tokens, padded_tokens):
-            self._log_once(("padding", pair), unmatched(step, *pair), logging.WARNING)
+        self._say_padding(self.padding.record(step, seq_length, real_tokens, padded_tokens))
+
+    def _say_padding(self, unmatched_lengths: list[tuple[int | None, int, int]]) -> None:
+        for step, padded_to, called in unmatched_lengths:  # (once per pair of lengths)
+            said = unmatched(step, padded_to, called)
+            self._log_once(("padding", padded_to, called), said, logging.WARNING)
 
     def summary(
         self,
@@ -534,6 +536,7 @@ class BucketGraphs:
     ) -> list[dict[str, Any]]:
         """Per key: its steps by action, capture seconds, replays, padding waste, medians
         (:func:`~cudagraph_plugin.runtime.bucket_keys.summary_rows`)."""
+        self._say_padding(self.padding.finish())  # (the last step's)
         return summary_rows(
             self.stats, self._graphs, self.padding, durations_ms or {}, holding_captures
         )
@@ -583,17 +586,3 @@ class BucketGraphs:
         if what not in self._logged:
             self._logged.add(what)
             logger.log(level, "%s", message)
-
-
-def _liveness_kwargs(check: bool) -> dict[str, bool]:
-    if not check:
-        return {}
-    import torch
-
-    if "check_input_liveness" not in inspect.signature(torch.cuda.graph).parameters:
-        raise ValueError(
-            f"check_input_liveness=True needs torch.cuda.graph(check_input_liveness=...), "
-            f"which torch {torch.__version__} lacks (torch 2.13 has it). Fix: upgrade torch "
-            "or leave the check off"
-        )
-    return {"check_input_liveness": True}

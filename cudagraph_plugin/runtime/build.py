@@ -354,17 +354,9 @@ def _bucket_position_problems(settings: Settings, model: Any) -> list[Violation]
     """Buckets longer than the learned position embeddings of the chunk that has them
     (``position_embedding_type="learned_absolute"``): a step padded to one fails in the
     embedding's lookup. Rotary embeddings are computed for any length."""
-    from megatron.core.utils import get_attr_wrapped_model
-
     for index, chunk in enumerate(model):
-        try:
-            inner = get_attr_wrapped_model(chunk, "position_embedding_type", return_model_obj=True)
-        except RuntimeError:  # (no such attribute on any wrapper level: not a GPT model)
-            continue
-        limit = getattr(inner, "max_sequence_length", None)
-        if inner.position_embedding_type != "learned_absolute" or not isinstance(limit, int):
-            continue
-        if not getattr(inner, "pre_process", True):  # (a later pipeline stage: no embedding)
+        limit = bucket_compat.learned_position_limit(chunk)
+        if limit is None:
             continue
         over = [bucket for bucket in settings.buckets or () if bucket > limit]
         if over:

@@ -202,13 +202,15 @@ class CudaGraphPlugin:
 
     @hookimpl
     def mcgraph_post_warmup_step(self, step: int, start_step: int) -> None:
+        self.state.post_warmup_fired = True
         own = self.settings.warmup_steps
-        if step - start_step != own:
+        if step - start_step != own and self.state.active:  # (graphs off: no capture step)
             raise ValueError(
                 f"the run's post-warmup step is step {step}, {step - start_step} step(s) after "
                 f"its start, but the CUDA graph plugin answered mcgraph_warmup_steps with "
-                f"{own}: a wrapper of another plugin changed the answer, so the run's "
-                "post-warmup step is not the capture step. Fix: set cuda_graph_warmup_steps "
+                f"{own}: another plugin changed the answer (a wrapper of the hook, or an "
+                "implementation called before the plugin's), so the run's post-warmup step is "
+                "not the capture step. Fix: set cuda_graph_warmup_steps "
                 "(--cuda-graph-warmup-steps) to the warm-up you want; a wrapper may read the "
                 "answer (`answer = yield; return answer`), not change it"
             )

@@ -62,6 +62,8 @@ class RunState:
     # TE scopes: some rank's model chunks have a graphable layer (a pipeline stage may have
     # none); without any, no rank captures (accepted eager)
     te_layers_anywhere: bool = True
+    # the run's post-warmup step fired (TE graphs are captured there)
+    post_warmup_fired: bool = False
 
     # the step as the step hooks last said it, for a host that fires them without a
     # TrainingRun (no progress)

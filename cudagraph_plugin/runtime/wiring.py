@@ -185,6 +185,16 @@ class Wiring:
                     f"the TE capture at step {failed[1]} raised ({failed[2]}) and made no graph"
                 )
                 fix = "fix what made the capture fail (its traceback was raised at that step)"
+            elif not state.post_warmup_fired:
+                problem = (
+                    f"the run's post-warmup step, where TE graphs are captured, did not come by "
+                    f"step {step}: another plugin answered mcgraph_warmup_steps with None (or "
+                    "more steps), or the host fired the step hooks without a TrainingRun"
+                )
+                fix = (
+                    "let the CUDA graph plugin's warm-up answer stand (a wrapper returns it "
+                    "unchanged), or fire mcgraph_post_warmup_step at the step it answers"
+                )
             else:
                 problem = f"the TE capture at step {step} produced no graph"
                 fix = "check that the scope matches layers the model has"

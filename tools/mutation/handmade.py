@@ -704,8 +704,8 @@ MUTANTS = [
         "changed-warmup-answer-accepted",
         "a wrapper that changes the warm-up answer moves the post-warmup (TE capture) step",
         "cudagraph_plugin/runtime/plugin.py",
-        "        if step - start_step != own:\n",
-        "        if False:\n",
+        "        if step - start_step != own and self.state.active:",
+        "        if False:",
         (
             LIFECYCLE + "test_a_wrapper_that_changes_the_warmup_answer_is_refused_at_the_post_"
             "warmup_step",
@@ -713,14 +713,11 @@ MUTANTS = [
     ),
     Mutant(
         "blocked-run-object-accepted",
-        "a blocked part of the CUDA graph plugin leaves a run that asked for graphs eager, "
-        "exit 0",
+        "a blocked part of the CUDA graph plugin leaves a run that asked for graphs eager, exit 0",
         "cudagraph_plugin/entry.py",
         "        if pluginmanager.register(plugin) is None:\n",
         "        if pluginmanager.register(plugin) is None and False:\n",
-        (
-            LIFECYCLE + "test_blocking_a_part_of_the_plugin_is_refused_not_a_run_without_graphs",
-        ),
+        (LIFECYCLE + "test_blocking_a_part_of_the_plugin_is_refused_not_a_run_without_graphs",),
     ),
     Mutant(
         "bucket-over-position-embeddings-accepted",
