@@ -378,3 +378,50 @@ def test_a_field_whose_reading_raises_is_a_listed_problem_and_nothing_is_written
     with pytest.raises(ValueError, match=f"{shown} = <unreadable>: reading it raised"):
         CudaGraphPlugin.configure(config, None)
     assert config.rng.te_rng_tracker is False  # nothing written
+
+
+# -- config objects of other shapes (review of 2026-12-05, a config-object user) ------------
+
+
+def test_an_optimizer_section_without_an_optimizer_name_is_not_taken_for_the_name():
+    """``optimizer`` is read at ``optimizer.optimizer``, then at the top: a section without
+    the field was itself refused, "optimizer = {'lr': 0.0003}: not an optimizer name"."""
+    from cudagraph_plugin import check_config
+
+    model = {"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": "attn"}
+    result = check_config({"model": model, "optimizer": {"lr": 3e-4}})
+    assert result.problems == () and result.settings.optimizer == "adam"
+    assert check_config({"model": model, "optimizer": NS(lr=3e-4)}).problems == ()
+    named = check_config({"model": model, "optimizer": "sgd"})  # a flat config's name
+    assert named.settings.optimizer == "sgd"
+
+
+def test_a_setting_given_two_values_in_two_sections_is_said():
+    """The first path was read without a word; megatron-core picks the loss scaler from
+    OptimizerConfig.fp16, which the check did not read."""
+    from cudagraph_plugin import check_config
+
+    model = {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration", "fp16": False}
+    result = check_config({"model": model, "optimizer": {"fp16": True}})
+    assert [n for n in result.notes if "disagree" in n] == [
+        "model.fp16=False and optimizer.fp16=True disagree: the check reads the first, while "
+        "megatron-core reads each where the part it builds is given it (OptimizerConfig's "
+        "fp16 picks the loss scaler, say). Make them agree"
+    ]
+    agreeing = check_config({"model": model, "optimizer": {"fp16": False}})
+    assert not [n for n in agreeing.notes if "disagree" in n]
+
+
+def test_the_plugin_s_own_fields_are_read_beside_the_model_s_cuda_graph_fields():
+    """They were read at the top only: under ``model.`` they were ignored without a word."""
+    from cudagraph_plugin import check_config
+
+    model = {
+        "cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration",
+        "cuda_graph_fallback_on_slowdown": "maybe", "cuda_graph_baseline_steps": 4,
+    }  # fmt: skip
+    result = check_config({"model": model})
+    assert [(p.fields, p.problem) for p in result.problems] == [
+        (("model.cuda_graph_fallback_on_slowdown",), "not a boolean")
+    ]
+    assert result.settings.baseline_steps == 4

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
+from enum import Enum
 from typing import Any
 
 from cudagraph_plugin.config.vocabulary import SCOPE_FIELD_NAMES
@@ -161,14 +162,21 @@ FIELD_PATHS: dict[str, tuple[str, ...]] = {
         "optimizer.use_distributed_optimizer",
         "use_distributed_optimizer",
     ),
-    "report_json": ("cuda_graph_report_json",),
-    "fallback_on_slowdown": ("cuda_graph_fallback_on_slowdown",),
+    # the plugin's own fields: at the top, or beside the model's CUDA graph fields
+    "report_json": ("cuda_graph_report_json", "model.cuda_graph_report_json"),
+    "fallback_on_slowdown": (
+        "cuda_graph_fallback_on_slowdown",
+        "model.cuda_graph_fallback_on_slowdown",
+    ),
     "buckets": ("model.cuda_graph_buckets", "cuda_graph_buckets"),
-    "baseline_steps": ("cuda_graph_baseline_steps",),
-    "accept_eager": ("cuda_graph_accept_eager",),
-    "device_grad_norm": ("cuda_graph_device_grad_norm",),
-    "log_all_ranks": ("cuda_graph_log_all_ranks",),
-    "peer_exit_deadline": ("cuda_graph_peer_exit_deadline",),
+    "baseline_steps": ("cuda_graph_baseline_steps", "model.cuda_graph_baseline_steps"),
+    "accept_eager": ("cuda_graph_accept_eager", "model.cuda_graph_accept_eager"),
+    "device_grad_norm": ("cuda_graph_device_grad_norm", "model.cuda_graph_device_grad_norm"),
+    "log_all_ranks": ("cuda_graph_log_all_ranks", "model.cuda_graph_log_all_ranks"),
+    "peer_exit_deadline": (
+        "cuda_graph_peer_exit_deadline",
+        "model.cuda_graph_peer_exit_deadline",
+    ),
     "transformer_impl": ("model.transformer_impl", "transformer_impl"),
 }
 
@@ -223,15 +231,23 @@ def lookup(config: Any, setting: str) -> tuple[Any, str | None]:
     path has a value, so messages name the field the user wrote.
     """
     first_none: str | None = None
-    for path in FIELD_PATHS[setting]:
+    paths = FIELD_PATHS[setting]
+    for path in paths:
         value = resolve(config, path)
         if value is MISSING:
             continue
+        if _section(value) and any(other.startswith(path + ".") for other in paths):
+            continue  # (``optimizer``: the section the setting was looked for in, not a value)
         if value is None and setting in _SKIP_NONE:
             first_none = first_none or path
             continue
         return value, path
     return None, first_none
+
+
+def _section(value: Any) -> bool:
+    """A part of a nested config (a mapping, a dataclass or other object), not a value."""
+    return not isinstance(value, (str, bytes, int, float, Enum)) and value is not None
 
 
 def existing_paths(config: Any, setting: str) -> list[str]:

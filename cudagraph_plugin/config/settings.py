@@ -11,6 +11,7 @@ Pure Python: no torch, no megatron import.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -128,6 +129,9 @@ class Settings:
     # megatron-core 0.18+'s impl full_iteration (read as local with scope full_iteration)
     full_iteration_impl: bool = False
     input_problems: tuple[FieldProblem, ...] = ()
+    # a setting found in two places with two values ("model.fp16=False", "optimizer.fp16=True"):
+    # the first is read; megatron-core may read the other where it builds that part
+    disagreements: tuple[tuple[str, str], ...] = ()
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
     paths: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -233,6 +237,27 @@ def _scope_conflict(config: Any) -> tuple[tuple[str, str], ...]:
     return ()
 
 
+def _disagreeing(config: Any, setting: str, read: str, value: Any) -> list[tuple[str, str]]:
+    """The other places ``setting`` is given with another value than ``value`` (read from
+    ``read``), as ``("read=value", "other=value")`` pairs; unreadable ones are left out."""
+    found = []
+    for path in FIELD_PATHS[setting]:
+        if path == read or path.startswith(read + "."):
+            continue
+        other = resolve(config, path)
+        if other is MISSING or other is None or isinstance(other, Unreadable):
+            continue
+        with contextlib.suppress(ValueError):
+            if normalise(setting, other) not in (value, MISSING):
+                found.append(
+                    (
+                        f"{display_name(config, read)}={value!r}",
+                        f"{display_name(config, path)}={other!r}",
+                    )
+                )
+    return found
+
+
 def read_settings(config: Any) -> Settings:
     """Read :class:`Settings` from a host config of any supported shape (duck-typed).
 
@@ -243,6 +268,7 @@ def read_settings(config: Any) -> Settings:
     sources: dict[str, str] = {}
     paths: dict[str, str] = {}
     problems: list[FieldProblem] = []
+    disagreements: list[tuple[str, str]] = []
     for setting in FIELD_PATHS:
         value, path = lookup(config, setting)
         if path is None:
@@ -270,6 +296,7 @@ def read_settings(config: Any) -> Settings:
             continue
         if value is not MISSING:
             values[setting] = value
+            disagreements += _disagreeing(config, setting, path, value)
     if "batch_p2p_comm" not in paths and values.get("overlap_p2p_comm") is not None:
         # Megatron-LM builds batch_p2p_comm=not overlap_p2p_comm, and its validate_args turns
         # the overlap off without virtual stages; it also derives the virtual stages there
@@ -319,6 +346,7 @@ def read_settings(config: Any) -> Settings:
         full_iteration_impl=given_impl == "full_iteration",
         scope_conflict=_scope_conflict(config),
         input_problems=tuple(problems),
+        disagreements=tuple(disagreements),
         sources=sources,
         paths=paths,
     )

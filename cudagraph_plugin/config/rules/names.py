@@ -6,7 +6,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from cudagraph_plugin.config.environment import Environment
-from cudagraph_plugin.config.errors import BRIDGE, MCORE, MCORE_16, MCORE_19, MLM, Violation
+from cudagraph_plugin.config.errors import (
+    BRIDGE,
+    MCORE,
+    MCORE_16,
+    MCORE_19,
+    MLM,
+    Note,
+    Violation,
+)
 from cudagraph_plugin.config.rules.base import did_you_mean, rule, scope_value, violation
 from cudagraph_plugin.config.settings import Settings
 from cudagraph_plugin.config.vocabulary import DEPRECATED_SCOPES, IMPLS, SCOPES, TE_SCOPES
@@ -15,9 +23,15 @@ from cudagraph_plugin.config.vocabulary import DEPRECATED_SCOPES, IMPLS, SCOPES,
 
 
 @rule
-def field_values(s: Settings, env: Environment) -> Iterator[Violation]:
+def field_values(s: Settings, env: Environment) -> Iterator[Violation | Note]:
     for p in s.input_problems:
         yield Violation((s.field(p.setting),), repr(p.value), p.problem, p.fix)
+    for read, other in s.disagreements:  # (said, not refused: each part may be right)
+        yield Note(
+            f"{read} and {other} disagree: the check reads the first, while megatron-core "
+            "reads each where the part it builds is given it (OptimizerConfig's fp16 picks "
+            "the loss scaler, say). Make them agree"
+        )
 
 
 # -- impl and scope names ---------------------------------------------------------------------
