@@ -425,3 +425,51 @@ def test_the_plugin_s_own_fields_are_read_beside_the_model_s_cuda_graph_fields()
         (("model.cuda_graph_fallback_on_slowdown",), "not a boolean")
     ]
     assert result.settings.baseline_steps == 4
+
+
+def test_auto_fixes_are_written_all_or_nothing():
+    """A field the config refuses (a frozen section) raised FrozenInstanceError after the
+    fixes before it were written and logged: the config was left half-changed, although a
+    configuration that fails is left as it was."""
+    import dataclasses
+
+    from cudagraph_plugin import CudaGraphConfigError, check_config
+
+    @dataclasses.dataclass(frozen=True)
+    class FrozenRng:
+        te_rng_tracker: bool = False
+
+    config = NS(
+        model=NS(cuda_graph_impl="transformer_engine", cuda_graph_scope="attn, mlp"),
+        rng=FrozenRng(),
+    )
+    checked = check_config(config, environ={})
+    assert checked.ok and len(checked.autofixes) >= 2
+    environ: dict[str, str] = {}
+    with pytest.raises(CudaGraphConfigError) as refused:
+        checked.apply(config, environ)
+    assert (config.model.cuda_graph_scope, vars(config.model).get("use_te_rng_tracker")) == (
+        "attn, mlp",
+        None,
+    )
+    [problem] = refused.value.violations
+    assert problem.fields == ("rng.te_rng_tracker",)
+    assert "but the config refuses the write (FrozenInstanceError: " in problem.problem
+    assert problem.fix.startswith("set rng.te_rng_tracker=True yourself before the run")
+
+
+def test_a_report_path_that_is_not_a_path_is_a_problem_of_the_check():
+    """``cuda_graph_report_json=True`` passed the check, then failed when the run started,
+    "TypeError: expected str, bytes or os.PathLike object, not bool"."""
+    from pathlib import Path
+
+    from cudagraph_plugin import check_config
+
+    graphs = {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"}
+    [problem] = check_config({**graphs, "cuda_graph_report_json": True}).problems
+    assert (problem.fields, problem.value, problem.problem) == (
+        ("cuda_graph_report_json",),
+        "True",
+        "not a file path (bool)",
+    )
+    assert check_config({**graphs, "cuda_graph_report_json": Path("r.json")}).ok

@@ -17,6 +17,7 @@ Pure Python: no torch, no megatron import.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -216,8 +217,14 @@ def write_fixes(
     dry_run: bool = False,
 ) -> list[str]:
     """Write ``fixes`` into ``config`` (and ``environ``, ``os.environ`` by default), logging
-    each once; with ``dry_run`` only log what would be written. Returns the messages."""
+    each once; with ``dry_run`` only log what would be written. Returns the messages.
+
+    All or nothing: a field the config refuses to take (a frozen dataclass, a read-only
+    mapping) puts back the ones written before it and raises :class:`CudaGraphConfigError`
+    naming it; the environment is written only after every config field was."""
     env = os.environ if environ is None else environ
+    if not dry_run:
+        _write_all(config, [fix for fix in fixes if not fix.environment])
     for fix in fixes:
         if fix.environment:
             if not dry_run:
@@ -229,12 +236,36 @@ def write_fixes(
                 extra=JOB_WIDE,
             )
         else:
-            if not dry_run:
-                assign(config, fix.path, fix.value)
             logger.warning(
                 "auto-fix: %s%s", "(dry run) would " if dry_run else "", fix.message, extra=JOB_WIDE
             )
     return [fix.message for fix in fixes]
+
+
+def _write_all(config: Any, fixes: list[AutoFix]) -> None:
+    written: list[tuple[str, Any]] = []
+    for fix in fixes:
+        before = resolve(config, fix.path)
+        try:
+            assign(config, fix.path, fix.value)
+        except Exception as error:
+            for path, value in reversed(written):  # (as the config was; best effort)
+                with contextlib.suppress(Exception):
+                    assign(config, path, value)
+            name = display_name(config, fix.path)
+            raise CudaGraphConfigError(
+                [
+                    Violation(
+                        (name,),
+                        repr(before),
+                        f"the run must set it ({fix.message}), but the config refuses the "
+                        f"write ({type(error).__name__}: {error}); nothing was changed",
+                        f"set {name}={fix.value!r} yourself before the run, or give the run "
+                        "a config whose fields can be set",
+                    )
+                ]
+            ) from None
+        written.append((fix.path, before))
 
 
 def apply_autofixes(config: Any, settings: Settings) -> list[str]:

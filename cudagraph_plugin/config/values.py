@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -303,9 +304,19 @@ def _to_optimizer_name(value: Any) -> str:
     return value
 
 
+def _to_path(value: Any) -> Any:
+    """The report's path: a string or a path object, kept as given (``""``: no report)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise _Unreadable(
+            f"not a file path ({type(value).__name__})",
+            "give the report's path as a string, e.g. report.json, or leave it out",
+        )
+    return value
+
+
 # setting -> (parser, optional). ``optional``: None and the words none/null/"" mean "not set"
 # (the setting stays None); otherwise None means "use the default". Settings not listed are
-# taken as given (impl and scope have their own handling, report_json is a path).
+# taken as given (impl and scope have their own handling).
 _PARSERS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "impl": (_to_name, False),
     "warmup_steps": (_WARMUP, False),
@@ -337,6 +348,7 @@ _PARSERS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "buckets": (_to_buckets, True),
     "baseline_steps": (_to_int(0, 10), True),
     "peer_exit_deadline": (_to_deadline, False),
+    "report_json": (_to_path, False),
     "grad_norm_skip_threshold": (_to_limit, True),
     "main_params_dtype": (_to_dtype_name, True),
     "exp_avg_dtype": (_to_dtype_name, True),
