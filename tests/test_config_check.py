@@ -473,3 +473,34 @@ def test_a_report_path_that_is_not_a_path_is_a_problem_of_the_check():
         "not a file path (bool)",
     )
     assert check_config({**graphs, "cuda_graph_report_json": Path("r.json")}).ok
+
+
+@pytest.mark.parametrize("spelling", ["tuple of members", "mixed list", "set"])
+def test_scope_forms_megatron_core_refuses_are_rewritten_and_then_build(spelling):
+    """A tuple of enum members, a list mixing members and names, a set: the check said OK
+    and planned no rewrite, and megatron-core's TransformerConfig asserted on each ("must
+    be a string that can be converted to a list of CudaGraphScope"). A string warm-up was
+    left a string, which megatron-core's TE helper computes with (TypeError)."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import CudaGraphScope
+
+    from cudagraph_plugin import check_config
+
+    attn, mlp = CudaGraphScope.attn, CudaGraphScope.mlp
+    scope = {"tuple of members": (attn, mlp), "mixed list": [attn, "mlp"], "set": {"attn"}}
+    model = {
+        "cuda_graph_impl": "transformer_engine", "cuda_graph_scope": scope[spelling],
+        "cuda_graph_warmup_steps": "5",
+    }  # fmt: skip
+
+    def build():  # (megatron-core parses the scope whatever the impl; local needs no TE)
+        fields = dict(model, cuda_graph_impl="local")
+        return TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, **fields)
+
+    with pytest.raises(AssertionError, match="cuda_graph_scope must be"):
+        build()
+    config = {"model": model}
+    check_config(config, te_version="2.12", environ={}).apply(config, environ={})
+    assert model["cuda_graph_warmup_steps"] == 5 and isinstance(model["cuda_graph_scope"], list)
+    built = build()
+    assert set(built.cuda_graph_scope) <= {attn, mlp} and built.cuda_graph_warmup_steps == 5

@@ -35,7 +35,7 @@ from cudagraph_plugin.config.errors import CudaGraphConfigError, Violation
 from cudagraph_plugin.config.fields import assign, display_name, existing_paths, resolve
 from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.config.settings import Settings
-from cudagraph_plugin.config.values import parse_scope, to_bool
+from cudagraph_plugin.config.values import normalise, parse_scope, to_bool
 
 logger = logging.getLogger("cudagraph_plugin")
 
@@ -128,25 +128,41 @@ def plan_autofixes(config: Any, settings: Settings, *, harness: bool = False) ->
 
 
 def _respelled(config: Any) -> list[AutoFix]:
-    """The impl and scope fields in a spelling megatron-core parses, where the host wrote one
-    only the plugin reads: spaces around names (``"attn, mlp"``: megatron-core splits on the
-    commas alone, ``KeyError: ' mlp'``; in a list each item is looked up as written), a
-    list item holding several names (``["attn,mlp"]``) and a tuple of names (it asserts a
-    string or a list). That matters wherever megatron-core parses the host's own field (a Bridge
+    """The impl and scope fields in a spelling megatron-core parses, where the host wrote
+    one only the plugin reads: spaces around names (``"attn, mlp"``: megatron-core splits
+    on the commas alone, ``KeyError: ' mlp'``; in a list each item is looked up as
+    written), a list item holding several names (``["attn,mlp"]``), a tuple or a set of
+    names or enum members, or a list mixing the two (it asserts a string, a list of names
+    or a list of members); and a warm-up given as a string (``"5"``: megatron-core computes
+    with it). That matters wherever megatron-core parses the host's own field (a Bridge
     provider, a TransformerConfig built from the host's dict)."""
     fixes: list[AutoFix] = []
-    for setting in ("impl", "scope"):
+    for setting in ("impl", "scope", "warmup_steps"):
         for path in existing_paths(config, setting):
             value = resolve(config, path)
-            if isinstance(value, str):
+            if setting == "warmup_steps":
+                # (megatron-core computes with it: a string fails in its TE helper)
+                if not isinstance(value, str):
+                    continue
+                try:
+                    tidy: Any = normalise(setting, value)
+                except ValueError:
+                    continue  # (a problem of its own)
+            elif isinstance(value, str):
                 names = value.split(",") if setting == "scope" else [value]
-                tidy: Any = ",".join(name.strip() for name in names)
-            elif (
-                setting == "scope"
-                and isinstance(value, list | tuple)
-                and all(isinstance(item, str) for item in value)
-            ):  # megatron-core looks each item up as written (enum members are left alone)
-                tidy = [name.strip() for item in value for name in item.split(",")]
+                tidy = ",".join(name.strip() for name in names)
+            elif setting == "scope" and isinstance(value, list | tuple | set | frozenset):
+                if isinstance(value, list) and value and not any(isinstance(i, str) for i in value):
+                    continue  # a list of enum members: megatron-core's own form
+                # megatron-core takes a list of names or of enum members, not a tuple, a set
+                # or a mix; each name is looked up as written
+                tidy = [
+                    name.strip()
+                    for item in value
+                    for name in (
+                        item.split(",") if isinstance(item, str) else [getattr(item, "name", item)]
+                    )
+                ]
             else:
                 continue
             if tidy != value:  # (a tuple never equals a list: written as one)
