@@ -120,3 +120,32 @@ def test_te_without_an_optimizer_gives_the_helper_no_optimizer(rng_tracker, te_h
     state = state_for(TE, [SimpleNamespace(zero_grad_buffer=lambda: None)])
     build.build_model_graphs(state, compat.DDPBuildContext(False), optimizer=optimizer)
     assert te_helper.made[-1].optimizers == [optimizer]
+
+
+def test_scope_names_written_into_a_built_transformer_config_are_refused(rng_tracker):
+    """(review of 2026-12-05: the harness overrides applied to a finalised TransformerConfig
+    wrote ``['full_iteration']`` as names; the plugin's reading took them, megatron-core's
+    ``CudaGraphScope.full_iteration in config.cuda_graph_scope`` did not, and the model was
+    treated as a per-layer one.)"""
+    from megatron.core.transformer import TransformerConfig
+
+    from cudagraph_plugin.cli.overrides import apply_overrides
+
+    rng_tracker(True)
+    built = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
+    apply_overrides(built, cuda_graph_impl="local", cuda_graph_scope="full_iteration")
+    state = state_for(FULL, [], built)
+    with pytest.raises(CudaGraphConfigError) as refused:
+        build.build_model_graphs(state, compat.DDPBuildContext(True), optimizer=None)
+    [problem] = refused.value.violations
+    assert (problem.fields, problem.value) == (
+        ("TransformerConfig.cuda_graph_scope",),
+        "['full_iteration']",
+    )
+    assert problem.fix.startswith("set the CUDA graph fields before the TransformerConfig is")
+    # the same fields given before the build are megatron-core's members: no problem
+    made = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, cuda_graph_impl="local",
+        cuda_graph_scope="full_iteration", use_te_rng_tracker=True,
+    )  # fmt: skip
+    build.build_model_graphs(state_for(FULL, [], made), compat.DDPBuildContext(True), None)

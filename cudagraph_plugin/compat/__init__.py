@@ -65,7 +65,12 @@ from cudagraph_plugin.compat.full_iteration import (
     single_mempool,
     static_buffer,
 )
-from cudagraph_plugin.compat.generation import model_config_kwargs, new_generation, versions
+from cudagraph_plugin.compat.generation import (
+    model_config_kwargs,
+    new_generation,
+    scope_names_after_build,
+    versions,
+)
 from cudagraph_plugin.compat.optimizer import (
     free_optimizer_graph,
     grad_norm_on_device,
@@ -165,6 +170,7 @@ __all__ = [
     "reset_full_iteration_counters",
     "reset_optimizer_graph_counters",
     "rng_tracker_state",
+    "scope_names_after_build",
     "single_mempool",
     "static_buffer",
     "te_available",

@@ -336,6 +336,20 @@ def _built_config_problems(
                 "build the TransformerConfig with run.model_config_kwargs(base=...)",
             )
         )
+    names = compat.scope_names_after_build(model_config)
+    if names:
+        violations.append(
+            Violation(
+                ("TransformerConfig.cuda_graph_scope",),
+                repr(names),
+                "the built TransformerConfig's scope holds names, not megatron-core's enum "
+                "members: it was set after the config was built (its __post_init__ converts "
+                "them), and megatron-core's own checks do not find them (a full-iteration "
+                "model is taken for a per-layer one)",
+                "set the CUDA graph fields before the TransformerConfig is built "
+                "(run.model_config_kwargs, or the harness overrides on the recipe)",
+            )
+        )
     for name, have in (("seq_length", seq_length), ("micro_batch_size", mbs)):
         want = getattr(settings, name)
         if want is not None and want != have:
