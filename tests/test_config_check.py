@@ -504,3 +504,26 @@ def test_scope_forms_megatron_core_refuses_are_rewritten_and_then_build(spelling
     assert model["cuda_graph_warmup_steps"] == 5 and isinstance(model["cuda_graph_scope"], list)
     built = build()
     assert set(built.cuda_graph_scope) <= {attn, mlp} and built.cuda_graph_warmup_steps == 5
+
+
+def test_with_graphs_off_buckets_and_the_baseline_are_said_and_change_nothing():
+    """(review of 2026-12-05: an eager baseline of a bucketed recipe was refused, "buckets
+    are full-iteration graphs", beside fallback's note, which was a problem with buckets
+    too; and --cuda-graph-baseline-steps 5 moved the warm-up answer to 6, the post-warmup
+    step of other plugins with it, in a run that captures nothing.)"""
+    from cudagraph_plugin import check_config
+
+    model = {"cuda_graph_impl": "none", "cuda_graph_warmup_steps": 0, "cuda_graph_buckets": "8,16"}
+    config = {"model": model, "cuda_graph_baseline_steps": 5, "cuda_graph_fallback_on_slowdown": 1}
+    result = check_config(config)
+    assert result.ok and result.settings.warmup_steps == 0
+    assert [n.split(" has ")[0] for n in result.notes if "nothing to do" in n] == [
+        "model.cuda_graph_buckets",
+        "cuda_graph_fallback_on_slowdown",
+        "cuda_graph_baseline_steps",
+    ]
+    graphs_on = dict(model, cuda_graph_impl="local", cuda_graph_scope="full_iteration")
+    assert (
+        check_config({"model": graphs_on, "cuda_graph_baseline_steps": 5}).settings.warmup_steps
+        == 6
+    )

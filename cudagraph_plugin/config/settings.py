@@ -317,7 +317,7 @@ def read_settings(config: Any) -> Settings:
         given = sources.get("recompute_modules", "recompute_modules")
         sources["recompute_modules"] = f"{given} (+moe from {sources['moe_layer_recompute']})"
     baseline = values.get("baseline_steps")
-    if baseline is not None:
+    if baseline is not None and values.get("impl", "none") != "none":  # (graphs off: no capture)
         given = values.get("warmup_steps", DEFAULT_WARMUP_STEPS)
         if given < baseline + 1:
             # eager steps measured before the capture, the run's first one left out

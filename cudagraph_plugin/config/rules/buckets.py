@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from cudagraph_plugin.config.environment import Environment
-from cudagraph_plugin.config.errors import Violation
+from cudagraph_plugin.config.errors import Note, Violation
 from cudagraph_plugin.config.rules.base import rule, scope_value, violation
 from cudagraph_plugin.config.settings import Settings
 
@@ -20,6 +20,12 @@ def _buckets_value(s: Settings) -> str:
 @rule
 def _buckets(s: Settings, env: Environment) -> Iterator[Violation]:
     if not s.buckets:
+        return
+    if not s.enabled:  # (an eager baseline of a bucketed recipe pads to them: said, not refused)
+        yield Note(
+            f"{s.field('buckets')} has nothing to do with CUDA graphs off "
+            f"({s.field('impl')}={s.impl})"
+        )
         return
     if not (s.impl == "local" and s.full_iteration):
         yield violation(
