@@ -441,9 +441,9 @@ class TrainingRun(RunSignals):
     def step_padded(self, *, seq_length: int, real_tokens: int, padded_tokens: int) -> None:
         """Tell the plugins this step's micro-batches were padded to ``seq_length`` (call it
         inside ``train_step``, the step whose training call takes them; once per micro-batch
-        is fine, the counts add up). The numbers reach the plugins as ints: a whole number
-        held as a float or in a one-element tensor is taken (``loss_mask.sum()``), a
-        fraction, ``None`` or a negative count is refused."""
+        is fine, the counts add up). The numbers reach the plugins as ints: a token count
+        held as a whole float or in a one-element tensor is taken (``loss_mask.sum()``), a
+        fraction, ``None`` or a negative count is refused; ``seq_length`` is an int."""
         self._check_active()
         where = "TrainingRun.step_padded"
         if self._running_step is None:

@@ -925,3 +925,11 @@ def test_the_help_lists_each_spelling_of_a_flag_once():
     assert build_parser().parse_args(["--fp16", "--optimizer", "sgd"]).fp16 is True
     # two-word flags keep both spellings
     assert build_parser().parse_args(["--use_distributed_optimizer"]).use_distributed_optimizer
+
+
+def test_the_check_command_plans_no_warmup_rewrite_for_its_own_string():
+    """Its lenient parser keeps the warm-up a string; Megatron-LM's parser has ints: the
+    command said "auto-fix: set --cuda-graph-warmup-steps=5 (was '5' ...)" on every line."""
+    code, out = check([*DENSE_FULL_ITERATION, "--cuda-graph-warmup-steps", "5"])
+    assert code == 0
+    assert "cuda-graph-warmup-steps=5 (was" not in out and "warmup=5" in out

@@ -527,3 +527,30 @@ def test_with_graphs_off_buckets_and_the_baseline_are_said_and_change_nothing():
         check_config({"model": graphs_on, "cuda_graph_baseline_steps": 5}).settings.warmup_steps
         == 6
     )
+
+
+def test_second_review_of_the_config_object_changes():
+    """(review of this session's second batch) An int or None in a scope tuple crashed the
+    check in the respelling (AttributeError) where it is a listed problem; a set was
+    rewritten in hash order; a list and a tuple of the same items, or a path and its
+    string, were said to disagree; ``cuda_graph_report_json: false`` (a YAML "off") was
+    refused."""
+    from pathlib import Path
+
+    from cudagraph_plugin import check_config
+
+    for scope in (("attn", 3), ["attn", None]):
+        refused = check_config(NS(cuda_graph_impl="transformer_engine", cuda_graph_scope=scope))
+        assert not refused.ok
+    fixed = check_config({"model": {"cuda_graph_impl": "transformer_engine",
+                                    "cuda_graph_scope": {"mlp", "attn"}}}, environ={})  # fmt: skip
+    [respelled] = [f for f in fixed.autofixes if f.path == "model.cuda_graph_scope"]
+    assert respelled.value == ["attn", "mlp"]
+    alike = {
+        "model": {"moe_layer_freq": [1, 0], "cuda_graph_report_json": "a.json"},
+        "moe_layer_freq": (1, 0), "cuda_graph_report_json": Path("a.json"),
+    }  # fmt: skip
+    assert not [n for n in check_config(alike).notes if "disagree" in n]
+    off = check_config({"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration",
+                        "cuda_graph_report_json": False})  # fmt: skip
+    assert off.ok and not off.settings.report_json

@@ -66,15 +66,17 @@ def model_config_kwargs(impl: str, scope: tuple[str, ...], warmup_steps: int) ->
     return kwargs
 
 
-def scope_names_after_build(model_config: Any) -> list[str]:
-    """The names (strings) in a built ``TransformerConfig``'s scope field, where
-    ``__post_init__`` makes enum members of them: strings there were written after the build
-    (an override applied to the finalised config), and megatron-core's own checks
-    (``CudaGraphScope.full_iteration in config.cuda_graph_scope``) do not see them."""
+def scope_names_after_build(model_config: Any) -> tuple[str, list[str]]:
+    """The scope field of the installed generation, and the names (strings) in it in a
+    built ``TransformerConfig``, whose ``__post_init__`` makes enum members of them: strings
+    there were written after the build (an override applied to the finalised config), and
+    megatron-core's own checks (``CudaGraphScope.full_iteration in config.cuda_graph_scope``)
+    do not see them."""
     from megatron.core.transformer import TransformerConfig
 
-    if not isinstance(model_config, TransformerConfig):
-        return []
     field = "cuda_graph_modules" if new_generation() else "cuda_graph_scope"
+    if not isinstance(model_config, TransformerConfig):
+        return field, []
     value = getattr(model_config, field, None)
-    return [item for item in value if isinstance(item, str)] if isinstance(value, list) else []
+    names = [item for item in value if isinstance(item, str)] if isinstance(value, list) else []
+    return field, names

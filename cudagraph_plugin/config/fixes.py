@@ -17,6 +17,7 @@ Pure Python: no torch, no megatron import.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import logging
@@ -141,8 +142,9 @@ def _respelled(config: Any) -> list[AutoFix]:
         for path in existing_paths(config, setting):
             value = resolve(config, path)
             if setting == "warmup_steps":
-                # (megatron-core computes with it: a string fails in its TE helper)
-                if not isinstance(value, str):
+                # (megatron-core computes with it: a string fails in its TE helper; a command
+                # line's is the check command's lenient reading, Megatron-LM's parser has ints)
+                if not isinstance(value, str) or isinstance(config, argparse.Namespace):
                     continue
                 try:
                     tidy: Any = normalise(setting, value)
@@ -154,15 +156,13 @@ def _respelled(config: Any) -> list[AutoFix]:
             elif setting == "scope" and isinstance(value, list | tuple | set | frozenset):
                 if isinstance(value, list) and value and not any(isinstance(i, str) for i in value):
                     continue  # a list of enum members: megatron-core's own form
+                items = sorted(value, key=str) if isinstance(value, set | frozenset) else value
+                names = [i if isinstance(i, str) else getattr(i, "name", None) for i in items]
+                if not all(isinstance(name, str) for name in names):
+                    continue  # (an item that is no name: validation says what is wrong)
                 # megatron-core takes a list of names or of enum members, not a tuple, a set
                 # or a mix; each name is looked up as written
-                tidy = [
-                    name.strip()
-                    for item in value
-                    for name in (
-                        item.split(",") if isinstance(item, str) else [getattr(item, "name", item)]
-                    )
-                ]
+                tidy = [part.strip() for name in names for part in name.split(",")]
             else:
                 continue
             if tidy != value:  # (a tuple never equals a list: written as one)
@@ -275,7 +275,8 @@ def _write_all(config: Any, fixes: list[AutoFix]) -> None:
                         (name,),
                         repr(before),
                         f"the run must set it ({fix.message}), but the config refuses the "
-                        f"write ({type(error).__name__}: {error}); nothing was changed",
+                        f"write ({type(error).__name__}: {error}); none of the auto-fixes "
+                        "was written",
                         f"set {name}={fix.value!r} yourself before the run, or give the run "
                         "a config whose fields can be set",
                     )

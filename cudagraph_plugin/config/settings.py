@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -248,7 +249,7 @@ def _disagreeing(config: Any, setting: str, read: str, value: Any) -> list[tuple
         if other is MISSING or other is None or isinstance(other, Unreadable):
             continue
         with contextlib.suppress(ValueError):
-            if normalise(setting, other) not in (value, MISSING):
+            if not _same(normalise(setting, other), value):
                 found.append(
                     (
                         f"{display_name(config, read)}={value!r}",
@@ -256,6 +257,17 @@ def _disagreeing(config: Any, setting: str, read: str, value: Any) -> list[tuple
                     )
                 )
     return found
+
+
+def _same(read: Any, value: Any) -> bool:
+    """Two read values alike: a list and a tuple of the same items, a path and its string."""
+    if read is MISSING:
+        return True
+    if isinstance(read, list | tuple) and isinstance(value, list | tuple):
+        return tuple(read) == tuple(value)
+    if isinstance(read, os.PathLike | str) and isinstance(value, os.PathLike | str):
+        return os.fspath(read) == os.fspath(value)
+    return bool(read == value)
 
 
 def read_settings(config: Any) -> Settings:

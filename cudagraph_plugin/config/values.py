@@ -305,7 +305,10 @@ def _to_optimizer_name(value: Any) -> str:
 
 
 def _to_path(value: Any) -> Any:
-    """The report's path: a string or a path object, kept as given (``""``: no report)."""
+    """The report's path: a string or a path object, kept as given (``""`` or ``False``:
+    no report, as a YAML recipe's "off")."""
+    if value is False:
+        return ""
     if not isinstance(value, (str, os.PathLike)):
         raise _Unreadable(
             f"not a file path ({type(value).__name__})",

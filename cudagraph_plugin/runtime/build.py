@@ -336,11 +336,11 @@ def _built_config_problems(
                 "build the TransformerConfig with run.model_config_kwargs(base=...)",
             )
         )
-    names = compat.scope_names_after_build(model_config)
+    field, names = compat.scope_names_after_build(model_config)
     if names:
         violations.append(
             Violation(
-                ("TransformerConfig.cuda_graph_scope",),
+                (f"TransformerConfig.{field}",),
                 repr(names),
                 "the built TransformerConfig's scope holds names, not megatron-core's enum "
                 "members: it was set after the config was built (its __post_init__ converts "
