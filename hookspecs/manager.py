@@ -288,16 +288,17 @@ def _block(pm: McgraphPluginManager, installed: dict[str, str | None]) -> None:
     }
     for name in blocked_plugin_names():
         pm.set_blocked(name)
+        owner, _, kind = name.partition(":")  # (``plugin:Class``: an object it registers)
         if name in installed:
             logger.info("plugin %r is blocked by %s", name, BLOCK_ENV_VAR)
-        elif name.partition(":")[0] in installed and name.partition(":")[2]:
+        elif owner in installed and kind:
             logger.info(
                 "%r, an object plugin %r registers for a run, is blocked by %s (plugin %r "
                 "itself loads)",
                 name,
-                name.partition(":")[0],
+                owner,
                 BLOCK_ENV_VAR,
-                name.partition(":")[0],
+                owner,
             )
         elif _canonical_distribution(name) in by_distribution:
             plugin = by_distribution[_canonical_distribution(name)]

@@ -62,10 +62,11 @@ def _hint(parser: argparse.ArgumentParser, message: str) -> str:
         return f"\n  hint: a value starting with '-' is given as {flag}=VALUE"
     if not message.startswith("unrecognized arguments: "):
         return ""
-    known = [flag for flag in parser._option_string_actions if flag.startswith("--")]
+    known = _known_flags(parser)
+    unknown = message.removeprefix("unrecognized arguments: ").split()
     hints = []
     after_flag = False  # the values of an unknown flag are unrecognized too; no hint for them
-    for token in message.removeprefix("unrecognized arguments: ").split():
+    for token in unknown:
         if token.startswith("-"):
             close = difflib.get_close_matches(token.split("=")[0], known, n=1)
             if close:
@@ -75,13 +76,16 @@ def _hint(parser: argparse.ArgumentParser, message: str) -> str:
                 f"{token}: a value without a flag; only {', '.join(LIST_FLAGS)} take several values"
             )
         after_flag = token.startswith("-")
-    unknown = message.removeprefix("unrecognized arguments: ").split()
     if any(_is_flag(t) and not t.startswith(OWN_NAMESPACE) for t in unknown):
         hints.append(
             f"checking a whole Megatron-LM command line? add {SKIP_FLAG}: the flags this check "
             "does not read are then named in a note and skipped"
         )
     return "".join(f"\n  hint: {hint}" for hint in hints)
+
+
+def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
+    return [flag for flag in parser._option_string_actions if flag.startswith("--")]
 
 
 def _is_flag(token: str) -> bool:
@@ -100,7 +104,7 @@ def _skip_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> str | 
     """The note naming the flags (and their values) a ``--skip-unknown-flags`` check skips;
     a broken command line (an unknown flag in the plugin's own namespace, or a value that
     follows no unknown flag) goes to ``parser.error`` as without the option."""
-    known = [flag for flag in parser._option_string_actions if flag.startswith("--")]
+    known = _known_flags(parser)
     broken, skipped = [], []
     in_unknown_flag = False
     for token in unknown:
@@ -300,11 +304,9 @@ def run_check(argv: Sequence[str] | None = None, out: Any = None, prog: str | No
     out = out or sys.stdout
     parser = build_parser(prog)
     args, unknown = parser.parse_known_args(argv)
-    skipped = None
     if unknown and not args.skip_unknown_flags:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # (what parse_args says)
-    if unknown:
-        skipped = _skip_unknown(parser, unknown)
+    skipped = _skip_unknown(parser, unknown) if unknown else None
     te_version, own_problems = _own_flags(args)
     given = args.te_version is not None and te_version is not None
     installed = environment.installed_te_version()
@@ -335,7 +337,7 @@ def run_check(argv: Sequence[str] | None = None, out: Any = None, prog: str | No
         print(f"  {fix_label}: {fix.message}", file=out)
     for note in result.advice:
         print(f"  advice: {note}", file=out)
-    for note in [*([skipped] if skipped else []), *result.notes]:
+    for note in ([skipped] if skipped else []) + list(result.notes):
         print(f"  note: {note}", file=out)
     if problems:
         print(str(CudaGraphConfigError(problems)), file=out)

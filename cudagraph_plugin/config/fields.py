@@ -162,21 +162,21 @@ FIELD_PATHS: dict[str, tuple[str, ...]] = {
         "optimizer.use_distributed_optimizer",
         "use_distributed_optimizer",
     ),
-    # the plugin's own fields: at the top, or beside the model's CUDA graph fields
-    "report_json": ("cuda_graph_report_json", "model.cuda_graph_report_json"),
-    "fallback_on_slowdown": (
-        "cuda_graph_fallback_on_slowdown",
-        "model.cuda_graph_fallback_on_slowdown",
-    ),
+    # the plugin's own fields (cuda_graph_<setting>): at the top, or beside the model's CUDA
+    # graph fields
+    **{
+        setting: (f"cuda_graph_{setting}", f"model.cuda_graph_{setting}")
+        for setting in (
+            "report_json",
+            "fallback_on_slowdown",
+            "baseline_steps",
+            "accept_eager",
+            "device_grad_norm",
+            "log_all_ranks",
+            "peer_exit_deadline",
+        )
+    },
     "buckets": ("model.cuda_graph_buckets", "cuda_graph_buckets"),
-    "baseline_steps": ("cuda_graph_baseline_steps", "model.cuda_graph_baseline_steps"),
-    "accept_eager": ("cuda_graph_accept_eager", "model.cuda_graph_accept_eager"),
-    "device_grad_norm": ("cuda_graph_device_grad_norm", "model.cuda_graph_device_grad_norm"),
-    "log_all_ranks": ("cuda_graph_log_all_ranks", "model.cuda_graph_log_all_ranks"),
-    "peer_exit_deadline": (
-        "cuda_graph_peer_exit_deadline",
-        "model.cuda_graph_peer_exit_deadline",
-    ),
     "transformer_impl": ("model.transformer_impl", "transformer_impl"),
 }
 
