@@ -42,7 +42,8 @@ from cudagraph_plugin.runtime.invalidation import Invalidation
 from cudagraph_plugin.runtime.measurement import Measurement
 from cudagraph_plugin.runtime.release import ReleaseStep
 from cudagraph_plugin.runtime.release_plan import ReleasePlan
-from cudagraph_plugin.runtime.report import Reporter, RunReport
+from cudagraph_plugin.runtime.report import RunReport
+from cudagraph_plugin.runtime.reporter import Reporter
 from cudagraph_plugin.runtime.shutdown import Shutdown
 from cudagraph_plugin.runtime.state import Phase, RunState
 from cudagraph_plugin.runtime.steps import StepListener

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Generator
 from typing import Any
 
-from cudagraph_plugin.runtime.report import Reporter
+from cudagraph_plugin.runtime.reporter import Reporter
 from cudagraph_plugin.runtime.state import RunState
 from hookspecs import ShutdownReason
 
