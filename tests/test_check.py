@@ -42,11 +42,14 @@ FP8_TE_MLP_FULL_RECOMPUTE = [
     "hybrid",
 ]
 
-RNG_FIX = "auto-fix: CUDA graphs are on: set --te-rng-tracker=True (TE RNG tracker)"
+RNG_FIX = (
+    "auto-fix: CUDA graphs are on (TE RNG tracker): set te_rng_tracker=True (on the command "
+    "line: pass --te-rng-tracker)"
+)
 NAN_FIX = (
-    "auto-fix: full_iteration CUDA graph: set check_for_nan_in_loss (--no-check-for-nan-in-loss)"
-    "=False (the loss cannot "
-    "be inspected inside the captured iteration)"
+    "auto-fix: full_iteration CUDA graph (the loss cannot be inspected inside the captured "
+    "iteration): set check_for_nan_in_loss=False (on the command line: pass "
+    "--no-check-for-nan-in-loss-and-grad)"
 )
 
 
@@ -580,7 +583,7 @@ def test_flag_without_value_exits_2():
 # (several values, a store_true, a negative number, a misspelling of one it reads) around
 # the flags it does read.
 PASTED = [
-    "--num-layers", "24", "--data-path", "1.0", "/data/a", "1.0", "/data/b", "--bf16",
+    "--hidden-size", "1024", "--data-path", "1.0", "/data/a", "1.0", "/data/b", "--bf16",
     "--adam-eps", "-1e-8", "--seq-lenght", "4096", "--lr=6e-4",
     *DENSE_FULL_ITERATION, "--micro-batch-size", "4", "--tensor-model-parallel-size", "2",
     "--num-experts", "8", "--moe-router-topk", "2", "--cpu-offloading",
@@ -598,7 +601,7 @@ def test_a_pasted_megatron_lm_command_line_gets_the_verdict_of_the_flags_it_read
     notes = [line for line in lines(out) if "does not read" in line]
     assert notes == [
         "note: 7 flag(s) this check does not read were skipped (--skip-unknown-flags): "
-        "--num-layers, --data-path, --bf16, --adam-eps, --seq-lenght (did you mean "
+        "--hidden-size, --data-path, --bf16, --adam-eps, --seq-lenght (did you mean "
         "--seq-length?), --lr, --moe-router-topk"
     ], out
     # the rest is the verdict of the flags it reads alone (here: problems, exit 1)
@@ -611,7 +614,7 @@ def test_without_the_option_a_pasted_command_line_is_broken_and_the_hint_names_i
         check(PASTED)
     assert raised.value.code == 2
     err = capsys.readouterr().err
-    assert "unrecognized arguments: --num-layers 24 --data-path" in err
+    assert "unrecognized arguments: --hidden-size 1024 --data-path" in err
     assert "hint: checking a whole Megatron-LM command line? add --skip-unknown-flags" in err
 
 
@@ -650,7 +653,13 @@ def test_help_documents_the_exit_codes():
 
 # -- Transformer Engine rules on a laptop ----------------------------------------------------------
 
-WGRAD = [*TE, "--cuda-graph-scope", "attn", "mlp", "--delay-wgrad-compute", "--disable-bias-linear"]
+# (megatron-core takes delayed weight gradients only with expert-parallel overlap, which
+# allows TE graphs of attn, moe_router and moe_preprocess only)
+WGRAD = [
+    *TE, "--cuda-graph-scope", "attn", "moe_router", "moe_preprocess", "--num-experts", "8",
+    "--moe-token-dispatcher-type", "alltoall", "--moe-permute-fusion",
+    "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--disable-bias-linear",
+]  # fmt: skip
 
 
 def test_te_rules_without_te_are_not_checked_here_and_say_so():
@@ -660,7 +669,8 @@ def test_te_rules_without_te_are_not_checked_here_and_say_so():
     assert "Transformer Engine not installed here" in lines(out)[0]
     assert any(
         line.startswith(
-            "note: delay_wgrad_compute with attn,mlp in the CUDA graph scope needs "
+            "note: delay_wgrad_compute with attn,moe_router,moe_preprocess in the CUDA graph "
+            "scope needs "
             "Transformer Engine >= 2.12.0: not checked here"
         )
         for line in lines(out)

@@ -177,12 +177,22 @@ def test_unknown_scope_exits_2_naming_the_bad_value(capsys, text, bad):
     assert "valid: full_iteration, attn, mlp, moe, moe_router, moe_preprocess, mamba" in err
 
 
-@pytest.mark.parametrize("text", ["full", "attn,full", "full_iteration_inference"])
+@pytest.mark.parametrize("text", ["full", "attn,full"])
 def test_deprecated_scope_exits_2_saying_deprecated(capsys, text):
     err = parse_error(capsys, ["--cuda-graph-scope", text])
-    assert "is a deprecated megatron-core name" in err
+    assert "is a deprecated megatron-core name ('full' meant whole-layer capture" in err
     assert "unknown" not in err
     assert "name the scopes, e.g. attn mlp" in err
+
+
+@pytest.mark.parametrize("text", ["full_iteration_inference", "attn,full_iteration_inference"])
+def test_deprecated_inference_scope_exits_2_saying_what_it_was(capsys, text):
+    """(2026-12-05: it was explained as "'full' meant whole-layer capture", and no word of
+    the inference setting it moved to.)"""
+    err = parse_error(capsys, ["--cuda-graph-scope", text])
+    assert "megatron-core 0.19's deprecated name for inference CUDA graphs" in err
+    assert "inference_cuda_graph_scope=block" in err
+    assert "whole-layer" not in err
 
 
 def test_duplicated_scope_is_kept_for_the_settings_to_use_once():
@@ -337,8 +347,8 @@ def test_overrides_te_scopes_on_a_nested_recipe(caplog):
         "--cuda-graph-impl: set model.cuda_graph_impl='transformer_engine'",
         "--cuda-graph-scope: set model.cuda_graph_scope=['attn', 'mlp']",
         "--cuda-graph-warmup-steps: set model.cuda_graph_warmup_steps=5",
-        "CUDA graphs are on: set model.use_te_rng_tracker=True (TE RNG tracker)",
-        "CUDA graphs are on: set rng.te_rng_tracker=True (TE RNG tracker)",
+        "CUDA graphs are on (TE RNG tracker): set model.use_te_rng_tracker=True",
+        "CUDA graphs are on (TE RNG tracker): set rng.te_rng_tracker=True",
     ]
     messages = _messages(caplog)
     assert len(messages) == len(changes)
@@ -359,10 +369,10 @@ def test_overrides_local_full_iteration_turns_off_both_nan_checks(caplog):
     assert config.model.use_te_rng_tracker is True and config.rng.te_rng_tracker is True
     nan_change = [c for c in changes if "check_for_nan_in" in c]
     assert nan_change == [
-        "full_iteration CUDA graph: set rerun_state_machine.check_for_nan_in_loss=False (the "
-        "loss cannot be inspected inside the captured iteration)",
-        "full_iteration CUDA graph: set ddp.check_for_nan_in_grad=False (the gradients cannot "
-        "be inspected inside the captured iteration)",
+        "full_iteration CUDA graph (the loss cannot be inspected inside the captured "
+        "iteration): set rerun_state_machine.check_for_nan_in_loss=False",
+        "full_iteration CUDA graph (the gradients cannot be inspected inside the captured "
+        "iteration): set ddp.check_for_nan_in_grad=False",
     ]
     assert f"auto-fix: {nan_change[0]}" in _messages(caplog)
     assert find_violations(read_settings(config)) == []
@@ -464,9 +474,13 @@ def test_overrides_on_a_megatron_lm_namespace(caplog):
         "check_for_nan_in_loss_and_grad": False,
     }
     assert "--cuda-graph-impl: set --cuda-graph-impl='local'" in changes
-    assert "CUDA graphs are on: set --te-rng-tracker=True (TE RNG tracker)" in changes
+    assert (
+        "CUDA graphs are on (TE RNG tracker): set te_rng_tracker=True (on the command line: "
+        "pass --te-rng-tracker)" in changes
+    )
     assert any(
-        "set check_for_nan_in_loss_and_grad (--no-check-for-nan-in-loss-and-grad)=False" in c
+        "set check_for_nan_in_loss_and_grad=False (on the command line: pass "
+        "--no-check-for-nan-in-loss-and-grad)" in c
         for c in changes
     )
     assert len(_messages(caplog)) == len(changes)

@@ -120,8 +120,8 @@ def test_autofixes_are_reported_and_the_settings_are_as_the_run_sees_them():
     result = check_config(config, environ=EXPANDABLE)
     assert result.ok, result.problems
     assert [fix.message for fix in result.autofixes] == [
-        "CUDA graphs are on: set model.use_te_rng_tracker=True (TE RNG tracker)",
-        "CUDA graphs are on: set rng.te_rng_tracker=True (TE RNG tracker)",
+        "CUDA graphs are on (TE RNG tracker): set model.use_te_rng_tracker=True",
+        "CUDA graphs are on (TE RNG tracker): set rng.te_rng_tracker=True",
         "set NCCL_GRAPH_REGISTER=0: PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True and "
         "CUDA graphs are on (NCCL is not initialised yet, so it takes effect)",
     ]
@@ -179,13 +179,25 @@ def test_notes_say_what_is_not_checked_here():
     from cudagraph_plugin import check_config
 
     result = check_config(
-        recipe(delay_wgrad_compute=True, gradient_accumulation_fusion=True, add_bias_linear=False)
+        recipe(
+            scope="attn",
+            delay_wgrad_compute=True,
+            overlap_moe_expert_parallel_comm=True,
+            gradient_accumulation_fusion=True,
+            add_bias_linear=False,
+        )
     )
     assert result.ok
     assert any("Transformer Engine >= 2.12.0: not checked here" in note for note in result.notes)
     assert any(note.startswith("a run needs Transformer Engine") for note in result.notes)
     result = check_config(
-        recipe(delay_wgrad_compute=True, gradient_accumulation_fusion=True, add_bias_linear=False),
+        recipe(
+            scope="attn",
+            delay_wgrad_compute=True,
+            overlap_moe_expert_parallel_comm=True,
+            gradient_accumulation_fusion=True,
+            add_bias_linear=False,
+        ),
         te_version="2.11",
         te_available=True,
     )

@@ -37,7 +37,14 @@ from cudagraph_plugin.config.settings import read_settings
 
 MOE = dict(num_moe_experts=8)
 PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
-WGRAD = dict(delay_wgrad_compute=True, gradient_accumulation_fusion=True, add_bias_linear=False)
+# (megatron-core takes delayed weight gradients only with expert-parallel overlap, which allows
+# TE graphs of attn, moe_router and moe_preprocess only)
+WGRAD = dict(
+    delay_wgrad_compute=True,
+    overlap_moe_expert_parallel_comm=True,
+    gradient_accumulation_fusion=True,
+    add_bias_linear=False,
+)
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
@@ -258,26 +265,38 @@ REFERENCES = [
     (
         MCORE,
         "TE version >= 2.10.0 is required for delay_wgrad_compute with partial cuda graph",
-        cfg(scope="mlp", **WGRAD),
+        cfg(scope="moe_router,moe_preprocess", num_moe_experts=8, **WGRAD),
         {"te_version": "2.9.0"},
     ),
     (
         MLM,
         "CUDA graph with delay_wgrad_compute requires TE version >= 2.12.0",
-        cfg(scope="attn,mlp", **WGRAD),
+        cfg(scope="attn", **WGRAD),
         {"te_version": "2.11.0"},
     ),
     (
         MLM,
         "CUDA graph with delay_wgrad_compute requires gradient_accumulation_fusion to be enabled",
-        cfg(scope="attn,mlp", **{**WGRAD, "gradient_accumulation_fusion": False}),
+        cfg(scope="attn", **{**WGRAD, "gradient_accumulation_fusion": False}),
         {"te_version": "2.12.0"},
     ),
     (
         MLM,
         "CUDA graph with delay_wgrad_compute doesn't support attn bias for now",
-        cfg(scope="attn,mlp", **{**WGRAD, "add_qkv_bias": True}),
+        cfg(scope="attn", **{**WGRAD, "add_qkv_bias": True}),
         {"te_version": "2.12.0"},
+    ),
+    (
+        MCORE,
+        "overlap_moe_expert_parallel_comm must be enabled when enabling delay_wgrad_compute",
+        cfg(scope="attn", **{**WGRAD, "overlap_moe_expert_parallel_comm": False}),
+        {"te_version": "2.12.0"},
+    ),
+    (
+        MCORE_19,
+        "cuda_graph_modules 'full_iteration' is deprecated",
+        cfg("none", None, cuda_graph_modules=["full_iteration"]),
+        {},
     ),
     (
         MCORE,

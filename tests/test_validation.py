@@ -175,9 +175,27 @@ RULE_CASES = {
         bridge(scope="attn", recompute_granularity="selective", recompute_modules=["layernorm"]),
         bridge(scope="attn", recompute_granularity="selective", recompute_modules=["layernrm"]),
     ),
+    "_delay_wgrad_needs_ep_overlap": (
+        bridge(
+            scope="moe_router,moe_preprocess",
+            num_moe_experts=8,
+            delay_wgrad_compute=True,
+            overlap_moe_expert_parallel_comm=True,
+        ),
+        bridge(scope="moe_router,moe_preprocess", num_moe_experts=8, delay_wgrad_compute=True),
+    ),
     "_delay_wgrad": (
         bridge(scope="mlp", delay_wgrad_compute=False),
-        bridge(scope="attn", delay_wgrad_compute=True, gradient_accumulation_fusion=False),
+        bridge(
+            scope="attn",
+            delay_wgrad_compute=True,
+            overlap_moe_expert_parallel_comm=True,
+            gradient_accumulation_fusion=False,
+        ),
+    ),
+    "_full_iteration_scope_without_impl": (
+        bridge("none", "attn"),
+        bridge("none", "full_iteration"),
     ),
     "_nan_grad_check": (full_iteration(), bridge("local", "full_iteration", nan_grad=True)),
     "_history_checks": (
@@ -339,7 +357,7 @@ def test_empty_scope_rejected_for_te(scope):
         fields=["model.cuda_graph_impl", "model.cuda_graph_scope"],
         value="('transformer_engine', '(empty)')",
         phrase="CUDA graphs are on but no scope is given",
-        fix="name the scope explicitly, e.g. attn or attn,mlp",
+        fix="name the scope explicitly, e.g. attn, or attn,mlp for the most of a layer",
     )
 
 
@@ -536,7 +554,7 @@ def test_te_rng_tracker_on_a_megatron_lm_namespace_names_the_flag():
         fields=["--te-rng-tracker"],
         value="False",
         phrase="require the TE RNG tracker",
-        fix="set --te-rng-tracker=True",
+        fix="pass --te-rng-tracker",
     )
 
 
@@ -557,7 +575,7 @@ def test_variable_seq_lengths_rejected():
         fields=["model.variable_seq_lengths"],
         value="True",
         phrase="CUDA graphs need static tensor shapes; variable-length sequences do not work",
-        fix="pad packed sequences to a fixed width and set variable_seq_lengths=False",
+        fix="pad packed sequences to a fixed width and set model.variable_seq_lengths=False",
     )
 
 
@@ -571,7 +589,7 @@ def test_nan_loss_check_with_full_iteration_rejected():
         fields=["rerun_state_machine.check_for_nan_in_loss"],
         value="True",
         phrase="full_iteration CUDA graph requires check_for_nan_in_loss=False",
-        fix="turn rerun_state_machine.check_for_nan_in_loss off",
+        fix="set rerun_state_machine.check_for_nan_in_loss=False",
     )
 
 
@@ -587,7 +605,7 @@ def test_nan_loss_check_with_full_iteration_on_megatron_lm_args():
         fields=["check_for_nan_in_loss_and_grad (--no-check-for-nan-in-loss-and-grad)"],
         value="True",
         phrase="requires check_for_nan_in_loss=False",
-        fix="turn check_for_nan_in_loss_and_grad (--no-check-for-nan-in-loss-and-grad) off",
+        fix="pass --no-check-for-nan-in-loss-and-grad",
     )
 
 
@@ -602,7 +620,7 @@ def test_cpu_offloading_rejected():
         fields=["model.cpu_offloading"],
         value="True",
         phrase="CUDA graphs not supported with CPU offloading",
-        fix="set cpu_offloading=False, or turn CUDA graphs off",
+        fix="set model.cpu_offloading=False, or turn CUDA graphs off",
     )
 
 
@@ -1006,9 +1024,14 @@ def te(monkeypatch):
     return set_version
 
 
-def wgrad(scope="attn,mlp", **model):
+def wgrad(scope="attn", **model):
+    """Delayed weight gradients as megatron-core takes them: with expert-parallel overlap
+    (which allows TE graphs of attn, moe_router and moe_preprocess only)."""
     fields = dict(
-        delay_wgrad_compute=True, gradient_accumulation_fusion=True, add_bias_linear=False
+        delay_wgrad_compute=True,
+        overlap_moe_expert_parallel_comm=True,
+        gradient_accumulation_fusion=True,
+        add_bias_linear=False,
     )
     fields.update(model)
     return bridge(scope=scope, **fields)
@@ -1023,10 +1046,10 @@ def test_delay_wgrad_with_attn_needs_te_2_12(te, version, shown):
     err = rejected(
         wgrad(),
         fields=["model.delay_wgrad_compute", "model.cuda_graph_scope"],
-        value="(True, 'attn,mlp')",
+        value="(True, 'attn')",
         phrase="delay_wgrad_compute with attn (or moe_router with shared experts) in the CUDA "
         "graph scope requires Transformer Engine >= 2.12.0 (installed: " + shown + ")",
-        fix="or set delay_wgrad_compute=False",
+        fix="or set model.delay_wgrad_compute=False",
     )
     assert "gradient_accumulation_fusion" not in err.violations[0].problem
 
@@ -1043,7 +1066,7 @@ def test_delay_wgrad_with_attn_needs_gradient_accumulation_fusion(te):
     err = rejected(
         wgrad(gradient_accumulation_fusion=False),
         fields=["model.delay_wgrad_compute", "model.cuda_graph_scope"],
-        value="(True, 'attn,mlp')",
+        value="(True, 'attn')",
         phrase="requires gradient_accumulation_fusion=True",
         fix="meet those requirements",
     )
@@ -1056,7 +1079,7 @@ def test_delay_wgrad_with_attn_needs_no_attention_bias(te, bias):
     rejected(
         wgrad(**{bias: True}),
         fields=["model.delay_wgrad_compute", "model.cuda_graph_scope"],
-        value="(True, 'attn,mlp')",
+        value="(True, 'attn')",
         phrase="requires no attention bias (add_qkv_bias=False, add_bias_linear=False)",
         fix="drop attn/moe_router from the scope",
     )
@@ -1080,7 +1103,7 @@ def test_delay_wgrad_with_moe_router_and_shared_experts_needs_te_2_12(te):
         fields=["model.delay_wgrad_compute", "model.cuda_graph_scope"],
         value="(True, 'moe_router,moe_preprocess')",
         phrase="requires Transformer Engine >= 2.12.0 (installed: 2.11.0)",
-        fix="set delay_wgrad_compute=False",
+        fix="set model.delay_wgrad_compute=False",
     )
     te("2.12.0")
     accepted(wgrad("moe_router,moe_preprocess", **SHARED))
@@ -1097,26 +1120,30 @@ def test_delay_wgrad_with_moe_router_and_shared_experts_allows_linear_bias(te):
 def test_delay_wgrad_partial_graph_without_attn_accepted_from_te_2_10(te, version):
     te(version)
     accepted(wgrad("moe_router,moe_preprocess", gradient_accumulation_fusion=False, **DROPLESS))
-    accepted(wgrad("mlp", add_qkv_bias=True))
+    accepted(wgrad("moe_preprocess,moe_router", add_qkv_bias=True, **DROPLESS))
 
 
 @pytest.mark.parametrize("version", ["2.9.0", "2.1.0"])
 def test_delay_wgrad_partial_graph_needs_te_2_10(te, version):
     te(version)
     rejected(
-        wgrad("mlp"),
+        wgrad("moe_router,moe_preprocess", **DROPLESS),
         fields=["model.delay_wgrad_compute"],
         value="True",
         phrase="delay_wgrad_compute with per-layer (partial) CUDA graphs needs Transformer Engine "
         f'>= 2.10.0 (installed: {version}) (megatron-core: "TE version >= 2.10.0 is required '
         'for delay_wgrad_compute with partial cuda graph")',
-        fix="upgrade Transformer Engine or set delay_wgrad_compute=False",
+        fix="upgrade Transformer Engine or set model.delay_wgrad_compute=False",
     )
 
 
 def test_delay_wgrad_not_checked_for_local_or_off(te):
     te("2.0.0")
-    accepted(full_iteration(delay_wgrad_compute=True))
+    # (full_iteration: megatron-core takes delay_wgrad_compute only with expert-parallel
+    # overlap, which it allows with TE graphs only; refused for that, not for the TE version)
+    violations = find_violations(read_settings(full_iteration(delay_wgrad_compute=True)))
+    assert violations
+    assert not any("Transformer Engine >=" in v.problem for v in violations)
     accepted(bridge("none", [], delay_wgrad_compute=True))
     accepted(wgrad(delay_wgrad_compute=False))
 
@@ -1489,8 +1516,8 @@ def test_autofix_enables_every_te_rng_flag_with_one_log_line_each(caplog):
         changes = apply_autofixes(config, read_settings(config))
     assert config == expected  # nothing else changed
     assert changes == [
-        "CUDA graphs are on: set model.use_te_rng_tracker=True (TE RNG tracker)",
-        "CUDA graphs are on: set rng.te_rng_tracker=True (TE RNG tracker)",
+        "CUDA graphs are on (TE RNG tracker): set model.use_te_rng_tracker=True",
+        "CUDA graphs are on (TE RNG tracker): set rng.te_rng_tracker=True",
     ]
     records = _records(caplog)
     assert [r.levelno for r in records] == [logging.WARNING, logging.WARNING]
@@ -1503,7 +1530,7 @@ def test_autofix_only_the_flag_that_is_off(caplog):
     config.rng.te_rng_tracker = False
     with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
         changes = apply_autofixes(config, read_settings(config))
-    assert changes == ["CUDA graphs are on: set rng.te_rng_tracker=True (TE RNG tracker)"]
+    assert changes == ["CUDA graphs are on (TE RNG tracker): set rng.te_rng_tracker=True"]
     assert len(_records(caplog)) == 1
 
 
@@ -1536,7 +1563,10 @@ def test_autofix_on_a_megatron_lm_namespace_names_the_flag(caplog):
     with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
         changes = apply_autofixes(args, read_settings(args))
     assert args.te_rng_tracker is True
-    assert changes == ["CUDA graphs are on: set --te-rng-tracker=True (TE RNG tracker)"]
+    assert changes == [
+        "CUDA graphs are on (TE RNG tracker): set te_rng_tracker=True (on the command line: "
+        "pass --te-rng-tracker)"
+    ]
     assert [r.getMessage() for r in _records(caplog)] == [f"auto-fix: {changes[0]}"]
 
 
@@ -1562,7 +1592,7 @@ def test_autofix_on_a_real_transformer_config_makes_it_valid():
     with pytest.raises(CudaGraphConfigError, match="use_te_rng_tracker"):
         validate(read_settings(config))
     changes = apply_autofixes(config, read_settings(config))
-    assert changes == ["CUDA graphs are on: set use_te_rng_tracker=True (TE RNG tracker)"]
+    assert changes == ["CUDA graphs are on (TE RNG tracker): set use_te_rng_tracker=True"]
     assert config.use_te_rng_tracker is True
     accepted(config)
 
@@ -1709,7 +1739,7 @@ def test_boolean_words_are_read_not_taken_as_truthy_strings(word, rejected_too):
             fields=["model.cpu_offloading"],
             value="True",
             phrase="CUDA graphs not supported with CPU offloading",
-            fix="set cpu_offloading=False",
+            fix="set model.cpu_offloading=False",
         )
     else:
         accepted(config)
@@ -1855,7 +1885,7 @@ def test_delay_wgrad_with_attn_and_no_te_is_not_checked_here_and_says_so(te):
 def test_delay_wgrad_partial_graph_and_no_te_is_not_checked_here_and_says_so(te):
     # Before: this branch skipped the check silently while the attn branch failed.
     te(None)
-    violations, notes = evaluate(read_settings(wgrad("mlp")))
+    violations, notes = evaluate(read_settings(wgrad("moe_router,moe_preprocess", **DROPLESS)))
     assert violations == []
     (note,) = notes
     assert "needs Transformer Engine >= 2.10.0: not checked here" in note
@@ -1866,7 +1896,7 @@ def test_delay_wgrad_without_te_still_checks_the_other_requirements(te):
     err = rejected(
         wgrad(gradient_accumulation_fusion=False),
         fields=["model.delay_wgrad_compute", "model.cuda_graph_scope"],
-        value="(True, 'attn,mlp')",
+        value="(True, 'attn')",
         phrase="CUDA graph with delay_wgrad_compute requires gradient_accumulation_fusion",
         fix="meet those requirements",
     )

@@ -47,6 +47,13 @@ def parse_scope_arg(text: str) -> list[str]:
             f"empty scope name in {text!r} (a doubled, leading or trailing comma)"
         )
     deprecated = [name for name in names if name in DEPRECATED_SCOPES]
+    if "full_iteration_inference" in deprecated:
+        raise argparse.ArgumentTypeError(
+            f"scope 'full_iteration_inference' in {text!r} is megatron-core 0.19's deprecated "
+            "name for inference CUDA graphs (now inference_cuda_graph_scope=block), which this "
+            "plugin does not manage: drop it (training graphs: attn mlp, or full_iteration "
+            "with --cuda-graph-impl local)"
+        )
     if deprecated:
         raise argparse.ArgumentTypeError(
             f"scope {deprecated[0]!r} in {text!r} is a deprecated megatron-core name "

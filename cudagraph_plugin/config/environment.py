@@ -116,6 +116,15 @@ def mcore_spells_modules() -> bool | None:
     return None if text is None else "cuda_graph_modules" in text
 
 
+@functools.cache
+def mcore_offloads_with_full_iteration() -> bool:
+    """Whether the installed megatron-core accepts CPU offloading with the full-iteration
+    graph (0.19 refuses offloading only with per-layer graphs; 0.16.1 with any graph). Reads
+    its ``TransformerConfig`` source for that condition, without importing megatron-core."""
+    text = _transformer_config_source() or ""
+    return 'self.cpu_offloading and self.cuda_graph_impl != "full_iteration"' in text
+
+
 RECOMPUTE_MODULES_016 = (
     "core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts",
 )  # fmt: skip

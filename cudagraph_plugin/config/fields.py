@@ -208,9 +208,12 @@ def resolve(config: Any, path: str) -> Any:
 INVERTED_FLAGS = {
     "add_bias_linear": "--disable-bias-linear",
     "gradient_accumulation_fusion": "--no-gradient-accumulation-fusion",
-    "check_for_nan_in_loss": "--no-check-for-nan-in-loss",
+    # (Megatron-LM's one flag for both checks: it has no --no-check-for-nan-in-loss)
+    "check_for_nan_in_loss": "--no-check-for-nan-in-loss-and-grad",
     "check_for_nan_in_loss_and_grad": "--no-check-for-nan-in-loss-and-grad",
     "overlap_p2p_comm": "--no-overlap-p2p-communication",
+    # (no Megatron-LM flag; examples/train_gpt.py's --batch-p2p-comm is on by default)
+    "batch_p2p_comm": "--no-batch-p2p-comm",
 }
 
 
@@ -221,6 +224,26 @@ def display_name(config: Any, path: str) -> str:
             return f"{path} ({INVERTED_FLAGS[path]})"
         return "--" + path.replace("_", "-")
     return path
+
+
+def assignment(from_command_line: bool, path: str | None, name: str, value: Any) -> str:
+    """The words that set a field to ``value``: ``set name=value``, or, for a boolean
+    on a command line, the switch to pass or to drop (a Megatron-LM switch takes no value:
+    ``--te-rng-tracker=True`` is refused by argparse)."""
+    if not (from_command_line and path and "." not in path and isinstance(value, bool)):
+        return f"set {name}={value!r}"
+    if path in INVERTED_FLAGS:
+        return f"{'drop' if value else 'pass'} {INVERTED_FLAGS[path]}"
+    flag = "--" + path.replace("_", "-")
+    return f"{'pass' if value else 'drop'} {flag}"
+
+
+def set_words(config: Any, path: str, value: Any) -> str:
+    """How an auto-fix's log line says what it wrote: ``set model.fp16=False``; a switch of
+    a command line also with the flag that gives the value (it takes no ``=True``)."""
+    if isinstance(config, argparse.Namespace) and "." not in path and isinstance(value, bool):
+        return f"set {path}={value!r} (on the command line: {assignment(True, path, path, value)})"
+    return f"set {display_name(config, path)}={value!r}"
 
 
 def lookup(config: Any, setting: str) -> tuple[Any, str | None]:

@@ -33,7 +33,13 @@ from cudagraph_plugin.config.environment import (
     once,
 )
 from cudagraph_plugin.config.errors import CudaGraphConfigError, Violation
-from cudagraph_plugin.config.fields import assign, display_name, existing_paths, resolve
+from cudagraph_plugin.config.fields import (
+    assign,
+    display_name,
+    existing_paths,
+    resolve,
+    set_words,
+)
 from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.config.settings import Settings
 from cudagraph_plugin.config.values import normalise, parse_scope, to_bool
@@ -67,7 +73,7 @@ def plan_autofixes(config: Any, settings: Settings, *, harness: bool = False) ->
     * CUDA graphs on: every TE RNG tracker flag the config has is set to True, and the
       impl and scope fields are written in megatron-core's spelling (no spaces around
       names, a list for a tuple of scope names).
-    * ``impl="none"``: the scope is cleared.
+    * ``impl="none"``: the scope is cleared (not ``full_iteration``: a problem of its own).
     * ``harness`` (a command line, as Megatron-Bridge's performance harness): local
       ``full_iteration`` also turns the loss and gradient NaN checks off (Megatron-LM
       asserts both off; its one flag holds both).
@@ -86,8 +92,7 @@ def plan_autofixes(config: Any, settings: Settings, *, harness: bool = False) ->
                             setting,
                             path,
                             True,
-                            f"CUDA graphs are on: set {display_name(config, path)}=True "
-                            "(TE RNG tracker)",
+                            "CUDA graphs are on (TE RNG tracker): " + set_words(config, path, True),
                         )
                     )
         if harness and settings.impl == "local" and settings.full_iteration:
@@ -105,11 +110,12 @@ def plan_autofixes(config: Any, settings: Settings, *, harness: bool = False) ->
                             setting,
                             path,
                             False,
-                            f"full_iteration CUDA graph: set {display_name(config, path)}=False "
-                            f"({what} cannot be inspected inside the captured iteration)",
+                            f"full_iteration CUDA graph ({what} cannot be inspected inside "
+                            f"the captured iteration): {set_words(config, path, False)}",
                         )
                     )
-    elif settings.scope:
+    elif settings.scope and "full_iteration" not in settings.scope:
+        # (with full_iteration a problem instead: megatron-core 0.18+ turns graphs on for it)
         for path in existing_paths(config, "scope"):
             value = resolve(config, path)
             if value:

@@ -22,6 +22,7 @@ from cudagraph_plugin.config.fields import (
     FIELD_PATHS,
     MISSING,
     Unreadable,
+    assignment,
     display_name,
     lookup,
     resolve,
@@ -211,6 +212,13 @@ class Settings:
         if setting in self.sources:
             return self.sources[setting]
         return _DEFAULT_NAMES.get(setting, setting)
+
+    def set_text(self, setting: str, value: Any) -> str:
+        """How a fix says to give ``setting`` the ``value`` (:func:`~cudagraph_plugin.config.
+        fields.assignment`): ``set model.fp16=False``, or ``drop --fp16`` on a command line."""
+        return assignment(
+            self.from_command_line, self.paths.get(setting), self.field(setting), value
+        )
 
 
 _DEFAULT_NAMES = {

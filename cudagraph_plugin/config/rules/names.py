@@ -102,6 +102,26 @@ def _scope_names_deprecated(s: Settings, env: Environment) -> Iterator[Violation
 
 
 @rule
+def _full_iteration_scope_without_impl(s: Settings, env: Environment) -> Iterator[Violation]:
+    # (not cleared as another scope of a run with graphs off: megatron-core 0.18+ migrates
+    # this deprecated spelling to graphs on, so clearing it would run eagerly a job that its
+    # megatron-core runs with graphs)
+    if s.impl == "none" and "full_iteration" in s.scope:
+        yield violation(
+            s,
+            ("impl", "scope"),
+            ("none", scope_value(s)),
+            "the scope asks for full-iteration graphs but cuda_graph_impl is none: "
+            "megatron-core 0.18+ reads this deprecated spelling as "
+            "cuda_graph_impl=full_iteration (graphs on), megatron-core 0.16 as graphs off",
+            f"to capture, set {s.field('impl')}=full_iteration (megatron-core 0.18+) or "
+            f"{s.field('impl')}=local (0.16); to run eagerly, drop full_iteration from "
+            f"{s.field('scope')}",
+            (MCORE_19, "cuda_graph_modules 'full_iteration' is deprecated"),
+        )
+
+
+@rule
 def _scope_fields_not_both(s: Settings, env: Environment) -> Iterator[Violation]:
     if s.scope_conflict:
         yield Violation(
@@ -120,11 +140,16 @@ def _scope_fields_not_both(s: Settings, env: Environment) -> Iterator[Violation]
 @rule
 def _scope_not_empty(s: Settings, env: Environment) -> Iterator[Violation]:
     if s.enabled and s.impl in IMPLS and not s.scope and not s.impl_from_legacy_flag:
-        example = "full_iteration" if s.impl == "local" else "attn or attn,mlp"
+        example = (
+            "full_iteration"
+            if s.impl == "local"
+            else "attn, or attn,mlp for the most of a layer (its layer norms and residual "
+            "adds then run eagerly between the graphs)"
+        )
         references = ()
         problem = (
-            "CUDA graphs are on but no scope is given (whole-layer capture is not managed "
-            "by this plugin)"
+            "CUDA graphs are on but no scope is given: megatron-core would then capture each "
+            "whole layer (its default), which this plugin does not manage"
         )
         if s.deprecated_full_scope:
             problem += "; 'full' is megatron-core's deprecated name for that whole-layer capture"
@@ -265,6 +290,6 @@ def _te_rng_tracker(s: Settings, env: Environment) -> Iterator[Violation]:
                 (setting,),
                 False,
                 "CUDA graphs require the TE RNG tracker (graph-safe RNG states)",
-                f"set {s.field(setting)}=True (the plugin's configure does this for you)",
+                f"{s.set_text(setting, True)} (the plugin's configure does this for you)",
                 (MCORE, "RNG tracker does not support cudagraphs"),
             )

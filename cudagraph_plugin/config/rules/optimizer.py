@@ -148,7 +148,8 @@ def optimizer_step_problems(s: Settings) -> Iterator[Violation]:
             (s.num_moe_experts, False, True),
             "an MoE model without the distributed optimizer gets separate optimizers for dense "
             "and expert parameters, whose gradient norms megatron-core combines on the host",
-            f"use the distributed optimizer (use_distributed_optimizer=True), or {OFF}",
+            f"use the distributed optimizer ({s.set_text('use_distributed_optimizer', True)}), "
+            f"or {OFF}",
         )
     if s.use_precision_aware_optimizer:
         yield from _capturable_adam(s)
@@ -188,7 +189,7 @@ def _capturable_adam(s: Settings) -> Iterator[Violation]:
             (True, True, True),
             "the capturable Adam stores no parameter remainders, and megatron-core's "
             "precision-aware optimizer asks for them by default",
-            f"set {s.field('store_param_remainders')}=False, or {OFF}",
+            f"{s.set_text('store_param_remainders', False)}, or {OFF}",
             (TE, "Capturable mode doesn't support storing param remainders"),
         )
 

@@ -19,6 +19,28 @@ _TE_FLAG_HINT = (
 
 
 @rule
+def _delay_wgrad_needs_ep_overlap(s: Settings, env: Environment) -> Iterator[Violation]:
+    # (megatron-core asserts it whatever the graphs; said here so that a run with graphs on
+    # hears it with the other problems, and so that no fix below leads to a config it refuses)
+    if s.enabled and s.delay_wgrad_compute and not s.overlap_moe_expert_parallel_comm:
+        yield violation(
+            s,
+            ("delay_wgrad_compute", "overlap_moe_expert_parallel_comm"),
+            (True, False),
+            "delay_wgrad_compute delays the expert weight gradients of expert-parallel "
+            "communication overlap, and megatron-core accepts it only with that overlap on",
+            f"{s.set_text('overlap_moe_expert_parallel_comm', True)} (an MoE model with expert "
+            f"parallelism; TE graphs of attn, moe_router and moe_preprocess only), or "
+            f"{s.set_text('delay_wgrad_compute', False)}",
+            (
+                MCORE,
+                "overlap_moe_expert_parallel_comm must be enabled when enabling "
+                "delay_wgrad_compute",
+            ),
+        )
+
+
+@rule
 def _delay_wgrad(s: Settings, env: Environment) -> Iterator[Violation | Note]:
     if not (s.delay_wgrad_compute and s.impl == "transformer_engine"):
         return
@@ -67,8 +89,8 @@ def _delay_wgrad(s: Settings, env: Environment) -> Iterator[Violation | Note]:
                 (True, scope_value(s)),
                 "delay_wgrad_compute with attn (or moe_router with shared experts) in the CUDA "
                 "graph scope requires " + "; ".join(problems),
-                "meet those requirements, or drop attn/moe_router from the scope, or set "
-                "delay_wgrad_compute=False",
+                "meet those requirements, or drop attn/moe_router from the scope, or "
+                + s.set_text("delay_wgrad_compute", False),
                 *references,
             )
         return
@@ -86,7 +108,7 @@ def _delay_wgrad(s: Settings, env: Environment) -> Iterator[Violation | Note]:
             True,
             f"delay_wgrad_compute with per-layer (partial) CUDA graphs needs Transformer "
             f"Engine >= {need} ({env.te_label()})",
-            "upgrade Transformer Engine or set delay_wgrad_compute=False",
+            f"upgrade Transformer Engine or {s.set_text('delay_wgrad_compute', False)}",
             (
                 MCORE,
                 f"TE version >= {need} is required for delay_wgrad_compute with partial cuda graph",

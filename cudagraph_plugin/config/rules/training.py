@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from cudagraph_plugin.config import environment
 from cudagraph_plugin.config.environment import Environment
 from cudagraph_plugin.config.errors import BRIDGE, MCORE, MLM, Note, Violation
 from cudagraph_plugin.config.rules.base import rule, scope_value, violation
@@ -22,7 +23,7 @@ def _static_shapes(s: Settings, env: Environment) -> Iterator[Violation]:
             True,
             "CUDA graphs need static tensor shapes; variable-length sequences do not work",
             "fix seq_length and micro_batch_size; pad packed sequences to a fixed width and "
-            "set variable_seq_lengths=False",
+            f"{s.set_text('variable_seq_lengths', False)}",
             (BRIDGE, "Offline packing with CUDA graphs requires dataset pad_to_max_length=True"),
         )
 
@@ -36,7 +37,7 @@ def _nan_loss_check(s: Settings, env: Environment) -> Iterator[Violation]:
             True,
             "full_iteration CUDA graph requires check_for_nan_in_loss=False: the whole "
             "forward and backward is captured, so the loss cannot be inspected in between",
-            f"turn {s.field('check_for_nan_in_loss')} off",
+            s.set_text("check_for_nan_in_loss", False),
             (BRIDGE, "check_for_nan_in_loss must be disabled when using full_iteration CUDA graph"),
             (
                 MLM,
@@ -47,16 +48,30 @@ def _nan_loss_check(s: Settings, env: Environment) -> Iterator[Violation]:
 
 
 @rule
-def _cpu_offloading(s: Settings, env: Environment) -> Iterator[Violation]:
-    if s.enabled and s.cpu_offloading:
-        yield violation(
-            s,
-            ("cpu_offloading",),
-            True,
-            "activations offloaded to the CPU cannot live in a captured graph",
-            "set cpu_offloading=False, or turn CUDA graphs off",
-            (MCORE, "CUDA graphs not supported with CPU offloading"),
+def _cpu_offloading(s: Settings, env: Environment) -> Iterator[Violation | Note]:
+    if not (s.enabled and s.cpu_offloading):
+        return
+    if s.full_iteration and environment.mcore_offloads_with_full_iteration():
+        yield Note(
+            f"CPU offloading with the full-iteration graph: megatron-core "
+            f"{environment.mcore_version()} accepts it (it refuses offloading only with "
+            "per-layer graphs); this plugin has not run that pair on a GPU, so compare the "
+            "first run's losses with an eager run's"
         )
+        return
+    yield violation(
+        s,
+        ("cpu_offloading",),
+        True,
+        "activations offloaded to the CPU cannot live in a captured graph",
+        f"{s.set_text('cpu_offloading', False)}, or turn CUDA graphs off"
+        + (
+            " (megatron-core 0.19 accepts offloading with the full-iteration graph)"
+            if s.full_iteration
+            else ""
+        ),
+        (MCORE, "CUDA graphs not supported with CPU offloading"),
+    )
 
 
 @rule
@@ -206,7 +221,7 @@ def _pipeline_full_iteration(s: Settings, env: Environment) -> Iterator[Violatio
                 ("pipeline_model_parallel_size", "batch_p2p_comm", "batch_p2p_sync"),
                 (s.pipeline_model_parallel_size, True, True),
                 problem,
-                f"set {s.field('batch_p2p_comm')}=False or {s.field('batch_p2p_sync')}=False, "
+                f"{s.set_text('batch_p2p_comm', False)} or {s.set_text('batch_p2p_sync', False)}, "
                 "or use TE scopes such as attn,mlp (Megatron-LM passes batch_p2p_comm=False "
                 "with virtual pipeline stages, unless --no-overlap-p2p-communication)",
                 reference,
@@ -219,7 +234,7 @@ def _pipeline_full_iteration(s: Settings, env: Environment) -> Iterator[Violatio
             "full_iteration with the parameter all-gather overlapped with the optimizer step: "
             "the gather is dispatched from the preceding optimizer step, outside the captured "
             "iteration, so the graph would wait for work it never launched",
-            f"set {s.field('overlap_param_gather_with_optimizer_step')}=False, or use TE scopes",
+            f"{s.set_text('overlap_param_gather_with_optimizer_step', False)}, or use TE scopes",
             (
                 BRIDGE,
                 "incompatible with full-iteration capture because the parameter gather is "
