@@ -11,12 +11,168 @@ import logging
 import os
 import signal
 import sys
+import sysconfig
 import threading
+import time
 from typing import Any
 
 from hookspecs.reasons import SignalReceived
 
 logger = logging.getLogger("hookspecs.run")  # (the run's log lines keep their logger)
+
+STUCK_SIGNAL_S = 5.0
+"""How long a handled signal may wait for the main thread to come back to Python before
+the process ends without its shutdown (see :class:`StuckSignalWatch`);
+``MCGRAPH_STUCK_SIGNAL_S`` sets it for a run (0: never). Well inside torchrun's 30 s
+between its SIGTERM and its SIGKILL."""
+STUCK_SIGNAL_VAR = "MCGRAPH_STUCK_SIGNAL_S"
+
+
+class StuckSignalWatch:
+    """Ends the process when a handled signal cannot be acted on.
+
+    Python runs a signal handler only when the main thread comes back to the interpreter.
+    A rank blocked in C (a collective or a store wait whose peer is gone, a rendezvous that
+    never completes) never does: torchrun's SIGTERM is caught and never handled, the rank
+    runs on until torchrun's SIGKILL 30 s later, and a rank whose launcher died first runs
+    on for good. The watch learns of each signal from the interpreter's wakeup file
+    descriptor (written by its C-level handler, whatever the main thread does) and, where
+    the run's handler has not run ``seconds`` later, writes why to stderr, in one line with
+    where the main thread is (:func:`main_thread_place`), and ends the process with status
+    128 + the signal number, as a shell reports a death by that signal: nothing can be
+    freed from here, and the process's end frees its device memory. Not started where a
+    wakeup descriptor is already set (an asyncio loop's).
+    """
+
+    def __init__(self, run: RunSignals, seconds: float) -> None:
+        self.run = run
+        self.seconds = seconds
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._watch, name="mcgraph-signal", daemon=True)
+
+    @classmethod
+    def start(cls, run: RunSignals) -> StuckSignalWatch | None:
+        seconds = stuck_signal_seconds()
+        if not seconds or not run._handle_signals:
+            return None
+        watch = cls(run, seconds)
+        try:
+            previous = signal.set_wakeup_fd(watch._write, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            previous = None
+        if previous != -1:
+            if previous is not None:
+                signal.set_wakeup_fd(previous)  # (the host's own: left to it)
+            watch._close()
+            return None
+        watch._thread.start()
+        return watch
+
+    def stop(self) -> None:
+        """Off (the main thread, as the run's handlers are taken off)."""
+        self._stopping = True
+        signal.set_wakeup_fd(-1)
+        try:
+            os.write(self._write, b"\0")  # (wakes the watch, which then ends)
+        except OSError:
+            pass
+        os.close(self._write)
+
+    def _close(self) -> None:
+        for fd in (self._read, self._write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _watch(self) -> None:
+        try:
+            while not self._stopping:
+                data = os.read(self._read, 64)
+                if not data:
+                    return
+                for signum in data:
+                    if signum in self.run._handle_signals and not self._stopping:
+                        self._wait_for_handler(signum)
+        finally:
+            try:
+                os.close(self._read)
+            except OSError:
+                pass
+
+    def _wait_for_handler(self, signum: int) -> None:
+        deadline = time.monotonic() + self.seconds
+        while time.monotonic() < deadline:
+            if self._stopping or self.run._pending_signal is not None:
+                return
+            time.sleep(0.05)
+        if self._stopping or self.run._pending_signal is not None:
+            return
+        name = signal.Signals(signum).name
+        message = (
+            f"hookspecs.run: {name} received, but the main thread has not come back to "
+            f"Python for {self.seconds:g} s (blocked in C{main_thread_place()}: a collective "
+            "or a store wait whose peer is gone?): ending the process now with status "
+            f"{128 + signum}, without the shutdown hooks ({STUCK_SIGNAL_VAR} sets this "
+            "wait; 0: never)\n"
+        )
+        try:
+            os.write(2, message.encode())
+        except OSError:
+            pass
+        os._exit(128 + signum)
+
+
+def main_thread_place() -> str:
+    """`` at file:line (function)`` of the main thread's innermost Python frame, and of the
+    innermost one outside the standard library and the installed packages (the host's own
+    code) where that is another: one line, not a traceback."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return ""
+    places = [_place(frame)]
+    roots = tuple(path for path in map(_library_path, ("stdlib", "purelib", "platlib")) if path)
+    while frame is not None and frame.f_code.co_filename.startswith(roots):
+        frame = frame.f_back
+    if frame is not None and _place(frame) != places[0]:
+        places.append(_place(frame))
+    return " at " + ", called from ".join(places)
+
+
+def _place(frame: Any) -> str:
+    code = frame.f_code
+    return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} ({code.co_name})"
+
+
+def _library_path(name: str) -> str:
+    try:
+        return sysconfig.get_path(name) or ""
+    except KeyError:
+        return ""
+
+
+def stuck_signal_seconds() -> float:
+    """:data:`STUCK_SIGNAL_S`, or ``MCGRAPH_STUCK_SIGNAL_S`` where set (a bad value is
+    logged and the default kept)."""
+    text = os.environ.get(STUCK_SIGNAL_VAR, "").strip()
+    if not text:
+        return STUCK_SIGNAL_S
+    try:
+        seconds = float(text)
+        if seconds < 0 or seconds != seconds:
+            raise ValueError
+    except ValueError:
+        logger.warning(
+            "%s=%r is not a number of seconds >= 0: %g s is used (0: never end a process "
+            "whose main thread cannot act on a signal)",
+            STUCK_SIGNAL_VAR,
+            text,
+            STUCK_SIGNAL_S,
+        )
+        return STUCK_SIGNAL_S
+    return seconds
 
 
 class RunSignals:
@@ -29,6 +185,7 @@ class RunSignals:
     _sigint_deferrer: Any
     _shutting_down: bool
     _finished: bool
+    _stuck_watch: StuckSignalWatch | None = None
 
     def _defer_sigint(self) -> Any:
         """Hold a Ctrl-C (SIGINT) that arrives while the shutdown hook runs, so that every
@@ -96,10 +253,15 @@ class RunSignals:
                 continue
             # (recorded once installed: a failure part-way restores only what went in)
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+        if self._previous_handlers:
+            self._stuck_watch = StuckSignalWatch.start(self)
 
     def _restore_signal_handlers(self) -> None:
         """Put the host's handlers back, except where the host installed one of its own
         during the run (that one stays: it is the host's latest word)."""
+        if self._stuck_watch is not None and threading.current_thread() is threading.main_thread():
+            self._stuck_watch.stop()
+            self._stuck_watch = None
         if not self._previous_handlers:
             return
         if threading.current_thread() is not threading.main_thread():

@@ -233,6 +233,33 @@ def test_the_interrupt_wakes_a_wait_that_python_runs(store, watches):
     assert time.monotonic() - began < wait_s
 
 
+@pytest.mark.parametrize(
+    "reason, exception",
+    [
+        (ShutdownReason.SIGNAL, hookspecs.SignalReceived(signal.SIGTERM)),
+        (ShutdownReason.EXCEPTION, RuntimeError("Connection closed by peer")),
+    ],
+)
+def test_an_end_after_the_watch_acted_is_no_failure_of_this_rank(
+    store, watches, caplog, reason, exception
+):
+    """(2026-12-05, a review on gloo: torchrun's SIGTERM, handled before the watch's
+    interrupt as the lower signal number, or the collective the abort broke, ended the run;
+    the told rank then marked a failure of its own and logged "rank 0 failed (signal: ...)",
+    as if two ranks had failed.)"""
+    stand_in = StandIn()
+    watch = start(watches, store, abort=Aborts(stand_in))
+    later(0.3, lambda: peer(watch, 1).mark_failed("exception: RuntimeError: boom"))
+    with pytest.raises(PeerFailed):
+        stand_in.wait(HANG_S)
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        watch.end(reason, exception)
+    assert not store.check([watch.rank_key(0)])  # no mark of its own
+    assert watch.first_failure is None
+    assert f"rank 0: the run ended by {reason} after rank 1" in caplog.text
+    assert "rank 0 failed" not in caplog.text
+
+
 def test_a_rank_never_reacts_to_its_own_mark(store, watches):
     aborts = Aborts()
     watch = start(watches, store, rank=1, abort=aborts)

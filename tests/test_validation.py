@@ -2427,6 +2427,26 @@ def test_a_report_path_that_is_a_directory_is_refused_in_any_mode(tmp_path, impl
     )
 
 
+def test_a_rank_checks_the_report_file_it_writes(tmp_path, monkeypatch):
+    """Rank N writes ``<stem>.rankN<suffix>`` (2026-12-05: the check looked at rank 0's path
+    alone, and rank 1 failed at shutdown, after its last step, with IsADirectoryError)."""
+    (tmp_path / "report.rank1.json").mkdir()
+    config = with_report(bridge(), str(tmp_path / "report.json"))
+    monkeypatch.setenv("RANK", "0")
+    accepted(config)
+    monkeypatch.setenv("RANK", "1")
+    rejected(
+        config,
+        fields=["cuda_graph_report_json"],
+        value=repr(str(tmp_path / "report.json")),
+        phrase=f"the run report cannot be written to {str(tmp_path / 'report.rank1.json')!r}, "
+        "rank 1's own file (it is a directory)",
+        fix=REPORT_FIX,
+    )
+    monkeypatch.setenv("RANK", "2")
+    accepted(config)
+
+
 def test_a_report_path_under_a_file_is_refused(tmp_path):
     (tmp_path / "file").write_text("")
     path = tmp_path / "file" / "sub" / "r.json"

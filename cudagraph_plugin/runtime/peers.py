@@ -244,9 +244,15 @@ class PeerWatch:
         as ended (what :meth:`wait_for_peers` waits for)."""
         reason = ShutdownReason(reason)
         if reason.abnormal and reason is not ShutdownReason.PEER_FAILED:
-            first = self.mark_failed(describe_end(reason, exception), refusal_of(exception))
-            note_speaker(exception, first, self.rank)
-            return
+            if self.peer_failure is None:
+                first = self.mark_failed(describe_end(reason, exception), refusal_of(exception))
+                note_speaker(exception, first, self.rank)
+                return
+            # The watch had acted on a peer's failure: what ended this run is its
+            # consequence, not a failure of this rank's (the launcher's SIGTERM handled
+            # before the watch's interrupt, a collective broken by the abort): no mark of
+            # its own, which would say this rank failed too (said below, as an end after it)
+            note_speaker(exception, self.peer_failure, self.rank)
         self.stop()
         if self.peer_failure is not None and reason is not ShutdownReason.PEER_FAILED:
             logger.warning(

@@ -33,7 +33,7 @@ from cudagraph_plugin.config.advice import warmup_warning
 from cudagraph_plugin.config.check import check_config
 from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.config.settings import Settings
-from cudagraph_plugin.runtime import build, job_watch, ranklog
+from cudagraph_plugin.runtime import agreement, build, job_watch, ranklog
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.fallback import Fallback
 from cudagraph_plugin.runtime.guard import ShapeGuard
@@ -141,6 +141,7 @@ class CudaGraphPlugin:
     @hookimpl
     def mcgraph_rng_initialized(self, config: Any) -> None:
         self.job.watch()
+        agreement.check_once(self.state)
         if self.state.active:
             build.check_rng_tracker()
 
@@ -160,6 +161,7 @@ class CudaGraphPlugin:
         state = self.state
         state.advance((Phase.CONFIGURED,), Phase.BUILT)
         self.job.watch()
+        agreement.check_once(self.state)
         state.model, state.model_config = model, model_config
         state.seq_length, state.micro_batch_size = seq_length, micro_batch_size
         if self.interceptor.wrapped:  # the host asked for its function first

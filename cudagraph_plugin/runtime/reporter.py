@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
 from typing import Any
 
 from cudagraph_plugin import compat
 from cudagraph_plugin.config.logs import JOB_WIDE
+from cudagraph_plugin.config.rules.report import rank_path
 from cudagraph_plugin.runtime.bucket_keys import no_capture_reason
 from cudagraph_plugin.runtime.capture import Captures
 from cudagraph_plugin.runtime.measurement import Measurement
@@ -273,14 +273,6 @@ class Reporter:
         if optim is not None and optim.sync_description() is not None:
             notes.append(optim.sync_description())
         return notes
-
-
-def rank_path(path: str, rank: int) -> str:
-    """Rank 0 writes ``path``; rank N writes ``<stem>.rankN<suffix>`` beside it."""
-    if rank == 0:
-        return path
-    target = Path(path)
-    return str(target.with_name(f"{target.stem}.rank{rank}{target.suffix}"))
 
 
 def _device_name(cuda: bool) -> str:

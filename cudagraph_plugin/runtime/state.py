@@ -64,6 +64,8 @@ class RunState:
     te_layers_anywhere: bool = True
     # the run's post-warmup step fired (TE graphs are captured there)
     post_warmup_fired: bool = False
+    # the ranks' settings were compared (runtime.agreement: once the process group exists)
+    settings_agreed: bool = False
 
     # the step as the step hooks last said it, for a host that fires them without a
     # TrainingRun (no progress)

@@ -14,6 +14,23 @@ from cudagraph_plugin.config.rules.base import rule, violation
 from cudagraph_plugin.config.settings import Settings
 
 
+def rank_path(path: str, rank: int) -> str:
+    """Rank 0 writes ``path``; rank N writes ``<stem>.rankN<suffix>`` beside it."""
+    if rank == 0:
+        return path
+    target = Path(path)
+    return str(target.with_name(f"{target.stem}.rank{rank}{target.suffix}"))
+
+
+def _this_rank() -> int:
+    """This process's rank as its launcher set it (``RANK``; 0 without one): the report
+    path checked is the one this rank writes."""
+    try:
+        return max(int(os.environ.get("RANK", "0") or 0), 0)
+    except ValueError:
+        return 0
+
+
 def _why_unwritable(path: Path) -> str | None:
     """Why the report cannot be written to ``path`` here, or None. Missing directories are
     fine where they can be created (the report's writer creates them): the nearest existing
@@ -61,13 +78,16 @@ def _report_json_writable(s: Settings, env: Environment) -> Iterator[Violation]:
             "run checks it when it starts, before anything is built"
         )
         return
-    why = _why_unwritable(Path(str(s.report_json)))
+    rank = _this_rank()
+    written = rank_path(str(s.report_json), rank)
+    why = _why_unwritable(Path(written))
     if why is not None:
+        where = "there" if rank == 0 else f"to {written!r}, rank {rank}'s own file"
         yield violation(
             s,
             ("report_json",),
             str(s.report_json),
-            f"the run report cannot be written there ({why}); it is written at shutdown, "
+            f"the run report cannot be written {where} ({why}); it is written at shutdown, "
             "so the run would fail after its last step",
             f"point {s.field('report_json')} at a file in a writable directory (missing "
             "directories are created), or drop it",

@@ -1,0 +1,81 @@
+"""That every rank of a job runs the same CUDA graph settings, checked once the process group
+exists (the first of ``run.rng_initialized`` and ``run.model_built``).
+
+Each rank validates its own configuration alone; a launcher that gives one rank other
+arguments or another environment (``--cuda-graph-warmup-steps 5`` on one node, graphs off
+on another) passes every rank's check, and the job then deadlocks: one rank captures at its
+capture step while another runs its step eagerly, each waiting in a different collective,
+with no word. One all-reduce of a digest of each setting (its maximum and its minimum over
+the ranks) tells every rank which settings differ; every rank then refuses the run the same
+way, naming them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+from cudagraph_plugin import compat
+from cudagraph_plugin.config.errors import CudaGraphConfigError, Violation
+from cudagraph_plugin.config.settings import Settings
+
+# (a rank's own path: made absolute in its working directory, which may differ by node)
+_PER_RANK = frozenset({"report_json"})
+
+
+def compared_fields() -> list[str]:
+    """The settings compared across ranks: every field a configuration sets, not where it
+    was read from (``sources``, ``paths``) nor a rank's own file."""
+    return [
+        field.name
+        for field in dataclasses.fields(Settings)
+        if field.compare and field.name not in _PER_RANK
+    ]
+
+
+def _digest(value: Any) -> int:
+    """A 56-bit digest of ``value``'s text (its negation still fits an int64)."""
+    return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:7], "big")
+
+
+def differing_settings(settings: Settings) -> list[str]:
+    """The settings whose value differs between the ranks (one all-reduce over the default
+    group; the same list on every rank; none in a single-rank job)."""
+    names = compared_fields()
+    digests = [_digest(getattr(settings, name)) for name in names]
+    folded = compat.max_across_ranks(digests + [-d for d in digests])
+    highest, lowest = folded[: len(names)], [-d for d in folded[len(names) :]]
+    return [name for name, high, low in zip(names, highest, lowest, strict=True) if high != low]
+
+
+def check_once(state: Any) -> None:
+    """:func:`check_settings_agree` for the run (``RunState``), once, where the process group
+    exists with more than one rank."""
+    if state.settings_agreed or compat.distributed_world()[1] < 2:
+        return
+    state.settings_agreed = True
+    check_settings_agree(state.settings)
+
+
+def check_settings_agree(settings: Settings) -> None:
+    """Refuse the run on every rank where the ranks' settings differ: one problem per
+    setting, with this rank's value."""
+    differing = differing_settings(settings)
+    if not differing:
+        return
+    rank = compat.distributed_world()[0]
+    raise CudaGraphConfigError(
+        [
+            Violation(
+                (settings.field(name),),
+                repr(getattr(settings, name)),
+                f"differs between the ranks of this job (the value is rank {rank}'s): ranks "
+                "that capture at different steps, or some with graphs and some without, "
+                "wait in different collectives for good",
+                "give every rank the same CUDA graph settings (the same arguments and "
+                "environment from the launcher)",
+            )
+            for name in differing
+        ]
+    )

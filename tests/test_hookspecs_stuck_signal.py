@@ -1,0 +1,148 @@
+"""A handled signal that the main thread cannot act on ends the process (``StuckSignalWatch``).
+
+(2026-12-05, a review of multi-rank failure paths on gloo: a rank blocked in C, in the
+process group's rendezvous after its peer had refused the run, caught torchrun's SIGTERM
+and never handled it: torchrun waited its 30 s and SIGKILLed it, and a rank whose launcher
+had died first ran on for good.)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hookspecs import TrainingRun, get_plugin_manager, run_signals
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A run whose main thread blocks in C: a store wait that nothing will ever answer (torch's
+# TCPStore, as a rank's rendezvous or a collective's store wait; no Python code runs there).
+BLOCKED = textwrap.dedent(
+    """
+    import datetime
+    import torch.distributed as dist
+    from hookspecs import TrainingRun, get_plugin_manager, hookimpl
+
+    class Shutdown:
+        @hookimpl
+        def mcgraph_shutdown(self, reason, exception):
+            print("shutdown", reason, flush=True)
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(Shutdown())
+    with TrainingRun(pm, config={}, train_iters=1):
+        store = dist.TCPStore("127.0.0.1", 0, 1, True)
+        print("blocking", flush=True)
+        store.wait(["never"], datetime.timedelta(seconds=60))
+    """
+)
+
+
+def _blocked_process(tmp_path: Path, env: dict[str, str], seconds: str) -> subprocess.Popen:
+    script = tmp_path / "blocked.py"
+    script.write_text(BLOCKED)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "PYTHONPATH": str(ROOT), run_signals.STUCK_SIGNAL_VAR: seconds},
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "blocking"
+    time.sleep(0.5)  # (in the store wait by now)
+    return proc
+
+
+@pytest.mark.slow
+def test_a_sigterm_the_blocked_main_thread_cannot_handle_ends_the_process(tmp_path, subprocess_env):
+    proc = _blocked_process(tmp_path, subprocess_env, "1")
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    took = time.monotonic() - sent
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM received, but the main thread has not come back to Python for 1 s" in err
+    assert "(blocked in C at blocked.py:" in err  # where the main thread was, one line
+    assert "Traceback" not in err and "Current thread" not in err
+    assert "shutdown" not in out  # (nothing can run the hooks from there)
+    assert took < 15  # the wait and the exit, not the store's 60 s
+
+
+@pytest.mark.slow
+def test_without_the_watch_the_blocked_process_runs_on(tmp_path, subprocess_env):
+    """The failure the watch ends: with it off (0), the same SIGTERM is caught and never
+    handled, and the process is still there seconds later."""
+    proc = _blocked_process(tmp_path, subprocess_env, "0")
+    try:
+        proc.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=4)
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_a_handled_signal_is_not_ended_by_the_watch(monkeypatch):
+    """A main thread in Python acts on the signal at once: the run's shutdown runs and the
+    watch, which saw the same signal, leaves the process alone."""
+    monkeypatch.setenv(run_signals.STUCK_SIGNAL_VAR, "0.2")
+    reasons = []
+
+    class Shutdown:
+        from hookspecs import hookimpl
+
+        @hookimpl
+        def mcgraph_shutdown(self, reason, exception):
+            reasons.append(str(reason))
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(Shutdown())
+    previous = signal.signal(signal.SIGTERM, lambda *a: None)
+    try:
+        # (the host's handler returns: the run's SignalReceived ends the block, no further)
+        with TrainingRun(pm, config={}, train_iters=1) as run:
+            assert run._stuck_watch is not None
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.0)  # (the handler raised before this: the run ends)
+            raise AssertionError("not reached")
+        time.sleep(0.5)  # past the watch's wait: still alive
+        assert reasons == ["signal"]
+        # the wakeup descriptor is off again once the run ended
+        assert signal.set_wakeup_fd(-1) == -1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_host_wakeup_descriptor_is_left_to_the_host(monkeypatch):
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write)
+    try:
+        with TrainingRun(get_plugin_manager(load_entrypoints=False), {}, train_iters=0) as run:
+            assert run._stuck_watch is None
+            assert signal.set_wakeup_fd(write) == write  # (still the host's)
+        assert signal.set_wakeup_fd(-1) == write
+    finally:
+        signal.set_wakeup_fd(-1)
+        os.close(read)
+        os.close(write)
+
+
+@pytest.mark.parametrize("text, seconds", [("", 5.0), ("2.5", 2.5), ("0", 0.0), ("soon", 5.0)])
+def test_the_wait_is_read_from_the_environment(monkeypatch, caplog, text, seconds):
+    monkeypatch.setenv(run_signals.STUCK_SIGNAL_VAR, text)
+    with caplog.at_level(logging.WARNING, logger="hookspecs.run"):
+        assert run_signals.stuck_signal_seconds() == seconds
+    assert ("is not a number of seconds" in caplog.text) == (text == "soon")

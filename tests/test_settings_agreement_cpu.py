@@ -1,0 +1,103 @@
+"""Every rank of a job runs the same CUDA graph settings (``runtime.agreement``).
+
+(2026-12-05, a review of multi-rank failure paths on gloo: a launcher giving rank 1
+``--cuda-graph-warmup-steps 5`` and rank 0 the default 3 passed every rank's own check; with
+graphs, rank 0 captured at step 3 and waited in the capture's barrier while rank 1 ran its
+eager all-reduce: no word, until torchrun killed both.)
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+from cpu_only import needs_mcore_on_cpu
+
+from cudagraph_plugin.config.settings import read_settings
+from cudagraph_plugin.runtime import agreement
+from jobs import CPU_RANKS, run_job, torchrun_command
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+HOST = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, {examples!r})
+    import train_gpt
+    per_rank = {per_rank!r}[int(os.environ["RANK"])]
+    sys.argv = ["train_gpt.py", "--train-iters", "4", "--log-interval", "0",
+                "--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration", *per_rank]
+    sys.exit(train_gpt.main())
+    """
+)
+
+
+def _job(tmp_path: Path, per_rank: list[list[str]]):
+    script = tmp_path / "host.py"
+    script.write_text(HOST.format(examples=str(EXAMPLES), per_rank=per_rank))
+    job = run_job(
+        torchrun_command(2, script),
+        log_dir=tmp_path / "job",
+        timeout_s=150,
+        env={**os.environ, **CPU_RANKS},
+        name="agreement",
+    )
+    assert not job.timed_out and not job.leftovers, job.tail()
+    return job, job.output()
+
+
+@needs_mcore_on_cpu
+@pytest.mark.slow
+def test_ranks_with_different_warmups_refuse_the_run_naming_the_setting(tmp_path):
+    job, output = _job(tmp_path, [[], ["--cuda-graph-warmup-steps", "5"]])
+    assert job.rc != 0, output[-4000:]
+    assert "--cuda-graph-warmup-steps = " in output, output[-4000:]
+    assert "differs between the ranks of this job" in output
+    # refused where the process group first exists, before any training step, exit 2
+    assert "0 step(s) timed" in output
+    assert "exitcode  : 2" in output
+
+
+@needs_mcore_on_cpu
+@pytest.mark.slow
+def test_ranks_with_the_same_settings_train(tmp_path):
+    job, output = _job(tmp_path, [["--cuda-graph-warmup-steps", "2"]] * 2)
+    assert job.rc == 0, output[-4000:]
+    assert "differs between the ranks" not in output
+
+
+def test_differing_settings_are_found_from_the_folded_digests(monkeypatch):
+    """The fold itself, with a stand-in for the all-reduce that holds another rank's
+    settings: the element-wise maximum of both ranks' values, as the real one gives."""
+    mine = read_settings({"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"})
+    other = read_settings(
+        {
+            "cuda_graph_impl": "local",
+            "cuda_graph_scope": "full_iteration",
+            "cuda_graph_warmup_steps": 5,
+        }
+    )
+
+    def other_rank_holds(settings):
+        def all_reduce_max(values):
+            names = agreement.compared_fields()
+            theirs = [agreement._digest(getattr(settings, name)) for name in names]
+            theirs += [-d for d in theirs]
+            return [max(a, b) for a, b in zip(values, theirs, strict=True)]
+
+        return all_reduce_max
+
+    monkeypatch.setattr(agreement.compat, "max_across_ranks", other_rank_holds(other))
+    assert agreement.differing_settings(mine) == ["warmup_steps"]
+    monkeypatch.setattr(agreement.compat, "max_across_ranks", other_rank_holds(mine))
+    assert agreement.differing_settings(other) == ["warmup_steps"]
+    assert agreement.differing_settings(mine) == []
+    monkeypatch.setattr(agreement.compat, "max_across_ranks", lambda values: values)
+    assert agreement.differing_settings(mine) == []
+
+
+def test_a_rank_own_report_path_is_not_compared():
+    assert "report_json" not in agreement.compared_fields()
+    assert {"impl", "scope", "warmup_steps", "buckets"} <= set(agreement.compared_fields())
