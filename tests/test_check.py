@@ -705,7 +705,7 @@ def test_a_history_check_with_full_iteration_fails_the_check(flag):
     code, out = check([*DENSE_FULL_ITERATION, flag])
     assert code == 1
     assert f"{flag} = True: full_iteration CUDA graph with" in out
-    assert f"fix: turn {flag} off" in out
+    assert f"fix: drop {flag}, or use TE scopes" in out
 
 
 # -- every field a rule reads has its flag (review of 2026-12-04) ------------------------------

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import io
-import logging
 from types import SimpleNamespace as NS
 
 import pytest
 
-from cudagraph_plugin.cli import check as check_cli
+from cudagraph_plugin.cli import megatron_lm as check_cli
 from cudagraph_plugin.cli.check import run_check
 from cudagraph_plugin.config import environment
 from cudagraph_plugin.config.check import check_config
@@ -46,8 +45,17 @@ def derived(out):
     [
         ["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2"],
         ["--pipeline-model-parallel-layout", "Et*2|t*2|t*2|t*2L"],
-        ["--pipeline-model-parallel-layout", "E|(t|)*6L"],
+        ["--pipeline-model-parallel-layout", "E|(t|)*2L"],
         ["--num-virtual-stages-per-pipeline-rank", "2"],
+        # (Megatron-LM counts the embedding and the loss as a layer each with these: 8)
+        [
+            "--num-layers",
+            "6",
+            "--account-for-embedding-in-pipeline-split",
+            "--account-for-loss-in-pipeline-split",
+            "--num-layers-per-virtual-pipeline-stage",
+            "2",
+        ],
     ],
 )
 def test_interleaved_pipeline_from_any_of_its_flags_is_ok(stages):
@@ -55,9 +63,9 @@ def test_interleaved_pipeline_from_any_of_its_flags_is_ok(stages):
     code, out = check([*FULL, *PP2, *stages])
     assert code == 0, out
     assert PIPELINE_REFUSED not in out
-    if stages[0] != "--num-virtual-stages-per-pipeline-rank":
-        (line,) = derived(out)
-        assert "virtual stage(s) per pipeline rank" in line
+    (line,) = derived(out)
+    flag = next(s for s in stages if "virtual" in s or "layout" in s)
+    assert f"{flag}: 2 virtual stage(s) per pipeline rank" in line
 
 
 def test_one_virtual_stage_per_rank_is_none_and_batches_p2p():
@@ -78,7 +86,19 @@ def test_one_virtual_stage_per_rank_is_none_and_batches_p2p():
     "flags, said",
     [
         (["--num-layers", "7", "--num-layers-per-virtual-pipeline-stage", "2"], "whole divisions"),
-        (["--num-layers-per-virtual-pipeline-stage", "2"], "needs --num-layers"),
+        (["--num-layers-per-virtual-pipeline-stage", "2"], "needs the layers and whole"),
+        (["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "0"], "number >= 1"),
+        (
+            [
+                "--num-layers",
+                "8",
+                "--num-layers-per-virtual-pipeline-stage",
+                "2",
+                "--decoder-first-pipeline-num-layers",
+                "3",
+            ],
+            "please use --num-virtual-stages-per-pipeline-rank",
+        ),
         (["--pipeline-model-parallel-layout", "Et|t|tL"], "do not divide among 2"),
         (
             [
@@ -171,10 +191,17 @@ def test_te_graphs_with_expandable_segments_say_megatron_lm_refuses_them(monkeyp
 # -- full_iteration in the scope with graphs off ------------------------------------------------
 
 
-@pytest.mark.parametrize("flag", ["--cuda-graph-scope", "--cuda-graph-modules"])
-def test_full_iteration_scope_without_impl_is_a_problem_not_cleared(flag):
+@pytest.mark.parametrize(
+    "flag, newer_installed",
+    [("--cuda-graph-modules", False), ("--cuda-graph-modules", True), ("--cuda-graph-scope", True)],
+)
+def test_full_iteration_scope_without_impl_is_a_problem_where_it_means_graphs(
+    monkeypatch, flag, newer_installed
+):
     # before: "auto-fix: cuda_graph_impl is none: cleared --cuda-graph-modules" and OK, a job
-    # megatron-core 0.19 runs with graphs (its migration of this deprecated spelling) ran eagerly
+    # megatron-core 0.18+ runs with graphs (its migration of this deprecated spelling) ran
+    # eagerly
+    monkeypatch.setattr(environment, "mcore_spells_modules", lambda: newer_installed)
     code, out = check([flag, "full_iteration"])
     assert code == 1, out
     assert "cleared" not in out
@@ -183,9 +210,33 @@ def test_full_iteration_scope_without_impl_is_a_problem_not_cleared(flag):
         in out
     )
     assert "set --cuda-graph-impl=full_iteration (megatron-core 0.18+)" in out
-    # another scope with graphs off is still cleared, with its log line
-    code, out = check(["--cuda-graph-impl", "none", "--cuda-graph-scope", "attn"])
-    assert code == 0 and "cleared --cuda-graph-scope (was attn)" in out
+
+
+def test_full_iteration_scope_without_impl_on_0_16_in_its_spelling_is_graphs_off(monkeypatch):
+    """megatron-core 0.16 runs ``--cuda-graph-impl none --cuda-graph-scope full_iteration``
+    eagerly: cleared with its log line, as any scope with graphs off."""
+    monkeypatch.setattr(environment, "mcore_spells_modules", lambda: False)
+    for argv in (
+        ["--cuda-graph-scope", "full_iteration"],
+        ["--cuda-graph-impl", "none", "--cuda-graph-scope", "attn"],
+    ):
+        code, out = check(argv)
+        assert code == 0 and "cleared --cuda-graph-scope (was " in out, out
+
+
+@pytest.mark.parametrize("newer_installed", [False, True])
+def test_the_harness_override_to_none_clears_a_full_iteration_scope(monkeypatch, newer_installed):
+    """The harness override ``--cuda-graph-impl none`` on a full-iteration recipe asks for
+    graphs off: its scope is cleared (review of 2026-12-05: it was refused with the problem
+    above, and the eager baseline of a full-iteration recipe could not be made)."""
+    from cudagraph_plugin.cli.overrides import apply_overrides
+
+    monkeypatch.setattr(environment, "mcore_spells_modules", lambda: newer_installed)
+    recipe = NS(model=NS(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]))
+    changes = apply_overrides(recipe, cuda_graph_impl="none")
+    assert recipe.model.cuda_graph_scope == []
+    assert any("cuda_graph_scope" in change for change in changes), changes
+    assert check_config(recipe, environ={}).ok
 
 
 def test_full_iteration_scope_without_impl_is_refused_in_a_bridge_config():
@@ -267,14 +318,108 @@ def test_a_real_megatron_lm_flag_gets_no_did_you_mean(capsys):
     assert "--te-rng-trackr: did you mean --te-rng-tracker?" in capsys.readouterr().err
 
 
-def test_delay_wgrad_without_ep_overlap_is_refused_with_its_fix(caplog):
-    with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
-        code, out = check(
-            ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn", "mlp",
-             "--delay-wgrad-compute", "--disable-bias-linear", "--te-version", "2.12"]
-        )  # fmt: skip
+def test_delay_wgrad_without_ep_overlap_is_refused_with_its_fix():
+    code, out = check(
+        ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn", "mlp",
+         "--delay-wgrad-compute", "--disable-bias-linear", "--te-version", "2.12"]
+    )  # fmt: skip
     # before: OK; megatron-core asserts "overlap_moe_expert_parallel_comm must be enabled when
     # enabling delay_wgrad_compute"
     assert code == 1
     assert "fix: pass --overlap-moe-expert-parallel-comm" in out
     assert "or drop --delay-wgrad-compute" in out
+
+
+@pytest.mark.parametrize(
+    "pp, overlap, ok",
+    [("1", [], False), ("2", [], True), ("2", ["--no-overlap-p2p-communication"], False),
+     ("3", ["--no-overlap-p2p-communication"], True)],
+)  # fmt: skip
+def test_virtual_stages_need_the_pipeline_ranks_megatron_lm_asserts(pp, overlap, ok):
+    # before: OK for each; Megatron-LM asserts more than 1 pipeline rank (2 without overlap)
+    te = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn"]
+    code, out = check(
+        [
+            *te,
+            "--pipeline-model-parallel-size",
+            pp,
+            "--num-virtual-stages-per-pipeline-rank",
+            "2",
+            *overlap,
+        ]
+    )
+    assert (code == 0) == ok, out
+    assert ("the interleaved schedule needs at least" in out) == (not ok)
+
+
+def test_a_bad_pipeline_size_is_said_once():
+    code, out = check([*FULL, "--pipeline-model-parallel-size", "two"])
+    assert code == 1
+    assert out.count("'two'") == 1, out
+
+
+def test_offloading_from_its_layer_count_is_turned_off_through_that_flag():
+    te = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn"]
+    _, out = check([*te, "--cpu-offloading-num-layers", "2"])
+    assert "fix: set --cpu-offloading-num-layers 0, or turn CUDA graphs off" in out
+
+
+def test_an_inverted_switch_fix_names_the_flag_that_turns_it_off():
+    # before: "drop --store-param-remainders", a flag that does not exist (the check's own and
+    # Megatron-LM's is --no-store-param-remainders)
+    code, out = check(
+        [
+            *FULL,
+            "--optimizer-cuda-graph",
+            "--use-precision-aware-optimizer",
+            "--use-distributed-optimizer",
+        ]
+    )
+    assert code == 1
+    assert "fix: pass --no-store-param-remainders, or turn the optimizer graph off" in out
+
+
+def test_a_flag_cut_short_gets_the_flag_it_starts(capsys):
+    with pytest.raises(SystemExit):
+        check([*FULL, "--delay-wgrad", "--micro-batch", "2"])
+    err = capsys.readouterr().err
+    assert "--delay-wgrad: did you mean --delay-wgrad-compute?" in err
+    assert "--micro-batch: did you mean --micro-batch-size?" in err
+
+
+def test_bridge_comm_overlap_settings_are_read_over_the_model_ones():
+    """Megatron-Bridge's CommOverlapConfig holds delay_wgrad_compute and the expert-parallel
+    overlap (None: the model's); a value there is written over the model's."""
+    model = NS(
+        cuda_graph_impl="transformer_engine", cuda_graph_scope="moe_router,moe_preprocess",
+        num_moe_experts=8, delay_wgrad_compute=True, overlap_moe_expert_parallel_comm=False,
+        use_te_rng_tracker=True, attention_dropout=0.0, hidden_dropout=0.0,
+    )  # fmt: skip
+    config = NS(
+        model=model,
+        comm_overlap=NS(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=None),
+    )
+    assert not [p for p in check_config(config, environ={}).problems if "overlap" in p.problem]
+    config.comm_overlap.overlap_moe_expert_parallel_comm = None
+    (problem,) = [p for p in check_config(config, environ={}).problems if "overlap" in p.problem]
+    assert problem.fields == ("model.delay_wgrad_compute", "model.overlap_moe_expert_parallel_comm")
+
+
+def test_megatron_core_0_19_source_has_the_offloading_condition_read():
+    """The condition :func:`environment.mcore_offloads_with_full_iteration` looks for, in the
+    real megatron-core 0.19 ``TransformerConfig`` where its sources are here (the test
+    above patches it in; this one says when 0.19 reworded it)."""
+    from test_fakes import _mcore_019_sources
+
+    root = _mcore_019_sources()
+    if root is None:
+        pytest.skip("megatron-core 0.19 sources not here (MCORE_019_SRC)")
+    text = (root / "megatron/core/transformer/transformer_config.py").read_text()
+    environment._transformer_config_source.cache_clear()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(environment, "_transformer_config_source", lambda: text)
+            environment.mcore_offloads_with_full_iteration.cache_clear()
+            assert environment.mcore_offloads_with_full_iteration() is True
+    finally:
+        environment.mcore_offloads_with_full_iteration.cache_clear()

@@ -194,8 +194,8 @@ RULE_CASES = {
         ),
     ),
     "_full_iteration_scope_without_impl": (
-        bridge("none", "attn"),
-        bridge("none", "full_iteration"),
+        bridge("none", "full_iteration"),  # (0.16's spelling, on 0.16: graphs off)
+        bridge("none", None, cuda_graph_modules=["full_iteration"]),  # (0.18+: on)
     ),
     "_nan_grad_check": (full_iteration(), bridge("local", "full_iteration", nan_grad=True)),
     "_history_checks": (
@@ -1142,8 +1142,9 @@ def test_delay_wgrad_not_checked_for_local_or_off(te):
     # (full_iteration: megatron-core takes delay_wgrad_compute only with expert-parallel
     # overlap, which it allows with TE graphs only; refused for that, not for the TE version)
     violations = find_violations(read_settings(full_iteration(delay_wgrad_compute=True)))
-    assert violations
-    assert not any("Transformer Engine >=" in v.problem for v in violations)
+    assert [v.fields for v in violations] == [
+        ("model.delay_wgrad_compute", "overlap_moe_expert_parallel_comm")
+    ]
     accepted(bridge("none", [], delay_wgrad_compute=True))
     accepted(wgrad(delay_wgrad_compute=False))
 
@@ -2008,7 +2009,7 @@ def test_grad_nan_check_with_full_iteration_is_a_violation_not_advice():
         fields=("ddp.check_for_nan_in_grad",),
         value="True",
         phrase="--no-check-for-nan-in-loss-and-grad should be set",
-        fix="turn ddp.check_for_nan_in_grad off",
+        fix="set ddp.check_for_nan_in_grad=False",
     )
     assert not any(
         "check_for_nan_in_grad" in note for note in advice(read_settings(full_iteration()))
@@ -2379,7 +2380,7 @@ def test_full_iteration_refuses_the_checks_that_read_a_history_on_the_host(confi
         fields=(field,),
         value="True",
         phrase="with its history on the host",
-        fix=f"turn {field} off",
+        fix=f"drop {field}, or use TE scopes",
     )
     setattr(config, field[2:].replace("-", "_"), False)
     accepted(config)

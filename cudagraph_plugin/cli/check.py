@@ -27,12 +27,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from cudagraph_plugin.cli.flags import add_cuda_graph_arguments
+from cudagraph_plugin.cli.megatron_lm import as_validate_args, megatron_lm_refuses
 from cudagraph_plugin.config import environment
 from cudagraph_plugin.config.check import check_config
 from cudagraph_plugin.config.environment import INSTALLED, parse_te_version
@@ -88,9 +88,14 @@ def _hint(parser: argparse.ArgumentParser, message: str) -> str:
 def _close_flag(name: str, known: list[str]) -> list[str]:
     """The flag ``name`` likely misspells: a loose match in the plugin's own namespace, a
     close one elsewhere (Megatron-LM has many flags alike: ``--inference-rng-tracker`` is no
-    misspelling of ``--te-rng-tracker``)."""
+    misspelling of ``--te-rng-tracker``), else the one flag it is the start of."""
     cutoff = 0.6 if name.startswith(OWN_NAMESPACE) else 0.85
-    return difflib.get_close_matches(name, known, n=1, cutoff=cutoff)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=cutoff)
+    if close:
+        return close
+    # a flag cut short (--delay-wgrad, --micro-batch), which argparse takes from no one here
+    started = [flag for flag in known if flag.startswith(name + "-")]
+    return started if len(started) == 1 else []
 
 
 def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -242,6 +247,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     # (as Megatron-LM's validate_args derives the virtual stages: at most one of these)
     parallel.add_argument(*_flags("num_layers"), dest="num_layers", default=None)
+    on("--account-for-embedding-in-pipeline-split", "account_for_embedding_in_pipeline_split")
+    on("--account-for-loss-in-pipeline-split", "account_for_loss_in_pipeline_split")
+    for uneven in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        parallel.add_argument(*_flags(uneven), dest=uneven, default=None)
     parallel.add_argument(
         *_flags("num_layers_per_virtual_pipeline_stage"),
         dest="num_layers_per_virtual_pipeline_stage",
@@ -334,140 +343,6 @@ def _own_flags(args: argparse.Namespace) -> tuple[Any, list[Violation]]:
     return te_version, problems
 
 
-def as_validate_args(args: argparse.Namespace) -> tuple[list[Violation], list[str]]:
-    """What Megatron-LM's ``validate_args`` derives from the flags before any plugin sees
-    them, done to ``args`` in its order: the problems of the flags it derives from, and a
-    line for each setting derived (the problems name the derived setting).
-
-    * ``--recompute-activations``: selective recompute;
-    * the virtual pipeline stages, from ``--pipeline-model-parallel-layout`` (its stages per
-      pipeline rank), ``--num-layers-per-virtual-pipeline-stage`` (with ``--num-layers``) or
-      ``--num-virtual-stages-per-pipeline-rank``; one stage per rank is none (so the p2p
-      exchanges are batched: no overlap without the interleaved schedule);
-    * ``--cpu-offloading-num-layers`` above 0: CPU offloading.
-    """
-    problems: list[Violation] = []
-    derived: list[str] = []
-
-    def number(dest: str) -> int | None:
-        text = getattr(args, dest, None)
-        if text is None:
-            return None
-        try:
-            return int(text)
-        except (TypeError, ValueError):
-            flag = "--" + dest.replace("_", "-")
-            problems.append(Violation((flag,), repr(text), "not a whole number", f"give {flag} N"))
-            return None
-
-    if args.recompute_activations:
-        args.recompute_granularity = "selective"
-        derived.append("--recompute-activations: --recompute-granularity selective")
-    pp = number("pipeline_model_parallel_size") or 1
-    vpp = number("virtual_pipeline_model_parallel_size")
-    per_stage = number("num_layers_per_virtual_pipeline_stage")
-    layout = args.pipeline_model_parallel_layout
-    given = [
-        flag
-        for flag, value in (
-            ("--num-virtual-stages-per-pipeline-rank", vpp),
-            ("--num-layers-per-virtual-pipeline-stage", per_stage),
-            ("--pipeline-model-parallel-layout", layout),
-        )
-        if value is not None
-    ]
-    if len(given) > 1:
-        problems.append(
-            Violation(
-                tuple(given),
-                "given together",
-                "each gives the virtual pipeline stages (Megatron-LM: one of them at most)",
-                "keep one of them",
-            )
-        )
-    elif layout is not None:
-        stages = layout_stages(layout)
-        if stages % pp:
-            problems.append(
-                Violation(
-                    ("--pipeline-model-parallel-layout", "--pipeline-model-parallel-size"),
-                    repr((layout, pp)),
-                    f"the layout's {stages} stages do not divide among {pp} pipeline ranks",
-                    "give a layout with a multiple of --pipeline-model-parallel-size stages",
-                )
-            )
-        vpp = stages // pp
-    elif per_stage is not None:
-        layers = number("num_layers")
-        if layers is None or layers % pp or (layers // pp) % per_stage:
-            problems.append(
-                Violation(
-                    (
-                        "--num-layers",
-                        "--pipeline-model-parallel-size",
-                        "--num-layers-per-virtual-pipeline-stage",
-                    ),
-                    repr((args.num_layers, pp, per_stage)),
-                    "the virtual stages are --num-layers / --pipeline-model-parallel-size / "
-                    "--num-layers-per-virtual-pipeline-stage, which needs --num-layers and "
-                    "whole divisions",
-                    "give --num-layers divisible by both, or "
-                    "--num-virtual-stages-per-pipeline-rank",
-                )
-            )
-            vpp = None
-        else:
-            vpp = layers // pp // per_stage
-    if given and vpp is not None and not problems:
-        derived.append(
-            f"{given[0]}: {vpp} virtual stage(s) per pipeline rank"
-            + (" (one is none: the p2p exchanges are batched)" if vpp == 1 else "")
-        )
-    if vpp == 1:
-        vpp = None
-    if vpp is None:
-        if hasattr(args, "virtual_pipeline_model_parallel_size"):
-            del args.virtual_pipeline_model_parallel_size
-    else:
-        args.virtual_pipeline_model_parallel_size = vpp
-    offloaded = number("cpu_offloading_num_layers")
-    if offloaded is not None and offloaded > 0:
-        args.cpu_offloading = True
-        derived.append(f"--cpu-offloading-num-layers {offloaded}: --cpu-offloading")
-    return problems, derived
-
-
-def layout_stages(layout: str) -> int:
-    """The stages of a ``--pipeline-model-parallel-layout`` string, as megatron-core's
-    ``PipelineParallelLayerLayout.get_num_stages_from_str`` counts them (the check imports no
-    megatron-core; a test compares the two): cosmetic commas dropped, ``(...)*n`` and
-    ``x*n`` unrolled, stages split at ``|``."""
-    text = layout.replace(",", "")
-    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
-        text = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
-    return len(text.split("|"))
-
-
-def _megatron_lm_refuses(fixes: Sequence[Any], impl: str) -> list[str]:
-    """Notes for the auto-fixes a Megatron-LM launcher never reaches: its ``validate_args``
-    asserts on these settings before any plugin's configure runs."""
-    notes = []
-    if any(fix.setting == "check_for_nan_in_loss" for fix in fixes):
-        notes.append(
-            "Megatron-LM's validate_args refuses full-iteration graphs with the NaN check on "
-            "before any plugin runs: a Megatron-LM launcher needs "
-            "--no-check-for-nan-in-loss-and-grad on its command line (the plugin's own "
-            "configure turns it off for other hosts)"
-        )
-    if impl == "transformer_engine" and any(fix.setting == "NCCL_GRAPH_REGISTER" for fix in fixes):
-        notes.append(
-            "Megatron-LM's validate_args (0.19) refuses transformer_engine graphs with "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before any plugin runs: a "
-            "Megatron-LM launcher needs NCCL_GRAPH_REGISTER=0 in its environment"
-        )
-    return notes
-
-
 def run_check(argv: Sequence[str] | None = None, out: Any = None, prog: str | None = None) -> int:
     out = out or sys.stdout
     parser = build_parser(prog)
@@ -507,7 +382,7 @@ def run_check(argv: Sequence[str] | None = None, out: Any = None, prog: str | No
         print(f"  {fix_label}: {fix.message}", file=out)
     for note in result.advice:
         print(f"  advice: {note}", file=out)
-    launcher = _megatron_lm_refuses(result.autofixes, settings.impl)
+    launcher = megatron_lm_refuses(result.autofixes, settings.impl)
     if derived:
         print(f"  derived as Megatron-LM's validate_args does: {'; '.join(derived)}", file=out)
     for note in ([skipped] if skipped else []) + launcher + list(result.notes):

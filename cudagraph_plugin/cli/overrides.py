@@ -1,6 +1,7 @@
 """Megatron-Bridge's performance-harness overrides (``set_cuda_graph_overrides``) for any
 config shape: :func:`apply_overrides` sets the given values, then the harness's automatic
-fixes (TE RNG tracker flags on for graphs, scope cleared for ``none``, NaN checks off for
+fixes (TE RNG tracker flags on for graphs, scope cleared for ``none`` (a ``full_iteration``
+scope too, which megatron-core 0.18+ would read as graphs on), NaN checks off for
 ``full_iteration``) through :mod:`cudagraph_plugin.config.fixes`, each logged.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from cudagraph_plugin.config.environment import full_iteration_scope_turns_graphs_on
 from cudagraph_plugin.config.fields import (
     FIELD_PATHS,
     MISSING,
@@ -70,8 +72,13 @@ def apply_overrides(
     if cuda_graph_warmup_steps is not None:
         put("warmup_steps", cuda_graph_warmup_steps, "--cuda-graph-warmup-steps")
 
+    settings = read_settings(config)
+    if cuda_graph_impl == "none" and full_iteration_scope_turns_graphs_on(settings):
+        # graphs asked off here: a full_iteration left in the scope would turn them on again
+        # in megatron-core 0.18+ (its migration of that spelling); cleared as any scope
+        put("scope", [], "--cuda-graph-impl none (megatron-core 0.18+ reads full_iteration as on)")
+        settings = read_settings(config)
     for change in changes:
         logger.warning("override: %s", change, extra=JOB_WIDE)
-    settings = read_settings(config)
     changes += write_fixes(config, plan_autofixes(config, settings, harness=True))
     return changes

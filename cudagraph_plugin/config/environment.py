@@ -116,6 +116,18 @@ def mcore_spells_modules() -> bool | None:
     return None if text is None else "cuda_graph_modules" in text
 
 
+def full_iteration_scope_turns_graphs_on(s: Settings) -> bool:
+    """``cuda_graph_impl`` none with ``full_iteration`` in the scope, where megatron-core reads
+    that as graphs on: 0.18+ migrates this deprecated spelling to
+    ``cuda_graph_impl=full_iteration``. So where the scope is written in 0.18+'s
+    ``cuda_graph_modules``, or the installed megatron-core is 0.18+; with 0.16's spelling on
+    0.16 it means graphs off (the scope is cleared, as any scope with graphs off)."""
+    if s.impl != "none" or "full_iteration" not in s.scope:
+        return False
+    written_for_newer = s.paths.get("scope", "").endswith("cuda_graph_modules")
+    return written_for_newer or bool(mcore_spells_modules())
+
+
 @functools.cache
 def mcore_offloads_with_full_iteration() -> bool:
     """Whether the installed megatron-core accepts CPU offloading with the full-iteration

@@ -100,11 +100,18 @@ FIELD_PATHS: dict[str, tuple[str, ...]] = {
     "attention_dropout": ("model.attention_dropout", "attention_dropout"),
     "hidden_dropout": ("model.hidden_dropout", "hidden_dropout"),
     "cpu_offloading": ("model.cpu_offloading", "cpu_offloading"),
+    # (Megatron-Bridge's CommOverlapConfig also holds these two: None there leaves the
+    # model's, a value is written over the model's when the config is finalised)
     "overlap_moe_expert_parallel_comm": (
+        "comm_overlap.overlap_moe_expert_parallel_comm",
         "model.overlap_moe_expert_parallel_comm",
         "overlap_moe_expert_parallel_comm",
     ),
-    "delay_wgrad_compute": ("model.delay_wgrad_compute", "delay_wgrad_compute"),
+    "delay_wgrad_compute": (
+        "comm_overlap.delay_wgrad_compute",
+        "model.delay_wgrad_compute",
+        "delay_wgrad_compute",
+    ),
     "gradient_accumulation_fusion": (
         "model.gradient_accumulation_fusion",
         "gradient_accumulation_fusion",
@@ -181,7 +188,9 @@ FIELD_PATHS: dict[str, tuple[str, ...]] = {
 }
 
 # Settings whose None value means "not set" (the lookup then tries the next path).
-_SKIP_NONE = {"impl", "scope", "warmup_steps"}
+_SKIP_NONE = {
+    "impl", "scope", "warmup_steps", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
+}  # fmt: skip
 
 
 def _get(obj: Any, name: str) -> Any:
@@ -214,7 +223,12 @@ INVERTED_FLAGS = {
     "overlap_p2p_comm": "--no-overlap-p2p-communication",
     # (no Megatron-LM flag; examples/train_gpt.py's --batch-p2p-comm is on by default)
     "batch_p2p_comm": "--no-batch-p2p-comm",
+    "store_param_remainders": "--no-store-param-remainders",
 }
+
+# Fields a Megatron-LM command line sets through another flag (its validate_args derives
+# them): how to turn them off there.
+OFF_THROUGH = {"cpu_offloading": "set --cpu-offloading-num-layers 0"}
 
 
 def display_name(config: Any, path: str) -> str:
@@ -234,6 +248,8 @@ def assignment(from_command_line: bool, path: str | None, name: str, value: Any)
         return f"set {name}={value!r}"
     if path in INVERTED_FLAGS:
         return f"{'drop' if value else 'pass'} {INVERTED_FLAGS[path]}"
+    if not value and path in OFF_THROUGH:
+        return OFF_THROUGH[path]
     flag = "--" + path.replace("_", "-")
     return f"{'pass' if value else 'drop'} {flag}"
 

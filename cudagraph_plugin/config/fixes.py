@@ -29,6 +29,7 @@ from cudagraph_plugin.config.environment import (
     EXPANDABLE,
     Fact,
     environment_problems,
+    full_iteration_scope_turns_graphs_on,
     nccl_register_fixable,
     once,
 )
@@ -73,7 +74,8 @@ def plan_autofixes(config: Any, settings: Settings, *, harness: bool = False) ->
     * CUDA graphs on: every TE RNG tracker flag the config has is set to True, and the
       impl and scope fields are written in megatron-core's spelling (no spaces around
       names, a list for a tuple of scope names).
-    * ``impl="none"``: the scope is cleared (not ``full_iteration``: a problem of its own).
+    * ``impl="none"``: the scope is cleared (not a ``full_iteration`` that megatron-core
+      0.18+ reads as graphs on: a problem of its own).
     * ``harness`` (a command line, as Megatron-Bridge's performance harness): local
       ``full_iteration`` also turns the loss and gradient NaN checks off (Megatron-LM
       asserts both off; its one flag holds both).
@@ -114,8 +116,8 @@ def plan_autofixes(config: Any, settings: Settings, *, harness: bool = False) ->
                             f"the captured iteration): {set_words(config, path, False)}",
                         )
                     )
-    elif settings.scope and "full_iteration" not in settings.scope:
-        # (with full_iteration a problem instead: megatron-core 0.18+ turns graphs on for it)
+    elif settings.scope and not full_iteration_scope_turns_graphs_on(settings):
+        # (that one is a problem instead: megatron-core 0.18+ turns graphs on for it)
         for path in existing_paths(config, "scope"):
             value = resolve(config, path)
             if value:

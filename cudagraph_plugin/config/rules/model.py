@@ -71,7 +71,8 @@ def _moe_scopes(s: Settings, env: Environment) -> Iterator[Violation]:
             "scope moe needs drop-and-pad MoE; dropless MoE has dynamic expert shapes, only its "
             "dense parts are graphable",
             "use moe_router,moe_preprocess for dropless MoE, or set "
-            "moe_expert_capacity_factor and moe_pad_expert_input_to_capacity=True",
+            f"{s.field('moe_expert_capacity_factor')} and "
+            f"{s.set_text('moe_pad_expert_input_to_capacity', True)}",
             (MCORE, "moe cuda graph is only supported with drop-padding MoE"),
         )
     if (
@@ -87,7 +88,7 @@ def _moe_scopes(s: Settings, env: Environment) -> Iterator[Violation]:
             "the alltoall dispatcher's preprocess step copies to the host and synchronises "
             "with a capacity factor or FP8 router padding",
             "drop moe_preprocess from the scope, or pad to capacity "
-            "(moe_pad_expert_input_to_capacity=True)",
+            f"({s.set_text('moe_pad_expert_input_to_capacity', True)})",
             (
                 MCORE,
                 "moe_preprocess cuda graph is not supported when there are DtoH copies "
@@ -115,8 +116,8 @@ def _moe_preprocess_needs_fused_permute(s: Settings, env: Environment) -> Iterat
             "moe_preprocess cuda graph with the dropless alltoall dispatcher needs the fused "
             "permutation: the unfused one synchronizes with the host (masked_select) inside "
             "the captured region",
-            "set moe_permute_fusion=True (needs Transformer Engine), or drop moe_preprocess "
-            "from the scope",
+            f"{s.set_text('moe_permute_fusion', True)} (needs Transformer Engine), or drop "
+            "moe_preprocess from the scope",
             ("CUDA, at capture", "operation not permitted when stream is capturing"),
         )
 
@@ -133,7 +134,7 @@ def _ep_overlap(s: Settings, env: Environment) -> Iterator[Violation]:
                 "with expert-parallel communication overlap only TE graphs of attn, moe_router "
                 "and moe_preprocess are supported",
                 "use cuda_graph_impl=transformer_engine with attn/moe_router/moe_preprocess, "
-                "or turn overlap_moe_expert_parallel_comm off",
+                f"or {s.set_text('overlap_moe_expert_parallel_comm', False)}",
                 (
                     MCORE,
                     "CUDA graph scope on moe and mlp is not supported with "
@@ -197,7 +198,7 @@ def _selective_recompute(s: Settings, env: Environment) -> Iterator[Violation]:
             (list(modules), scope_value(s)),
             "recomputing the MoE layer would re-run the graphed router with "
             "--cuda-graph-impl transformer_engine",
-            f"turn {s.field('moe_layer_recompute')} off (it recomputes moe) and leave 'moe' "
+            f"{s.set_text('moe_layer_recompute', False)} (it recomputes moe) and leave 'moe' "
             "out of recompute_modules, or drop moe_router from the scope"
             if s.moe_layer_recompute
             else "drop 'moe' from recompute_modules, or moe_router from the scope",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from cudagraph_plugin.config import environment
 from cudagraph_plugin.config.environment import Environment
 from cudagraph_plugin.config.errors import (
     BRIDGE,
@@ -105,8 +106,8 @@ def _scope_names_deprecated(s: Settings, env: Environment) -> Iterator[Violation
 def _full_iteration_scope_without_impl(s: Settings, env: Environment) -> Iterator[Violation]:
     # (not cleared as another scope of a run with graphs off: megatron-core 0.18+ migrates
     # this deprecated spelling to graphs on, so clearing it would run eagerly a job that its
-    # megatron-core runs with graphs)
-    if s.impl == "none" and "full_iteration" in s.scope:
+    # megatron-core runs with graphs; megatron-core 0.16's own spelling on 0.16 is cleared)
+    if environment.full_iteration_scope_turns_graphs_on(s):
         yield violation(
             s,
             ("impl", "scope"),

@@ -48,7 +48,7 @@ def _optimizer_graph(s: Settings, env: Environment) -> Iterator[Violation | Note
             f"released in megatron-core {environment.OPTIMIZER_GRAPH_FIRST_RELEASE} (installed: "
             f"{_installed_mcore()})",
             f"install megatron-core >= {environment.OPTIMIZER_GRAPH_FIRST_RELEASE} (Python 3.12), "
-            f"or turn {s.field('optimizer_cuda_graph')} off",
+            f"or {s.set_text('optimizer_cuda_graph', False)}",
         )
     elif available is None:
         yield Note(
@@ -75,7 +75,7 @@ def optimizer_step_problems(s: Settings) -> Iterator[Violation]:
             s.optimizer,
             "megatron-core makes only Adam capturable (OptimizerConfig.optimizer_cuda_graph "
             "builds Adam with capturable=True)",
-            f"use optimizer=adam, or turn {s.field('optimizer_cuda_graph')} off",
+            f"use optimizer=adam, or {s.set_text('optimizer_cuda_graph', False)}",
         )
     if s.fp16:
         yield violation(
@@ -110,7 +110,7 @@ def optimizer_step_problems(s: Settings) -> Iterator[Violation]:
             (True, True),
             "counting the zeros in the gradients reads the count on the host inside "
             "optimizer.step() (count_zeros_fp32 calls .item())",
-            f"turn {s.field('log_num_zeros_in_grad')} off, or {OFF}",
+            f"{s.set_text('log_num_zeros_in_grad', False)}, or {OFF}",
         )
     threshold = s.grad_norm_skip_threshold
     if threshold is not None and math.isfinite(threshold):

@@ -85,7 +85,7 @@ def _nan_grad_check(s: Settings, env: Environment) -> Iterator[Violation]:
             "full_iteration CUDA graph with the gradient NaN check on: DDP inspects the "
             "reduced gradients on the host (a device synchronisation) inside the captured "
             "iteration",
-            f"turn {s.field('check_for_nan_in_grad')} off",
+            s.set_text("check_for_nan_in_grad", False),
             (
                 MLM,
                 "--no-check-for-nan-in-loss-and-grad should be set with "
@@ -110,7 +110,7 @@ def _history_checks(s: Settings, env: Environment) -> Iterator[Violation]:
                 f"full_iteration CUDA graph with {setting}: {what} with its history on the "
                 "host (megatron-core's rerun state machine, a device synchronisation) inside "
                 "the captured iteration",
-                f"turn {s.field(setting)} off, or use TE scopes such as attn,mlp",
+                f"{s.set_text(setting, False)}, or use TE scopes such as attn,mlp",
             )
 
 
@@ -143,8 +143,8 @@ def _fp16_full_iteration(s: Settings, env: Environment) -> Iterator[Violation]:
             "scaler checks the gradients for inf/NaN on the host and replaces its scale tensor "
             "when it changes the scale, so a captured iteration would go on using the scale it "
             "was captured with",
-            f"set a constant {s.field('loss_scale')} (e.g. 4096), train in bf16 (bf16=True, "
-            "fp16=False), or use TE scopes such as attn,mlp",
+            f"set a constant {s.field('loss_scale')} (e.g. 4096), train in bf16 "
+            f"({s.set_text('fp16', False)}, bf16 on), or use TE scopes such as attn,mlp",
         )
 
 
