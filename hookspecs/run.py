@@ -18,6 +18,7 @@ import logging
 import operator
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -413,6 +414,7 @@ class TrainingRun(RunSignals):
                 "and start_step instead)"
             )
         self.progress.step = step
+        self._step_began = time.monotonic()  # (the stuck-signal watch's wait: run_signals)
         if not self._train_started:
             self._start_training()
         counted = self._counted
@@ -573,6 +575,7 @@ class _TrainStep:
         # TrainingRun's step end, here: it runs on every step, one call less
         run = self._run
         run._running_step = None  # on both paths: a failed step may be run again
+        run._longest_step_s = max(run._longest_step_s, time.monotonic() - run._step_began)
         if exc_type is None:
             step = self._step
             run._next_step = step + 1

@@ -21,10 +21,13 @@ from hookspecs.reasons import SignalReceived
 logger = logging.getLogger("hookspecs.run")  # (the run's log lines keep their logger)
 
 STUCK_SIGNAL_S = 5.0
-"""How long a handled signal may wait for the main thread to come back to Python before
-the process ends without its shutdown (see :class:`StuckSignalWatch`);
+"""How long a handled signal may wait at least for the main thread to come back to Python
+before the process ends without its shutdown (see :class:`StuckSignalWatch`);
 ``MCGRAPH_STUCK_SIGNAL_S`` sets it for a run (0: never). Well inside torchrun's 30 s
-between its SIGTERM and its SIGKILL."""
+between its SIGTERM and its SIGKILL. Once training steps ran, the wait is at least twice
+the longest of them: a main thread waits in C for a whole step's device work where a graph
+replays it (a full-iteration graph launches in microseconds, and the step's first host read
+waits for all of it), and that is no hang."""
 STUCK_SIGNAL_VAR = "MCGRAPH_STUCK_SIGNAL_S"
 
 
@@ -37,7 +40,8 @@ class StuckSignalWatch:
     runs on until torchrun's SIGKILL 30 s later, and a rank whose launcher died first runs
     on for good. The watch learns of each signal from the interpreter's wakeup file
     descriptor (written by its C-level handler, whatever the main thread does) and, where
-    the run's handler has not run ``seconds`` later, writes why to stderr, in one line with
+    the run's handler has not run after its wait (:meth:`wait_s`: :data:`STUCK_SIGNAL_S`, or
+    twice the run's longest training step), writes why to stderr, in one line with
     where the main thread is (:func:`main_thread_place`), and ends the process with status
     128 + the signal number, as a shell reports a death by that signal: nothing can be
     freed from here, and the process's end frees its device memory. Not started where a
@@ -102,8 +106,13 @@ class StuckSignalWatch:
             except OSError:
                 pass
 
+    def wait_s(self) -> float:
+        """The wait for this signal: the floor, or twice the run's longest step so far."""
+        return max(self.seconds, 2.0 * self.run._longest_step_s)
+
     def _wait_for_handler(self, signum: int) -> None:
-        deadline = time.monotonic() + self.seconds
+        waited = self.wait_s()
+        deadline = time.monotonic() + waited
         while time.monotonic() < deadline:
             if self._stopping or self.run._pending_signal is not None:
                 return
@@ -113,10 +122,10 @@ class StuckSignalWatch:
         name = signal.Signals(signum).name
         message = (
             f"hookspecs.run: {name} received, but the main thread has not come back to "
-            f"Python for {self.seconds:g} s (blocked in C{main_thread_place()}: a collective "
+            f"Python for {waited:.3g} s (blocked in C{main_thread_place()}: a collective "
             "or a store wait whose peer is gone?): ending the process now with status "
-            f"{128 + signum}, without the shutdown hooks ({STUCK_SIGNAL_VAR} sets this "
-            "wait; 0: never)\n"
+            f"{128 + signum}, without the shutdown hooks (the wait: {STUCK_SIGNAL_VAR}, "
+            f"{self.seconds:g} s, or twice the longest training step; 0: never)\n"
         )
         try:
             os.write(2, message.encode())
@@ -186,6 +195,8 @@ class RunSignals:
     _shutting_down: bool
     _finished: bool
     _stuck_watch: StuckSignalWatch | None = None
+    _longest_step_s: float = 0.0  # (the run's longest training step so far, by TrainingRun)
+    _step_began: float = 0.0
 
     def _defer_sigint(self) -> Any:
         """Hold a Ctrl-C (SIGINT) that arrives while the shutdown hook runs, so that every

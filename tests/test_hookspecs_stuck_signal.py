@@ -146,3 +146,17 @@ def test_the_wait_is_read_from_the_environment(monkeypatch, caplog, text, second
     with caplog.at_level(logging.WARNING, logger="hookspecs.run"):
         assert run_signals.stuck_signal_seconds() == seconds
     assert ("is not a number of seconds" in caplog.text) == (text == "soon")
+
+
+def test_the_wait_is_at_least_twice_the_longest_step(monkeypatch):
+    """A replayed graph keeps the main thread in C for a whole step (the step's first host
+    read waits for all its device work): no hang, so the wait covers twice the longest step."""
+    monkeypatch.setenv(run_signals.STUCK_SIGNAL_VAR, "0.1")
+    with TrainingRun(get_plugin_manager(load_entrypoints=False), {}, train_iters=2) as run:
+        assert run._stuck_watch is not None
+        assert run._stuck_watch.wait_s() == pytest.approx(0.1)
+        with run.train_step(0):
+            time.sleep(0.3)
+        with run.train_step(1):
+            pass
+        assert run._stuck_watch.wait_s() >= 0.6
