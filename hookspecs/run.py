@@ -575,7 +575,8 @@ class _TrainStep:
         # TrainingRun's step end, here: it runs on every step, one call less
         run = self._run
         run._running_step = None  # on both paths: a failed step may be run again
-        run._longest_step_s = max(run._longest_step_s, time.monotonic() - run._step_began)
+        if self._step - run.start_step > (run._warmup_steps or 0) + 1:  # (past the captures)
+            run._longest_step_s = max(run._longest_step_s, time.monotonic() - run._step_began)
         if exc_type is None:
             step = self._step
             run._next_step = step + 1

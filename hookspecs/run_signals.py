@@ -41,11 +41,24 @@ class StuckSignalWatch:
     on for good. The watch learns of each signal from the interpreter's wakeup file
     descriptor (written by its C-level handler, whatever the main thread does) and, where
     the run's handler has not run after its wait (:meth:`wait_s`: :data:`STUCK_SIGNAL_S`, or
-    twice the run's longest training step), writes why to stderr, in one line with
-    where the main thread is (:func:`main_thread_place`), and ends the process with status
-    128 + the signal number, as a shell reports a death by that signal: nothing can be
-    freed from here, and the process's end frees its device memory. Not started where a
-    wakeup descriptor is already set (an asyncio loop's).
+    twice the run's longest training step after its warm-up), writes why to stderr, in one
+    line with where the main thread is (:func:`main_thread_place`), and ends the process
+    with status 128 + the signal number, as a shell reports a death by that signal: nothing
+    can be freed from here, and the process's end frees its device memory.
+
+    It acts only on a main thread that has run no Python code since the signal (one that
+    did would have run the handler first: the signal was another process's, a forked
+    child's), and where that end is what the signal would have brought anyway (:meth:`_acts`):
+    the run's own handler is the signal's handler (not one the host installed during the
+    run, not the Ctrl-C deferral of shutdown), the handler before the run ended the process
+    (no host handler of its own to run after the shutdown, a checkpoint's say), and the
+    run is not shutting down (a shutdown stuck in C is bounded elsewhere: the peer watch's
+    deadline, the launcher's SIGKILL). Not started where a wakeup descriptor is already set
+    (an asyncio loop's); a forked child's copy of the descriptor is taken off in the child
+    (its signals are not the parent's), once the interpreter's own fork handling ends: a
+    signal that reaches the child in its first moments (``Process.terminate()`` right after
+    ``start()``, the parent then waiting for it in C past the wait) is still written into the
+    parent's pipe.
     """
 
     def __init__(self, run: RunSignals, seconds: float) -> None:
@@ -71,13 +84,20 @@ class StuckSignalWatch:
                 signal.set_wakeup_fd(previous)  # (the host's own: left to it)
             watch._close()
             return None
+        global _WATCHED_FD
+        _WATCHED_FD = watch._write
         watch._thread.start()
         return watch
 
     def stop(self) -> None:
-        """Off (the main thread, as the run's handlers are taken off)."""
+        """Off (the main thread, as the run's handlers are taken off); a descriptor the host
+        set during the run (an asyncio loop's) stays."""
+        global _WATCHED_FD
         self._stopping = True
-        signal.set_wakeup_fd(-1)
+        _WATCHED_FD = None
+        current = signal.set_wakeup_fd(-1)
+        if current not in (-1, self._write):
+            signal.set_wakeup_fd(current)
         try:
             os.write(self._write, b"\0")  # (wakes the watch, which then ends)
         except OSError:
@@ -107,17 +127,34 @@ class StuckSignalWatch:
                 pass
 
     def wait_s(self) -> float:
-        """The wait for this signal: the floor, or twice the run's longest step so far."""
+        """The wait for this signal: the floor, or twice the run's longest training step
+        after its warm-up (the first steps set up communicators and capture graphs)."""
         return max(self.seconds, 2.0 * self.run._longest_step_s)
+
+    def _acts(self, signum: int) -> bool:
+        """Whether ending the process is still the signal's own outcome (see the class)."""
+        run = self.run
+        return (
+            not self._stopping
+            and run._pending_signal is None
+            and not run._shutting_down
+            and signal.getsignal(signum) == run._on_signal
+            and not callable(run._previous_handlers.get(signum))
+        )
 
     def _wait_for_handler(self, signum: int) -> None:
         waited = self.wait_s()
         deadline = time.monotonic() + waited
+        # Where the main thread is: once it has run Python code, a signal of this process's
+        # has had its handler run first; where it moved on and the run's handler did not run,
+        # the signal was another process's (a forked child's, before it took the descriptor
+        # off: that window is in the interpreter's own fork handling)
+        where = _main_thread_position()
         while time.monotonic() < deadline:
-            if self._stopping or self.run._pending_signal is not None:
+            if not self._acts(signum) or _main_thread_position() != where:
                 return
             time.sleep(0.05)
-        if self._stopping or self.run._pending_signal is not None:
+        if not self._acts(signum) or _main_thread_position() != where:
             return
         name = signal.Signals(signum).name
         message = (
@@ -125,13 +162,40 @@ class StuckSignalWatch:
             f"Python for {waited:.3g} s (blocked in C{main_thread_place()}: a collective "
             "or a store wait whose peer is gone?): ending the process now with status "
             f"{128 + signum}, without the shutdown hooks (the wait: {STUCK_SIGNAL_VAR}, "
-            f"{self.seconds:g} s, or twice the longest training step; 0: never)\n"
+            f"{self.seconds:g} s, or twice the longest training step after the warm-up; 0: "
+            "never)\n"
         )
         try:
             os.write(2, message.encode())
         except OSError:
             pass
         os._exit(128 + signum)
+
+
+_WATCHED_FD: int | None = None
+"""The wakeup descriptor of the running watch (a forked child takes it off)."""
+
+
+def _forget_watch_in_child() -> None:
+    # A forked child (a multiprocessing worker) keeps the wakeup descriptor, which writes
+    # into the parent's pipe: a SIGTERM to the child would be taken for one of the parent's.
+    global _WATCHED_FD
+    if _WATCHED_FD is not None:
+        _WATCHED_FD = None
+        try:
+            signal.set_wakeup_fd(-1)
+        except ValueError:
+            pass
+
+
+os.register_at_fork(after_in_child=_forget_watch_in_child)
+
+
+def _main_thread_position() -> tuple[int, int] | None:
+    """The main thread's innermost Python frame and its last instruction: unchanged while it
+    waits in one C call."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    return None if frame is None else (id(frame), frame.f_lasti)
 
 
 def main_thread_place() -> str:
@@ -307,7 +371,9 @@ class RunSignals:
             self._chain(signum, frame)
             return
         self._pending_signal = signum
-        if self._shutting_down:
+        # (also where the handler runs as the run's __exit__ is entered, before it marks the
+        # shutdown: raised there, the exception would leave __exit__ without any shutdown)
+        if self._shutting_down or _entering_exit(self, frame):
             logger.warning("%s received during shutdown: acted on once shutdown ends", name)
             return
         logger.warning("%s received: ending the run cleanly (shutdown hooks run first)", name)
@@ -334,6 +400,16 @@ class RunSignals:
             return isinstance(exc, SignalReceived)
         _terminate_by(signum)
         return False  # not reached for terminating signals
+
+
+def _entering_exit(run: RunSignals, frame: Any) -> bool:
+    """The handler runs in ``run.__exit__`` itself (a signal handled at its entry: the
+    interpreter runs pending handlers when a function is called)."""
+    return (
+        frame is not None
+        and frame.f_code.co_name == "__exit__"
+        and frame.f_locals.get("self") is run
+    )
 
 
 def _terminate_by(signum: int) -> None:

@@ -152,11 +152,119 @@ def test_the_wait_is_at_least_twice_the_longest_step(monkeypatch):
     """A replayed graph keeps the main thread in C for a whole step (the step's first host
     read waits for all its device work): no hang, so the wait covers twice the longest step."""
     monkeypatch.setenv(run_signals.STUCK_SIGNAL_VAR, "0.1")
-    with TrainingRun(get_plugin_manager(load_entrypoints=False), {}, train_iters=2) as run:
+    with TrainingRun(get_plugin_manager(load_entrypoints=False), {}, train_iters=4) as run:
         assert run._stuck_watch is not None
         assert run._stuck_watch.wait_s() == pytest.approx(0.1)
-        with run.train_step(0):
+        for step in (0, 1):  # (the first steps set up and capture: not counted)
+            with run.train_step(step):
+                time.sleep(0.3)
+        assert run._stuck_watch.wait_s() == pytest.approx(0.1)
+        with run.train_step(2):
             time.sleep(0.3)
-        with run.train_step(1):
+        with run.train_step(3):
             pass
         assert run._stuck_watch.wait_s() >= 0.6
+
+
+# -- where ending the process is not the signal's outcome: the watch stays out ---------------
+
+CASES = textwrap.dedent(
+    """
+    import datetime, os, signal, sys, threading, time
+    import multiprocessing as mp
+    import torch.distributed as dist
+    from hookspecs import TrainingRun, get_plugin_manager, hookimpl
+
+    mode = sys.argv[1]
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+
+    def sigterm_soon():  # from another thread: the main thread is in C by then
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    def wait_in_c(seconds):  # a store wait that returns by itself (timeout)
+        try:
+            store.wait(["never"], datetime.timedelta(seconds=seconds))
+        except Exception:
+            pass
+
+    class Shutdown:
+        @hookimpl
+        def mcgraph_shutdown(self, reason, exception):
+            if mode == "shutdown_in_c":
+                sigterm_soon()
+                wait_in_c(2.0)
+            print("shutdown done", reason, flush=True)
+
+    if mode == "previous_handler":
+        signal.signal(signal.SIGTERM, lambda *a: print("host handler after shutdown", flush=True))
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(Shutdown())
+    with TrainingRun(pm, config={}, train_iters=1):
+        if mode == "host_handler":
+            flag = []
+            signal.signal(signal.SIGTERM, lambda *a: flag.append(1))  # (Megatron-LM's kind)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.5)  # the host's clean exit, in Python, past the watch's wait
+            print("host saw", flag, flush=True)
+        elif mode == "child":
+            child = mp.get_context("fork").Process(target=time.sleep, args=(30,))
+            child.start()
+            time.sleep(0.5)  # (a worker that runs: see StuckSignalWatch on the first moments)
+            child.terminate()
+            child.join()
+            time.sleep(1.5)
+            print("parent alive", flush=True)
+        elif mode == "previous_handler":
+            sigterm_soon()
+            wait_in_c(2.0)
+    print("end", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode, said, rc",
+    [
+        # a handler the host installed during the run (review of 2026-12-05: killed with 143
+        # in the middle of its clean exit)
+        ("host_handler", "host saw [1]", 0),
+        # a forked child's SIGTERM (the child kept the wakeup descriptor: the parent died)
+        ("child", "parent alive", 0),
+        # a host handler from before the run, to run after the shutdown (a checkpoint's say)
+        ("previous_handler", "host handler after shutdown", 0),
+        # a shutdown hook waiting in C: the shutdown is not cut (the signal ends it after)
+        ("shutdown_in_c", "shutdown done", -signal.SIGTERM),
+    ],
+)
+def test_the_watch_leaves_a_signal_whose_outcome_is_not_the_end(
+    tmp_path, subprocess_env, mode, said, rc
+):
+    script = tmp_path / "cases.py"
+    script.write_text(CASES)
+    proc = subprocess.run(
+        [sys.executable, str(script), mode],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**subprocess_env, "PYTHONPATH": str(ROOT), run_signals.STUCK_SIGNAL_VAR: "0.5"},
+        check=False,
+    )
+    assert said in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == rc, proc.stdout + proc.stderr
+    assert "has not come back to Python" not in proc.stderr
+
+
+def test_a_descriptor_the_host_set_during_the_run_stays(monkeypatch):
+    monkeypatch.setenv(run_signals.STUCK_SIGNAL_VAR, "5")
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    try:
+        with TrainingRun(get_plugin_manager(load_entrypoints=False), {}, train_iters=0) as run:
+            assert run._stuck_watch is not None
+            signal.set_wakeup_fd(write)  # (an asyncio loop made during the run)
+        assert signal.set_wakeup_fd(-1) == write
+    finally:
+        signal.set_wakeup_fd(-1)
+        os.close(read)
+        os.close(write)

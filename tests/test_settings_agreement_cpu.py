@@ -8,6 +8,7 @@ eager all-reduce: no word, until torchrun killed both.)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import textwrap
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from cpu_only import needs_mcore_on_cpu
 
+from cudagraph_plugin.config.errors import CudaGraphConfigError
 from cudagraph_plugin.config.settings import read_settings
 from cudagraph_plugin.runtime import agreement
 from jobs import CPU_RANKS, run_job, torchrun_command
@@ -101,3 +103,29 @@ def test_differing_settings_are_found_from_the_folded_digests(monkeypatch):
 def test_a_rank_own_report_path_is_not_compared():
     assert "report_json" not in agreement.compared_fields()
     assert {"impl", "scope", "warmup_steps", "buckets"} <= set(agreement.compared_fields())
+
+
+def test_a_set_read_in_another_hash_order_is_the_same_setting(monkeypatch):
+    """(review of 2026-12-05: a recompute_modules set is read in the process's hash order,
+    which differs by rank; the job was refused with identical configs)"""
+    modules = {"core_attn", "mlp", "layernorm"}
+    mine = read_settings({"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": "attn",
+                          "recompute_modules": modules})  # fmt: skip
+    other = dataclasses.replace(mine, recompute_modules=tuple(reversed(mine.recompute_modules)))
+    assert other.recompute_modules != mine.recompute_modules
+    names = agreement.compared_fields()
+    assert [agreement._digest(getattr(mine, n)) for n in names] == [
+        agreement._digest(getattr(other, n)) for n in names
+    ]
+
+
+def test_graphs_off_on_every_rank_is_never_refused(monkeypatch):
+    off = read_settings({"cuda_graph_impl": "none", "cuda_graph_warmup_steps": 3})
+    monkeypatch.setattr(agreement, "differing_settings", lambda settings: ["warmup_steps"])
+    agreement.check_settings_agree(off)  # (no error)
+    on = read_settings({"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"})
+    monkeypatch.setattr(agreement, "differing_settings", lambda settings: ["impl"])
+    with pytest.raises(CudaGraphConfigError, match="differs between the ranks"):
+        agreement.check_settings_agree(off)
+    with pytest.raises(CudaGraphConfigError, match="differs between the ranks"):
+        agreement.check_settings_agree(on)

@@ -35,7 +35,11 @@ def compared_fields() -> list[str]:
 
 
 def _digest(value: Any) -> int:
-    """A 56-bit digest of ``value``'s text (its negation still fits an int64)."""
+    """A 56-bit digest of ``value``'s text (its negation still fits an int64); the items of a
+    tuple in sorted order: a scope or module list read from a set has its process's hash
+    order (``PYTHONHASHSEED`` differs by process), and megatron-core reads those as sets."""
+    if isinstance(value, tuple | list | set | frozenset):
+        value = sorted(map(repr, value))
     return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:7], "big")
 
 
@@ -62,8 +66,8 @@ def check_settings_agree(settings: Settings) -> None:
     """Refuse the run on every rank where the ranks' settings differ: one problem per
     setting, with this rank's value."""
     differing = differing_settings(settings)
-    if not differing:
-        return
+    if not differing or (settings.impl == "none" and "impl" not in differing):
+        return  # (graphs off on every rank: nothing of the plugin's can disagree)
     rank = compat.distributed_world()[0]
     raise CudaGraphConfigError(
         [

@@ -743,6 +743,75 @@ MUTANTS = [
             "where_to_call_it",
         ),
     ),
+    Mutant(
+        "ranks-settings-not-compared",
+        "ranks whose CUDA graph settings differ run on (and deadlock at the capture step)",
+        "cudagraph_plugin/runtime/agreement.py",
+        "    state.settings_agreed = True\n    check_settings_agree(state.settings)\n",
+        "    state.settings_agreed = True\n",
+        (
+            "tests/test_settings_agreement_cpu.py::test_ranks_with_different_warmups_refuse_"
+            "the_run_naming_the_setting",
+        ),
+    ),
+    Mutant(
+        "stuck-signal-never-ends",
+        "a SIGTERM the main thread cannot handle (blocked in C) leaves the process running",
+        "hookspecs/run_signals.py",
+        "        os._exit(128 + signum)\n",
+        "        return\n",
+        (
+            "tests/test_hookspecs_stuck_signal.py::test_a_sigterm_the_blocked_main_thread_"
+            "cannot_handle_ends_the_process",
+        ),
+    ),
+    Mutant(
+        "stuck-signal-wait-ignores-steps",
+        "a replay step longer than the floor wait is taken for a hang and the process ended",
+        "hookspecs/run_signals.py",
+        "        return max(self.seconds, 2.0 * self.run._longest_step_s)\n",
+        "        return self.seconds\n",
+        ("tests/test_hookspecs_stuck_signal.py::test_the_wait_is_at_least_twice_the_longest_step",),
+    ),
+    Mutant(
+        "report-path-of-rank-0-checked",
+        "rank N's own report file is not checked at configure (it fails after the last step)",
+        "cudagraph_plugin/config/rules/report.py",
+        "    written = rank_path(str(s.report_json), rank)\n",
+        "    written = str(s.report_json)\n",
+        ("tests/test_validation.py::test_a_rank_checks_the_report_file_it_writes",),
+    ),
+    Mutant(
+        "told-rank-marks-own-failure",
+        "a rank ended after its watch acted on a peer's failure marks a failure of its own",
+        "cudagraph_plugin/runtime/peers.py",
+        "            if self.peer_failure is None:\n",
+        "            if True:\n",
+        (PEERS + "test_an_end_after_the_watch_acted_is_no_failure_of_this_rank",),
+    ),
+    Mutant(
+        "full-iteration-scope-cleared",
+        "graphs off with a full_iteration scope that megatron-core 0.18+ reads as on: cleared",
+        "cudagraph_plugin/config/fixes.py",
+        "    elif settings.scope and not full_iteration_scope_turns_graphs_on(settings):\n",
+        "    elif settings.scope:\n",
+        (
+            "tests/test_check_megatron_lm.py::test_full_iteration_scope_without_impl_is_a_"
+            "problem_where_it_means_graphs",
+        ),
+    ),
+    Mutant(
+        "one-virtual-stage-kept",
+        "one virtual stage per pipeline rank is taken for the interleaved schedule (OK, then "
+        "the capture fails on batched p2p)",
+        "cudagraph_plugin/cli/megatron_lm.py",
+        "        if vpp is None or vpp == 1:\n",
+        "        if vpp is None:\n",
+        (
+            "tests/test_check_megatron_lm.py::test_one_virtual_stage_per_rank_is_none_and_"
+            "batches_p2p",
+        ),
+    ),
 ]
 
 
