@@ -64,6 +64,17 @@ def test_ranks_with_different_warmups_refuse_the_run_naming_the_setting(tmp_path
 
 @needs_mcore_on_cpu
 @pytest.mark.slow
+def test_ranks_with_different_train_iters_refuse_the_run_at_the_training_start(tmp_path):
+    """(A rank that completes its run first marks no failure: the others waited in a
+    collective no peer joins, over NCCL until its timeout.)"""
+    job, output = _job(tmp_path, [[], ["--train-iters", "6"]])
+    assert job.rc != 0, output[-4000:]
+    assert "TrainingRun(train_iters=...) = " in output, output[-4000:]
+    assert "0 step(s) timed" in output and "exitcode  : 2" in output
+
+
+@needs_mcore_on_cpu
+@pytest.mark.slow
 def test_ranks_with_the_same_settings_train(tmp_path):
     job, output = _job(tmp_path, [["--cuda-graph-warmup-steps", "2"]] * 2)
     assert job.rc == 0, output[-4000:]

@@ -1,5 +1,6 @@
 """That every rank of a job runs the same CUDA graph settings, checked once the process group
-exists (the first of ``run.rng_initialized`` and ``run.model_built``).
+exists (the first of ``run.rng_initialized`` and ``run.model_built``), and the same steps
+(``start_step``, ``train_iters``: at the training start).
 
 Each rank validates its own configuration alone; a launcher that gives one rank other
 arguments or another environment (``--cuda-graph-warmup-steps 5`` on one node, graphs off
@@ -83,3 +84,39 @@ def check_settings_agree(settings: Settings) -> None:
             for name in differing
         ]
     )
+
+
+def check_steps_agree(start_step: int, train_iters: int) -> None:
+    """Refuse the run on every rank where the ranks train different steps (one all-reduce,
+    at the training start of a multi-rank job): a rank that ends its run first leaves the
+    others in a collective that no peer joins, which over NCCL only its timeout ends (a
+    normal end marks no failure for the peer watch to act on)."""
+    if compat.distributed_world()[1] < 2:
+        return
+    start_high, start_low, iters_high, iters_low = compat.max_across_ranks(
+        [start_step, -start_step, train_iters, -train_iters]
+    )
+    differing = [
+        (field, value)
+        for field, value, high, low in (
+            ("TrainingRun(start_step=...)", start_step, start_high, -start_low),
+            ("TrainingRun(train_iters=...)", train_iters, iters_high, -iters_low),
+        )
+        if high != low
+    ]
+    if differing:
+        rank = compat.distributed_world()[0]
+        raise CudaGraphConfigError(
+            [
+                Violation(
+                    (field,),
+                    repr(value),
+                    f"differs between the ranks of this job (the value is rank {rank}'s): a "
+                    "rank that ends its run first leaves the others waiting in a collective "
+                    "no peer joins",
+                    "give every rank the same steps (the same --train-iters and resume "
+                    "step from the launcher)",
+                )
+                for field, value in differing
+            ]
+        )

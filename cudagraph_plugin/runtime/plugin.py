@@ -198,6 +198,7 @@ class CudaGraphPlugin:
         self.state.progress = progress
         self.steps.start()
         self.job.watch()
+        agreement.check_steps_agree(start_step, train_iters)
         self.wiring.training_starts()
         warning = warmup_warning(self.settings, start_step, train_iters)
         if warning:

@@ -801,6 +801,17 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "signal-at-exit-entry-skips-shutdown",
+        "a signal handled as the run's __exit__ is entered leaves it before any shutdown",
+        "hookspecs/run_signals.py",
+        "        if self._shutting_down or _entering_exit(self, frame):\n",
+        "        if self._shutting_down:\n",
+        (
+            "tests/test_hookspecs_stuck_signal.py::test_the_watch_leaves_a_signal_whose_"
+            "outcome_is_not_the_end[previous_handler-host handler after shutdown-0]",
+        ),
+    ),
+    Mutant(
         "one-virtual-stage-kept",
         "one virtual stage per pipeline rank is taken for the interleaved schedule (OK, then "
         "the capture fails on batched p2p)",
