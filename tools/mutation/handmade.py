@@ -755,6 +755,17 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "ranks-steps-not-compared",
+        "ranks training different steps run on (the first to end leaves the others waiting)",
+        "cudagraph_plugin/runtime/plugin.py",
+        "        agreement.check_steps_agree(start_step, train_iters)\n",
+        "        pass\n",
+        (
+            "tests/test_settings_agreement_cpu.py::test_ranks_with_different_train_iters_refuse_"
+            "the_run_at_the_training_start",
+        ),
+    ),
+    Mutant(
         "stuck-signal-never-ends",
         "a SIGTERM the main thread cannot handle (blocked in C) leaves the process running",
         "hookspecs/run_signals.py",
