@@ -191,10 +191,15 @@ def _forget_watch_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_watch_in_child)
 
 
+def _main_thread_frame() -> Any:
+    """The main thread's innermost Python frame (None: not running)."""
+    return sys._current_frames().get(threading.main_thread().ident or -1)
+
+
 def _main_thread_position() -> tuple[int, int] | None:
     """The main thread's innermost Python frame and its last instruction: unchanged while it
     waits in one C call."""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    frame = _main_thread_frame()
     return None if frame is None else (id(frame), frame.f_lasti)
 
 
@@ -202,7 +207,7 @@ def main_thread_place() -> str:
     """`` at file:line (function)`` of the main thread's innermost Python frame, and of the
     innermost one outside the standard library and the installed packages (the host's own
     code) where that is another: one line, not a traceback."""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    frame = _main_thread_frame()
     if frame is None:
         return ""
     places = [_place(frame)]

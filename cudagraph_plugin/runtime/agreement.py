@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any
+from typing import Any, NoReturn
 
 from cudagraph_plugin import compat
 from cudagraph_plugin.config.errors import CudaGraphConfigError, Violation
@@ -44,14 +44,38 @@ def _digest(value: Any) -> int:
     return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:7], "big")
 
 
+def _differ_across_ranks(values: list[int]) -> list[bool]:
+    """For each value, whether it differs between the ranks: one all-reduce of the values and
+    their negations (the maximum and the minimum over the ranks), the same answer on every
+    rank; nothing differs in a single-rank job."""
+    folded = compat.max_across_ranks(values + [-value for value in values])
+    highest, lowest = folded[: len(values)], folded[len(values) :]
+    return [high != -low for high, low in zip(highest, lowest, strict=True)]
+
+
+def _refuse(differing: list[tuple[str, Any]], consequence: str, fix: str) -> NoReturn:
+    """Every rank's refusal of the run: one problem per (field, this rank's value)."""
+    rank = compat.distributed_world()[0]
+    raise CudaGraphConfigError(
+        [
+            Violation(
+                (field,),
+                repr(value),
+                f"differs between the ranks of this job (the value is rank {rank}'s): "
+                + consequence,
+                fix,
+            )
+            for field, value in differing
+        ]
+    )
+
+
 def differing_settings(settings: Settings) -> list[str]:
     """The settings whose value differs between the ranks (one all-reduce over the default
     group; the same list on every rank; none in a single-rank job)."""
     names = compared_fields()
-    digests = [_digest(getattr(settings, name)) for name in names]
-    folded = compat.max_across_ranks(digests + [-d for d in digests])
-    highest, lowest = folded[: len(names)], [-d for d in folded[len(names) :]]
-    return [name for name, high, low in zip(names, highest, lowest, strict=True) if high != low]
+    differ = _differ_across_ranks([_digest(getattr(settings, name)) for name in names])
+    return [name for name, differs in zip(names, differ, strict=True) if differs]
 
 
 def check_once(state: Any) -> None:
@@ -69,20 +93,12 @@ def check_settings_agree(settings: Settings) -> None:
     differing = differing_settings(settings)
     if not differing or (settings.impl == "none" and "impl" not in differing):
         return  # (graphs off on every rank: nothing of the plugin's can disagree)
-    rank = compat.distributed_world()[0]
-    raise CudaGraphConfigError(
-        [
-            Violation(
-                (settings.field(name),),
-                repr(getattr(settings, name)),
-                f"differs between the ranks of this job (the value is rank {rank}'s): ranks "
-                "that capture at different steps, or some with graphs and some without, "
-                "wait in different collectives for good",
-                "give every rank the same CUDA graph settings (the same arguments and "
-                "environment from the launcher)",
-            )
-            for name in differing
-        ]
+    _refuse(
+        [(settings.field(name), getattr(settings, name)) for name in differing],
+        "ranks that capture at different steps, or some with graphs and some without, wait "
+        "in different collectives for good",
+        "give every rank the same CUDA graph settings (the same arguments and environment "
+        "from the launcher)",
     )
 
 
@@ -93,30 +109,17 @@ def check_steps_agree(start_step: int, train_iters: int) -> None:
     normal end marks no failure for the peer watch to act on)."""
     if compat.distributed_world()[1] < 2:
         return
-    start_high, start_low, iters_high, iters_low = compat.max_across_ranks(
-        [start_step, -start_step, train_iters, -train_iters]
+    steps = (
+        ("TrainingRun(start_step=...)", start_step),
+        ("TrainingRun(train_iters=...)", train_iters),
     )
-    differing = [
-        (field, value)
-        for field, value, high, low in (
-            ("TrainingRun(start_step=...)", start_step, start_high, -start_low),
-            ("TrainingRun(train_iters=...)", train_iters, iters_high, -iters_low),
-        )
-        if high != low
-    ]
+    differ = _differ_across_ranks([start_step, train_iters])
+    differing = [step for step, differs in zip(steps, differ, strict=True) if differs]
     if differing:
-        rank = compat.distributed_world()[0]
-        raise CudaGraphConfigError(
-            [
-                Violation(
-                    (field,),
-                    repr(value),
-                    f"differs between the ranks of this job (the value is rank {rank}'s): a "
-                    "rank that ends its run first leaves the others waiting in a collective "
-                    "no peer joins",
-                    "give every rank the same steps (the same --train-iters and resume "
-                    "step from the launcher)",
-                )
-                for field, value in differing
-            ]
+        _refuse(
+            differing,
+            "a rank that ends its run first leaves the others waiting in a collective no peer "
+            "joins",
+            "give every rank the same steps (the same --train-iters and resume step from the "
+            "launcher)",
         )
