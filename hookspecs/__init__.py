@@ -6,8 +6,9 @@ entry-point discovery and blocking (``manager``), the host's default implementat
 the hooks in order and guarantees the shutdown hook on every exit path (``run``).
 
 Leaf modules come first and nothing imports this package's ``__init__`` from inside it:
-``markers`` (the name and pluggy markers) and ``reasons`` (why a run ended) import nothing
-of the contract; ``errors`` (:class:`ConfigurationError`) imports ``reasons``; ``spec`` and
+``markers`` (the name and pluggy markers), ``reasons`` (why a run ended) and ``ranks`` (this
+process's rank as its launcher set it) import nothing of the contract; ``errors``
+(:class:`ConfigurationError`) imports ``reasons`` and ``ranks``; ``spec`` and
 ``host_defaults`` import ``markers``; ``manager`` imports them; ``run`` imports ``manager``
 and ``reasons``.
 

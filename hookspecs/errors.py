@@ -1,4 +1,5 @@
-"""Errors of the contract (imports only :mod:`hookspecs.reasons`, itself a leaf).
+"""Errors of the contract (imports only the leaves :mod:`hookspecs.reasons` and
+:mod:`hookspecs.ranks`).
 
 :class:`ConfigurationError` is what a plugin raises when it refuses the run as configured
 (its message lists every problem with its fix). A host catches it and hands it to
@@ -8,11 +9,11 @@ gives the exit status 2, as command-line tools do for bad usage.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
 
+from hookspecs.ranks import launcher_rank
 from hookspecs.reasons import PeerRefused, refused_by
 
 # How long a rank that does not say a refusal waits before it exits (see print_refusal).
@@ -53,10 +54,10 @@ def print_refusal(
     a job under torchrun ends as soon as it has spoken. (The first refusing rank speaks
     itself rather than a told rank 0: over gloo a rank blocked in a collective is released
     only by its peer's exit, which an abort of its process group does not replace.)"""
-    rank = os.environ.get("RANK", "0")
-    said_here = error.said_here if error.said_here is not None else rank == "0"
+    rank, world_size = launcher_rank()
+    said_here = error.said_here if error.said_here is not None else rank == 0
     if said_here:
-        said = refused_by(rank, str(error)) if rank != "0" else str(error)
+        said = refused_by(rank, str(error)) if rank != 0 else str(error)
         out = stream if stream is not None else sys.stderr
         # one write: print() writes the line and its newline apart, and on an unbuffered
         # stream (PYTHONUNBUFFERED) another process's log line can land between them
@@ -64,6 +65,6 @@ def print_refusal(
         who = [n for n in getattr(error, "__notes__", ()) if n.startswith("raised by plugin ")]
         out.write(f"error: {said}\n" + "".join(f"  ({note})\n" for note in who))
         out.flush()
-    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    elif world_size > 1:
         time.sleep(grace_s)
     return error.exit_code

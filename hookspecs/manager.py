@@ -34,6 +34,7 @@ import pluggy
 from hookspecs import host_defaults, spec
 from hookspecs.errors import ConfigurationError
 from hookspecs.markers import PROJECT_NAME
+from hookspecs.ranks import launcher_rank
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +277,7 @@ def get_plugin_manager(load_entrypoints: bool = True) -> McgraphPluginManager:
             for dist in [pm.distribution(name)]
         ]
         # The same on every rank of a job: said once, by the launcher's rank 0.
-        level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.DEBUG
+        level = logging.INFO if launcher_rank()[0] == 0 else logging.DEBUG
         logger.log(level, "%s plugins: %s", PROJECT_NAME, ", ".join(loaded) or "none installed")
     pm.check_pending()
     return pm

@@ -14,7 +14,6 @@ by the same signal). A failing shutdown hook never hides the exception that ende
 from __future__ import annotations
 
 import contextlib
-import logging
 import operator
 import signal
 import threading
@@ -29,10 +28,11 @@ from hookspecs import answers
 from hookspecs.answers import merge_kwargs
 from hookspecs.manager import McgraphPluginManager, describe_plugin
 from hookspecs.progress import StepProgress
+from hookspecs.ranks import RankTagged
 from hookspecs.reasons import PeerFailed, ShutdownReason, SignalReceived
 from hookspecs.run_signals import RunSignals
 
-logger = logging.getLogger(__name__)
+logger = RankTagged(__name__)
 
 # Managers that already served a run: configure is historic, so reusing one would replay
 # the old run's configuration to late plugins. Weak, so finished runs' managers go away.

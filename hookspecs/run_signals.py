@@ -16,9 +16,10 @@ import threading
 import time
 from typing import Any
 
+from hookspecs.ranks import RankTagged, rank_tag
 from hookspecs.reasons import SignalReceived
 
-logger = logging.getLogger("hookspecs.run")  # (the run's log lines keep their logger)
+logger = RankTagged("hookspecs.run")  # (the run's log lines keep their logger)
 
 STUCK_SIGNAL_S = 5.0
 """How long a handled signal may wait at least for the main thread to come back to Python
@@ -158,7 +159,7 @@ class StuckSignalWatch:
             return
         name = signal.Signals(signum).name
         message = (
-            f"hookspecs.run: {name} received, but the main thread has not come back to "
+            f"hookspecs.run: {rank_tag()}{name} received, but the main thread has not come back to "
             f"Python for {waited:.3g} s (blocked in C{main_thread_place()}: a collective "
             "or a store wait whose peer is gone?): ending the process now with status "
             f"{128 + signum}, without the shutdown hooks (the wait: {STUCK_SIGNAL_VAR}, "

@@ -286,3 +286,53 @@ def test_a_signal_during_the_run_still_ends_it(host_sigterm):
     assert reached == []
     assert run.shutdown_reason is ShutdownReason.SIGNAL
     assert host_sigterm == [signal.SIGTERM]
+
+
+# -- whose line is it ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ({"RANK": "1", "WORLD_SIZE": "2"}, "[rank 1] SIGTERM received: ending the run cleanly"),
+        ({"RANK": "0", "WORLD_SIZE": "1"}, "SIGTERM received: ending the run cleanly"),
+        ({}, "SIGTERM received: ending the run cleanly"),
+    ],
+    ids=["rank-1-of-2", "one-rank", "no-launcher"],
+)
+def test_a_signal_line_names_its_rank_in_a_job_of_several(
+    host_sigterm, caplog, monkeypatch, env, said
+):
+    """(2026-12-06: a SIGTERM to a 2-rank torchrun job printed "SIGTERM received: ending the
+    run cleanly" twice, nothing saying whose each was; the plugin's own lines carry the rank)"""
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level(logging.WARNING, logger="hookspecs.run"):
+        with TrainingRun(new_pm(), None, train_iters=1) as run:
+            with run.train_step(0):
+                os.kill(os.getpid(), signal.SIGTERM)
+    [line] = [r.getMessage() for r in caplog.records if "received" in r.getMessage()]
+    assert line.startswith(said)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"RANK": "3", "WORLD_SIZE": "8"}, (3, 8)),
+        ({}, (0, 1)),
+        ({"RANK": "", "WORLD_SIZE": ""}, (0, 1)),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, (0, 1)),
+        ({"RANK": "-1", "WORLD_SIZE": "0"}, (0, 1)),
+    ],
+)
+def test_the_launchers_rank_is_read_whole_or_not_at_all(monkeypatch, env, expected):
+    from hookspecs.ranks import launcher_rank, rank_tag
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert launcher_rank() == expected
+    assert rank_tag() == ("[rank 3] " if expected == (3, 8) else "")

@@ -64,7 +64,8 @@ def _blocked_process(tmp_path: Path, env: dict[str, str], seconds: str) -> subpr
 
 @pytest.mark.slow
 def test_a_sigterm_the_blocked_main_thread_cannot_handle_ends_the_process(tmp_path, subprocess_env):
-    proc = _blocked_process(tmp_path, subprocess_env, "1")
+    # (as rank 1 of a launcher's job: the line says whose it is, as the run's others do)
+    proc = _blocked_process(tmp_path, {**subprocess_env, "RANK": "1", "WORLD_SIZE": "2"}, "1")
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     try:
@@ -73,7 +74,10 @@ def test_a_sigterm_the_blocked_main_thread_cannot_handle_ends_the_process(tmp_pa
         proc.kill()
     took = time.monotonic() - sent
     assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "SIGTERM received, but the main thread has not come back to Python for 1 s" in err
+    assert (
+        "hookspecs.run: [rank 1] SIGTERM received, but the main thread has not come back to "
+        "Python for 1 s"
+    ) in err
     assert "(blocked in C at blocked.py:" in err  # where the main thread was, one line
     assert "Traceback" not in err and "Current thread" not in err
     assert "shutdown" not in out  # (nothing can run the hooks from there)

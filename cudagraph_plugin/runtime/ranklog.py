@@ -11,20 +11,17 @@ from ``torch.distributed`` once it is initialised, before that from the launcher
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 from cudagraph_plugin.config.logs import LOGGER_NAME
+from hookspecs.ranks import launcher_rank
 
 
 def rank_and_world() -> tuple[int, int]:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    try:
-        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 0, 1
+    return launcher_rank()
 
 
 class RankFilter(logging.Filter):

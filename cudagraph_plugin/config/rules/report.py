@@ -12,6 +12,7 @@ from cudagraph_plugin.config.environment import Environment
 from cudagraph_plugin.config.errors import Note, Violation
 from cudagraph_plugin.config.rules.base import rule, violation
 from cudagraph_plugin.config.settings import Settings
+from hookspecs.ranks import launcher_rank
 
 
 def rank_path(path: str, rank: int) -> str:
@@ -20,15 +21,6 @@ def rank_path(path: str, rank: int) -> str:
         return path
     target = Path(path)
     return str(target.with_name(f"{target.stem}.rank{rank}{target.suffix}"))
-
-
-def _this_rank() -> int:
-    """This process's rank as its launcher set it (``RANK``; 0 without one): the report
-    path checked is the one this rank writes."""
-    try:
-        return max(int(os.environ.get("RANK", "0") or 0), 0)
-    except ValueError:
-        return 0
 
 
 def _why_unwritable(path: Path) -> str | None:
@@ -78,7 +70,7 @@ def _report_json_writable(s: Settings, env: Environment) -> Iterator[Violation]:
             "run checks it when it starts, before anything is built"
         )
         return
-    rank = _this_rank()
+    rank = launcher_rank()[0]  # the path checked is the one this rank writes
     written = rank_path(str(s.report_json), rank)
     why = _why_unwritable(Path(written))
     if why is not None:
