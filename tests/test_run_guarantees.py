@@ -139,6 +139,64 @@ def test_a_ctrl_c_while_the_reports_failure_is_logged_does_not_skip_the_release(
     assert graph.resets == 1
 
 
+class ShutdownRaises:
+    @hookimpl
+    def mcgraph_shutdown(self, reason, exception):
+        raise RuntimeError("an inner shutdown implementation failed")
+
+
+def _tracebacks_of(caplog, exc_type):
+    return [r for r in caplog.records if r.exc_info and isinstance(r.exc_info[1], exc_type)]
+
+
+@pytest.mark.parametrize("then", ["raised", "inner-raises", "release-raises"])
+def test_a_report_write_that_fails_prints_its_traceback_once(
+    fake_graphs, monkeypatch, tmp_path, caplog, then
+):
+    """(2026-12-05, a review: a report file that could not be written at shutdown printed
+    its traceback twice, once logged by the shutdown and once by the host that received it)
+    Raised: the host prints it, nothing logs it. An inner shutdown implementation raising
+    too: that error goes on and the report's is logged, once. The release failing too: its
+    error goes on with the report's as its context (printed together)."""
+    from cudagraph_plugin.runtime.release_plan import ReleasePlan
+
+    def fails(self, path):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(RunReport, "write_json", fails)
+    plugins = [ShutdownRaises()] if then == "inner-raises" else []
+    if then == "release-raises":
+        real = ReleasePlan.release_all
+
+        def release_then_raise(self, *args, **kwargs):
+            real(self, *args, **kwargs)
+            raise RuntimeError("the release failed")
+
+        monkeypatch.setattr(ReleasePlan, "release_all", release_then_raise)
+    argv = [
+        *FULL,
+        "--cuda-graph-warmup-steps",
+        "1",
+        "--cuda-graph-report-json",
+        str(tmp_path / "r.json"),
+    ]
+    with caplog.at_level(logging.ERROR, logger="cudagraph_plugin"):
+        with pytest.raises((OSError, RuntimeError)) as raised:
+            run(*argv, plugins=plugins)
+    [graph] = fake_graphs.graphs
+    assert graph.resets == 1
+    assert "the run report failed: OSError('disk full')" in caplog.text
+    logged = _tracebacks_of(caplog, OSError)
+    if then == "raised":
+        assert isinstance(raised.value, OSError) and logged == []
+    elif then == "inner-raises":
+        assert "inner shutdown implementation failed" in str(raised.value)
+        assert len(logged) == 1 and logged[0].getMessage() == "the run report also failed"
+    else:
+        assert str(raised.value) == "the release failed" and logged == []
+        assert isinstance(raised.value.__context__, OSError)
+
+
 @pytest.mark.parametrize("interrupted", [1, 2], ids=["first-try", "both-tries"])
 def test_a_ctrl_c_while_the_failure_is_marked_for_the_peers_does_not_skip_the_release(
     fake_graphs, monkeypatch, interrupted

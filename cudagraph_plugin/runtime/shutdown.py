@@ -60,7 +60,9 @@ class Shutdown:
         # the sinks it is written to); graphs are freed after them, whatever happened before.
         # Anything the report raises, a KeyboardInterrupt or SystemExit included (a second
         # Ctrl-C during its device sync, a plugin's mcgraph_report, the JSON write), waits
-        # until the inner implementations ran and the graphs are freed, then goes on.
+        # until the inner implementations ran and the graphs are freed, then goes on; its
+        # traceback is printed once: by whoever receives it, or here where it is not raised
+        # (an inner implementation raised too), or as the context of a failed release.
         # (``entered`` is set last before the ``try``: anything raised before it leaves the
         # release to the guard; anything raised after it meets the ``finally`` that frees
         # the graphs: an interruption while the report's failure is logged too, though
@@ -78,15 +80,22 @@ class Shutdown:
                 self.reporter.emit(str(reason), sync=not quiet)
             except BaseException as exc:
                 report_error = exc
-                logger.error("the run report failed: %r", exc, exc_info=exc)
+                logger.error(
+                    "the run report failed: %r (raised once the CUDA graphs are freed)", exc
+                )
             result = yield
         except BaseException:
             if report_error is not None:
                 logger.error("the run report also failed", exc_info=report_error)
+                report_error = None  # (said here: the inner implementation's error goes on)
             raise
         finally:
             try:
                 self.release_all(str(reason), quiet=quiet, exception=exception)
+            except BaseException as release_error:
+                if report_error is not None and release_error.__context__ is None:
+                    release_error.__context__ = report_error  # (printed with it)
+                raise
             finally:
                 self.released = True
         if report_error is not None:
