@@ -52,14 +52,15 @@ class StuckSignalWatch:
     child's), and where that end is what the signal would have brought anyway (:meth:`_acts`):
     the run's own handler is the signal's handler (not one the host installed during the
     run, not the Ctrl-C deferral of shutdown), the handler before the run ended the process
-    (no host handler of its own to run after the shutdown, a checkpoint's say), and the
-    run is not shutting down (a shutdown stuck in C is bounded elsewhere: the peer watch's
-    deadline, the launcher's SIGKILL). Not started where a wakeup descriptor is already set
-    (an asyncio loop's); a forked child's copy of the descriptor is taken off in the child
-    (its signals are not the parent's), once the interpreter's own fork handling ends: a
-    signal that reaches the child in its first moments (``Process.terminate()`` right after
-    ``start()``, the parent then waiting for it in C past the wait) is still written into the
-    parent's pipe.
+    (no host handler of its own to run after the shutdown, a checkpoint's say), the run is
+    not shutting down (a shutdown stuck in C is bounded elsewhere: the peer watch's
+    deadline, the launcher's SIGKILL), and no plugin has taken the process's end over with
+    a bound of its own (:func:`end_bounded_elsewhere`). Not started where a wakeup
+    descriptor is already set (an asyncio loop's); a forked child's copy of the descriptor
+    is taken off in the child (its signals are not the parent's), once the interpreter's own
+    fork handling ends: a signal that reaches the child in its first moments
+    (``Process.terminate()`` right after ``start()``, the parent then waiting for it in C
+    past the wait) is still written into the parent's pipe.
     """
 
     def __init__(self, run: RunSignals, seconds: float) -> None:
@@ -72,6 +73,7 @@ class StuckSignalWatch:
 
     @classmethod
     def start(cls, run: RunSignals) -> StuckSignalWatch | None:
+        end_bounded_elsewhere(None)  # (an earlier run's plugin handed nothing back: in charge)
         seconds = stuck_signal_seconds()
         if not seconds or not run._handle_signals:
             return None
@@ -137,6 +139,7 @@ class StuckSignalWatch:
         run = self.run
         return (
             not self._stopping
+            and _BOUNDED_ELSEWHERE is None
             and run._pending_signal is None
             and not run._shutting_down
             and signal.getsignal(signum) == run._on_signal
@@ -175,6 +178,24 @@ class StuckSignalWatch:
 
 _WATCHED_FD: int | None = None
 """The wakeup descriptor of the running watch (a forked child takes it off)."""
+
+_BOUNDED_ELSEWHERE: str | None = None
+
+
+def end_bounded_elsewhere(what: str | None) -> None:
+    """A plugin that has begun to end the run by its own means, with its own bound on the
+    process's life, takes the process's end over from :class:`StuckSignalWatch`: ``what``
+    names that bound (for a reader of this module's state), ``None`` hands it back.
+
+    The CUDA graph plugin's peer watch does this when another rank failed: it aborts this
+    rank's collectives, interrupts the main thread and arms its exit deadline
+    (``cuda_graph_peer_exit_deadline``). A signal from the launcher that the main thread
+    cannot act on meanwhile (blocked in a collective the abort is ending, or over gloo one
+    that only the failed peer's exit ends) then no longer ends the process before that
+    release: the shutdown hooks still run, and the deadline still ends a process they
+    cannot reach. Every run starts with the watch in charge."""
+    global _BOUNDED_ELSEWHERE
+    _BOUNDED_ELSEWHERE = what
 
 
 def _forget_watch_in_child() -> None:

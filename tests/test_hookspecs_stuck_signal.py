@@ -272,3 +272,16 @@ def test_a_descriptor_the_host_set_during_the_run_stays(monkeypatch):
         signal.set_wakeup_fd(-1)
         os.close(read)
         os.close(write)
+
+
+def test_a_plugin_that_bounds_the_end_elsewhere_keeps_the_watch_out_for_that_run_only(monkeypatch):
+    """``end_bounded_elsewhere``: a plugin's own bound on the process's end (the peer exit
+    deadline) takes over; the next run starts with the watch in charge again."""
+    monkeypatch.setenv(run_signals.STUCK_SIGNAL_VAR, "0.2")
+    pm = get_plugin_manager(load_entrypoints=False)
+    with TrainingRun(pm, config={}, train_iters=0) as run:
+        assert run._stuck_watch is not None and run._stuck_watch._acts(signal.SIGTERM)
+        run_signals.end_bounded_elsewhere("a plugin's deadline")
+        assert not run._stuck_watch._acts(signal.SIGTERM)
+    with TrainingRun(get_plugin_manager(load_entrypoints=False), config={}, train_iters=0) as run:
+        assert run._stuck_watch is not None and run._stuck_watch._acts(signal.SIGTERM)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -144,6 +146,61 @@ def test_a_cancelled_deadline_cancels_its_backstop_too():
         [sys.executable, "-c", _STUCK_AT_EXIT, "cancel"], capture_output=True, text=True, timeout=50
     )
     assert (done.returncode, done.stderr) == (0, "")
+
+
+_BLOCKED_AFTER_A_PEERS_FAILURE = textwrap.dedent(
+    """
+    import datetime, sys
+    import torch.distributed as dist
+    from hookspecs import TrainingRun, get_plugin_manager
+    from cudagraph_plugin.runtime.peer_deadline import ExitDeadline
+
+    with TrainingRun(get_plugin_manager(load_entrypoints=False), config={}, train_iters=1):
+        store = dist.TCPStore("127.0.0.1", 0, 1, True)
+        deadline = ExitDeadline(1, 3.0)
+        deadline.arm("rank 0 (h, pid 1) failed: exception: boom")  # as the peer watch does
+        if sys.argv[1] == "cancelled":
+            deadline.cancel()
+        print("blocking", flush=True)
+        store.wait(["never"], datetime.timedelta(seconds=60))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("deadline", "status", "said"),
+    [
+        ("armed", EXIT_CODE, "still running 3 s after rank 0"),
+        ("cancelled", 143, "SIGTERM received, but the main thread has not come back"),
+    ],
+)
+def test_an_armed_deadline_takes_over_from_the_stuck_signal_exit(
+    subprocess_env, deadline, status, said
+):
+    """(2026-12-06, a SIGTERM to a 2-rank gloo job: the rank blocked in a collective, told of
+    its peer's stop, was ended by the run's stuck-signal exit 5 s later without its
+    shutdown, just before the peer's exit released the collective and let it shut down.)
+    Armed, the deadline owns the process's end: the SIGTERM (1 s stuck-signal wait here) no
+    longer ends it; the deadline does, at 3 s. Cancelled, the stuck-signal exit is back."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _BLOCKED_AFTER_A_PEERS_FAILURE, deadline],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**subprocess_env, "MCGRAPH_STUCK_SIGNAL_S": "1"},
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "blocking"
+        time.sleep(0.5)  # (in the store wait by now)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == status, err
+    assert said in err
+    if deadline == "armed":
+        assert "has not come back to Python" not in err
 
 
 @pytest.mark.parametrize("seconds", [0, -1, float("nan"), True, "5", 3601, 1e10])

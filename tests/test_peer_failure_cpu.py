@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -297,6 +298,73 @@ def test_two_ranks_failing_at_once_agree_on_the_first(store):
     assert mine == theirs == first.first_failure == second.first_failure
     assert (mine.rank, mine.reason) == (0, "exception: A")
     assert PeerFailure.decode(store.get(second.rank_key(2))).reason == "signal: B"
+
+
+@pytest.mark.parametrize(
+    ("first_reason", "second_reason", "said"),
+    [
+        (
+            "signal: SignalReceived: received SIGTERM",
+            "signal: SignalReceived: received SIGTERM",
+            "rank 1 was stopped (signal: SignalReceived: received SIGTERM); rank 0 was "
+            "stopped: signal: SignalReceived: received SIGTERM first: the job as a whole is "
+            "likely being stopped",
+        ),
+        (
+            "exception: RuntimeError: boom",
+            "signal: SignalReceived: received SIGTERM",
+            "rank 1 was stopped (signal: SignalReceived: received SIGTERM); rank 0 failed: "
+            "exception: RuntimeError: boom first",
+        ),
+        (
+            "signal: SignalReceived: received SIGTERM",
+            "exception: RuntimeError: boom",
+            "rank 1 failed (exception: RuntimeError: boom); rank 0 was stopped: signal: "
+            "SignalReceived: received SIGTERM first",
+        ),
+    ],
+    ids=["both-stopped", "stopped-after-a-failure", "failed-after-a-stop"],
+)
+def test_a_stop_of_the_whole_job_is_not_said_as_a_failure(
+    store, caplog, first_reason, second_reason, said
+):
+    """(2026-12-06: a SIGTERM to a 2-rank torchrun job, which torchrun passes on to every
+    rank, was said as "rank 0 failed ... every other rank is told" and "rank 1 failed ...;
+    rank 0 failed ... first": two failures where the job was stopped from outside)"""
+    first, second = PeerWatch(store, 0, 2, generation=3), PeerWatch(store, 1, 2, generation=3)
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        first.mark_failed(first_reason)
+        second.mark_failed(second_reason)
+    verb = "was stopped" if first_reason.startswith("signal") else "failed"
+    opening = f"rank 0 {verb} ({first_reason}): every other rank is told to end its run"
+    assert [r.getMessage() for r in caplog.records] == [
+        opening,
+        caplog.records[1].getMessage(),
+    ]
+    where = f" ({socket.gethostname()}, pid {os.getpid()})"
+    assert caplog.records[1].getMessage().replace(where, "").startswith(said)
+    assert ("likely being stopped" in caplog.text) == (said.endswith("likely being stopped"))
+
+
+def test_the_watch_names_its_rank_once_under_the_runs_rank_filter(store, caplog, monkeypatch):
+    """(2026-12-06: "[rank 1] rank 1 was stopped ..." in a 2-rank job: the run's filter put
+    its rank before lines that name it already; the watch's lines logged after the run's
+    filter was taken off, as the wait for the peers, must keep naming it)"""
+    from cudagraph_plugin.runtime import ranklog
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    log_filter = ranklog.install(every_rank=False)
+    try:
+        with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
+            PeerWatch(store, 1, 2, generation=5).mark_failed("exception: boom")
+            logging.getLogger("cudagraph_plugin").info("captured 1 graph")
+    finally:
+        ranklog.remove(log_filter)
+    assert [r.getMessage() for r in caplog.records] == [
+        "rank 1 failed (exception: boom): every other rank is told to end its run",
+        "[rank 1] captured 1 graph",
+    ]
 
 
 def test_a_mark_of_an_earlier_run_is_not_seen_by_the_next(store, watches):
@@ -695,7 +763,15 @@ def test_the_mark_says_how_the_run_ended():
         peer_mark.MAX_REFUSAL_CHARS
     )
     assert peer_mark.refusal_of(RuntimeError("y")) == peer_mark.refusal_of(None) == ""
-    assert failure.describe() == "rank 3 (node7, pid 42) failed: signal: received SIGTERM"
+    # a signal or a Ctrl-C stops a rank (what a launcher, a scheduler or a user does to a
+    # whole job); anything else is a failure
+    assert failure.describe() == "rank 3 (node7, pid 42) was stopped: signal: received SIGTERM"
+    assert PeerFailure(0, "interrupted: KeyboardInterrupt").describe() == (
+        "rank 0 was stopped: interrupted: KeyboardInterrupt"
+    )
+    assert PeerFailure(0, "exception: RuntimeError: signal").describe() == (
+        "rank 0 failed: exception: RuntimeError: signal"
+    )
     assert PeerFailure.decode(b"garbage").rank == -1
 
 

@@ -19,8 +19,11 @@ the interpreter's finalisation (a process group's destructor stuck at exit), no 
 thread runs any more: a backstop, :func:`faulthandler.dump_traceback_later` (a C thread),
 then dumps the stacks ("Timeout") and exits with status 1, :data:`BACKSTOP_S` later. It is
 the process's one such timer: arming replaces a host's own (a periodic stack dump, say), and
-cancelling ends whichever is set. A shutdown that settled (the
-abort ended, the groups forgotten) cancels both. The deadline is
+cancelling ends whichever is set. Armed, it also takes the process's end over from the
+run's stuck-signal watch (``hookspecs.run_signals.end_bounded_elsewhere``): a SIGTERM the
+blocked main thread cannot act on would otherwise end the process 5 s later without its
+shutdown, before the abort (or, over gloo, the failed peer's exit) releases it. A shutdown
+that settled (the abort ended, the groups forgotten) cancels both. The deadline is
 ``cuda_graph_peer_exit_deadline`` (``--cuda-graph-peer-exit-deadline``, 0: off).
 
 Pure Python (no torch).
@@ -36,7 +39,12 @@ import threading
 import time
 from collections.abc import Callable
 
-logger = logging.getLogger("cudagraph_plugin")
+from cudagraph_plugin.config.logs import LOGGER_NAME, RANK_NAMED
+from hookspecs.run_signals import end_bounded_elsewhere
+
+# (every line names its rank: "[rank 1] rank 1 failed" otherwise, where the run's filter
+# is on)
+logger = logging.LoggerAdapter(logging.getLogger(LOGGER_NAME), RANK_NAMED)
 
 EXIT_CODE = 70
 """The exit status of a rank ended by its deadline (``EX_SOFTWARE``): non-zero, and told
@@ -106,6 +114,8 @@ class ExitDeadline:
                 target=self._run, args=(what,), name="mcgraph-exit-deadline", daemon=True
             )
             self._thread.start()
+            # (the run's stuck-signal exit, without the shutdown hooks, would come first)
+            end_bounded_elsewhere(f"rank {self.rank}'s peer exit deadline, {self.seconds:g} s")
             if self._backstop:
                 faulthandler.dump_traceback_later(
                     self.seconds + BACKSTOP_S, exit=True, file=self._fd
@@ -121,8 +131,10 @@ class ExitDeadline:
         return max(0.1, min(seconds, self._ends_at - time.monotonic() - MARGIN_S))
 
     def cancel(self) -> None:
-        if self._backstop and self._thread is not None and not self._cancelled.is_set():
-            faulthandler.cancel_dump_traceback_later()
+        if self._thread is not None and not self._cancelled.is_set():
+            if self._backstop:
+                faulthandler.cancel_dump_traceback_later()
+            end_bounded_elsewhere(None)
         self._cancelled.set()
 
     def _run(self, what: str) -> None:

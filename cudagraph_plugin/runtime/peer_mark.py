@@ -54,6 +54,9 @@ waits for the abort of the process groups the watcher began to end."""
 
 MAX_REASON_CHARS = 500
 
+STOPPED = frozenset({ShutdownReason.SIGNAL.value, ShutdownReason.INTERRUPTED.value})
+"""The ends that come from outside the run (a mark's reason begins with one of them)."""
+
 MAX_REFUSAL_CHARS = 20_000
 """A refusal's message is kept whole (every problem with its fix): the other ranks print it.
 The watchers poll the key's existence, never its value."""
@@ -96,10 +99,16 @@ class PeerFailure:
             # Not ours to parse (another writer of the key): still a failure, of unknown rank.
             return cls(-1, f"unreadable failure mark {text[:100]!r}")
 
+    @property
+    def stopped(self) -> bool:
+        """The rank was stopped (a signal, Ctrl-C) rather than failed: what a launcher, a
+        scheduler or a user does to a whole job, one rank being merely the first to mark it."""
+        return self.reason.split(":", 1)[0] in STOPPED
+
     def describe(self) -> str:
         where = f" ({self.host}, pid {self.pid})" if self.host else ""
         who = f"rank {self.rank}" if self.rank >= 0 else "a rank"
-        return f"{who}{where} failed: {self.reason}"
+        return f"{who}{where} {'was stopped' if self.stopped else 'failed'}: {self.reason}"
 
 
 class PeerFailed(_ContractPeerFailed):

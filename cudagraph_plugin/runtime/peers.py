@@ -55,6 +55,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cudagraph_plugin import compat
+from cudagraph_plugin.config.logs import LOGGER_NAME, RANK_NAMED
 from cudagraph_plugin.runtime.peer_deadline import ExitDeadline
 from cudagraph_plugin.runtime.peer_mark import (
     ABORT_WAIT_S,
@@ -78,7 +79,9 @@ from cudagraph_plugin.runtime.peer_mark import (
 )
 from hookspecs import ShutdownReason
 
-logger = logging.getLogger("cudagraph_plugin")
+# (every line names its rank: "[rank 1] rank 1 failed" otherwise, where the run's filter
+# is on)
+logger = logging.LoggerAdapter(logging.getLogger(LOGGER_NAME), RANK_NAMED)
 
 _generation = 0
 _active: PeerWatch | None = None
@@ -298,15 +301,28 @@ class PeerWatch:
             self._raise_deferred()
             return None
         self.first_failure = first
+        verb = "was stopped" if mine.stopped else "failed"
         if (first.rank, first.pid) == (mine.rank, mine.pid):
             logger.error(
-                "rank %d failed (%s): every other rank is told to end its run",
+                "rank %d %s (%s): every other rank is told to end its run",
                 self.rank,
+                verb,
                 mine.reason,
             )
         else:
+            # Stopped after a peer was: most likely the whole job is being stopped (torchrun
+            # passes a SIGTERM or Ctrl-C on to every rank; a scheduler's preemption), which
+            # no rank caused: said so rather than as two failures.
             logger.warning(
-                "rank %d failed (%s); %s first", self.rank, mine.reason, first.describe()
+                "rank %d %s (%s); %s first%s",
+                self.rank,
+                verb,
+                mine.reason,
+                first.describe(),
+                ": the job as a whole is likely being stopped (by its launcher, a scheduler "
+                "or a Ctrl-C), not ended by a rank's failure"
+                if mine.stopped and first.stopped
+                else "",
             )
         self._raise_deferred()
         return first
@@ -519,8 +535,9 @@ class PeerWatch:
     def _install_handler(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             logger.info(
-                "peer watch started outside the main thread: a peer's failure aborts the "
-                "process groups but cannot interrupt the training loop"
+                "rank %d: peer watch started outside the main thread: a peer's failure aborts "
+                "the process groups but cannot interrupt the training loop",
+                self.rank,
             )
             return
         assert self._signum is not None
@@ -530,9 +547,10 @@ class PeerWatch:
             previous = signal.SIG_DFL
         if previous not in (signal.SIG_DFL, None):
             logger.warning(
-                "peer watch: signal %d already has a handler (%r); a peer's failure aborts "
-                "the process groups but does not interrupt the training loop (pass another "
-                "interrupt_signal to PeerWatch.start)",
+                "rank %d: peer watch: signal %d already has a handler (%r); a peer's failure "
+                "aborts the process groups but does not interrupt the training loop (pass "
+                "another interrupt_signal to PeerWatch.start)",
+                self.rank,
                 self._signum,
                 previous,
             )
