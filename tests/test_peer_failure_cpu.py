@@ -37,13 +37,13 @@ import hookspecs
 from cudagraph_plugin import compat
 from cudagraph_plugin.runtime import job_watch, peer_mark
 from cudagraph_plugin.runtime import peers as peer_failure
-from cudagraph_plugin.runtime.peers import (
+from cudagraph_plugin.runtime.peer_mark import (
     PeerFailed,
     PeerFailure,
-    PeerWatch,
     default_interrupt_signal,
     describe_end,
 )
+from cudagraph_plugin.runtime.peers import PeerWatch
 from hookspecs import ShutdownReason, TrainingRun, get_plugin_manager, hookimpl
 from jobs import CPU_RANKS, JobResult, first_failure, run_job, torchrun_command
 

@@ -1,7 +1,8 @@
 """Every rank ends within seconds when one rank of a multi-rank job fails.
 
 This module owns the watch: what each rank does about a peer's failure mark (the mark and
-the bounded store calls are :mod:`~cudagraph_plugin.runtime.peer_mark`):
+the bounded store calls are :mod:`~cudagraph_plugin.runtime.peer_mark`, the main thread's
+interrupt :mod:`~cudagraph_plugin.runtime.peer_interrupt`):
 
 * **Mark.** A rank whose run ends abnormally (exception, Ctrl-C, signal, failed capture)
   writes ``rank`` and ``reason`` into the store of the default process group (torchrun's
@@ -57,6 +58,7 @@ from typing import Any
 from cudagraph_plugin import compat
 from cudagraph_plugin.config.logs import LOGGER_NAME, RANK_NAMED
 from cudagraph_plugin.runtime.peer_deadline import ExitDeadline
+from cudagraph_plugin.runtime.peer_interrupt import PeerInterrupt
 from cudagraph_plugin.runtime.peer_mark import (
     ABORT_WAIT_S,
     KEY_PREFIX,
@@ -66,16 +68,13 @@ from cudagraph_plugin.runtime.peer_mark import (
     POLL_S_PER_RANK,
     STORE_WAIT_S,
     BoundedCall,
-    PeerFailed,
     PeerFailure,
-    PeerRefused,
     default_interrupt_signal,
     describe_end,
     first_line,
     note_speaker,
     own_connection,
     refusal_of,
-    run_is_shutting_down,
 )
 from hookspecs import ShutdownReason
 
@@ -88,7 +87,7 @@ _active: PeerWatch | None = None
 _registry_lock = threading.Lock()
 
 
-class PeerWatch:
+class PeerWatch(PeerInterrupt):
     """The failure mark and the watcher of one run on one rank; create it with :meth:`start`.
 
     :ivar peer_failure: The peer failure this rank's watcher acted on, if any.
@@ -529,55 +528,3 @@ class PeerWatch:
             self.rank,
             time.monotonic() - began,
         )
-
-    # -- the interrupt ------------------------------------------------------------------------
-
-    def _install_handler(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            logger.info(
-                "rank %d: peer watch started outside the main thread: a peer's failure aborts "
-                "the process groups but cannot interrupt the training loop",
-                self.rank,
-            )
-            return
-        assert self._signum is not None
-        previous = signal.getsignal(self._signum)
-        if isinstance(getattr(previous, "__self__", None), PeerWatch):
-            # left by a watch stopped from another thread (it could not put SIG_DFL back)
-            previous = signal.SIG_DFL
-        if previous not in (signal.SIG_DFL, None):
-            logger.warning(
-                "rank %d: peer watch: signal %d already has a handler (%r); a peer's failure "
-                "aborts the process groups but does not interrupt the training loop (pass "
-                "another interrupt_signal to PeerWatch.start)",
-                self.rank,
-                self._signum,
-                previous,
-            )
-            return
-        self._previous_handler = previous
-        signal.signal(self._signum, self._on_signal)
-        self._handler_installed = True
-
-    def _restore_handler(self) -> None:
-        if not self._handler_installed:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            return  # stopped from another thread: the handler stays, and does nothing now
-        self._handler_installed = False
-        assert self._signum is not None
-        signal.signal(self._signum, self._previous_handler or signal.SIG_DFL)
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        failure = self.peer_failure
-        if failure is None or self._raised:
-            return
-        if self._closing or run_is_shutting_down(frame):
-            logger.info(
-                "rank %d: %s while this rank was shutting down: its shutdown goes on",
-                self.rank,
-                failure.describe(),
-            )
-            return
-        self._raised = True
-        raise (PeerRefused if failure.refusal else PeerFailed)(failure)
