@@ -367,6 +367,28 @@ def test_the_watch_names_its_rank_once_under_the_runs_rank_filter(store, caplog,
     ]
 
 
+@pytest.mark.parametrize("how", ["early_exit", "completed"])
+def test_a_failure_after_a_rank_ended_early_names_that_rank(store, caplog, how):
+    """(2026-12-05, a review: a rank whose own loop ended its run early leaves the others
+    in a collective it never joins; their failure, a collective's timeout minutes later, said
+    nothing of it.) A rank that completed its steps is no such suspect."""
+    left = PeerWatch(store, 1, 2, generation=9)
+    left.end(how)
+    with caplog.at_level(logging.ERROR, logger="cudagraph_plugin"):
+        PeerWatch(store, 0, 2, generation=9).mark_failed("exception: DistBackendError: timeout")
+    [said] = [r.getMessage() for r in caplog.records]
+    where = f"rank 1 ({socket.gethostname()}, pid {os.getpid()})"
+    early = (
+        f" ({where} had ended its run early, before this: a collective it no longer joins may "
+        "be what failed here)"
+    )
+    assert said == (
+        "rank 0 failed (exception: DistBackendError: timeout): every other rank is told to end "
+        "its run" + (early if how == "early_exit" else "")
+    )
+    assert int(store.add(left.ended_key, 0)) == 2  # both counted as ended
+
+
 def test_a_mark_of_an_earlier_run_is_not_seen_by_the_next(store, watches):
     first = start(watches, store, abort=Aborts())
     peer(first, 1).mark_failed("exception: old run")

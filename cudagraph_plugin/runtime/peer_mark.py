@@ -105,10 +105,12 @@ class PeerFailure:
         scheduler or a user does to a whole job, one rank being merely the first to mark it."""
         return self.reason.split(":", 1)[0] in STOPPED
 
-    def describe(self) -> str:
+    def who(self) -> str:
         where = f" ({self.host}, pid {self.pid})" if self.host else ""
-        who = f"rank {self.rank}" if self.rank >= 0 else "a rank"
-        return f"{who}{where} {'was stopped' if self.stopped else 'failed'}: {self.reason}"
+        return (f"rank {self.rank}" if self.rank >= 0 else "a rank") + where
+
+    def describe(self) -> str:
+        return f"{self.who()} {'was stopped' if self.stopped else 'failed'}: {self.reason}"
 
 
 class PeerFailed(_ContractPeerFailed):

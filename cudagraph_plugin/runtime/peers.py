@@ -155,6 +155,12 @@ class PeerWatch(PeerInterrupt):
     def ended_key(self) -> str:
         return f"{self._prefix}/ended"
 
+    @property
+    def early_key(self) -> str:
+        """The first rank whose run ended early (``early_exit``): no failure, but the other
+        ranks' next collective may wait for it for good; a later failure names it."""
+        return f"{self._prefix}/early"
+
     # -- life cycle ---------------------------------------------------------------------------
 
     @classmethod
@@ -265,11 +271,17 @@ class PeerWatch(PeerInterrupt):
             )
         if not self._ended and not self._store_lost:
             self._ended = True
+            early = reason is ShutdownReason.EARLY_EXIT and self.peer_failure is None
+            mine = PeerFailure(self.rank, str(reason), socket.gethostname(), os.getpid())
+
+            def count(store: Any) -> None:
+                if early:  # (the first to end early is kept, as the first failure is)
+                    store.compare_set(self.early_key, "", mine.encode())
+                store.add(self.ended_key, 1)
+
             # A normal end must not complain when the store is gone (rank 0, which hosted
             # it, may have finished first): only a rank that failed waits for this count.
-            self._store_call(
-                "end", lambda store: store.add(self.ended_key, 1), quiet=True, defer=True
-            )
+            self._store_call("end", count, quiet=True, defer=True)
             self._raise_deferred()
 
     def mark_failed(self, reason: str, refusal: str = "") -> PeerFailure | None:
@@ -289,24 +301,35 @@ class PeerWatch(PeerInterrupt):
             self.rank, reason[:MAX_REASON_CHARS], socket.gethostname(), os.getpid(), refusal
         )
 
-        def record(store: Any) -> PeerFailure:
+        def record(store: Any) -> tuple[PeerFailure, PeerFailure | None]:
             store.set(self.rank_key(self.rank), mine.encode())
             first = PeerFailure.decode(store.compare_set(self.first_key, "", mine.encode()))
             store.add(self.ended_key, 1)
-            return first
+            early = store.check([self.early_key]) and store.get(self.early_key)
+            return first, PeerFailure.decode(early) if early else None
 
-        first = self._store_call("mark", record, defer=True)
-        if first is None:
+        answer = self._store_call("mark", record, defer=True)
+        if answer is None:
             self._raise_deferred()
             return None
+        first, early = answer
         self.first_failure = first
+        # A rank that left early (its own loop's exit, not the job's) is a likely cause of a
+        # failure in a collective here: said with it, or nobody would say it.
+        before = (
+            f" ({early.who()} had ended its run early, before this: a collective it no longer "
+            "joins may be what failed here)"
+            if early is not None and early.rank != self.rank
+            else ""
+        )
         verb = "was stopped" if mine.stopped else "failed"
         if (first.rank, first.pid) == (mine.rank, mine.pid):
             logger.error(
-                "rank %d %s (%s): every other rank is told to end its run",
+                "rank %d %s (%s): every other rank is told to end its run%s",
                 self.rank,
                 verb,
                 mine.reason,
+                before,
             )
         else:
             # Stopped after a peer was: most likely the whole job is being stopped (torchrun
