@@ -18,14 +18,17 @@ from typing import Any
 
 
 def launcher_rank() -> tuple[int, int]:
-    """``(rank, world size)`` as the launcher set them; ``(0, 1)`` without a launcher, or
-    where a value is not a whole number (a rank below 0 counts as 0)."""
+    """``(rank, world size)`` as the launcher set them: each 0 and 1 without a launcher, or
+    where its value is not a whole number (a rank below 0 counts as 0, a size below 1 as 1;
+    a bad size leaves a good rank as it is, so that rank 3 still does not speak for rank 0)."""
+    return max(_whole("RANK", 0), 0), max(_whole("WORLD_SIZE", 1), 1)
+
+
+def _whole(name: str, default: int) -> int:
     try:
-        rank = int(os.environ.get("RANK", "0") or 0)
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        return int(os.environ.get(name, "") or default)
     except ValueError:
-        return 0, 1
-    return max(rank, 0), max(world, 1)
+        return default
 
 
 def rank_tag() -> str:

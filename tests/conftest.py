@@ -198,6 +198,10 @@ def _process_state() -> dict[str, Any]:
         "SIGINT handler": signal.getsignal(signal.SIGINT),
         "cudagraph_plugin logger filters": tuple(logging.getLogger("cudagraph_plugin").filters),
     }
+    if "hookspecs.run_signals" in sys.modules:  # (a plugin's hand-over of the process's end)
+        state["stuck-signal exit bounded elsewhere"] = sys.modules[
+            "hookspecs.run_signals"
+        ]._BOUNDED_ELSEWHERE
     if "torch" in sys.modules:
         import torch
 

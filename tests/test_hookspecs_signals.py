@@ -323,11 +323,12 @@ def test_a_signal_line_names_its_rank_in_a_job_of_several(
         ({"RANK": "3", "WORLD_SIZE": "8"}, (3, 8)),
         ({}, (0, 1)),
         ({"RANK": "", "WORLD_SIZE": ""}, (0, 1)),
-        ({"RANK": "x", "WORLD_SIZE": "2"}, (0, 1)),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, (0, 2)),
+        ({"RANK": "3", "WORLD_SIZE": "abc"}, (3, 1)),
         ({"RANK": "-1", "WORLD_SIZE": "0"}, (0, 1)),
     ],
 )
-def test_the_launchers_rank_is_read_whole_or_not_at_all(monkeypatch, env, expected):
+def test_the_launchers_rank_and_size_are_each_read_or_defaulted(monkeypatch, env, expected):
     from hookspecs.ranks import launcher_rank, rank_tag
 
     for name in ("RANK", "WORLD_SIZE"):
@@ -335,4 +336,4 @@ def test_the_launchers_rank_is_read_whole_or_not_at_all(monkeypatch, env, expect
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert launcher_rank() == expected
-    assert rank_tag() == ("[rank 3] " if expected == (3, 8) else "")
+    assert rank_tag() == (f"[rank {expected[0]}] " if expected[1] > 1 else "")

@@ -110,6 +110,27 @@ def test_arming_twice_keeps_one_countdown(pipe):
     assert "after first;" in text and "second" not in text
 
 
+def test_an_armed_deadline_holds_the_stuck_signal_exit_until_it_is_cancelled_or_fires(pipe):
+    """(see test_an_armed_deadline_takes_over_from_the_stuck_signal_exit for a real process)"""
+    from hookspecs import run_signals
+
+    cancelled = ExitDeadline(2, 30.0, exit=Exits(), fd=pipe.write_fd, backstop=False)
+    cancelled.cancel()  # before it was armed: nothing taken over
+    assert run_signals._BOUNDED_ELSEWHERE is None
+    deadline = ExitDeadline(2, 30.0, exit=Exits(), fd=pipe.write_fd, backstop=False)
+    deadline.arm("rank 0 failed")
+    assert run_signals._BOUNDED_ELSEWHERE == "rank 2's peer exit deadline, 30 s"
+    deadline.cancel()
+    assert run_signals._BOUNDED_ELSEWHERE is None
+    exits = Exits()
+    fired = ExitDeadline(2, 0.05, exit=exits, fd=pipe.write_fd, backstop=False)
+    fired.arm("rank 0 failed")
+    assert exits.done.wait(30)
+    assert fired._thread is not None
+    fired._thread.join(30)
+    assert run_signals._BOUNDED_ELSEWHERE is None  # (its exit returned: it bounds nothing)
+
+
 _STUCK_AT_EXIT = textwrap.dedent(
     """
     import sys, time

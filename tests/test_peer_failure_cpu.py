@@ -350,7 +350,8 @@ def test_the_watch_names_its_rank_once_under_the_runs_rank_filter(store, caplog,
     """(2026-12-06: "[rank 1] rank 1 was stopped ..." in a 2-rank job: the run's filter put
     its rank before lines that name it already; the watch's lines logged after the run's
     filter was taken off, as the wait for the peers, must keep naming it)"""
-    from cudagraph_plugin.runtime import ranklog
+    from cudagraph_plugin.config.logs import JOB_WIDE
+    from cudagraph_plugin.runtime import peers, ranklog
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -359,6 +360,8 @@ def test_the_watch_names_its_rank_once_under_the_runs_rank_filter(store, caplog,
         with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
             PeerWatch(store, 1, 2, generation=5).mark_failed("exception: boom")
             logging.getLogger("cudagraph_plugin").info("captured 1 graph")
+            # (a caller's own extra is kept: a job-wide line is rank 0's alone)
+            peers.logger.info("said by rank 0 only", extra=JOB_WIDE)
     finally:
         ranklog.remove(log_filter)
     assert [r.getMessage() for r in caplog.records] == [
@@ -387,6 +390,41 @@ def test_a_failure_after_a_rank_ended_early_names_that_rank(store, caplog, how):
         "its run" + (early if how == "early_exit" else "")
     )
     assert int(store.add(left.ended_key, 0)) == 2  # both counted as ended
+
+
+class EarlyKeyFails:
+    """The job's store, failing every read of the early-end key (a store too slow or broken
+    for that one optional read)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def check(self, keys: list[str]) -> bool:
+        if any(key.endswith("/early") for key in keys):
+            raise RuntimeError("connection reset")
+        return self.store.check(keys)
+
+
+def test_a_stopped_rank_does_not_blame_an_early_end_and_a_failed_read_keeps_the_mark(store, caplog):
+    """(a review of the early-end naming: it was appended to a stopped rank's line, where
+    nothing failed; and, read inside the mark's bounded call, a failing read threw away a
+    mark that was written: "the other ranks are not told", no first failure)"""
+    PeerWatch(store, 1, 3, generation=4).end("early_exit")
+    with caplog.at_level(logging.ERROR, logger="cudagraph_plugin"):
+        PeerWatch(store, 0, 3, generation=4).mark_failed("signal: SignalReceived: x")
+    assert "ended its run early" not in caplog.text
+    other = PeerWatch(EarlyKeyFails(dist.HashStore()), 2, 3, generation=4)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
+        first = other.mark_failed("exception: RuntimeError: boom")
+    assert first is not None and first.rank == 2 and other.first_failure == first
+    assert "rank 2 failed (exception: RuntimeError: boom): every other rank is told" in (
+        caplog.text
+    )
+    assert "not told" not in caplog.text and other._store_lost is False
 
 
 def test_a_mark_of_an_earlier_run_is_not_seen_by_the_next(store, watches):

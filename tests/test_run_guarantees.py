@@ -149,7 +149,9 @@ def _tracebacks_of(caplog, exc_type):
     return [r for r in caplog.records if r.exc_info and isinstance(r.exc_info[1], exc_type)]
 
 
-@pytest.mark.parametrize("then", ["raised", "inner-raises", "release-raises"])
+@pytest.mark.parametrize(
+    "then", ["raised", "inner-raises", "release-raises", "release-raises-in-context"]
+)
 def test_a_report_write_that_fails_prints_its_traceback_once(
     fake_graphs, monkeypatch, tmp_path, caplog, then
 ):
@@ -165,12 +167,17 @@ def test_a_report_write_that_fails_prints_its_traceback_once(
 
     monkeypatch.setattr(RunReport, "write_json", fails)
     plugins = [ShutdownRaises()] if then == "inner-raises" else []
-    if then == "release-raises":
+    if then.startswith("release-raises"):
         real = ReleasePlan.release_all
 
         def release_then_raise(self, *args, **kwargs):
             real(self, *args, **kwargs)
-            raise RuntimeError("the release failed")
+            if then == "release-raises":
+                raise RuntimeError("the release failed")
+            try:
+                raise KeyError("a step's own error")
+            except KeyError:  # (its context is taken: the report's is logged instead)
+                raise RuntimeError("the release failed") from None
 
         monkeypatch.setattr(ReleasePlan, "release_all", release_then_raise)
     argv = [
@@ -185,16 +192,22 @@ def test_a_report_write_that_fails_prints_its_traceback_once(
             run(*argv, plugins=plugins)
     [graph] = fake_graphs.graphs
     assert graph.resets == 1
-    assert "the run report failed: OSError('disk full')" in caplog.text
+    assert "the run report failed: OSError('disk full') (the CUDA graphs are freed first)" in (
+        caplog.text
+    )
     logged = _tracebacks_of(caplog, OSError)
     if then == "raised":
         assert isinstance(raised.value, OSError) and logged == []
     elif then == "inner-raises":
         assert "inner shutdown implementation failed" in str(raised.value)
         assert len(logged) == 1 and logged[0].getMessage() == "the run report also failed"
-    else:
+    elif then == "release-raises":
         assert str(raised.value) == "the release failed" and logged == []
         assert isinstance(raised.value.__context__, OSError)
+    else:
+        assert str(raised.value) == "the release failed"
+        assert isinstance(raised.value.__context__, KeyError)
+        assert len(logged) == 1 and logged[0].getMessage() == "the run report failed"
 
 
 @pytest.mark.parametrize("interrupted", [1, 2], ids=["first-try", "both-tries"])

@@ -32,19 +32,16 @@ Pure Python (no torch).
 from __future__ import annotations
 
 import faulthandler
-import logging
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 
-from cudagraph_plugin.config.logs import LOGGER_NAME, RANK_NAMED
+from cudagraph_plugin.runtime.ranklog import RankNamed
 from hookspecs.run_signals import end_bounded_elsewhere
 
-# (every line names its rank: "[rank 1] rank 1 failed" otherwise, where the run's filter
-# is on)
-logger = logging.LoggerAdapter(logging.getLogger(LOGGER_NAME), RANK_NAMED)
+logger = RankNamed()  # (every line names its rank: no "[rank 1] rank 1 failed")
 
 EXIT_CODE = 70
 """The exit status of a rank ended by its deadline (``EX_SOFTWARE``): non-zero, and told
@@ -152,6 +149,7 @@ class ExitDeadline:
         except (OSError, ValueError):
             pass  # no stderr left: the exit is what matters
         self._exit(EXIT_CODE)
+        end_bounded_elsewhere(None)  # (an exit that returned bounds nothing: handed back)
 
 
 def _stderr_fd() -> int:

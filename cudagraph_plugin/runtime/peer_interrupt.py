@@ -11,20 +11,19 @@ thread, gets no interrupt: the abort alone ends the blocked call.
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 from typing import Any
 
-from cudagraph_plugin.config.logs import LOGGER_NAME, RANK_NAMED
 from cudagraph_plugin.runtime.peer_mark import (
     PeerFailed,
     PeerFailure,
     PeerRefused,
     run_is_shutting_down,
 )
+from cudagraph_plugin.runtime.ranklog import RankNamed
 
-logger = logging.LoggerAdapter(logging.getLogger(LOGGER_NAME), RANK_NAMED)
+logger = RankNamed()  # (every line names its rank: no "[rank 1] rank 1 failed")
 
 
 class PeerInterrupt:

@@ -46,7 +46,6 @@ normal end marks nothing: no false alarm when ranks finish at different times.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import socket
@@ -56,7 +55,6 @@ from collections.abc import Callable
 from typing import Any
 
 from cudagraph_plugin import compat
-from cudagraph_plugin.config.logs import LOGGER_NAME, RANK_NAMED
 from cudagraph_plugin.runtime.peer_deadline import ExitDeadline
 from cudagraph_plugin.runtime.peer_interrupt import PeerInterrupt
 from cudagraph_plugin.runtime.peer_mark import (
@@ -76,11 +74,10 @@ from cudagraph_plugin.runtime.peer_mark import (
     own_connection,
     refusal_of,
 )
+from cudagraph_plugin.runtime.ranklog import RankNamed
 from hookspecs import ShutdownReason
 
-# (every line names its rank: "[rank 1] rank 1 failed" otherwise, where the run's filter
-# is on)
-logger = logging.LoggerAdapter(logging.getLogger(LOGGER_NAME), RANK_NAMED)
+logger = RankNamed()  # (every line names its rank: no "[rank 1] rank 1 failed")
 
 _generation = 0
 _active: PeerWatch | None = None
@@ -275,9 +272,9 @@ class PeerWatch(PeerInterrupt):
             mine = PeerFailure(self.rank, str(reason), socket.gethostname(), os.getpid())
 
             def count(store: Any) -> None:
+                store.add(self.ended_key, 1)  # (first: what a failing rank waits for)
                 if early:  # (the first to end early is kept, as the first failure is)
                     store.compare_set(self.early_key, "", mine.encode())
-                store.add(self.ended_key, 1)
 
             # A normal end must not complain when the store is gone (rank 0, which hosted
             # it, may have finished first): only a rank that failed waits for this count.
@@ -301,27 +298,17 @@ class PeerWatch(PeerInterrupt):
             self.rank, reason[:MAX_REASON_CHARS], socket.gethostname(), os.getpid(), refusal
         )
 
-        def record(store: Any) -> tuple[PeerFailure, PeerFailure | None]:
+        def record(store: Any) -> PeerFailure:
             store.set(self.rank_key(self.rank), mine.encode())
             first = PeerFailure.decode(store.compare_set(self.first_key, "", mine.encode()))
             store.add(self.ended_key, 1)
-            early = store.check([self.early_key]) and store.get(self.early_key)
-            return first, PeerFailure.decode(early) if early else None
+            return first
 
-        answer = self._store_call("mark", record, defer=True)
-        if answer is None:
+        first = self._store_call("mark", record, defer=True)
+        if first is None:
             self._raise_deferred()
             return None
-        first, early = answer
         self.first_failure = first
-        # A rank that left early (its own loop's exit, not the job's) is a likely cause of a
-        # failure in a collective here: said with it, or nobody would say it.
-        before = (
-            f" ({early.who()} had ended its run early, before this: a collective it no longer "
-            "joins may be what failed here)"
-            if early is not None and early.rank != self.rank
-            else ""
-        )
         verb = "was stopped" if mine.stopped else "failed"
         if (first.rank, first.pid) == (mine.rank, mine.pid):
             logger.error(
@@ -329,7 +316,7 @@ class PeerWatch(PeerInterrupt):
                 self.rank,
                 verb,
                 mine.reason,
-                before,
+                "" if mine.stopped else self._early_end_before(),
             )
         else:
             # Stopped after a peer was: most likely the whole job is being stopped (torchrun
@@ -342,12 +329,33 @@ class PeerWatch(PeerInterrupt):
                 mine.reason,
                 first.describe(),
                 ": the job as a whole is likely being stopped (by its launcher, a scheduler "
-                "or a Ctrl-C), not ended by a rank's failure"
+                "or a Ctrl-C; torchrun also stops every rank after one died without a word, "
+                "its exit status in torchrun's log)"
                 if mine.stopped and first.stopped
                 else "",
             )
         self._raise_deferred()
         return first
+
+    def _early_end_before(self) -> str:
+        """Where a peer's run ended early (its own loop's exit, not the job's) before this
+        rank failed: the words that name it (a collective it no longer joins is a likely
+        cause, and nobody else would say it), else nothing. Read after the mark, in a call
+        of its own: a store too slow for it costs the words, never the mark."""
+        raw = self._store_call(
+            "read an early end",
+            lambda store: store.check([self.early_key]) and store.get(self.early_key),
+            timeout_s=STORE_WAIT_S / 2,
+            quiet=True,
+            lose_store=False,
+        )
+        early = PeerFailure.decode(raw) if raw else None
+        if early is None or early.rank == self.rank:
+            return ""
+        return (
+            f" ({early.who()} had ended its run early, before this: a collective it no longer "
+            "joins may be what failed here)"
+        )
 
     def _raise_deferred(self) -> None:
         deferred, self._deferred = self._deferred, None
@@ -399,11 +407,14 @@ class PeerWatch(PeerInterrupt):
         *,
         quiet: bool = False,
         defer: bool = False,
+        lose_store: bool = True,
     ) -> Any:
         """``func(store)`` on the watcher's connection (the shared store before it has one),
         waited for at most ``timeout_s``; ``None`` (logged) if the store does not answer.
         ``defer``: an interruption of the wait waits for the answer too (the other ranks
-        learn of this rank's end only from the store), kept for ``_raise_deferred``."""
+        learn of this rank's end only from the store), kept for ``_raise_deferred``.
+        ``lose_store``: a store that failed here is not asked again (False: a read whose
+        answer is optional, its failure no sign of the store's)."""
         store = self._connection if self._connection is not None else self._store
         call = BoundedCall(f"peer-{what}", lambda: func(store))
         if defer:
@@ -413,7 +424,7 @@ class PeerWatch(PeerInterrupt):
             answered = call.wait(timeout_s)
         if answered and call.error is None:
             return call.result
-        self._store_lost = True
+        self._store_lost = self._store_lost or lose_store
         problem = (
             f"did not answer within {timeout_s:.1f} s"
             if not answered

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
+from typing import Any
 
-from cudagraph_plugin.config.logs import LOGGER_NAME
+from cudagraph_plugin.config.logs import LOGGER_NAME, RANK_NAMED
 from hookspecs.ranks import launcher_rank
 
 
@@ -40,6 +42,19 @@ class RankFilter(logging.Filter):
             record.msg = f"[rank {rank}] {record.msg}"
             record.mcgraph_rank_tagged = True
         return True
+
+
+class RankNamed(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """The plugin's logger for lines that name their rank themselves (``rank 1: ...``, the
+    peer watch's): :class:`RankFilter` puts no ``[rank N]`` before them. A caller's own
+    ``extra`` is kept (a plain ``LoggerAdapter`` replaces it before Python 3.13)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger(LOGGER_NAME), RANK_NAMED)
+
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, Any]:
+        kwargs["extra"] = {**RANK_NAMED, **(kwargs.get("extra") or {})}
+        return msg, kwargs
 
 
 def install(every_rank: bool) -> RankFilter:

@@ -80,9 +80,7 @@ class Shutdown:
                 self.reporter.emit(str(reason), sync=not quiet)
             except BaseException as exc:
                 report_error = exc
-                logger.error(
-                    "the run report failed: %r (raised once the CUDA graphs are freed)", exc
-                )
+                logger.error("the run report failed: %r (the CUDA graphs are freed first)", exc)
             result = yield
         except BaseException:
             if report_error is not None:
@@ -93,8 +91,11 @@ class Shutdown:
             try:
                 self.release_all(str(reason), quiet=quiet, exception=exception)
             except BaseException as release_error:
-                if report_error is not None and release_error.__context__ is None:
-                    release_error.__context__ = report_error  # (printed with it)
+                if report_error is not None:
+                    if release_error.__context__ is None:
+                        release_error.__context__ = report_error  # (printed with it)
+                    else:  # (its context taken: said here, or never)
+                        logger.error("the run report failed", exc_info=report_error)
                 raise
             finally:
                 self.released = True
