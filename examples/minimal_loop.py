@@ -18,9 +18,11 @@ import torch
 
 from hookspecs import (
     ConfigurationError,
+    PeerFailed,
     PeerRefused,
     TrainingRun,
     get_plugin_manager,
+    print_peer_failure,
     print_refusal,
 )
 
@@ -144,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                 end_distributed(run)  # after shutdown: graphs hold NCCL buffers
     except (ConfigurationError, PeerRefused) as refused:  # its problems, no traceback
         return print_refusal(refused)
+    except PeerFailed as told:  # another rank failed first: one line, no traceback
+        return print_peer_failure(told)
     return 0
 
 

@@ -67,7 +67,14 @@ from cudagraph_plugin.runtime.padding import (
     padding_waste_percent,
     parse_buckets,
 )
-from hookspecs import ConfigurationError, PeerRefused, TrainingRun, print_refusal
+from hookspecs import (
+    ConfigurationError,
+    PeerFailed,
+    PeerRefused,
+    TrainingRun,
+    print_peer_failure,
+    print_refusal,
+)
 
 logger = logging.getLogger("rl_loop")
 
@@ -528,6 +535,8 @@ def main() -> int:
         summary = run()
     except (ConfigurationError, PeerRefused) as refused:  # its problems, no traceback
         return print_refusal(refused)
+    except PeerFailed as told:  # another rank failed first: one line, no traceback
+        return print_peer_failure(told)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     lengths = sorted(set(summary["seq_lengths"]))

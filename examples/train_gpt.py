@@ -42,10 +42,12 @@ from step_clock import StepClock
 from cpu_redirect import cpu_redirect, cpu_run_blocker, mcore_without_te_fixes
 from hookspecs import (
     ConfigurationError,
+    PeerFailed,
     PeerRefused,
     ShutdownReason,
     TrainingRun,
     get_plugin_manager,
+    print_peer_failure,
     print_refusal,
 )
 
@@ -1003,6 +1005,8 @@ def main() -> int:
         summary = run()
     except (ConfigurationError, PeerRefused) as refused:  # its problems, no traceback
         return print_refusal(refused)
+    except PeerFailed as told:  # another rank failed first: one line, no traceback
+        return print_peer_failure(told)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     if summary["losses"]:

@@ -22,7 +22,7 @@ One name, ``mcgraph``, is the marker name, the hook prefix and the entry-point g
 
 from __future__ import annotations
 
-from hookspecs.errors import ConfigurationError, print_refusal
+from hookspecs.errors import ConfigurationError, print_peer_failure, print_refusal
 from hookspecs.manager import (
     BLOCK_ENV_VAR,
     McgraphPluginManager,
@@ -58,5 +58,6 @@ __all__ = [
     "hookspec",
     "merge_kwargs",
     "plugin_name",
+    "print_peer_failure",
     "print_refusal",
 ]

@@ -13,8 +13,8 @@ import sys
 import time
 from typing import Any
 
-from hookspecs.ranks import launcher_rank
-from hookspecs.reasons import PeerRefused, refused_by
+from hookspecs.ranks import launcher_rank, rank_tag
+from hookspecs.reasons import PeerFailed, PeerRefused, refused_by
 
 # How long a rank that does not say a refusal waits before it exits (see print_refusal).
 REFUSAL_GRACE_S = 30.0
@@ -67,4 +67,21 @@ def print_refusal(
         out.flush()
     elif world_size > 1:
         time.sleep(grace_s)
+    return error.exit_code
+
+
+def print_peer_failure(error: PeerFailed, stream: Any = None) -> int:
+    """Say that this rank ended its run because another rank failed first, in one line
+    without a traceback (``[rank N] run ended: rank M ... failed: ...``), to ``stream``
+    (standard error), and return its exit status (1). A :class:`PeerRefused` goes to
+    :func:`print_refusal` (its refusal said once per job, exit status 2).
+
+    The rank that failed says why, with its own traceback; a told rank's traceback would
+    only show where the interrupt found it, once per rank: on a large job, N-1 of them
+    burying the one that matters."""
+    if isinstance(error, PeerRefused):
+        return print_refusal(error, stream)
+    out = stream if stream is not None else sys.stderr
+    out.write(f"{rank_tag()}run ended: {error}\n")  # (one write: see print_refusal)
+    out.flush()
     return error.exit_code

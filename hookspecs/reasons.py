@@ -59,8 +59,11 @@ class PeerFailed(BaseException):
 
     A ``BaseException``, like :class:`SignalReceived`, so that a host's ``except Exception``
     does not swallow it. ``rank`` is the rank that failed (-1: not known), ``reason`` what
-    it said.
+    it said. A host hands it to ``print_peer_failure`` (one line, no traceback, exit status
+    ``exit_code``).
     """
+
+    exit_code = 1
 
     def __init__(self, rank: int, reason: str, message: str | None = None) -> None:
         self.rank = rank

@@ -185,6 +185,14 @@ def test_two_gloo_ranks_end_non_zero_in_time_when_rank_1_raises(tmp_path: Path) 
     assert failing["world_size"] == 2
     # rank 0 cannot complete without rank 1: its watch of the job ends it (issue 22)
     assert job.records[0]["shutdown_reason"] == "peer_failed", job.context()
+    # and says so in one line, with no traceback of its own: the one traceback from a
+    # worker is rank 1's (torchrun's ChildFailedError comes on top)
+    output = result.output()
+    ended = [line for line in output.splitlines() if "run ended: rank 1 " in line]
+    assert len(ended) == 1 and ended[0].startswith("[rank 0] run ended: rank 1 ("), output
+    assert "injected" in output or "on rank 1" in output
+    assert output.count("Traceback") == 2 and "ChildFailedError" in output, job.context()
+    assert "PeerFailed" not in output.split("ChildFailedError")[0], job.context()
 
 
 # what the job says of each refusal at step 2: rank 1's names it, rank 0's is rank 0's own

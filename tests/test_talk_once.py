@@ -291,3 +291,24 @@ def test_a_refusal_names_the_plugin_that_refused_on_a_line_of_its_own(monkeypatc
         "error: --cfgkw-dropout=1.5: must be in [0, 1); fix: lower it\n"
         "  (raised by plugin 'cfgkw' in its mcgraph_configure implementation)\n"
     )
+
+
+def test_a_told_rank_says_its_end_in_one_line_and_a_told_refusal_goes_to_print_refusal(
+    monkeypatch,
+):
+    """(2026-12-05: over torchrun, each rank told of a peer's failure printed a full traceback
+    of the interrupt that ended it, N-1 of them around the one of the rank that failed)"""
+    import io
+
+    from hookspecs import PeerFailed, PeerRefused, errors
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    stream = io.StringIO()
+    told = PeerFailed(1, "exception: RuntimeError: boom", "rank 1 (h, pid 7) failed: boom")
+    assert errors.print_peer_failure(told, stream=stream) == 1
+    assert stream.getvalue() == "[rank 3] run ended: rank 1 (h, pid 7) failed: boom\n"
+    stream = io.StringIO()
+    refused = PeerRefused(1, "exception: ConfigurationError", refusal="scope attn: fix it")
+    assert errors.print_peer_failure(refused, stream=stream) == 2
+    assert stream.getvalue() == ""  # (the refusing rank says it, once)
