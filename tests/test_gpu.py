@@ -825,6 +825,8 @@ def check_peer_ended(scenario: Scenario, job: TrainJob, rank: int) -> None:
         assert refused_by(failing, "") in exception, context
     else:
         assert f"rank {failing}" in exception, context
+        # said in one line, no traceback of its own (print_peer_failure)
+        assert f"[rank {rank}] run ended: rank {failing} (" in job.result.output(), context
     report, facts = record["report"], record["graph_plugin"]
     assert report is not None and facts is not None, context
     assert facts["graphs_freed"] == report["graph_count"], (facts, report)
