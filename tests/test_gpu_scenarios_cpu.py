@@ -375,8 +375,9 @@ def peer_record(s: Scenario) -> dict[str, Any]:
 def refusal_output(
     tmp_path: Path, lines: list[str], first_exit: tuple[int, int] | None = None
 ) -> Path:
-    """A job's standard error with a refusal scenario's ``error:`` lines (the rest of what
-    such a job prints: log lines, torchrun's one traceback) and, under torchrun,
+    """A job's standard error with a refusal scenario's ``error:`` lines, or the told
+    ranks' lines of a failure scenario (the rest of what such a job prints: log lines,
+    torchrun's one traceback) and, under torchrun,
     ``first_exit``: its line for the first worker that exited (exit status, local rank)."""
     path = tmp_path / f"stderr-{len(list(tmp_path.iterdir()))}.log"
     text = "[cudagraph_plugin] [rank 1] shutdown (exception): 1 CUDA graph(s) freed\n"
@@ -423,6 +424,12 @@ def test_the_failure_checks_pass_an_ended_job_and_catch_a_hang_or_a_leak(
                 refusal_output(tmp_path, [line], exit_line)
                 for exit_line in (None, (2, other), (1, who))
             ]
+
+    elif peers:  # each told rank says its end in one line (print_peer_failure)
+        failing = ", ".join(str(r) for r in s.failing_ranks)
+        told = [f"[rank {p}] run ended: rank {failing} (h, pid 7) failed: ..." for p in peers]
+        said = {"stderr": refusal_output(tmp_path, told)}
+        bad_output = [refusal_output(tmp_path, [])]  # (its traceback instead)
 
     def job_of_s(records: dict[int, dict[str, Any]], **result: Any) -> TrainJob:
         return job_of(s, records, **{**said, **result})
