@@ -487,8 +487,8 @@ def _end_distributed(reason: ShutdownReason | None) -> None:
     if abnormal and dist.is_initialized() and dist.get_world_size() > 1:
         rank = dist.get_rank()
         logger.warning(
-            "rank %d: the run ended by %s; aborting the process groups instead of a graceful "
-            "teardown (a peer may never join a pending collective)",
+            "rank %d: the run ended abnormally (%s); aborting the process groups instead of a "
+            "graceful teardown (a peer may never join a pending collective)",
             rank,
             reason,
         )

@@ -82,6 +82,7 @@ def print_peer_failure(error: PeerFailed, stream: Any = None) -> int:
     if isinstance(error, PeerRefused):
         return print_refusal(error, stream)
     out = stream if stream is not None else sys.stderr
-    out.write(f"{rank_tag()}run ended: {error}\n")  # (one write: see print_refusal)
+    said = " | ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    out.write(f"{rank_tag()}run ended: {said}\n")  # (one line, one write: see print_refusal)
     out.flush()
     return error.exit_code

@@ -18,6 +18,7 @@ import operator
 import signal
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -535,11 +536,13 @@ class TrainingRun(RunSignals):
             except BaseException as shutdown_exc:
                 if exc is None:
                     raise
+                # (its own traceback only: its context is the original, which the host
+                # prints when it receives it)
                 logger.error(
                     "mcgraph_shutdown raised while the run was ending with %r; "
-                    "the original exception is re-raised",
+                    "the original exception is re-raised:\n%s",
                     exc,
-                    exc_info=shutdown_exc,
+                    "".join(traceback.format_exception(shutdown_exc, chain=False)).rstrip(),
                 )
                 exc.add_note(
                     f"during mcgraph_shutdown, another exception occurred: {shutdown_exc!r}"

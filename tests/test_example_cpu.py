@@ -640,7 +640,7 @@ def test_a_rank_failing_ends_a_two_rank_job_with_every_process_group_aborted(tmp
         tmp_path, "cpu-raise-rank1", {"MCGRAPH_PROBE_RAISE": "2:1"}
     )
     assert "rank 1" in told["exception"]
-    assert "rank 1: the run ended by exception; aborting the process groups" in (
+    assert "rank 1: the run ended abnormally (exception); aborting the process groups" in (
         job.result.output()
     )
     for record in (failed, told):

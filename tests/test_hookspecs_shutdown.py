@@ -631,3 +631,28 @@ def test_no_other_declaration_changes_the_reason(pm, rec, declared):
         with TrainingRun(pm, None, train_iters=3):
             raise Declares()
     assert [reason for reason, _ in rec.calls] == [ShutdownReason.EXCEPTION]
+
+
+def test_a_shutdown_error_while_ending_with_an_exception_logs_only_its_own_traceback(caplog):
+    """(2026-12-05, a review of 2-rank failure paths: the shutdown error's log carried its
+    whole context chain, the original exception's traceback included, which the host then
+    printed a second time when it received it)"""
+    import logging
+
+    class Raises:
+        @hookimpl
+        def mcgraph_shutdown(self, reason, exception):
+            raise ValueError("in shutdown")
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(Raises())
+    with caplog.at_level(logging.ERROR, logger="hookspecs.run"):
+        with pytest.raises(RuntimeError, match="the original") as raised:
+            with TrainingRun(pm, None, train_iters=1):
+                raise RuntimeError("the original")
+    [record] = [r for r in caplog.records if "mcgraph_shutdown raised" in r.getMessage()]
+    first, traceback_text = record.getMessage().split("\n", 1)
+    assert "RuntimeError('the original')" in first
+    assert traceback_text.startswith("Traceback") and "ValueError: in shutdown" in traceback_text
+    assert "the original" not in traceback_text and record.exc_info is None
+    assert "in shutdown" in str(raised.value.__notes__)

@@ -257,7 +257,7 @@ def test_an_end_after_the_watch_acted_is_no_failure_of_this_rank(
         watch.end(reason, exception)
     assert not store.check([watch.rank_key(0)])  # no mark of its own
     assert watch.first_failure is None
-    assert f"rank 0: the run ended by {reason} after rank 1" in caplog.text
+    assert f"rank 0: the run ended ({reason}) after rank 1" in caplog.text
     assert "rank 0 failed" not in caplog.text
 
 
@@ -344,6 +344,17 @@ def test_a_stop_of_the_whole_job_is_not_said_as_a_failure(
     where = f" ({socket.gethostname()}, pid {os.getpid()})"
     assert caplog.records[1].getMessage().replace(where, "").startswith(said)
     assert ("likely being stopped" in caplog.text) == (said.endswith("likely being stopped"))
+
+
+def test_of_ranks_stopped_after_the_first_one_says_the_job_is_being_stopped(store, caplog):
+    """(2026-12-05, a review: every rank but the first said the hint, N-1 times)"""
+    stopped = "signal: SignalReceived: received SIGTERM"
+    watches = [PeerWatch(store, rank, 4, generation=6) for rank in range(4)]
+    with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
+        for rank in (2, 0, 3, 1):  # rank 2 first; then the others, rank 3 the one after it
+            watches[rank].mark_failed(stopped)
+    hinted = [r.getMessage() for r in caplog.records if "likely being stopped" in r.getMessage()]
+    assert len(hinted) == 1 and hinted[0].startswith("rank 3 was stopped"), caplog.text
 
 
 def test_the_watch_names_its_rank_once_under_the_runs_rank_filter(store, caplog, monkeypatch):
@@ -832,6 +843,13 @@ def test_the_mark_says_how_the_run_ended():
     assert PeerFailure(0, "exception: RuntimeError: signal").describe() == (
         "rank 0 failed: exception: RuntimeError: signal"
     )
+    # one line: a refusal's problems (printed once by the rank that refused) and a backend
+    # error's further lines are left to the record
+    refusal = "exception: CudaGraphConfigError: 1 problem(s)\n  --x = 3: differs\n  fix: y"
+    assert PeerFailure(2, refusal).describe() == (
+        "rank 2 failed: exception: CudaGraphConfigError: 1 problem(s) ..."
+    )
+    assert PeerFailure(2, refusal).reason == refusal
     assert PeerFailure.decode(b"garbage").rank == -1
 
 

@@ -56,7 +56,8 @@ def test_ranks_with_different_warmups_refuse_the_run_naming_the_setting(tmp_path
     job, output = _job(tmp_path, [[], ["--cuda-graph-warmup-steps", "5"]])
     assert job.rc != 0, output[-4000:]
     assert "--cuda-graph-warmup-steps = " in output, output[-4000:]
-    assert "differs between the ranks of this job" in output
+    # which rank holds which value, in the one refusal the job prints
+    assert "differs between the ranks of this job (3 on rank 0; 5 on rank 1)" in output
     # refused where the process group first exists, before any training step, exit 2
     assert "0 step(s) timed" in output
     assert "exitcode  : 2" in output
@@ -140,3 +141,35 @@ def test_graphs_off_on_every_rank_is_never_refused(monkeypatch):
         agreement.check_settings_agree(off)
     with pytest.raises(CudaGraphConfigError, match="differs between the ranks"):
         agreement.check_settings_agree(on)
+
+
+def test_a_refusal_says_which_ranks_hold_which_value(monkeypatch):
+    """(2026-12-05, a review: rank 2 of 3 given --cuda-graph-warmup-steps 5 was refused as
+    "--cuda-graph-warmup-steps = 3: differs ... (the value is rank 1's)": the refusal said
+    by the first rank to mark it named its own value, never the odd rank's)"""
+    from cudagraph_plugin import compat
+
+    settings = read_settings({"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"})
+    monkeypatch.setattr(agreement, "differing_settings", lambda settings: ["warmup_steps"])
+    monkeypatch.setattr(compat, "gather_across_ranks", lambda mine: [mine, mine, ["5"], mine])
+    with pytest.raises(CudaGraphConfigError) as refused:
+        agreement.check_settings_agree(settings)
+    assert "differs between the ranks of this job (3 on ranks 0-1, 3; 5 on rank 2)" in str(
+        refused.value
+    )
+
+
+@pytest.mark.parametrize(
+    ("values", "said"),
+    [
+        (["3", "3", "5", "3"], "3 on ranks 0-1, 3; 5 on rank 2"),
+        (["a", "b"], "a on rank 0; b on rank 1"),
+        (["x"] * 5 + ["y"] * 6, "y on ranks 5-10; x on ranks 0-4"),
+        (
+            [str(v) for v in range(7)],
+            "0 on rank 0; 1 on rank 1; 2 on rank 2; 3 on rank 3; 3 more value(s)",
+        ),
+    ],
+)
+def test_the_spread_of_values_over_ranks(values, said):
+    assert agreement._spread(values) == said

@@ -308,6 +308,9 @@ def test_a_told_rank_says_its_end_in_one_line_and_a_told_refusal_goes_to_print_r
     told = PeerFailed(1, "exception: RuntimeError: boom", "rank 1 (h, pid 7) failed: boom")
     assert errors.print_peer_failure(told, stream=stream) == 1
     assert stream.getvalue() == "[rank 3] run ended: rank 1 (h, pid 7) failed: boom\n"
+    stream = io.StringIO()  # (one line, whatever the message: a backend error's lines)
+    errors.print_peer_failure(PeerFailed(1, "x", "rank 1 failed: a\n  b\n\n c"), stream=stream)
+    assert stream.getvalue() == "[rank 3] run ended: rank 1 failed: a | b | c\n"
     stream = io.StringIO()
     refused = PeerRefused(1, "exception: ConfigurationError", refusal="scope attn: fix it")
     assert errors.print_peer_failure(refused, stream=stream) == 2

@@ -82,6 +82,19 @@ def any_rank(flag: bool) -> bool:
     return bool(max_across_ranks([int(flag)])[0])
 
 
+def gather_across_ranks(value: Any) -> list[Any]:
+    """Every rank's ``value`` (picklable), in rank order, on every rank: one
+    ``all_gather_object`` over the default group, for rare paths only (it pickles, and over
+    NCCL it goes through the current device); ``[value]`` in a single-rank job."""
+    import torch.distributed as dist
+
+    if distributed_world()[1] == 1:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def max_across_ranks(values: list[int]) -> list[int]:
     """The element-wise maximum of ``values`` over every rank of the default group (one
     small all-reduce and a host read); ``values`` itself in a single-rank job."""

@@ -54,20 +54,50 @@ def _differ_across_ranks(values: list[int]) -> list[bool]:
 
 
 def _refuse(differing: list[tuple[str, Any]], consequence: str, fix: str) -> NoReturn:
-    """Every rank's refusal of the run: one problem per (field, this rank's value)."""
-    rank = compat.distributed_world()[0]
+    """Every rank's refusal of the run: one problem per (field, this rank's value), each
+    saying which ranks have which value (every rank refuses, so every rank joins the one
+    gather this takes)."""
+    mine = [repr(value) for _, value in differing]
+    everyone = compat.gather_across_ranks(mine)
     raise CudaGraphConfigError(
         [
             Violation(
                 (field,),
-                repr(value),
-                f"differs between the ranks of this job (the value is rank {rank}'s): "
+                value,
+                f"differs between the ranks of this job ({_spread([v[i] for v in everyone])}): "
                 + consequence,
                 fix,
             )
-            for field, value in differing
+            for i, ((field, _), value) in enumerate(zip(differing, mine, strict=True))
         ]
     )
+
+
+def _spread(values: list[str], shown: int = 4) -> str:
+    """Which ranks hold which value (``3 on ranks 0-1; 5 on rank 2``), the most common value
+    first; past ``shown`` values, how many more there are."""
+    ranks: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        ranks.setdefault(value, []).append(rank)
+    groups = sorted(ranks.items(), key=lambda item: (-len(item[1]), item[1][0]))
+    said = [
+        f"{value} on rank{'s' if len(held) > 1 else ''} {_rank_ranges(held)}"
+        for value, held in groups[:shown]
+    ]
+    if len(groups) > shown:
+        said.append(f"{len(groups) - shown} more value(s)")
+    return "; ".join(said)
+
+
+def _rank_ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5`` (sorted ranks)."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def differing_settings(settings: Settings) -> list[str]:

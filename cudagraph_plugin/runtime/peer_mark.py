@@ -109,8 +109,15 @@ class PeerFailure:
         where = f" ({self.host}, pid {self.pid})" if self.host else ""
         return (f"rank {self.rank}" if self.rank >= 0 else "a rank") + where
 
+    @property
+    def summary(self) -> str:
+        """The reason's first line (a refusal lists its problems on the lines after it, and
+        the rank that refused prints them once; a backend error goes on for lines)."""
+        lines = self.reason.strip().splitlines() or [""]
+        return lines[0] + (" ..." if len(lines) > 1 else "")
+
     def describe(self) -> str:
-        return f"{self.who()} {'was stopped' if self.stopped else 'failed'}: {self.reason}"
+        return f"{self.who()} {'was stopped' if self.stopped else 'failed'}: {self.summary}"
 
 
 class PeerFailed(_ContractPeerFailed):
@@ -123,8 +130,7 @@ class PeerFailed(_ContractPeerFailed):
         super().__init__(
             failure.rank,
             failure.reason,
-            message
-            or f"{failure.describe()}; this rank is aborting its process groups and ending its run",
+            message or failure.describe(),
         )
 
 

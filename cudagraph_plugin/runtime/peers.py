@@ -261,7 +261,7 @@ class PeerWatch(PeerInterrupt):
         self.stop()
         if self.peer_failure is not None and reason is not ShutdownReason.PEER_FAILED:
             logger.warning(
-                "rank %d: the run ended by %s after %s",
+                "rank %d: the run ended (%s) after %s",
                 self.rank,
                 reason,
                 self.peer_failure.describe(),
@@ -315,7 +315,7 @@ class PeerWatch(PeerInterrupt):
                 "rank %d %s (%s): every other rank is told to end its run%s",
                 self.rank,
                 verb,
-                mine.reason,
+                mine.summary,
                 "" if mine.stopped else self._early_end_before(),
             )
         else:
@@ -326,12 +326,15 @@ class PeerWatch(PeerInterrupt):
                 "rank %d %s (%s); %s first%s",
                 self.rank,
                 verb,
-                mine.reason,
+                mine.summary,
                 first.describe(),
                 ": the job as a whole is likely being stopped (by its launcher, a scheduler "
                 "or a Ctrl-C; torchrun also stops every rank after one died without a word, "
                 "its exit status in torchrun's log)"
-                if mine.stopped and first.stopped
+                # (said by one rank: the one after the first, if it was stopped too)
+                if mine.stopped
+                and first.stopped
+                and self.rank == (first.rank + 1) % self.world_size
                 else "",
             )
         self._raise_deferred()
