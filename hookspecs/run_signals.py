@@ -286,6 +286,7 @@ class RunSignals:
     _shutting_down: bool
     _finished: bool
     _stuck_watch: StuckSignalWatch | None = None
+    _held_in_shutdown: bool = False  # (the pending signal came during shutdown: held)
     _longest_step_s: float = 0.0  # (the run's longest training step so far, by TrainingRun)
     _step_began: float = 0.0
 
@@ -401,6 +402,7 @@ class RunSignals:
         # (also where the handler runs as the run's __exit__ is entered, before it marks the
         # shutdown: raised there, the exception would leave __exit__ without any shutdown)
         if self._shutting_down or _entering_exit(self, frame):
+            self._held_in_shutdown = True
             logger.warning("%s received during shutdown: acted on once shutdown ends", name)
             return
         logger.warning("%s received: ending the run cleanly (shutdown hooks run first)", name)
@@ -427,6 +429,20 @@ class RunSignals:
             return isinstance(exc, SignalReceived)
         _terminate_by(signum)
         return False  # not reached for terminating signals
+
+
+def held_signal() -> int | None:
+    """The signal that this process's run received during its shutdown and holds until the
+    shutdown ends (a launcher's SIGTERM: the job is being ended), else None (no run, not
+    shutting down, or a signal that ended the run itself). A plugin's shutdown may then
+    skip a wait that serves only a job that goes on: the CUDA graph plugin's wait for the
+    other ranks to hear of this rank's failure."""
+    from hookspecs import run as run_module  # (run imports this module)
+
+    active = run_module._active() if run_module._active is not None else None
+    if active is None or not active._shutting_down or not active._held_in_shutdown:
+        return None
+    return active._pending_signal
 
 
 def _entering_exit(run: RunSignals, frame: Any) -> bool:

@@ -337,3 +337,38 @@ def test_the_launchers_rank_and_size_are_each_read_or_defaulted(monkeypatch, env
         monkeypatch.setenv(name, value)
     assert launcher_rank() == expected
     assert rank_tag() == (f"[rank {expected[0]}] " if expected[1] > 1 else "")
+
+
+def test_a_signal_held_during_shutdown_is_told_to_plugins_and_one_that_ended_the_run_is_not(
+    host_sigterm,
+):
+    """``run_signals.held_signal()``: a launcher's SIGTERM during the shutdown (the job is
+    being ended) is visible to the shutdown's own waits; the signal that ended the run
+    itself is not such a signal."""
+    seen: list[int | None] = []
+
+    class Shutdown:
+        def __init__(self, send: bool) -> None:
+            self.send = send
+
+        @hookimpl
+        def mcgraph_shutdown(self, reason, exception):
+            seen.append(run_signals.held_signal())
+            if self.send:
+                os.kill(os.getpid(), signal.SIGTERM)
+                seen.append(run_signals.held_signal())
+
+    pm = new_pm()
+    pm.register(Shutdown(send=True))
+    with TrainingRun(pm, None, train_iters=0):
+        pass
+    assert seen == [None, signal.SIGTERM]
+    assert run_signals.held_signal() is None  # (the run is over)
+    assert host_sigterm == [signal.SIGTERM]  # acted on once the shutdown ended
+    seen.clear()
+    pm = new_pm()
+    pm.register(Shutdown(send=False))
+    with TrainingRun(pm, None, train_iters=1) as run:
+        with run.train_step(0):
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert run.shutdown_reason is ShutdownReason.SIGNAL and seen == [None]

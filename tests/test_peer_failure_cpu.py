@@ -625,6 +625,24 @@ def test_wait_for_peers_returns_once_every_rank_ended(store):
     assert PeerWatch(store, 0, 3, generation=3).wait_for_peers() is True  # marked nothing
 
 
+def test_wait_for_peers_gives_up_at_once_when_a_signal_came_during_the_shutdown(
+    store, monkeypatch, caplog
+):
+    """(2026-12-05, a review: a rank whose peer died silently (SIGKILL) marked its own
+    failure, then waited the whole 5 s for a peer that could never count itself, while
+    torchrun's SIGTERM, ending every rank, was already held)"""
+    from cudagraph_plugin.runtime import peers
+
+    watch = PeerWatch(store, 0, 2, generation=8)
+    watch.mark_failed("exception: RuntimeError: Connection reset by peer")
+    monkeypatch.setattr(peers, "held_signal", lambda: signal.SIGTERM)
+    began = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
+        assert watch.wait_for_peers(timeout_s=60) is False
+    assert time.monotonic() - began < 30  # (not the 60 s it would wait otherwise)
+    assert "SIGTERM came during this rank's shutdown: the job is being ended" in caplog.text
+
+
 def test_wait_for_peers_gives_up_at_its_timeout(store):
     failed = PeerWatch(store, 1, 2, generation=4)
     failed.mark_failed("exception: x")

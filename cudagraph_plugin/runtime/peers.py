@@ -76,6 +76,7 @@ from cudagraph_plugin.runtime.peer_mark import (
 )
 from cudagraph_plugin.runtime.ranklog import RankNamed
 from hookspecs import ShutdownReason
+from hookspecs.run_signals import held_signal
 
 logger = RankNamed()  # (every line names its rank: no "[rank 1] rank 1 failed")
 
@@ -389,6 +390,17 @@ class PeerWatch(PeerInterrupt):
                 return False
             if ended >= self.world_size:
                 return True
+            held = held_signal()
+            if held is not None:  # (the launcher ends every rank: waiting serves none)
+                logger.info(
+                    "rank %d: %s came during this rank's shutdown: the job is being ended; "
+                    "not waiting for the other ranks (%d of %d began their shutdown)",
+                    self.rank,
+                    signal.Signals(held).name,
+                    ended,
+                    self.world_size,
+                )
+                return False
             left = deadline - time.monotonic()
             if left <= 0:
                 logger.warning(
