@@ -834,6 +834,45 @@ MUTANTS = [
             "batches_p2p",
         ),
     ),
+    Mutant(
+        "deadline-leaves-the-stuck-exit-in-charge",
+        "a rank told of a peer's failure, blocked in a collective with a SIGTERM pending, is "
+        "ended by the stuck-signal exit without its shutdown before the abort releases it",
+        "cudagraph_plugin/runtime/peer_deadline.py",
+        "            end_bounded_elsewhere(f\"rank {self.rank}'s peer exit deadline, "
+        '{self.seconds:g} s")\n',
+        "            pass\n",
+        (
+            DEADLINE + "test_an_armed_deadline_holds_the_stuck_signal_exit_until_it_is_"
+            "cancelled_or_fires",
+            DEADLINE + "test_an_armed_deadline_takes_over_from_the_stuck_signal_exit[armed-70-"
+            "still running 3 s after rank 0]",
+        ),
+    ),
+    Mutant(
+        "peer-wait-ignores-a-held-signal",
+        "a failing rank waits its whole 5 s for peers while the launcher is ending the job",
+        "cudagraph_plugin/runtime/peers.py",
+        "            if held is not None:  # (the launcher ends every rank: waiting serves none)\n",
+        "            if False:\n",
+        (PEERS + "test_wait_for_peers_gives_up_at_once_when_a_signal_came_during_the_shutdown",),
+    ),
+    Mutant(
+        "early-end-not-recorded",
+        "a rank that ended its run early is not named by the failure it leaves behind",
+        "cudagraph_plugin/runtime/peers.py",
+        "                if early:  # (the first to end early is kept, as the first failure is)\n",
+        "                if False:\n",
+        (PEERS + "test_a_failure_after_a_rank_ended_early_names_that_rank[early_exit]",),
+    ),
+    Mutant(
+        "refusal-names-no-spread",
+        "ranks whose settings differ are refused naming only the speaker's own value",
+        "cudagraph_plugin/runtime/agreement.py",
+        "    everyone = compat.gather_across_ranks(mine)\n",
+        "    everyone = [mine]\n",
+        ("tests/test_settings_agreement_cpu.py::test_a_refusal_says_which_ranks_hold_which_value",),
+    ),
 ]
 
 
