@@ -16,8 +16,9 @@ import threading
 import time
 from typing import Any
 
+from hookspecs.errors import print_peer_failure
 from hookspecs.ranks import RankTagged, rank_tag
-from hookspecs.reasons import SignalReceived
+from hookspecs.reasons import PeerFailed, PeerRefused, SignalReceived
 
 logger = RankTagged("hookspecs.run")  # (the run's log lines keep their logger)
 
@@ -427,6 +428,10 @@ class RunSignals:
                 signal.Signals(signum).name,
             )
             return isinstance(exc, SignalReceived)
+        if isinstance(exc, PeerFailed) and not isinstance(exc, PeerRefused):
+            # (the launcher's SIGTERM after the failed rank exited, during this rank's
+            # shutdown: the host that says the told rank's line never gets the exception)
+            print_peer_failure(exc)
         _terminate_by(signum)
         return False  # not reached for terminating signals
 

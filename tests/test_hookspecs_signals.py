@@ -372,3 +372,48 @@ def test_a_signal_held_during_shutdown_is_told_to_plugins_and_one_that_ended_the
         with run.train_step(0):
             os.kill(os.getpid(), signal.SIGTERM)
     assert run.shutdown_reason is ShutdownReason.SIGNAL and seen == [None]
+
+
+_TOLD_THEN_TERMINATED = """
+import os, signal
+from hookspecs import PeerFailed, TrainingRun, get_plugin_manager, hookimpl, print_peer_failure
+
+class Told:
+    @hookimpl
+    def mcgraph_shutdown(self, reason, exception):
+        os.kill(os.getpid(), signal.SIGTERM)  # (torchrun's, once the failed rank exited)
+
+pm = get_plugin_manager(load_entrypoints=False)
+pm.register(Told())
+try:
+    with TrainingRun(pm, None, train_iters=1) as run:
+        with run.train_step(0):
+            raise PeerFailed(0, "exception: boom", "rank 0 (h, pid 7) failed: exception: boom")
+except PeerFailed as told:
+    raise SystemExit(print_peer_failure(told))
+"""
+
+
+def test_a_told_rank_ended_by_a_signal_held_in_its_shutdown_still_says_its_line(subprocess_env):
+    """(2026-12-05, a review of 2-rank failure paths: torchrun's SIGTERM, sent once the
+    failed rank exited, came during the told rank's shutdown; held, it then ended the
+    process by the signal, and the host, which says the told rank's line, never ran)"""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run(
+        [sys.executable, "-c", _TOLD_THEN_TERMINATED],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            **subprocess_env,
+            "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+            "RANK": "1",
+            "WORLD_SIZE": "2",
+        },
+    )
+    assert done.returncode == -signal.SIGTERM, done.stderr  # (still ended by the signal)
+    said = [line for line in done.stderr.splitlines() if "run ended:" in line]
+    assert said == ["[rank 1] run ended: rank 0 (h, pid 7) failed: exception: boom"], done.stderr
