@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+import traceback
 from typing import Any
 
 from hookspecs.ranks import launcher_rank, rank_tag
@@ -86,3 +87,24 @@ def print_peer_failure(error: PeerFailed, stream: Any = None) -> int:
     out.write(f"{rank_tag()}run ended: {said}\n")  # (one line, one write: see print_refusal)
     out.flush()
     return error.exit_code
+
+
+def traceback_without(error: BaseException, original: BaseException) -> str:
+    """``error``'s traceback with its own causes and contexts, each link back to
+    ``original`` cut (``original`` goes on to the host, which prints it: logged here too,
+    it would be printed twice)."""
+    cut: list[tuple[BaseException, str]] = []
+    link: BaseException | None = error
+    seen: set[int] = set()
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        for attr in ("__cause__", "__context__"):
+            if getattr(link, attr) is original:
+                cut.append((link, attr))
+                setattr(link, attr, None)
+        link = link.__cause__ or link.__context__
+    try:
+        return "".join(traceback.format_exception(error)).rstrip()
+    finally:
+        for link, attr in cut:
+            setattr(link, attr, original)

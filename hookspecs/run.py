@@ -18,7 +18,6 @@ import operator
 import signal
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +26,7 @@ import pluggy
 
 from hookspecs import answers
 from hookspecs.answers import merge_kwargs
+from hookspecs.errors import traceback_without
 from hookspecs.manager import McgraphPluginManager, describe_plugin
 from hookspecs.progress import StepProgress
 from hookspecs.ranks import RankTagged
@@ -542,7 +542,7 @@ class TrainingRun(RunSignals):
                     "mcgraph_shutdown raised while the run was ending with %r; "
                     "the original exception is re-raised:\n%s",
                     exc,
-                    "".join(traceback.format_exception(shutdown_exc, chain=False)).rstrip(),
+                    traceback_without(shutdown_exc, exc),
                 )
                 exc.add_note(
                     f"during mcgraph_shutdown, another exception occurred: {shutdown_exc!r}"

@@ -438,16 +438,23 @@ class RunSignals:
 
 def held_signal() -> int | None:
     """The signal that this process's run received during its shutdown and holds until the
-    shutdown ends (a launcher's SIGTERM: the job is being ended), else None (no run, not
-    shutting down, or a signal that ended the run itself). A plugin's shutdown may then
+    shutdown ends, where it then ends the process (a launcher's SIGTERM, a Ctrl-C: the job
+    is being ended), else None (no run, not shutting down, a signal that ended the run
+    itself, or one the host's own handler takes after the shutdown). A plugin's shutdown may then
     skip a wait that serves only a job that goes on: the CUDA graph plugin's wait for the
     other ranks to hear of this rank's failure."""
     from hookspecs import run as run_module  # (run imports this module)
 
     active = run_module._active() if run_module._active is not None else None
-    if active is None or not active._shutting_down or not active._held_in_shutdown:
+    if active is None or not active._shutting_down:
         return None
-    return active._pending_signal
+    if active._pending_sigint:  # (a Ctrl-C, which torchrun passes on to every rank)
+        return signal.SIGINT
+    signum = active._pending_signal
+    if not active._held_in_shutdown or signum is None:
+        return None
+    # (a host handler of its own may let the program go on: not a job being ended)
+    return None if callable(active._previous_handlers.get(signum)) else signum
 
 
 def _entering_exit(run: RunSignals, frame: Any) -> bool:

@@ -642,7 +642,10 @@ def test_a_shutdown_error_while_ending_with_an_exception_logs_only_its_own_trace
     class Raises:
         @hookimpl
         def mcgraph_shutdown(self, reason, exception):
-            raise ValueError("in shutdown")
+            try:
+                raise OSError("disk gone")
+            except OSError as cause:  # (its own cause stays in its traceback)
+                raise ValueError("in shutdown") from cause
 
     pm = get_plugin_manager(load_entrypoints=False)
     pm.register(Raises())
@@ -655,4 +658,5 @@ def test_a_shutdown_error_while_ending_with_an_exception_logs_only_its_own_trace
     assert "RuntimeError('the original')" in first
     assert traceback_text.startswith("Traceback") and "ValueError: in shutdown" in traceback_text
     assert "the original" not in traceback_text and record.exc_info is None
+    assert "OSError: disk gone" in traceback_text
     assert "in shutdown" in str(raised.value.__notes__)

@@ -342,32 +342,38 @@ def test_the_launchers_rank_and_size_are_each_read_or_defaulted(monkeypatch, env
 def test_a_signal_held_during_shutdown_is_told_to_plugins_and_one_that_ended_the_run_is_not(
     host_sigterm,
 ):
-    """``run_signals.held_signal()``: a launcher's SIGTERM during the shutdown (the job is
-    being ended) is visible to the shutdown's own waits; the signal that ended the run
-    itself is not such a signal."""
+    """``run_signals.held_signal()``: a Ctrl-C during the shutdown (the job is being ended)
+    is visible to the shutdown's own waits; a SIGTERM the host's own handler takes after
+    the shutdown is not (the program may go on), nor is the signal that ended the run."""
     seen: list[int | None] = []
 
     class Shutdown:
-        def __init__(self, send: bool) -> None:
+        def __init__(self, send: int | None) -> None:
             self.send = send
 
         @hookimpl
         def mcgraph_shutdown(self, reason, exception):
             seen.append(run_signals.held_signal())
-            if self.send:
-                os.kill(os.getpid(), signal.SIGTERM)
+            if self.send is not None:
+                os.kill(os.getpid(), self.send)
                 seen.append(run_signals.held_signal())
 
     pm = new_pm()
-    pm.register(Shutdown(send=True))
-    with TrainingRun(pm, None, train_iters=0):
-        pass
-    assert seen == [None, signal.SIGTERM]
+    pm.register(Shutdown(send=signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt):  # (acted on once the shutdown ended)
+        with TrainingRun(pm, None, train_iters=0):
+            pass
+    assert seen == [None, signal.SIGINT]
     assert run_signals.held_signal() is None  # (the run is over)
-    assert host_sigterm == [signal.SIGTERM]  # acted on once the shutdown ended
     seen.clear()
     pm = new_pm()
-    pm.register(Shutdown(send=False))
+    pm.register(Shutdown(send=signal.SIGTERM))
+    with TrainingRun(pm, None, train_iters=0):
+        pass
+    assert seen == [None, None] and host_sigterm == [signal.SIGTERM]
+    seen.clear()
+    pm = new_pm()
+    pm.register(Shutdown(send=None))
     with TrainingRun(pm, None, train_iters=1) as run:
         with run.train_step(0):
             os.kill(os.getpid(), signal.SIGTERM)
@@ -381,7 +387,10 @@ from hookspecs import PeerFailed, TrainingRun, get_plugin_manager, hookimpl, pri
 class Told:
     @hookimpl
     def mcgraph_shutdown(self, reason, exception):
+        from hookspecs import run_signals
+
         os.kill(os.getpid(), signal.SIGTERM)  # (torchrun's, once the failed rank exited)
+        print("held:", run_signals.held_signal(), flush=True)
 
 pm = get_plugin_manager(load_entrypoints=False)
 pm.register(Told())
@@ -415,5 +424,6 @@ def test_a_told_rank_ended_by_a_signal_held_in_its_shutdown_still_says_its_line(
         },
     )
     assert done.returncode == -signal.SIGTERM, done.stderr  # (still ended by the signal)
+    assert done.stdout == f"held: {int(signal.SIGTERM)}\n"  # (the process's end: told)
     said = [line for line in done.stderr.splitlines() if "run ended:" in line]
     assert said == ["[rank 1] run ended: rank 0 (h, pid 7) failed: exception: boom"], done.stderr

@@ -351,10 +351,10 @@ def test_of_ranks_stopped_after_the_first_one_says_the_job_is_being_stopped(stor
     stopped = "signal: SignalReceived: received SIGTERM"
     watches = [PeerWatch(store, rank, 4, generation=6) for rank in range(4)]
     with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"):
-        for rank in (2, 0, 3, 1):  # rank 2 first; then the others, rank 3 the one after it
+        for rank in (2, 0, 3, 1):  # rank 2 first; then the others: rank 0 claims the hint
             watches[rank].mark_failed(stopped)
     hinted = [r.getMessage() for r in caplog.records if "likely being stopped" in r.getMessage()]
-    assert len(hinted) == 1 and hinted[0].startswith("rank 3 was stopped"), caplog.text
+    assert len(hinted) == 1 and hinted[0].startswith("rank 0 was stopped"), caplog.text
 
 
 def test_the_watch_names_its_rank_once_under_the_runs_rank_filter(store, caplog, monkeypatch):
@@ -868,6 +868,9 @@ def test_the_mark_says_how_the_run_ended():
         "rank 2 failed: exception: CudaGraphConfigError: 1 problem(s) ..."
     )
     assert PeerFailure(2, refusal).reason == refusal
+    assert PeerFailure(1, "exception: RuntimeError: \n  the message\n").describe() == (
+        "rank 1 failed: exception: RuntimeError: the message"
+    )
     assert PeerFailure.decode(b"garbage").rank == -1
 
 

@@ -195,6 +195,32 @@ def test_two_gloo_ranks_end_non_zero_in_time_when_rank_1_raises(tmp_path: Path) 
     assert "PeerFailed" not in output.split("ChildFailedError")[0], job.context()
 
 
+def test_a_told_rank_says_its_line_when_torchruns_sigterm_comes_during_its_shutdown(
+    tmp_path: Path,
+) -> None:
+    """(2026-12-05, a review: SIGTERM on rank 1 at step 2; rank 1 exits once rank 0 began its
+    shutdown, torchrun then sends rank 0 a SIGTERM, held until rank 0's shutdown ends and
+    then ending it by the signal: the host's line was never said, 3 runs of 3.) The told
+    rank says its line whether the host or the held signal ends it."""
+    job = launch(
+        "gloo-sigterm",
+        [*SHORT, *FULL],
+        nproc=2,
+        job_dir=tmp_path,
+        timeout_s=90,
+        env={**CPU, "MCGRAPH_PROBE_SIGTERM": "2:1"},
+        dump_signal=signal.SIGUSR1,
+    )
+    result = job.result
+    assert not result.timed_out, f"HANG\n{job.context()}"
+    assert result.rc != 0 and result.leftovers == [] and result.survivors == []
+    assert job.record(1)["shutdown_reason"] == "signal", job.context()
+    assert job.records[0]["shutdown_reason"] == "peer_failed", job.context()
+    said = [line for line in result.output().splitlines() if " run ended: " in line]
+    assert said == [said[0]] and said[0].startswith("[rank 0] run ended: rank 1 ("), job.context()
+    assert "was stopped: signal" in said[0]
+
+
 # what the job says of each refusal at step 2: rank 1's names it, rank 0's is rank 0's own
 SAID = {rank: probe_refusal_said(rank, 2) for rank in (0, 1)}
 

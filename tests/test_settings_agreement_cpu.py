@@ -151,7 +151,9 @@ def test_a_refusal_says_which_ranks_hold_which_value(monkeypatch):
 
     settings = read_settings({"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"})
     monkeypatch.setattr(agreement, "differing_settings", lambda settings: ["warmup_steps"])
-    monkeypatch.setattr(compat, "gather_across_ranks", lambda mine: [mine, mine, ["5"], mine])
+    monkeypatch.setattr(
+        compat, "gather_across_ranks", lambda mine: [mine, mine, [("5", "5")], mine]
+    )
     with pytest.raises(CudaGraphConfigError) as refused:
         agreement.check_settings_agree(settings)
     assert "differs between the ranks of this job (3 on ranks 0-1, 3; 5 on rank 2)" in str(
@@ -165,6 +167,11 @@ def test_a_refusal_says_which_ranks_hold_which_value(monkeypatch):
         (["3", "3", "5", "3"], "3 on ranks 0-1, 3; 5 on rank 2"),
         (["a", "b"], "a on rank 0; b on rank 1"),
         (["x"] * 5 + ["y"] * 6, "y on ranks 5-10; x on ranks 0-4"),
+        # (one set in two hash orders is one value: as the digest compares it)
+        (
+            [("attn", "mlp")] * 2 + [("mlp", "attn"), ("moe",)],
+            "('attn', 'mlp') on ranks 0-2; ('moe',) on rank 3",
+        ),
         (
             [str(v) for v in range(7)],
             "0 on rank 0; 1 on rank 1; 2 on rank 2; 3 on rank 3; 3 more value(s)",
@@ -172,4 +179,5 @@ def test_a_refusal_says_which_ranks_hold_which_value(monkeypatch):
     ],
 )
 def test_the_spread_of_values_over_ranks(values, said):
-    assert agreement._spread(values) == said
+    pairs = [(agreement._canonical(v), repr(v) if isinstance(v, tuple) else v) for v in values]
+    assert agreement._spread(pairs) == said

@@ -35,13 +35,18 @@ def compared_fields() -> list[str]:
     ]
 
 
-def _digest(value: Any) -> int:
-    """A 56-bit digest of ``value``'s text (its negation still fits an int64); the items of a
-    tuple in sorted order: a scope or module list read from a set has its process's hash
-    order (``PYTHONHASHSEED`` differs by process), and megatron-core reads those as sets."""
+def _canonical(value: Any) -> str:
+    """``value``'s text, the items of a tuple in sorted order: a scope or module list read
+    from a set has its process's hash order (``PYTHONHASHSEED`` differs by process), and
+    megatron-core reads those as sets."""
     if isinstance(value, tuple | list | set | frozenset):
         value = sorted(map(repr, value))
-    return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:7], "big")
+    return repr(value)
+
+
+def _digest(value: Any) -> int:
+    """A 56-bit digest of ``value``'s canonical text (its negation still fits an int64)."""
+    return int.from_bytes(hashlib.sha256(_canonical(value).encode()).digest()[:7], "big")
 
 
 def _differ_across_ranks(values: list[int]) -> list[bool]:
@@ -57,7 +62,7 @@ def _refuse(differing: list[tuple[str, Any]], consequence: str, fix: str) -> NoR
     """Every rank's refusal of the run: one problem per (field, this rank's value), each
     saying which ranks have which value (every rank refuses, so every rank joins the one
     gather this takes)."""
-    mine = [repr(value) for _, value in differing]
+    mine = [(_canonical(value), repr(value)) for _, value in differing]
     everyone = compat.gather_across_ranks(mine)
     raise CudaGraphConfigError(
         [
@@ -68,21 +73,24 @@ def _refuse(differing: list[tuple[str, Any]], consequence: str, fix: str) -> NoR
                 + consequence,
                 fix,
             )
-            for i, ((field, _), value) in enumerate(zip(differing, mine, strict=True))
+            for i, ((field, _), (_, value)) in enumerate(zip(differing, mine, strict=True))
         ]
     )
 
 
-def _spread(values: list[str], shown: int = 4) -> str:
-    """Which ranks hold which value (``3 on ranks 0-1; 5 on rank 2``), the most common value
-    first; past ``shown`` values, how many more there are."""
+def _spread(values: list[tuple[str, str]], shown: int = 4) -> str:
+    """Which ranks hold which value (``3 on ranks 0-1; 5 on rank 2``), from each rank's
+    (canonical text, shown text): the most common value first, a value as its first rank
+    shows it; past ``shown`` values, how many more there are."""
     ranks: dict[str, list[int]] = {}
-    for rank, value in enumerate(values):
-        ranks.setdefault(value, []).append(rank)
+    text: dict[str, str] = {}
+    for rank, (canonical, value) in enumerate(values):
+        ranks.setdefault(canonical, []).append(rank)
+        text.setdefault(canonical, value)
     groups = sorted(ranks.items(), key=lambda item: (-len(item[1]), item[1][0]))
     said = [
-        f"{value} on rank{'s' if len(held) > 1 else ''} {_rank_ranges(held)}"
-        for value, held in groups[:shown]
+        f"{text[canonical]} on rank{'s' if len(held) > 1 else ''} {_rank_ranges(held)}"
+        for canonical, held in groups[:shown]
     ]
     if len(groups) > shown:
         said.append(f"{len(groups) - shown} more value(s)")

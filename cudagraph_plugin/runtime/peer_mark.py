@@ -113,8 +113,11 @@ class PeerFailure:
     def summary(self) -> str:
         """The reason's first line (a refusal lists its problems on the lines after it, and
         the rank that refused prints them once; a backend error goes on for lines)."""
-        lines = self.reason.strip().splitlines() or [""]
-        return lines[0] + (" ..." if len(lines) > 1 else "")
+        lines = [line.strip() for line in self.reason.splitlines() if line.strip()] or [""]
+        head, rest = lines[0], lines[1:]
+        if head.endswith(":") and rest:  # (a message that begins on its next line)
+            head = f"{head} {rest.pop(0)}"
+        return head + (" ..." if rest else "")
 
     def describe(self) -> str:
         return f"{self.who()} {'was stopped' if self.stopped else 'failed'}: {self.summary}"

@@ -332,14 +332,24 @@ class PeerWatch(PeerInterrupt):
                 ": the job as a whole is likely being stopped (by its launcher, a scheduler "
                 "or a Ctrl-C; torchrun also stops every rank after one died without a word, "
                 "its exit status in torchrun's log)"
-                # (said by one rank: the one after the first, if it was stopped too)
-                if mine.stopped
-                and first.stopped
-                and self.rank == (first.rank + 1) % self.world_size
+                if mine.stopped and first.stopped and self._claim("stop-hint")
                 else "",
             )
         self._raise_deferred()
         return first
+
+    def _claim(self, what: str) -> bool:
+        """Whether this rank is the job's first to claim ``what`` (said by one rank: the
+        first to get here); False where the store does not answer (said by none)."""
+        mine = str(self.rank)
+        claimed = self._store_call(
+            f"claim {what}",
+            lambda store: store.compare_set(f"{self._prefix}/{what}", "", mine),
+            timeout_s=STORE_WAIT_S / 2,
+            quiet=True,
+            lose_store=False,
+        )
+        return claimed is not None and bytes(claimed).decode(errors="replace") == mine
 
     def _early_end_before(self) -> str:
         """Where a peer's run ended early (its own loop's exit, not the job's) before this
