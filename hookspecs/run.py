@@ -526,7 +526,7 @@ class TrainingRun(RunSignals):
         if self.shutdown_reason is not None:
             return False
         # First of all: from here on a handled signal, and Ctrl-C, wait until shutdown ends.
-        self._shutting_down = True
+        self._begin_shutdown()
         restore_sigint = self._defer_sigint()
         try:
             reason = _classify(exc, completed=self._next_step >= self.train_iters)

@@ -14,6 +14,7 @@ import sys
 import sysconfig
 import threading
 import time
+import weakref
 from typing import Any
 
 from hookspecs.errors import print_peer_failure
@@ -291,6 +292,11 @@ class RunSignals:
     _longest_step_s: float = 0.0  # (the run's longest training step so far, by TrainingRun)
     _step_began: float = 0.0
 
+    def _begin_shutdown(self) -> None:
+        global _IN_SHUTDOWN
+        self._shutting_down = True
+        _IN_SHUTDOWN = weakref.ref(self)
+
     def _defer_sigint(self) -> Any:
         """Hold a Ctrl-C (SIGINT) that arrives while the shutdown hook runs, so that every
         implementation finishes and the graphs are freed; a second Ctrl-C interrupts at
@@ -436,6 +442,10 @@ class RunSignals:
         return False  # not reached for terminating signals
 
 
+_IN_SHUTDOWN: weakref.ref[RunSignals] | None = None
+"""The run of this process whose shutdown began last (:func:`held_signal` reads it)."""
+
+
 def held_signal() -> int | None:
     """The signal that this process's run received during its shutdown and holds until the
     shutdown ends, where it then ends the process (a launcher's SIGTERM, a Ctrl-C: the job
@@ -443,10 +453,8 @@ def held_signal() -> int | None:
     itself, or one the host's own handler takes after the shutdown). A plugin's shutdown may then
     skip a wait that serves only a job that goes on: the CUDA graph plugin's wait for the
     other ranks to hear of this rank's failure."""
-    from hookspecs import run as run_module  # (run imports this module)
-
-    active = run_module._active() if run_module._active is not None else None
-    if active is None or not active._shutting_down:
+    active = _IN_SHUTDOWN() if _IN_SHUTDOWN is not None else None
+    if active is None or not active._shutting_down or active._finished:
         return None
     if active._pending_sigint:  # (a Ctrl-C, which torchrun passes on to every rank)
         return signal.SIGINT
