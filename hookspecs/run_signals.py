@@ -145,7 +145,7 @@ class StuckSignalWatch:
             and run._pending_signal is None
             and not run._shutting_down
             and signal.getsignal(signum) == run._on_signal
-            and not callable(run._previous_handlers.get(signum))
+            and run._ends_process(signum)
         )
 
     def _wait_for_handler(self, signum: int) -> None:
@@ -291,6 +291,12 @@ class RunSignals:
     _held_in_shutdown: bool = False  # (the pending signal came during shutdown: held)
     _longest_step_s: float = 0.0  # (the run's longest training step so far, by TrainingRun)
     _step_began: float = 0.0
+
+    def _ends_process(self, signum: int) -> bool:
+        """Whether ``signum``'s outcome after the run is the process's end: the handler
+        before the run was not a callable of the host's own (which may let the program go
+        on: a checkpoint's say)."""
+        return not callable(self._previous_handlers.get(signum))
 
     def _begin_shutdown(self) -> None:
         global _IN_SHUTDOWN
@@ -461,8 +467,7 @@ def held_signal() -> int | None:
     signum = active._pending_signal
     if not active._held_in_shutdown or signum is None:
         return None
-    # (a host handler of its own may let the program go on: not a job being ended)
-    return None if callable(active._previous_handlers.get(signum)) else signum
+    return signum if active._ends_process(signum) else None
 
 
 def _entering_exit(run: RunSignals, frame: Any) -> bool:

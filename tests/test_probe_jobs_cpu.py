@@ -165,20 +165,28 @@ def test_sigterm_at_a_step_ends_the_job_by_the_signal_with_the_reason_recorded(
     assert "at_exit" not in record  # the process ended by the signal: no exit handlers
 
 
-def test_two_gloo_ranks_end_non_zero_in_time_when_rank_1_raises(tmp_path: Path) -> None:
+def _failing_gloo_job(name: str, tmp_path: Path, probe: dict[str, str]) -> TrainJob:
+    """A 2-rank gloo torchrun of the example with the probe's fault ``probe``: it must end,
+    non-zero and in time, with no process left."""
     job = launch(
-        "gloo-raise",
+        name,
         [*SHORT, *FULL],
         nproc=2,
         job_dir=tmp_path,
         timeout_s=90,
-        env={**CPU, "MCGRAPH_PROBE_RAISE": "2:1"},
+        env={**CPU, **probe},
         dump_signal=signal.SIGUSR1,
     )
     result = job.result
     assert not result.timed_out, f"HANG\n{job.context()}"
     assert result.rc != 0 and result.wall_s < 60, job.context()
     assert result.leftovers == [] and result.survivors == []
+    return job
+
+
+def test_two_gloo_ranks_end_non_zero_in_time_when_rank_1_raises(tmp_path: Path) -> None:
+    job = _failing_gloo_job("gloo-raise", tmp_path, {"MCGRAPH_PROBE_RAISE": "2:1"})
+    result = job.result
     failing = job.record(1)
     assert failing["shutdown_reason"] == "exception"
     assert "on rank 1" in failing["exception"]
@@ -202,18 +210,8 @@ def test_a_told_rank_says_its_line_when_torchruns_sigterm_comes_during_its_shutd
     shutdown, torchrun then sends rank 0 a SIGTERM, held until rank 0's shutdown ends and
     then ending it by the signal: the host's line was never said, 3 runs of 3.) The told
     rank says its line whether the host or the held signal ends it."""
-    job = launch(
-        "gloo-sigterm",
-        [*SHORT, *FULL],
-        nproc=2,
-        job_dir=tmp_path,
-        timeout_s=90,
-        env={**CPU, "MCGRAPH_PROBE_SIGTERM": "2:1"},
-        dump_signal=signal.SIGUSR1,
-    )
+    job = _failing_gloo_job("gloo-sigterm", tmp_path, {"MCGRAPH_PROBE_SIGTERM": "2:1"})
     result = job.result
-    assert not result.timed_out, f"HANG\n{job.context()}"
-    assert result.rc != 0 and result.leftovers == [] and result.survivors == []
     assert job.record(1)["shutdown_reason"] == "signal", job.context()
     assert job.records[0]["shutdown_reason"] == "peer_failed", job.context()
     said = [line for line in result.output().splitlines() if " run ended: " in line]
@@ -238,19 +236,10 @@ def test_two_gloo_ranks_say_a_refusal_once_by_the_rank_that_refused_first(
     # (issue 22). Before: for rank 1's refusal, rank 1 waited 30 s for rank 0 to say it,
     # rank 0 stayed in the all-reduce until its exit deadline (status 70), and nobody said
     # the refusal.
-    job = launch(
-        f"gloo-refuse-{refusing}",
-        [*SHORT, *FULL],
-        nproc=2,
-        job_dir=tmp_path,
-        timeout_s=90,
-        env={**CPU, "MCGRAPH_PROBE_REFUSE": f"2:{refusing}"},
-        dump_signal=signal.SIGUSR1,
+    job = _failing_gloo_job(
+        f"gloo-refuse-{refusing}", tmp_path, {"MCGRAPH_PROBE_REFUSE": f"2:{refusing}"}
     )
     result = job.result
-    assert not result.timed_out, f"HANG\n{job.context()}"
-    assert result.rc != 0 and result.wall_s < 60, job.context()
-    assert result.leftovers == [] and result.survivors == []
     output = result.output()
     said = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(said) == 1 and said[0] in SAID.values(), job.context()

@@ -105,6 +105,10 @@ class PeerFailure:
         scheduler or a user does to a whole job, one rank being merely the first to mark it."""
         return self.reason.split(":", 1)[0] in STOPPED
 
+    @property
+    def outcome(self) -> str:
+        return "was stopped" if self.stopped else "failed"
+
     def who(self) -> str:
         where = f" ({self.host}, pid {self.pid})" if self.host else ""
         return (f"rank {self.rank}" if self.rank >= 0 else "a rank") + where
@@ -120,7 +124,7 @@ class PeerFailure:
         return head + (" ..." if rest else "")
 
     def describe(self) -> str:
-        return f"{self.who()} {'was stopped' if self.stopped else 'failed'}: {self.summary}"
+        return f"{self.who()} {self.outcome}: {self.summary}"
 
 
 class PeerFailed(_ContractPeerFailed):

@@ -310,12 +310,11 @@ class PeerWatch(PeerInterrupt):
             self._raise_deferred()
             return None
         self.first_failure = first
-        verb = "was stopped" if mine.stopped else "failed"
         if (first.rank, first.pid) == (mine.rank, mine.pid):
             logger.error(
                 "rank %d %s (%s): every other rank is told to end its run%s",
                 self.rank,
-                verb,
+                mine.outcome,
                 mine.summary,
                 "" if mine.stopped else self._early_end_before(),
             )
@@ -326,7 +325,7 @@ class PeerWatch(PeerInterrupt):
             logger.warning(
                 "rank %d %s (%s); %s first%s",
                 self.rank,
-                verb,
+                mine.outcome,
                 mine.summary,
                 first.describe(),
                 ": the job as a whole is likely being stopped (by its launcher, a scheduler "
@@ -338,16 +337,18 @@ class PeerWatch(PeerInterrupt):
         self._raise_deferred()
         return first
 
+    def _optional_call(self, what: str, func: Callable[[Any], Any]) -> Any:
+        """A store call whose answer only adds words to a line: short, quiet, and a store
+        that fails it is still asked the calls that matter (None: no answer)."""
+        return self._store_call(what, func, STORE_WAIT_S / 2, quiet=True, lose_store=False)
+
     def _claim(self, what: str) -> bool:
         """Whether this rank is the job's first to claim ``what`` (said by one rank: the
         first to get here); False where the store does not answer (said by none)."""
         mine = str(self.rank)
-        claimed = self._store_call(
+        claimed = self._optional_call(
             f"claim {what}",
             lambda store: store.compare_set(f"{self._prefix}/{what}", "", mine),
-            timeout_s=STORE_WAIT_S / 2,
-            quiet=True,
-            lose_store=False,
         )
         return claimed is not None and bytes(claimed).decode(errors="replace") == mine
 
@@ -356,12 +357,9 @@ class PeerWatch(PeerInterrupt):
         rank failed: the words that name it (a collective it no longer joins is a likely
         cause, and nobody else would say it), else nothing. Read after the mark, in a call
         of its own: a store too slow for it costs the words, never the mark."""
-        raw = self._store_call(
+        raw = self._optional_call(
             "read an early end",
             lambda store: store.check([self.early_key]) and store.get(self.early_key),
-            timeout_s=STORE_WAIT_S / 2,
-            quiet=True,
-            lose_store=False,
         )
         early = PeerFailure.decode(raw) if raw else None
         if early is None or early.rank == self.rank:
