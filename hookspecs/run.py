@@ -14,7 +14,6 @@ by the same signal). A failing shutdown hook never hides the exception that ende
 from __future__ import annotations
 
 import contextlib
-import operator
 import signal
 import threading
 import time
@@ -31,6 +30,7 @@ from hookspecs.manager import McgraphPluginManager, describe_plugin
 from hookspecs.progress import StepProgress
 from hookspecs.ranks import RankTagged
 from hookspecs.reasons import PeerFailed, ShutdownReason, SignalReceived
+from hookspecs.run_args import catchable_signals, count, step_number
 from hookspecs.run_signals import RunSignals
 
 logger = RankTagged(__name__)
@@ -121,58 +121,6 @@ def _release_the_process(run: TrainingRun) -> None:
             _active = None
 
 
-def _catchable_signals(handle_signals: Any) -> tuple[int, ...]:
-    """``handle_signals`` as signal numbers, refused (naming the value) where one is not a
-    signal or cannot be caught: found here, not half-way through installing the handlers."""
-    uncatchable = {
-        getattr(signal, name) for name in ("SIGKILL", "SIGSTOP") if hasattr(signal, name)
-    }
-    try:
-        signums = tuple(dict.fromkeys(signal.Signals(s) for s in handle_signals))  # (once each)
-    except (TypeError, ValueError) as error:
-        raise ValueError(
-            f"TrainingRun: handle_signals={handle_signals!r} is not a tuple of signals "
-            f"({error}); pass signal numbers, e.g. (signal.SIGTERM,)"
-        ) from None
-    bad = [s.name for s in signums if s in uncatchable]
-    if bad:
-        raise ValueError(
-            f"TrainingRun: handle_signals={handle_signals!r} names {', '.join(bad)}, which no "
-            "process can catch; drop it (SIGTERM is what schedulers send before killing)"
-        )
-    return tuple(int(s) for s in signums)
-
-
-def _step_number(where: str, name: str, value: Any) -> int:
-    """``value`` as an int (a numpy integer too: ``__index__``); a bool, a float (``0.0 ==
-    0``) or anything else is refused, naming ``where``'s argument ``name`` and the value."""
-    if not isinstance(value, bool):
-        with contextlib.suppress(TypeError):
-            return operator.index(value)
-    raise TypeError(
-        f"{where}: {name} must be an integer, got {value!r} ({type(value).__name__}); "
-        f"pass {name} as an int (int({name}) for a whole number read as a float, e.g. "
-        "from JSON, or held in a tensor)"
-    )
-
-
-def _count(where: str, name: str, value: Any) -> int:
-    """A count of positions as an int: an integer of any kind, or a whole number held as a
-    float or in a one-element tensor (a float mask's ``sum()``); anything else is refused,
-    naming ``where``'s argument ``name`` and the value."""
-    if not isinstance(value, (bool, str, bytes)):
-        with contextlib.suppress(TypeError):
-            return operator.index(value)
-        with contextlib.suppress(TypeError, ValueError, RuntimeError):
-            number = float(value)
-            if number.is_integer():
-                return int(number)
-    raise TypeError(
-        f"{where}: {name} must be a whole number, got {value!r} ({type(value).__name__}); "
-        f"pass the count of token positions (int(loss_mask.sum()))"
-    )
-
-
 class TrainingRun(RunSignals):
     """Fires the lifecycle hooks of one training run in order.
 
@@ -214,9 +162,9 @@ class TrainingRun(RunSignals):
         start_step: int = 0,
         handle_signals: tuple[int, ...] = (signal.SIGTERM,),
     ) -> None:
-        train_iters = _step_number("TrainingRun", "train_iters", train_iters)
-        start_step = _step_number("TrainingRun", "start_step", start_step)
-        handle_signals = _catchable_signals(handle_signals)
+        train_iters = step_number("TrainingRun", "train_iters", train_iters)
+        start_step = step_number("TrainingRun", "start_step", start_step)
+        handle_signals = catchable_signals(handle_signals)
         if start_step < 0 or train_iters < start_step:
             raise ValueError(
                 f"TrainingRun: need 0 <= start_step <= train_iters, got start_step={start_step}"
@@ -387,7 +335,7 @@ class TrainingRun(RunSignals):
         registered or unregistered mid-run is heard, or left alone, from the next hook on).
         """
         if type(step) is not int:  # the one test an int step pays
-            step = _step_number("TrainingRun.train_step", "step", step)
+            step = step_number("TrainingRun.train_step", "step", step)
         return _TrainStep(self, step)
 
     def _look_for_step_listeners(self, counted: McgraphPluginManager) -> None:
@@ -457,9 +405,9 @@ class TrainingRun(RunSignals):
                 "pads them"
             )
         counts = {
-            "seq_length": _step_number(where, "seq_length", seq_length),
-            "real_tokens": _count(where, "real_tokens", real_tokens),
-            "padded_tokens": _count(where, "padded_tokens", padded_tokens),
+            "seq_length": step_number(where, "seq_length", seq_length),
+            "real_tokens": count(where, "real_tokens", real_tokens),
+            "padded_tokens": count(where, "padded_tokens", padded_tokens),
         }
         least = {"seq_length": 1, "real_tokens": 0, "padded_tokens": 0}
         bad = {name: n for name, n in counts.items() if n < least[name]}
