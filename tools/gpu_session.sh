@@ -21,6 +21,12 @@
 #                                            # HOST_PREFIX: a command to run each under
 #                                            # (e.g. "setarch -R": no address randomisation)
 #
+# The pytest wheels (here, once): python3 -m pip download --no-deps --python-version 3.12
+#   --only-binary=:all: -d .gpu/wheels/test "pytest>=8,<9.2" pytest-xdist execnet pytest-timeout
+#   iniconfig pluggy packaging pygments
+# (pytest below 9.2, as setup.cfg's test extra: with 9.2 pytest-xdist 3.8 stops grouping
+# xdist_group tests, pytest-dev/pytest-xdist#1386; tests/gpu_suite.sh warns if it gets one).
+#
 # After `install`, /tmp/gpu/env.sh is megatron-core 0.19.2's (installed last), which is what
 # `bash benchmarks/pairs_gpu.sh $OUT TAG` (issue 21's pairs, two calls with the same TAG) and
 # `MODES="eager_device_norm full_iteration_optimizer" bash benchmarks/fresh_process_bench.sh
