@@ -15,6 +15,7 @@ import sysconfig
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from hookspecs.errors import print_peer_failure
@@ -47,7 +48,9 @@ class StuckSignalWatch:
     twice the run's longest training step after its warm-up), writes why to stderr, in one
     line with where the main thread is (:func:`main_thread_place`), and ends the process
     with status 128 + the signal number, as a shell reports a death by that signal: nothing
-    can be freed from here, and the process's end frees its device memory.
+    can be freed from here, and the process's end frees its device memory. Before that, a
+    release a plugin offered (:func:`offer_release`) gets one chance to end the blocked call
+    instead, under a bound of its own, so that the handler and the shutdown hooks run.
 
     It acts only on a main thread that has run no Python code since the signal (one that
     did would have run the handler first: the signal was another process's, a forked
@@ -163,6 +166,8 @@ class StuckSignalWatch:
         if not self._acts(signum) or _main_thread_position() != where:
             return
         name = signal.Signals(signum).name
+        if _release_main_thread(signum, waited):
+            return
         message = (
             f"hookspecs.run: {rank_tag()}{name} received, but the main thread has not come back to "
             f"Python for {waited:.3g} s (blocked in C{main_thread_place()}: a collective "
@@ -171,11 +176,15 @@ class StuckSignalWatch:
             f"{self.seconds:g} s, or twice the longest training step after the warm-up; 0: "
             "never)\n"
         )
-        try:
-            os.write(2, message.encode())
-        except OSError:
-            pass
+        _write_stderr(message)
         os._exit(128 + signum)
+
+
+def _write_stderr(message: str) -> None:
+    try:
+        os.write(2, message.encode())
+    except OSError:
+        pass
 
 
 _WATCHED_FD: int | None = None
@@ -198,6 +207,53 @@ def end_bounded_elsewhere(what: str | None) -> None:
     cannot reach. Every run starts with the watch in charge."""
     global _BOUNDED_ELSEWHERE
     _BOUNDED_ELSEWHERE = what
+
+
+_RELEASE: Callable[[int], bool] | None = None
+
+
+def offer_release(release: Callable[[int], bool] | None) -> None:
+    """A plugin that can release a main thread blocked in C offers it here; ``None`` takes
+    the offer back (:func:`withdraw_release` takes back only one's own).
+
+    Where a handled signal finds the main thread blocked past its wait,
+    :class:`StuckSignalWatch` calls ``release(signum)`` (from its own thread, once) instead
+    of ending the process at once without its shutdown. The release begins what ends the
+    blocked call (the CUDA graph plugin's peer watch: the abort of the process groups, when
+    a peer that died without a word left this rank in a collective), so that the signal's
+    handler runs and the shutdown hooks with it, and returns True once it has taken the
+    process's end over with a bound of its own (:func:`end_bounded_elsewhere`), saying so
+    in its own log line; False where it cannot: the watch then ends the process as before.
+    A release that raises counts as False (written to stderr)."""
+    global _RELEASE
+    _RELEASE = release
+
+
+def withdraw_release(release: Callable[[int], bool]) -> None:
+    """Take back ``release`` if it is still the one offered (a later offer stays)."""
+    global _RELEASE
+    if _RELEASE is not None and _RELEASE == release:
+        _RELEASE = None
+
+
+def _release_main_thread(signum: int, waited: float) -> bool:
+    global _RELEASE
+    release, _RELEASE = _RELEASE, None  # (once: a second signal ends the process)
+    if release is None:
+        return False
+    # said first: a release that works ends the process by the signal, maybe before a line
+    # written after it
+    _write_stderr(
+        f"hookspecs.run: {rank_tag()}{signal.Signals(signum).name} received, but the main "
+        f"thread has not come back to Python for {waited:.3g} s (blocked in "
+        f"C{main_thread_place()}): asking the release a plugin offered to end the blocked "
+        "call, so that the shutdown hooks run\n"
+    )
+    try:
+        return bool(release(signum))
+    except Exception as exc:
+        _write_stderr(f"hookspecs.run: {rank_tag()}the release failed: {exc!r}\n")
+        return False
 
 
 def _forget_watch_in_child() -> None:

@@ -202,6 +202,7 @@ def _process_state() -> dict[str, Any]:
         state["stuck-signal exit bounded elsewhere"] = sys.modules[
             "hookspecs.run_signals"
         ]._BOUNDED_ELSEWHERE
+        state["stuck-signal release offered"] = sys.modules["hookspecs.run_signals"]._RELEASE
     if "torch" in sys.modules:
         import torch
 

@@ -200,10 +200,10 @@ class Scenario:
 
     @property
     def fault_step(self) -> int | None:
-        """The step a raise, SIGTERM or refusal is injected at (``None`` for a capture
-        failure)."""
+        """The step a raise, SIGTERM, SIGKILL or refusal is injected at (``None`` for a
+        capture failure)."""
         for var, value in self.fault:
-            if var.endswith(("_RAISE", "_SIGTERM", "_REFUSE")):
+            if var.endswith(("_RAISE", "_SIGTERM", "_SIGKILL", "_REFUSE")):
                 return int(value.split(":")[0])
         return None
 
@@ -865,6 +865,50 @@ def test_scenario(scenario: Scenario, jobs_root: Path, eager_twins: EagerTwins) 
 def test_failure_scenario_ends_the_job(scenario: Scenario, jobs_root: Path) -> None:
     job = run_scenario_job(scenario, "fault", scenario.argv(), jobs_root, dict(scenario.fault))
     check_failure(scenario, job)
+
+
+# A rank that dies without a word (SIGKILL: the OOM killer, a lost node) marks nothing: torchrun
+# sends SIGTERM to the others, whose main thread waits in C for the replayed step's all-reduce
+# and cannot act on it. The run's stuck-signal watch asks the peer watch's release (NCCL only):
+# its abort of the process groups ends the wait, the SIGTERM's handler ends the run and its
+# shutdown frees the graphs. Before: the stuck-signal watch ended rank 0 5 s after the SIGTERM
+# without its shutdown (no record, graphs left to the process's end).
+KILLED = dataclasses.replace(
+    BY_NAME["dp2_sigterm_rank1_full_iteration"],
+    name="dp2_sigkill_rank1_full_iteration",
+    fault=_fault("SIGKILL", "6:1"),
+)
+RELEASED_LINE = "rank 0: SIGTERM came while this rank's main thread was blocked in C"
+# torchrun's wait before its SIGKILL: the survivor must end by itself, within the run's
+# stuck-signal wait (5 s) and the peer exit deadline (12 s) after the signal
+KILLED_END_S = 30.0
+
+
+def check_killed_without_a_word(job: TrainJob) -> None:
+    check_job_ended_cleanly(job)
+    result = job.result
+    assert result.rc != 0 and result.wall_s < NO_HANG_S, job.context()
+    killed = job.record(1)
+    assert killed["events"][-1] == ["fault", "sigkill", KILLED.fault_step], job.context()
+    assert killed["shutdown_reason"] is None, job.context()  # (nothing ran after the kill)
+    after_fault = end_after_fault_s(job)
+    assert after_fault is not None and after_fault < KILLED_END_S, (after_fault, job.context())
+    record = job.record(0)
+    context = f"rank 0\n{job.context()}"
+    assert record["shutdown_reason"] == "signal", context  # torchrun's SIGTERM, handled
+    assert RELEASED_LINE in result.output(), context
+    assert "ending the process now with status" not in result.output(), context
+    report, facts = record["report"], record["graph_plugin"]
+    assert report is not None and facts is not None, context
+    assert facts["graphs_freed"] == report["graph_count"] > 0, (facts, report)
+    check_memory_back(job, 0, KILLED.slack_mib)
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(DEVICE_COUNT < 2, reason=f"needs 2 CUDA devices (found {DEVICE_COUNT})")
+def test_a_rank_killed_without_a_word_leaves_the_other_to_its_shutdown(jobs_root: Path) -> None:
+    job = run_scenario_job(KILLED, "fault", KILLED.argv(), jobs_root, dict(KILLED.fault))
+    check_killed_without_a_word(job)
 
 
 # -------------------------------------------------------------------------------------------

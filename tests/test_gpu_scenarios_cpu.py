@@ -476,6 +476,56 @@ def test_the_failure_checks_pass_an_ended_job_and_catch_a_hang_or_a_leak(
         assert fails(lambda job=job: test_gpu.check_failure(s, job)), job
 
 
+def test_the_killed_rank_checks_pass_a_survivor_that_shut_down_and_catch_the_old_end(
+    tmp_path: Path,
+) -> None:
+    """``check_killed_without_a_word`` (rank 1 SIGKILLed, no mark): rank 0's shutdown ran by
+    torchrun's SIGTERM after the peer watch's release, graphs freed. The end before the
+    release (the stuck-signal exit 5 s after the SIGTERM: no record from rank 0, the exit
+    line) and every other defect fail it."""
+    s = test_gpu.KILLED
+    killed = {
+        "shutdown_reason": None,
+        "fault_at": FAULT_AT,
+        "losses": None,
+        "events": [["step", 6], ["step_end", 6], ["fault", "sigkill", 6]],
+        "report": None,
+        "graph_plugin": None,
+    }
+    survivor = {**peer_record(s), "shutdown_reason": "signal", "exception": "SignalReceived()"}
+    records = {0: survivor, 1: killed}
+    released = f"[cudagraph_plugin] {test_gpu.RELEASED_LINE} (a collective ...)"
+    good = {"stderr": refusal_output(tmp_path, [released])}
+    ended = FAULT_AT + 8.0
+    test_gpu.check_killed_without_a_word(
+        job_of(s, records, rc=1, wall_s=20.0, ended_at=ended, **good)
+    )
+    stuck_exit = (
+        "hookspecs.run: [rank 0] SIGTERM received, but the main thread has not come back to "
+        "Python for 5 s (blocked in C at x.py:1 (f)): ending the process now with status 143, "
+        "without the shutdown hooks"
+    )
+    bad_jobs = [
+        job_of(s, {1: killed}, rc=1, ended_at=ended, stderr=refusal_output(tmp_path, [stuck_exit])),
+        job_of(s, records, rc=1, ended_at=ended, stderr=refusal_output(tmp_path, [])),
+        job_of(s, records, rc=0, ended_at=ended, **good),
+        job_of(s, records, rc=1, wall_s=61.0, ended_at=ended, **good),
+        job_of(s, records, rc=1, ended_at=FAULT_AT + 31.0, **good),  # torchrun's SIGKILL
+        job_of(s, records, rc=-9, timed_out=True, wall_s=90.0, ended_at=ended, **good),
+    ]
+    for rank, path, value in (
+        (0, "shutdown_reason", "exception"),
+        (0, "graph_plugin.graphs_freed", 0),
+        (0, "graph_plugin.allocated_after_free_mib", 300.0),
+        (1, "shutdown_reason", "signal"),  # (not a death without a word)
+        (1, "events", [["step", 6]]),
+    ):
+        changed = {**records, rank: _set(records[rank], path, value)}
+        bad_jobs.append(job_of(s, changed, rc=1, ended_at=ended, **good))
+    for job in bad_jobs:
+        assert fails(lambda job=job: test_gpu.check_killed_without_a_word(job)), job
+
+
 GOOD_TWO_RANK_OUTPUT = """\
 [cudagraph_plugin] RNG tracker is CUDA-graph safe: TECudaRNGStatesTracker
 [cudagraph_plugin] [rank 0] captured 4 graph(s)

@@ -285,3 +285,109 @@ def test_a_plugin_that_bounds_the_end_elsewhere_keeps_the_watch_out_for_that_run
         assert not run._stuck_watch._acts(signal.SIGTERM)
     with TrainingRun(get_plugin_manager(load_entrypoints=False), config={}, train_iters=0) as run:
         assert run._stuck_watch is not None and run._stuck_watch._acts(signal.SIGTERM)
+
+
+# -- a plugin's release of the blocked main thread (run_signals.offer_release) ----------------
+
+RELEASED = textwrap.dedent(
+    """
+    import datetime, sys
+    import torch.distributed as dist
+    from hookspecs import TrainingRun, get_plugin_manager, hookimpl, run_signals
+
+    mode = sys.argv[1]
+
+    class Shutdown:
+        @hookimpl
+        def mcgraph_shutdown(self, reason, exception):
+            print("shutdown", reason, flush=True)
+
+    def release(signum):  # (the peer watch's: begin what ends the blocked call, bound it)
+        if mode == "raises":
+            raise RuntimeError("no")
+        if mode == "declines":
+            return None
+        client = dist.TCPStore("127.0.0.1", store.port, 1, False)
+        client.set("never", "now")  # (what an abort of the process groups is to a collective)
+        run_signals.end_bounded_elsewhere("the test's bound")
+        print(f"released on signal {signum}", flush=True)
+        return True
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(Shutdown())
+    with TrainingRun(pm, config={}, train_iters=1):
+        store = dist.TCPStore("127.0.0.1", 0, 1, True)
+        run_signals.offer_release(release)
+        print("blocking", flush=True)
+        store.wait(["never"], datetime.timedelta(seconds=60))
+        print("the wait returned", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["releases", "declines", "raises"])
+def test_an_offered_release_ends_the_blocked_call_so_that_the_shutdown_runs(
+    tmp_path, subprocess_env, mode
+):
+    """A release offered by a plugin gets the one chance to end the blocked call before the
+    watch ends the process without its shutdown: where it does, the signal's handler runs as
+    soon as the main thread is back in Python, then the shutdown hooks, and the process ends
+    by the signal; where it declines or fails, the watch ends the process as before."""
+    script = tmp_path / "released.py"
+    script.write_text(RELEASED)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**subprocess_env, "PYTHONPATH": str(ROOT), run_signals.STUCK_SIGNAL_VAR: "0.5"},
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "blocking"
+        time.sleep(0.5)  # (in the store wait by now)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    if mode == "releases":
+        assert proc.returncode == -signal.SIGTERM, err
+        assert "shutdown signal" in out, out + err
+        assert "the wait returned" not in out  # (the handler ran first)
+        assert "released on signal 15" in out
+        assert "ending the process now" not in err
+    else:
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        assert "shutdown" not in out
+        assert "ending the process now with status 143" in err
+        assert ("the release failed: RuntimeError('no')" in err) == (mode == "raises"), err
+    # said in either case, before the release ran (where the main thread was, one line)
+    assert (
+        "SIGTERM received, but the main thread has not come back to Python for 0.5 s (blocked "
+        "in C at released.py:"
+    ) in err
+    assert "asking the release a plugin offered to end the blocked call" in err
+
+
+def test_a_release_is_used_once_and_withdrawn_only_by_its_owner():
+    calls = []
+
+    def mine(signum):
+        calls.append(signum)
+        return True
+
+    def other(signum):
+        return False
+
+    try:
+        run_signals.offer_release(mine)
+        run_signals.withdraw_release(other)  # (not the one offered: stays)
+        assert run_signals._release_main_thread(signal.SIGTERM, 5.0) is True
+        assert run_signals._release_main_thread(signal.SIGTERM, 5.0) is False  # (once)
+        assert calls == [signal.SIGTERM]
+        run_signals.offer_release(mine)
+        run_signals.withdraw_release(mine)
+        assert run_signals._release_main_thread(signal.SIGTERM, 5.0) is False
+        assert calls == [signal.SIGTERM]
+    finally:
+        run_signals.offer_release(None)

@@ -360,3 +360,117 @@ def test_the_run_passes_its_setting_to_the_watch(monkeypatch, seconds, passed):
     state = types.SimpleNamespace(settings=types.SimpleNamespace(peer_exit_deadline=seconds))
     job_watch.JobWatch(state).watch()
     assert seen == [{"exit_deadline_s": passed}]
+
+
+# -- a peer gone without a word: the run's stuck-signal watch asks the peer watch ------------
+
+
+@pytest.fixture
+def offered() -> Iterator[Any]:
+    """A rank-0 watch with a 30 s deadline (its exit recorded) whose release of a blocked
+    main thread is offered to the run's stuck-signal watch; no peer marked anything."""
+    from hookspecs import run_signals
+
+    made: list[PeerWatch] = []
+
+    def make(deadline_s: float = 30) -> tuple[PeerWatch, threading.Event, Exits | None]:
+        aborted = threading.Event()
+        watch = PeerWatch.start(
+            store=dist.HashStore(),
+            rank=0,
+            world_size=2,
+            poll_s=0.02,
+            abort=aborted.set,
+            settle=lambda seconds: True,
+            interrupt=False,
+            exit_deadline_s=deadline_s,
+            release=True,
+        )
+        assert watch is not None
+        made.append(watch)
+        exits = None
+        if watch.deadline is not None:
+            exits = Exits()
+            watch.deadline._exit = exits
+            watch.deadline._backstop = False  # no faulthandler timer in this process
+        return watch, aborted, exits
+
+    yield make
+    for watch in made:
+        watch.stop()
+        if watch.deadline is not None:
+            watch.deadline.cancel()
+    run_signals.offer_release(None)
+
+
+def test_a_signal_the_blocked_main_thread_cannot_act_on_begins_the_abort_under_the_deadline(
+    offered, caplog
+):
+    """torchrun's SIGTERM after a peer died without a word (no mark): the stuck-signal watch
+    asks the offered release, which begins the abort that ends the blocked collective and
+    arms the deadline that bounds the rest, instead of an end without the shutdown."""
+    from hookspecs import run_signals
+
+    watch, aborted, exits = offered()
+    assert run_signals._RELEASE == watch.release_blocked_main_thread
+    with caplog.at_level("ERROR"):
+        assert run_signals._release_main_thread(signal.SIGTERM, 5.0) is True
+    assert aborted.is_set()
+    assert watch.deadline.armed and exits.codes == []
+    assert run_signals._BOUNDED_ELSEWHERE == "rank 0's peer exit deadline, 30 s"
+    assert "SIGTERM came while this rank's main thread was blocked in C" in caplog.text
+    assert watch.peer_failure is None  # (no peer failure invented: the run ends by its signal)
+    assert watch.finish(0.1) is True  # the shutdown's settle cancels the deadline
+    assert not watch.deadline.armed and run_signals._BOUNDED_ELSEWHERE is None
+    # its run ends by the signal: marked for the others, and no wait for the peer that left
+    # it blocked (the launcher ends every rank)
+    watch.end("signal", None)
+    assert watch.first_failure is not None and watch.first_failure.rank == 0
+    with caplog.at_level("INFO"):
+        assert watch.wait_for_peers(timeout_s=60) is False
+    assert (
+        "not waiting for the other ranks (SIGTERM came while a peer left this rank" in caplog.text
+    )
+
+
+def test_a_release_after_the_watch_acted_or_stopped_declines_and_stop_withdraws_it(offered):
+    from hookspecs import run_signals
+
+    watch, aborted, _ = offered()
+    watch.stop()
+    assert run_signals._RELEASE is None  # withdrawn by its watch's stop
+    assert watch.release_blocked_main_thread(signal.SIGTERM) is False
+    assert not aborted.is_set() and not watch.deadline.armed
+    acting, aborted, _ = offered()
+    peer = PeerWatch(acting._store, 1, 2, generation=acting.generation)
+    peer.mark_failed("exception: RuntimeError: boom")
+    assert aborted.wait(30)  # the watch acted on the mark: the release is not asked twice
+    assert acting.release_blocked_main_thread(signal.SIGTERM) is False
+
+
+def test_a_watch_without_a_deadline_offers_no_release(offered):
+    """Nothing would bound a release whose abort does not end the call: the run's own exit
+    (5 s after the signal, without the shutdown) stays."""
+    from hookspecs import run_signals
+
+    watch, _, _ = offered(deadline_s=0)
+    assert watch.deadline is None and run_signals._RELEASE is None
+    assert watch.release_blocked_main_thread(signal.SIGTERM) is False
+
+
+def test_over_gloo_no_release_is_offered_by_default(monkeypatch):
+    """Over gloo the abort does not end a blocked collective (only the peer's exit does): a
+    release would only move the run's own exit (5 s) to the deadline (12 s)."""
+    from hookspecs import run_signals
+
+    for nccl in (False, True):
+        monkeypatch.setattr(compat, "nccl_initialized", lambda nccl=nccl: nccl)
+        watch = PeerWatch.start(
+            store=dist.HashStore(), rank=0, world_size=2, interrupt=False, exit_deadline_s=30
+        )
+        try:
+            offered = run_signals._RELEASE is not None
+        finally:
+            watch.stop()
+        assert offered == nccl
+        assert run_signals._RELEASE is None

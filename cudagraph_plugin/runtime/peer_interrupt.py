@@ -1,4 +1,5 @@
-"""How a peer's failure reaches the main thread of this rank: the interrupt signal's handler.
+"""How a peer's failure reaches the main thread of this rank: the interrupt signal's handler,
+and the abort of the process groups that releases a main thread blocked in a collective.
 
 The peer watch's thread (:class:`~cudagraph_plugin.runtime.peers.PeerWatch`, which mixes
 this in) sends :func:`~cudagraph_plugin.runtime.peer_mark.default_interrupt_signal` to the
@@ -7,14 +8,23 @@ main thread when it acts on a peer's mark; the handler installed here raises
 never during this rank's own shutdown, and goes back to the signal's previous handler when
 the watch stops. A signal that already has a handler, or a watch started outside the main
 thread, gets no interrupt: the abort alone ends the blocked call.
+
+A peer that dies without a word (SIGKILL, a lost node) leaves no mark; torchrun then sends
+SIGTERM to the other ranks, which a main thread blocked in that peer's collective cannot act
+on. The run's stuck-signal watch asks :meth:`PeerInterrupt.release_blocked_main_thread`
+(offered at the watch's start) before it would end the process without its shutdown: the
+same abort ends the blocked call, and the SIGTERM's own handler ends the run.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
+from cudagraph_plugin.runtime.peer_deadline import ExitDeadline
 from cudagraph_plugin.runtime.peer_mark import (
     PeerFailed,
     PeerFailure,
@@ -36,6 +46,12 @@ class PeerInterrupt:
     _handler_installed: bool
     _closing: bool
     _raised: bool
+    _lock: threading.Lock
+    _stopping: bool
+    _acting: bool
+    _abort: Callable[[], None]
+    deadline: ExitDeadline | None
+    released_by: str | None = None  # (the signal whose stuck wait the release ended)
 
     def _install_handler(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -86,3 +102,45 @@ class PeerInterrupt:
             return
         self._raised = True
         raise (PeerRefused if failure.refusal else PeerFailed)(failure)
+
+    def release_blocked_main_thread(self, signum: int) -> bool:
+        """Offered to the run's stuck-signal watch (``hookspecs.run_signals.offer_release``):
+        a signal the main thread could not act on (torchrun's SIGTERM after a rank died
+        without a word, while this one waits in a collective on it) begins the abort of the
+        process groups, as a peer's mark does, instead of ending the process without its
+        shutdown. The blocked call then returns, the signal's handler ends the run
+        (``signal``), and the shutdown frees the graphs; the exit deadline, armed here, bounds
+        the rest. False (the watch ends the process as before) once this watch acted or
+        stopped."""
+        name = signal.Signals(signum).name
+        with self._lock:
+            if self._stopping or self._acting or self.deadline is None:
+                return False
+            self.deadline.arm(f"{name} came while the main thread was blocked in C")
+            if not self.deadline.armed:
+                return False  # (logged: nothing would bound a release that does not end)
+            self._acting = True
+            self.released_by = f"{name} came while a peer left this rank blocked in C"
+            logger.error(
+                "rank %d: %s came while this rank's main thread was blocked in C (a collective "
+                "whose peer ended without a word?); aborting this rank's process groups so "
+                "that its shutdown runs (the exit deadline: %g s)",
+                self.rank,
+                name,
+                self.deadline.seconds,
+            )
+        self._begin_abort()
+        return True
+
+    def _begin_abort(self) -> None:
+        began = time.monotonic()
+        try:
+            self._abort()
+        except Exception:
+            logger.exception("rank %d: aborting the process groups failed", self.rank)
+            return
+        logger.info(
+            "rank %d: the abort of every process group began (%.3f s)",
+            self.rank,
+            time.monotonic() - began,
+        )

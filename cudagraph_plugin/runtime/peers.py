@@ -76,7 +76,7 @@ from cudagraph_plugin.runtime.peer_mark import (
 )
 from cudagraph_plugin.runtime.ranklog import RankNamed
 from hookspecs import ShutdownReason
-from hookspecs.run_signals import held_signal
+from hookspecs.run_signals import held_signal, offer_release, withdraw_release
 
 logger = RankNamed()  # (every line names its rank: no "[rank 1] rank 1 failed")
 
@@ -174,6 +174,7 @@ class PeerWatch(PeerInterrupt):
         interrupt_signal: int | None = None,
         interrupt: bool = True,
         exit_deadline_s: float | None = None,
+        release: bool | None = None,
     ) -> PeerWatch | None:
         """Start watching for a peer's failure; ``None`` in a single-rank run.
 
@@ -198,6 +199,10 @@ class PeerWatch(PeerInterrupt):
             backend's error and the run ends with ``exception``.
         :param exit_deadline_s: Once the watcher acted, end the process this many seconds
             later unless :meth:`finish` settled first (:class:`ExitDeadline`); None: never.
+        :param release: Offer :meth:`release_blocked_main_thread` to the run's stuck-signal
+            watch (with a deadline only). None: where the default process group is NCCL's,
+            whose abort ends a blocked collective (over gloo only the peer's exit does: the
+            release would only delay the run's own exit to the deadline).
         :raises RuntimeError: if another watch is running in this process.
         """
         global _generation, _active
@@ -233,6 +238,10 @@ class PeerWatch(PeerInterrupt):
             _active = watch
         if interrupt:
             watch._install_handler()
+        if release is None:
+            release = compat.nccl_initialized()
+        if release and watch.deadline is not None:  # (a release needs a bound)
+            offer_release(watch.release_blocked_main_thread)
         watch._thread.start()
         logger.debug(
             "peer watch: rank %d of %d polls %s every %.2f s",
@@ -385,6 +394,11 @@ class PeerWatch(PeerInterrupt):
         """
         if self.first_failure is None:
             return True
+        if self.released_by is not None:  # (the launcher ends every rank: waiting serves none)
+            logger.info(
+                "rank %d: not waiting for the other ranks (%s)", self.rank, self.released_by
+            )
+            return False
         limit = timeout_s if timeout_s is not None else max(PEER_WAIT_S, 4 * self.poll_s)
         deadline = time.monotonic() + limit
         while True:
@@ -490,6 +504,7 @@ class PeerWatch(PeerInterrupt):
                         else "its store call does not return",
                     )
         finally:  # a Ctrl-C in the join: the handler and the registry are still put back
+            withdraw_release(self.release_blocked_main_thread)
             self._restore_handler()
             with _registry_lock:
                 if _active is self:
@@ -557,7 +572,7 @@ class PeerWatch(PeerInterrupt):
 
     def _act(self, failure: PeerFailure) -> None:
         with self._lock:
-            if self._stopping:
+            if self._stopping or self._acting:
                 return
             self._acting = True
             self.peer_failure = failure
@@ -574,14 +589,4 @@ class PeerWatch(PeerInterrupt):
                     signal.pthread_kill(self._main_ident, self._signum)
                 except OSError as exc:  # the main thread is gone (the interpreter is exiting)
                     logger.info("rank %d: cannot interrupt the main thread (%s)", self.rank, exc)
-        began = time.monotonic()
-        try:
-            self._abort()
-        except Exception:
-            logger.exception("rank %d: aborting the process groups failed", self.rank)
-            return
-        logger.info(
-            "rank %d: the abort of every process group began (%.3f s)",
-            self.rank,
-            time.monotonic() - began,
-        )
+        self._begin_abort()

@@ -31,6 +31,10 @@ Environment contract (``R`` is the ``RANK`` variable, 0 without torchrun):
     (``all`` for every rank).
 ``MCGRAPH_PROBE_SIGTERM=<step>:<rank>``
     Send SIGTERM to this process at the end of that step, on that rank.
+``MCGRAPH_PROBE_SIGKILL=<step>:<rank>``
+    Write the record (the fault in it, no shutdown) and SIGKILL this process at the end of
+    that step, on that rank: a rank that dies without a word (the OOM killer, a lost node),
+    marking nothing for its peers.
 ``MCGRAPH_PROBE_REFUSE=<step>:<rank>``
     Raise ``hookspecs.ConfigurationError`` at the end of that step, on that rank, as a
     plugin's check of that step refuses the run (the CUDA graph plugin's "asked for graphs,
@@ -81,6 +85,7 @@ DIR_VAR = "MCGRAPH_PROBE_DIR"
 RAISE_VAR = "MCGRAPH_PROBE_RAISE"
 RAISE_SEEDING_VAR = "MCGRAPH_PROBE_RAISE_SEEDING"
 SIGTERM_VAR = "MCGRAPH_PROBE_SIGTERM"
+SIGKILL_VAR = "MCGRAPH_PROBE_SIGKILL"
 REFUSE_VAR = "MCGRAPH_PROBE_REFUSE"
 FAIL_CAPTURE_VAR = "MCGRAPH_PROBE_FAIL_CAPTURE"
 FAIL_CAPTURE_AT_VAR = "MCGRAPH_PROBE_FAIL_CAPTURE_AT"
@@ -92,6 +97,7 @@ PROBE_VARS = (
     RAISE_VAR,
     RAISE_SEEDING_VAR,
     SIGTERM_VAR,
+    SIGKILL_VAR,
     REFUSE_VAR,
     FAIL_CAPTURE_VAR,
     SCALE_LR_VAR,
@@ -198,6 +204,7 @@ class Probe:
             raise ValueError(f"{RAISE_SEEDING_VAR}={raise_seeding!r}: expected a rank or all")
         self.raise_seeding = _applies(raise_seeding, self.rank)
         self.sigterm_at = _step_rank(environ, SIGTERM_VAR)
+        self.sigkill_at = _step_rank(environ, SIGKILL_VAR)
         self.refuse_at = _step_rank(environ, REFUSE_VAR)
         self.scale_lr = _step_factor(environ.get(SCALE_LR_VAR))
         self.plain_fwd_bwd = environ.get(PLAIN_VAR) == "1"
@@ -306,6 +313,11 @@ class Probe:
             self.events.append(["fault", "sigterm", step])
             self.record["fault_at"] = time.time()
             os.kill(os.getpid(), signal.SIGTERM)
+        if self.sigkill_at is not None and self._due(self.sigkill_at, step):
+            self.events.append(["fault", "sigkill", step])
+            self.record["fault_at"] = time.time()
+            self.write()  # (nothing runs after the kill)
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.refuse_at is not None and self._due(self.refuse_at, step):
             from hookspecs import ConfigurationError
 
