@@ -491,9 +491,9 @@ MUTANTS = [
         "shutdown-waits-for-the-abort-first",
         "the watcher waits for the abort to end (after the graphs are freed) before the "
         "shutdown may go on to free them",
-        "cudagraph_plugin/runtime/peers.py",
+        "cudagraph_plugin/runtime/peer_interrupt.py",
         "        try:\n            self._abort()\n",
-        "        try:\n            self._abort()\n            self._settle(ABORT_WAIT_S)\n",
+        "        try:\n            self._abort()\n            self._settle(10.0)  # (ABORT_WAIT_S)\n",
         (PEERS + "test_the_shutdown_frees_the_graphs_before_it_waits_for_the_abort",),
     ),
     Mutant(
@@ -872,6 +872,42 @@ MUTANTS = [
         "    everyone = compat.gather_across_ranks(mine)\n",
         "    everyone = [mine]\n",
         ("tests/test_settings_agreement_cpu.py::test_a_refusal_says_which_ranks_hold_which_value",),
+    ),
+    Mutant(
+        "stuck-exit-asks-no-release",
+        "the stuck-signal watch ends the process without asking the release a plugin offered",
+        "hookspecs/run_signals.py",
+        "        if _release_main_thread(signum, waited):\n",
+        "        if False:\n",
+        (
+            "tests/test_hookspecs_stuck_signal.py::test_an_offered_release_ends_the_blocked_call_"
+            "so_that_the_shutdown_runs[releases]",
+        ),
+    ),
+    Mutant(
+        "peer-watch-offers-no-release",
+        "a rank that a peer left in an NCCL collective by dying without a word ends without its "
+        "shutdown (the peer watch never offers its abort to the stuck-signal watch)",
+        "cudagraph_plugin/runtime/peers.py",
+        "        if release and watch.deadline is not None:  # (a release needs a bound)\n",
+        "        if False:\n",
+        (
+            DEADLINE + "test_a_signal_the_blocked_main_thread_cannot_act_on_begins_the_abort_"
+            "under_the_deadline",
+            DEADLINE + "test_over_gloo_no_release_is_offered_by_default",
+        ),
+    ),
+    Mutant(
+        "released-rank-waits-for-the-dead-peer",
+        "a rank released from a dead peer's collective waits its 5 s for that peer anyway",
+        "cudagraph_plugin/runtime/peers.py",
+        "        if self.released_by is not None:  # (the launcher ends every rank: waiting "
+        "serves none)\n",
+        "        if False:\n",
+        (
+            DEADLINE + "test_a_signal_the_blocked_main_thread_cannot_act_on_begins_the_abort_"
+            "under_the_deadline",
+        ),
     ),
 ]
 
