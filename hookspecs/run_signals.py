@@ -79,6 +79,7 @@ class StuckSignalWatch:
     @classmethod
     def start(cls, run: RunSignals) -> StuckSignalWatch | None:
         end_bounded_elsewhere(None)  # (an earlier run's plugin handed nothing back: in charge)
+        offer_release(None)  # (nor an earlier run's offer)
         seconds = stuck_signal_seconds()
         if not seconds or not run._handle_signals:
             return None
@@ -166,8 +167,8 @@ class StuckSignalWatch:
         if not self._acts(signum) or _main_thread_position() != where:
             return
         name = signal.Signals(signum).name
-        if _release_main_thread(signum, waited):
-            return
+        if _release_main_thread(signum, waited) or not self._acts(signum):
+            return  # (released, or a plugin bounded the end meanwhile: its own abort began)
         message = (
             f"hookspecs.run: {rank_tag()}{name} received, but the main thread has not come back to "
             f"Python for {waited:.3g} s (blocked in C{main_thread_place()}: a collective "
@@ -259,7 +260,8 @@ def _release_main_thread(signum: int, waited: float) -> bool:
 def _forget_watch_in_child() -> None:
     # A forked child (a multiprocessing worker) keeps the wakeup descriptor, which writes
     # into the parent's pipe: a SIGTERM to the child would be taken for one of the parent's.
-    global _WATCHED_FD
+    global _WATCHED_FD, _RELEASE
+    _RELEASE = None  # (the parent's peer watch: not the child's to call)
     if _WATCHED_FD is not None:
         _WATCHED_FD = None
         try:

@@ -895,7 +895,8 @@ def check_killed_without_a_word(job: TrainJob) -> None:
     assert after_fault is not None and after_fault < KILLED_END_S, (after_fault, job.context())
     record = job.record(0)
     context = f"rank 0\n{job.context()}"
-    assert record["shutdown_reason"] == "signal", context  # torchrun's SIGTERM, handled
+    # torchrun's SIGTERM, handled; or the aborted collective's error first, the signal held
+    assert record["shutdown_reason"] in ("signal", "exception"), context
     assert RELEASED_LINE in result.output(), context
     assert "ending the process now with status" not in result.output(), context
     report, facts = record["report"], record["graph_plugin"]

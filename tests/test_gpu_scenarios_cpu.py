@@ -514,7 +514,8 @@ def test_the_killed_rank_checks_pass_a_survivor_that_shut_down_and_catch_the_old
         job_of(s, records, rc=-9, timed_out=True, wall_s=90.0, ended_at=ended, **good),
     ]
     for rank, path, value in (
-        (0, "shutdown_reason", "exception"),
+        (0, "shutdown_reason", "completed"),
+        (0, "shutdown_reason", None),
         (0, "graph_plugin.graphs_freed", 0),
         (0, "graph_plugin.allocated_after_free_mib", 300.0),
         (1, "shutdown_reason", "signal"),  # (not a death without a word)

@@ -291,7 +291,7 @@ def test_a_plugin_that_bounds_the_end_elsewhere_keeps_the_watch_out_for_that_run
 
 RELEASED = textwrap.dedent(
     """
-    import datetime, sys
+    import datetime, sys, threading
     import torch.distributed as dist
     from hookspecs import TrainingRun, get_plugin_manager, hookimpl, run_signals
 
@@ -307,10 +307,16 @@ RELEASED = textwrap.dedent(
             raise RuntimeError("no")
         if mode == "declines":
             return None
+        if mode == "bounded_meanwhile":  # (a plugin's own abort began as the watch asked)
+            run_signals.end_bounded_elsewhere("another bound")
+            client = dist.TCPStore("127.0.0.1", store.port, 1, False)
+            threading.Timer(0.5, client.set, ("never", "later")).start()
+            return False
+        # (said and bounded first: once the wait returns, the handler may end the process)
+        print(f"released on signal {signum}", flush=True)
+        run_signals.end_bounded_elsewhere("the test's bound")
         client = dist.TCPStore("127.0.0.1", store.port, 1, False)
         client.set("never", "now")  # (what an abort of the process groups is to a collective)
-        run_signals.end_bounded_elsewhere("the test's bound")
-        print(f"released on signal {signum}", flush=True)
         return True
 
     pm = get_plugin_manager(load_entrypoints=False)
@@ -326,14 +332,16 @@ RELEASED = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["releases", "declines", "raises"])
+@pytest.mark.parametrize("mode", ["releases", "bounded_meanwhile", "declines", "raises"])
 def test_an_offered_release_ends_the_blocked_call_so_that_the_shutdown_runs(
     tmp_path, subprocess_env, mode
 ):
     """A release offered by a plugin gets the one chance to end the blocked call before the
     watch ends the process without its shutdown: where it does, the signal's handler runs as
     soon as the main thread is back in Python, then the shutdown hooks, and the process ends
-    by the signal; where it declines or fails, the watch ends the process as before."""
+    by the signal; where it declines or fails, the watch ends the process as before, unless a
+    plugin bounded the end meanwhile (review of 2026-12-05: a peer watch that acted on a
+    mark as the watch asked declined, and the watch ended the process anyway)."""
     script = tmp_path / "released.py"
     script.write_text(RELEASED)
     proc = subprocess.Popen(
@@ -350,11 +358,11 @@ def test_an_offered_release_ends_the_blocked_call_so_that_the_shutdown_runs(
         out, err = proc.communicate(timeout=20)
     finally:
         proc.kill()
-    if mode == "releases":
+    if mode in ("releases", "bounded_meanwhile"):
         assert proc.returncode == -signal.SIGTERM, err
         assert "shutdown signal" in out, out + err
         assert "the wait returned" not in out  # (the handler ran first)
-        assert "released on signal 15" in out
+        assert ("released on signal 15" in out) == (mode == "releases")
         assert "ending the process now" not in err
     else:
         assert proc.returncode == 128 + signal.SIGTERM, err
@@ -367,6 +375,19 @@ def test_an_offered_release_ends_the_blocked_call_so_that_the_shutdown_runs(
         "in C at released.py:"
     ) in err
     assert "asking the release a plugin offered to end the blocked call" in err
+
+
+def test_a_new_run_and_a_forked_child_start_without_an_earlier_offer(monkeypatch):
+    monkeypatch.setenv(run_signals.STUCK_SIGNAL_VAR, "5")
+    try:
+        run_signals.offer_release(lambda signum: True)
+        with TrainingRun(get_plugin_manager(load_entrypoints=False), {}, train_iters=0):
+            assert run_signals._RELEASE is None
+            run_signals.offer_release(lambda signum: True)
+            run_signals._forget_watch_in_child()  # (what a fork runs in the child)
+            assert run_signals._RELEASE is None
+    finally:
+        run_signals.offer_release(None)
 
 
 def test_a_release_is_used_once_and_withdrawn_only_by_its_owner():

@@ -433,6 +433,40 @@ def test_a_signal_the_blocked_main_thread_cannot_act_on_begins_the_abort_under_t
     )
 
 
+def test_a_released_rank_whose_blocked_call_raised_first_is_marked_as_stopped(offered):
+    """The abort can break the blocked collective with an error that reaches the run before
+    the signal's handler does (the run then ends with ``exception``, the signal held): its
+    mark still says the rank was stopped by the launcher's signal, not that it failed
+    first with the abort's error (review of 2026-12-05)."""
+    from hookspecs import run_signals
+
+    watch, _, _ = offered()
+    assert run_signals._release_main_thread(signal.SIGTERM, 5.0) is True
+    watch.end("exception", RuntimeError("NCCL communicator was aborted on rank 0"))
+    first = watch.first_failure
+    assert first is not None and first.rank == 0 and first.stopped, first
+    assert first.reason.startswith("signal: SIGTERM came while a peer left this rank"), first
+    assert "aborted" not in first.reason
+
+
+def test_a_deadline_whose_countdown_cannot_start_is_not_armed_and_nothing_is_released(
+    offered, monkeypatch, caplog
+):
+    from hookspecs import run_signals
+
+    watch, aborted, _ = offered()
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    with caplog.at_level("ERROR"):
+        assert watch.release_blocked_main_thread(signal.SIGTERM) is False
+    assert "the exit deadline could not be armed: can't start new thread" in caplog.text
+    assert not watch.deadline.armed and run_signals._BOUNDED_ELSEWHERE is None
+    assert not aborted.is_set()
+
+
 def test_a_release_after_the_watch_acted_or_stopped_declines_and_stop_withdraws_it(offered):
     from hookspecs import run_signals
 

@@ -107,10 +107,11 @@ class ExitDeadline:
             return
         try:
             self._ends_at = time.monotonic() + self.seconds
-            self._thread = threading.Thread(
+            thread = threading.Thread(
                 target=self._run, args=(what,), name="mcgraph-exit-deadline", daemon=True
             )
-            self._thread.start()
+            thread.start()
+            self._thread = thread  # (only once it runs: `armed` says the countdown is on)
             # (the run's stuck-signal exit, without the shutdown hooks, would come first)
             end_bounded_elsewhere(f"rank {self.rank}'s peer exit deadline, {self.seconds:g} s")
             if self._backstop:

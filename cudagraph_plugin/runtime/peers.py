@@ -260,7 +260,10 @@ class PeerWatch(PeerInterrupt):
         reason = ShutdownReason(reason)
         if reason.abnormal and reason is not ShutdownReason.PEER_FAILED:
             if self.peer_failure is None:
-                first = self.mark_failed(describe_end(reason, exception), refusal_of(exception))
+                said = describe_end(reason, exception)
+                if self.released_by is not None:  # (the launcher's signal, whatever came first)
+                    said = f"{ShutdownReason.SIGNAL}: {self.released_by}"
+                first = self.mark_failed(said, refusal_of(exception))
                 note_speaker(exception, first, self.rank)
                 return
             # The watch had acted on a peer's failure: what ended this run is its
@@ -488,7 +491,7 @@ class PeerWatch(PeerInterrupt):
         with self._lock:
             first_stop = not self._stopping
             self._stopping = True
-            acting = self._acting
+            acting = self._acting and self.released_by is None  # (the watcher's own abort)
         self._wake.set()
         try:
             if first_stop and self._thread.ident is not None:
