@@ -263,6 +263,32 @@ def test_the_budget_of_a_wait_ends_a_margin_before_the_deadline(pipe):
 # -- armed by the watch, cancelled by a shutdown that settled ---------------------------------
 
 
+def _rank0_watch(
+    settle: Any, deadline_s: float = 30, release: bool = False
+) -> tuple[PeerWatch, threading.Event, Exits | None]:
+    """A started rank-0 watch of a 2-rank job on a ``HashStore``, not interrupting this
+    thread, its abort an event and its deadline's exit recorded (None without a deadline)."""
+    aborted = threading.Event()
+    watch = PeerWatch.start(
+        store=dist.HashStore(),
+        rank=0,
+        world_size=2,
+        poll_s=0.02,
+        abort=aborted.set,
+        settle=settle,
+        interrupt=False,
+        exit_deadline_s=deadline_s,
+        release=release,
+    )
+    assert watch is not None
+    exits = None
+    if watch.deadline is not None:
+        exits = Exits()
+        watch.deadline._exit = exits
+        watch.deadline._backstop = False  # no faulthandler timer in this process
+    return watch, aborted, exits
+
+
 @pytest.fixture
 def acted() -> Iterator[Any]:
     """A rank-0 watch with a 30 s deadline (its exit recorded) that acted on rank 1's mark,
@@ -271,22 +297,13 @@ def acted() -> Iterator[Any]:
     waits: list[float] = []  # what each settle was given
 
     def make(settled: bool, deadline_s: float = 30) -> tuple[PeerWatch, Exits]:
-        aborted = threading.Event()
-        watch = PeerWatch.start(
-            store=dist.HashStore(),
-            rank=0,
-            world_size=2,
-            poll_s=0.02,
-            abort=aborted.set,
-            settle=lambda seconds: bool(waits.append(seconds)) or settled,
-            interrupt=False,
-            exit_deadline_s=deadline_s,
-        )
-        assert watch is not None and watch.deadline is not None
+        def settle(seconds: float) -> bool:
+            waits.append(seconds)
+            return settled
+
+        watch, aborted, exits = _rank0_watch(settle, deadline_s)
+        assert watch.deadline is not None and exits is not None
         made.append(watch)
-        exits = Exits()
-        watch.deadline._exit = exits
-        watch.deadline._backstop = False  # no faulthandler timer in this process
         assert not watch.deadline.armed  # nothing failed yet
         peer = PeerWatch(watch._store, 1, 2, generation=watch.generation)
         peer.mark_failed("exception: RuntimeError: boom")
@@ -374,26 +391,9 @@ def offered() -> Iterator[Any]:
     made: list[PeerWatch] = []
 
     def make(deadline_s: float = 30) -> tuple[PeerWatch, threading.Event, Exits | None]:
-        aborted = threading.Event()
-        watch = PeerWatch.start(
-            store=dist.HashStore(),
-            rank=0,
-            world_size=2,
-            poll_s=0.02,
-            abort=aborted.set,
-            settle=lambda seconds: True,
-            interrupt=False,
-            exit_deadline_s=deadline_s,
-            release=True,
-        )
-        assert watch is not None
-        made.append(watch)
-        exits = None
-        if watch.deadline is not None:
-            exits = Exits()
-            watch.deadline._exit = exits
-            watch.deadline._backstop = False  # no faulthandler timer in this process
-        return watch, aborted, exits
+        started = _rank0_watch(lambda seconds: True, deadline_s, release=True)
+        made.append(started[0])
+        return started
 
     yield make
     for watch in made:
