@@ -239,7 +239,7 @@ def withdraw_release(release: Callable[[int], bool]) -> None:
 
 def _release_main_thread(signum: int, waited: float) -> bool:
     global _RELEASE
-    release, _RELEASE = _RELEASE, None  # (once: a second signal ends the process)
+    release, _RELEASE = _RELEASE, None  # (once a run: what it began bounds the rest)
     if release is None:
         return False
     # said first: a release that works ends the process by the signal, maybe before a line
