@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from blocked_child import sigterm_and_wait, start_blocked
 
 from hookspecs import TrainingRun, get_plugin_manager, run_signals
 
@@ -46,20 +47,15 @@ BLOCKED = textwrap.dedent(
 )
 
 
-def _blocked_process(tmp_path: Path, env: dict[str, str], seconds: str) -> subprocess.Popen:
-    script = tmp_path / "blocked.py"
-    script.write_text(BLOCKED)
-    proc = subprocess.Popen(
-        [sys.executable, str(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**env, "PYTHONPATH": str(ROOT), run_signals.STUCK_SIGNAL_VAR: seconds},
+def _blocked_process(
+    tmp_path: Path, env: dict[str, str], seconds: str, script: str = BLOCKED, *args: str
+) -> subprocess.Popen:
+    path = tmp_path / "blocked.py"
+    path.write_text(script)
+    return start_blocked(
+        [sys.executable, str(path), *args],
+        {**env, "PYTHONPATH": str(ROOT), run_signals.STUCK_SIGNAL_VAR: seconds},
     )
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "blocking"
-    time.sleep(0.5)  # (in the store wait by now)
-    return proc
 
 
 @pytest.mark.slow
@@ -67,11 +63,7 @@ def test_a_sigterm_the_blocked_main_thread_cannot_handle_ends_the_process(tmp_pa
     # (as rank 1 of a launcher's job: the line says whose it is, as the run's others do)
     proc = _blocked_process(tmp_path, {**subprocess_env, "RANK": "1", "WORLD_SIZE": "2"}, "1")
     sent = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    try:
-        out, err = proc.communicate(timeout=20)
-    finally:
-        proc.kill()
+    out, err = sigterm_and_wait(proc, 20)
     took = time.monotonic() - sent
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert (
@@ -342,22 +334,8 @@ def test_an_offered_release_ends_the_blocked_call_so_that_the_shutdown_runs(
     by the signal; where it declines or fails, the watch ends the process as before, unless a
     plugin bounded the end meanwhile (review of 2026-12-05: a peer watch that acted on a
     mark as the watch asked declined, and the watch ended the process anyway)."""
-    script = tmp_path / "released.py"
-    script.write_text(RELEASED)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), mode],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**subprocess_env, "PYTHONPATH": str(ROOT), run_signals.STUCK_SIGNAL_VAR: "0.5"},
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "blocking"
-        time.sleep(0.5)  # (in the store wait by now)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=20)
-    finally:
-        proc.kill()
+    proc = _blocked_process(tmp_path, subprocess_env, "0.5", RELEASED, mode)
+    out, err = sigterm_and_wait(proc, 20)
     if mode in ("releases", "bounded_meanwhile"):
         assert proc.returncode == -signal.SIGTERM, err
         assert "shutdown signal" in out, out + err
@@ -372,7 +350,7 @@ def test_an_offered_release_ends_the_blocked_call_so_that_the_shutdown_runs(
     # said in either case, before the release ran (where the main thread was, one line)
     assert (
         "SIGTERM received, but the main thread has not come back to Python for 0.5 s (blocked "
-        "in C at released.py:"
+        "in C at blocked.py:"
     ) in err
     assert "asking the release a plugin offered to end the blocked call" in err
 

@@ -13,13 +13,13 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import types
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch.distributed as dist
+from blocked_child import sigterm_and_wait, start_blocked
 
 from cudagraph_plugin import compat
 from cudagraph_plugin.config.settings import read_settings
@@ -204,20 +204,11 @@ def test_an_armed_deadline_takes_over_from_the_stuck_signal_exit(
     shutdown, just before the peer's exit released the collective and let it shut down.)
     Armed, the deadline owns the process's end: the SIGTERM (1 s stuck-signal wait here) no
     longer ends it; the deadline does, at 3 s. Cancelled, the stuck-signal exit is back."""
-    proc = subprocess.Popen(
+    proc = start_blocked(
         [sys.executable, "-c", _BLOCKED_AFTER_A_PEERS_FAILURE, deadline],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**subprocess_env, "MCGRAPH_STUCK_SIGNAL_S": "1"},
+        {**subprocess_env, "MCGRAPH_STUCK_SIGNAL_S": "1"},
     )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "blocking"
-        time.sleep(0.5)  # (in the store wait by now)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
+    _, err = sigterm_and_wait(proc, 30)
     assert proc.returncode == status, err
     assert said in err
     if deadline == "armed":
