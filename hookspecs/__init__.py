@@ -6,11 +6,12 @@ entry-point discovery and blocking (``manager``), the host's default implementat
 the hooks in order and guarantees the shutdown hook on every exit path (``run``).
 
 Leaf modules come first and nothing imports this package's ``__init__`` from inside it:
-``markers`` (the name and pluggy markers), ``reasons`` (why a run ended) and ``ranks`` (this
-process's rank as its launcher set it) import nothing of the contract; ``errors``
+``markers`` (the name and pluggy markers), ``reasons`` (why a run ended), ``ranks`` (this
+process's rank as its launcher set it) and ``run_args`` (the checks of ``TrainingRun``'s
+arguments) import nothing of the contract; ``errors``
 (:class:`ConfigurationError`) imports ``reasons`` and ``ranks``; ``spec`` and
-``host_defaults`` import ``markers``; ``manager`` imports them; ``run`` imports ``manager``
-and ``reasons``.
+``host_defaults`` import ``markers``; ``manager`` imports them; ``run`` imports ``manager``,
+``reasons`` and ``run_args``.
 
 It imports neither torch nor megatron at run time, so a plugin author can depend on it alone:
 it is its own distribution, ``mcgraph-hookspecs`` (built by ``hookspecs/pyproject.toml``;

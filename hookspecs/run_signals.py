@@ -166,19 +166,25 @@ class StuckSignalWatch:
             time.sleep(0.05)
         if not self._acts(signum) or _main_thread_position() != where:
             return
-        name = signal.Signals(signum).name
         if _release_main_thread(signum, waited) or not self._acts(signum):
             return  # (released, or a plugin bounded the end meanwhile: its own abort began)
-        message = (
-            f"hookspecs.run: {rank_tag()}{name} received, but the main thread has not come back to "
-            f"Python for {waited:.3g} s (blocked in C{main_thread_place()}: a collective "
-            "or a store wait whose peer is gone?): ending the process now with status "
-            f"{128 + signum}, without the shutdown hooks (the wait: {STUCK_SIGNAL_VAR}, "
-            f"{self.seconds:g} s, or twice the longest training step after the warm-up; 0: "
-            "never)\n"
+        _write_stderr(
+            f"{_stuck_words(signum, waited)}: a collective or a store wait whose peer is "
+            f"gone?): ending the process now with status {128 + signum}, without the shutdown "
+            f"hooks (the wait: {STUCK_SIGNAL_VAR}, {self.seconds:g} s, or twice the longest "
+            "training step after the warm-up; 0: never)\n"
         )
-        _write_stderr(message)
         os._exit(128 + signum)
+
+
+def _stuck_words(signum: int, waited: float) -> str:
+    """How a line about a signal the blocked main thread could not act on begins, up to
+    where it was blocked (the parenthesis left open)."""
+    return (
+        f"hookspecs.run: {rank_tag()}{signal.Signals(signum).name} received, but the main "
+        f"thread has not come back to Python for {waited:.3g} s (blocked in "
+        f"C{main_thread_place()}"
+    )
 
 
 def _write_stderr(message: str) -> None:
@@ -245,10 +251,8 @@ def _release_main_thread(signum: int, waited: float) -> bool:
     # said first: a release that works ends the process by the signal, maybe before a line
     # written after it
     _write_stderr(
-        f"hookspecs.run: {rank_tag()}{signal.Signals(signum).name} received, but the main "
-        f"thread has not come back to Python for {waited:.3g} s (blocked in "
-        f"C{main_thread_place()}): asking the release a plugin offered to end the blocked "
-        "call, so that the shutdown hooks run\n"
+        f"{_stuck_words(signum, waited)}): asking the release a plugin offered to end the "
+        "blocked call, so that the shutdown hooks run\n"
     )
     try:
         return bool(release(signum))
