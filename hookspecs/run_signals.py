@@ -154,20 +154,20 @@ class StuckSignalWatch:
 
     def _wait_for_handler(self, signum: int) -> None:
         waited = self.wait_s()
-        deadline = time.monotonic() + waited
         # Where the main thread is: once it has run Python code, a signal of this process's
         # has had its handler run first; where it moved on and the run's handler did not run,
         # the signal was another process's (a forked child's, before it took the descriptor
         # off: that window is in the interpreter's own fork handling)
         where = _main_thread_position()
-        while time.monotonic() < deadline:
-            if not self._acts(signum) or _main_thread_position() != where:
-                return
-            time.sleep(0.05)
-        if not self._acts(signum) or _main_thread_position() != where:
+        if not self._still_blocked(signum, waited, where):
             return
-        if _release_main_thread(signum, waited) or not self._acts(signum):
-            return  # (released, or a plugin bounded the end meanwhile: its own abort began)
+        released = _release_main_thread(signum, waited)
+        if not self._acts(signum):
+            return  # (released with a bound of its own, or a plugin bounded the end meanwhile)
+        if released:  # (said so without a bound of its own: this watch keeps its own)
+            if not self._still_blocked(signum, waited, where):
+                return
+            waited *= 2
         _write_stderr(
             f"{_stuck_words(signum, waited)}: a collective or a store wait whose peer is "
             f"gone?): ending the process now with status {128 + signum}, without the shutdown "
@@ -175,6 +175,16 @@ class StuckSignalWatch:
             "training step after the warm-up; 0: never)\n"
         )
         os._exit(128 + signum)
+
+    def _still_blocked(self, signum: int, seconds: float, where: tuple[int, int] | None) -> bool:
+        """Whether, ``seconds`` from now, the signal's end is still this watch's to act on
+        and the main thread has not moved from ``where``."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if not self._acts(signum) or _main_thread_position() != where:
+                return False
+            time.sleep(0.05)
+        return self._acts(signum) and _main_thread_position() == where
 
 
 def _stuck_words(signum: int, waited: float) -> str:
@@ -231,7 +241,9 @@ def offer_release(release: Callable[[int], bool] | None) -> None:
     handler runs and the shutdown hooks with it, and returns True once it has taken the
     process's end over with a bound of its own (:func:`end_bounded_elsewhere`), saying so
     in its own log line; False where it cannot: the watch then ends the process as before.
-    A release that raises counts as False (written to stderr)."""
+    A release that raises counts as False (written to stderr). A True without such a bound
+    does not take the end over: the watch waits once more for the handler, then ends the
+    process itself."""
     global _RELEASE
     _RELEASE = release
 

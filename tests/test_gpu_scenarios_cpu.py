@@ -508,6 +508,14 @@ def test_the_killed_rank_checks_pass_a_survivor_that_shut_down_and_catch_the_old
     bad_jobs = [
         job_of(s, {1: killed}, rc=1, ended_at=ended, stderr=refusal_output(tmp_path, [stuck_exit])),
         job_of(s, records, rc=1, ended_at=ended, stderr=refusal_output(tmp_path, [])),
+        # every record good, but a process ended by the stuck-signal watch all the same
+        job_of(
+            s,
+            records,
+            rc=1,
+            ended_at=ended,
+            stderr=refusal_output(tmp_path, [released, stuck_exit]),
+        ),
         job_of(s, records, rc=0, ended_at=ended, **good),
         job_of(s, records, rc=1, wall_s=61.0, ended_at=ended, **good),
         job_of(s, records, rc=1, ended_at=FAULT_AT + 31.0, **good),  # torchrun's SIGKILL

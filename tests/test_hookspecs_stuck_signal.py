@@ -299,6 +299,12 @@ RELEASED = textwrap.dedent(
             raise RuntimeError("no")
         if mode == "declines":
             return None
+        if mode == "claims_without_a_bound":  # (a third party's release breaking the contract)
+            return True
+        if mode == "ends_without_a_bound":
+            client = dist.TCPStore("127.0.0.1", store.port, 1, False)
+            threading.Timer(0.2, client.set, ("never", "later")).start()
+            return True
         if mode == "bounded_meanwhile":  # (a plugin's own abort began as the watch asked)
             run_signals.end_bounded_elsewhere("another bound")
             client = dist.TCPStore("127.0.0.1", store.port, 1, False)
@@ -324,7 +330,17 @@ RELEASED = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["releases", "bounded_meanwhile", "declines", "raises"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "releases",
+        "bounded_meanwhile",
+        "ends_without_a_bound",
+        "declines",
+        "raises",
+        "claims_without_a_bound",
+    ],
+)
 def test_an_offered_release_ends_the_blocked_call_so_that_the_shutdown_runs(
     tmp_path, subprocess_env, mode
 ):
@@ -333,10 +349,12 @@ def test_an_offered_release_ends_the_blocked_call_so_that_the_shutdown_runs(
     soon as the main thread is back in Python, then the shutdown hooks, and the process ends
     by the signal; where it declines or fails, the watch ends the process as before, unless a
     plugin bounded the end meanwhile (review of 2026-12-05: a peer watch that acted on a
-    mark as the watch asked declined, and the watch ended the process anyway)."""
+    mark as the watch asked declined, and the watch ended the process anyway). A release
+    that says True without a bound of its own gets one more wait, not the process's end
+    (review of 2026-12-05, second session: the watch trusted it, and the process hung)."""
     proc = _blocked_process(tmp_path, subprocess_env, "0.5", RELEASED, mode)
     out, err = sigterm_and_wait(proc, 20)
-    if mode in ("releases", "bounded_meanwhile"):
+    if mode in ("releases", "bounded_meanwhile", "ends_without_a_bound"):
         assert proc.returncode == -signal.SIGTERM, err
         assert "shutdown signal" in out, out + err
         assert "the wait returned" not in out  # (the handler ran first)
@@ -347,6 +365,9 @@ def test_an_offered_release_ends_the_blocked_call_so_that_the_shutdown_runs(
         assert "shutdown" not in out
         assert "ending the process now with status 143" in err
         assert ("the release failed: RuntimeError('no')" in err) == (mode == "raises"), err
+        # (the whole wait named: the first, and the one more a release without a bound gets)
+        waited = "1 s" if mode == "claims_without_a_bound" else "0.5 s"
+        assert f"for {waited} (blocked in C at blocked.py:" in err, err
     # said in either case, before the release ran (where the main thread was, one line)
     assert (
         "SIGTERM received, but the main thread has not come back to Python for 0.5 s (blocked "

@@ -440,6 +440,39 @@ def test_a_released_rank_whose_blocked_call_raised_first_is_marked_as_stopped(of
     assert "aborted" not in first.reason
 
 
+def test_a_watch_whose_thread_cannot_start_leaves_no_offer_handler_or_registry(monkeypatch, caplog):
+    """A thread limit reached as the watch starts: the run goes on without a watch (logged),
+    and nothing of the watch is left behind: no release offered to the stuck-signal watch (a
+    later SIGTERM would begin an abort and arm a deadline no shutdown settles), its signal's
+    handler put back, and the next run's watch free to start (review of 2026-12-05, second
+    session)."""
+    from cudagraph_plugin.runtime import peers
+    from cudagraph_plugin.runtime.peer_mark import default_interrupt_signal
+    from hookspecs import run_signals
+
+    signum = default_interrupt_signal()
+    before = signal.getsignal(signum)
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == "mcgraph-peer-watch":
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    monkeypatch.setattr(compat, "nccl_initialized", lambda: True)  # (the release offered)
+    monkeypatch.setattr(compat, "default_store", dist.HashStore)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    with caplog.at_level("WARNING"):
+        assert job_watch.watch_job(exit_deadline_s=12) is None
+    assert "can't start new thread: this run does not watch its peers" in caplog.text
+    assert run_signals._RELEASE is None
+    assert peers._active is None
+    assert signal.getsignal(signum) is before
+
+
 def test_a_deadline_whose_countdown_cannot_start_is_not_armed_and_nothing_is_released(
     offered, monkeypatch, caplog
 ):

@@ -10,7 +10,8 @@ BaseException``) and the main thread then blocked in the next collective, a host
 that waits once more for an abort that did not end. torchrun then kills it only after its
 grace period (30 s), and the whole job waits.
 
-:class:`ExitDeadline` is armed by the watcher when it acts on a peer's failure. If the
+:class:`ExitDeadline` is armed by the watcher when it acts on a peer's failure, and by the
+release of a main thread blocked in C (a signal after a peer died without a word). If the
 process still runs ``seconds`` later, a thread of its own writes why to stderr (straight to
 the file descriptor: no logging lock, which the stuck thread may hold), dumps every thread's
 stack (:func:`faulthandler.dump_traceback`, useful to say where it hung) and ends the process

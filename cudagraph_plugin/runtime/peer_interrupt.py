@@ -111,7 +111,7 @@ class PeerInterrupt:
         shutdown. The blocked call then returns, the signal's handler ends the run
         (``signal``), and the shutdown frees the graphs; the exit deadline, armed here, bounds
         the rest. False (the watch ends the process as before) once this watch acted or
-        stopped."""
+        stopped, without a deadline, or where the deadline's countdown cannot start."""
         name = signal.Signals(signum).name
         with self._lock:
             if self._stopping or self._acting or self.deadline is None:

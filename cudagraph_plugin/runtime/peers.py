@@ -197,8 +197,9 @@ class PeerWatch(PeerInterrupt):
         :param interrupt: With False (or off the main thread, or when the signal already has
             a handler) the watcher only aborts: the blocked call then fails with the
             backend's error and the run ends with ``exception``.
-        :param exit_deadline_s: Once the watcher acted, end the process this many seconds
-            later unless :meth:`finish` settled first (:class:`ExitDeadline`); None: never.
+        :param exit_deadline_s: Once the watcher acted (or released a blocked main thread:
+            ``release``), end the process this many seconds later unless :meth:`finish`
+            settled first (:class:`ExitDeadline`); None: never.
         :param release: Offer :meth:`release_blocked_main_thread` to the run's stuck-signal
             watch (with a deadline only). None: where the default process group is NCCL's,
             whose abort ends a blocked collective (over gloo only the peer's exit does: the
@@ -242,7 +243,11 @@ class PeerWatch(PeerInterrupt):
             release = compat.nccl_initialized()
         if release and watch.deadline is not None:  # (a release needs a bound)
             offer_release(watch.release_blocked_main_thread)
-        watch._thread.start()
+        try:
+            watch._thread.start()
+        except BaseException:  # ("can't start new thread": the run goes on without a watch)
+            watch.stop()  # (the offer, the handler and the registry taken back)
+            raise
         logger.debug(
             "peer watch: rank %d of %d polls %s every %.2f s",
             rank,
@@ -392,8 +397,9 @@ class PeerWatch(PeerInterrupt):
         ``PEER_WAIT_S``, or four poll intervals if longer). Returns at once (True) on a rank
         that did not mark a failure.
 
-        :returns: True once every rank ended, False at the timeout or if the store does not
-            answer.
+        :returns: True once every rank ended; False at the timeout, if the store does not
+            answer, or at once on a rank released from a blocked call by a signal (the
+            launcher ends every rank).
         """
         if self.first_failure is None:
             return True
