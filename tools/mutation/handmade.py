@@ -878,8 +878,8 @@ MUTANTS = [
         "stuck-exit-asks-no-release",
         "the stuck-signal watch ends the process without asking the release a plugin offered",
         "hookspecs/run_signals.py",
-        "        if _release_main_thread(signum, waited) or not self._acts(signum):\n",
-        "        if not self._acts(signum):\n",
+        "        released = _release_main_thread(signum, waited)\n",
+        "        released = False\n",
         (
             "tests/test_hookspecs_stuck_signal.py::test_an_offered_release_ends_the_blocked_call_"
             "so_that_the_shutdown_runs[releases]",
@@ -909,6 +909,27 @@ MUTANTS = [
             DEADLINE + "test_a_signal_the_blocked_main_thread_cannot_act_on_begins_the_abort_"
             "under_the_deadline",
         ),
+    ),
+    Mutant(
+        "stuck-exit-trusts-an-unbounded-release",
+        "a release that says True without a bound of its own takes the process's end over: the "
+        "process waits for torchrun's SIGKILL, or for ever",
+        "hookspecs/run_signals.py",
+        "        if released:  # (said so without a bound of its own: this watch keeps its own)\n",
+        "        if released:\n            return\n        if released:\n",
+        (
+            "tests/test_hookspecs_stuck_signal.py::test_an_offered_release_ends_the_blocked_call_"
+            "so_that_the_shutdown_runs[claims_without_a_bound]",
+        ),
+    ),
+    Mutant(
+        "failed-watch-start-leaves-its-offer",
+        "a peer watch whose thread cannot start leaves its release offered, its handler "
+        "installed and itself registered",
+        "cudagraph_plugin/runtime/peers.py",
+        "            watch.stop()  # (the offer, the handler and the registry taken back)\n",
+        "            pass\n",
+        (DEADLINE + "test_a_watch_whose_thread_cannot_start_leaves_no_offer_handler_or_registry",),
     ),
 ]
 
