@@ -2491,6 +2491,36 @@ def test_a_report_file_that_is_not_writable_is_refused(tmp_path, monkeypatch):
     )
 
 
+def test_a_report_path_the_filesystem_refuses_is_refused_where_the_permission_bits_allow_it(
+    tmp_path, monkeypatch
+):
+    """Root passes every ``os.access`` check, also where the filesystem itself refuses a
+    file (/proc, an NFS export that squashes root): the rule asks the filesystem, and leaves
+    nothing behind where it accepts (a user's trial of 2026-12-05 as root: a report under
+    /proc was accepted, and the run failed at shutdown after its last step)."""
+    monkeypatch.setattr(os, "access", lambda p, mode: True)  # (what root is told)
+    fifo = tmp_path / "fifo.json"  # (no reader: the report's write would wait for ever)
+    os.mkfifo(fifo)
+    cases = (
+        ("/proc/mcgraph-nothing/r.json", "(no file can be created in the directory '/proc' ("),
+        (str(fifo), "(the file exists and cannot be opened for writing (No such device or "),
+    )
+    for path, phrase in cases:
+        rejected(
+            with_report(bridge(), path),
+            fields=["cuda_graph_report_json"],
+            value=repr(path),
+            phrase=phrase,
+            fix=REPORT_FIX,
+        )
+    existing = tmp_path / "old.json"
+    existing.write_text("kept")
+    for path in (existing, tmp_path / "new" / "r.json"):
+        accepted(with_report(bridge(), str(path)))
+    assert existing.read_text() == "kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo.json", "old.json"]  # (no probe)
+
+
 def test_a_report_path_that_cannot_be_looked_at_is_refused_with_the_reason(tmp_path, monkeypatch):
     """A directory on the way that cannot be entered: is_dir() raises PermissionError, which
     the rule says rather than raise (sixth review: a traceback from the check, exit 1)."""

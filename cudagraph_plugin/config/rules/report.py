@@ -1,10 +1,13 @@
 """Rules on the run report: the JSON file (``cuda_graph_report_json``) is written at shutdown,
-after the whole run, so a path it cannot be written to is refused before the run starts."""
+after the whole run, so a path it cannot be written to is refused before the run starts (the
+permission bits, then the filesystem itself: a file opened, or created and removed, in the
+nearest directory that exists)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +33,7 @@ def _why_unwritable(path: Path) -> str | None:
     try:
         return _why_not(path)
     except OSError as error:  # (a directory on the way that cannot be entered, a long name)
-        return error.strerror or repr(error)
+        return _reason(error)
 
 
 def _why_not(path: Path) -> str | None:
@@ -46,7 +49,9 @@ def _why_not(path: Path) -> str | None:
     if path.is_dir():
         return "it is a directory"
     if path.exists():
-        return None if os.access(path, os.W_OK) else "the file exists and is not writable"
+        if not os.access(path, os.W_OK):
+            return "the file exists and is not writable"
+        return _open_for_writing(path)
     parent = path.parent
     while not parent.exists() and parent != parent.parent:
         if parent.is_symlink():  # (the writer's mkdir would find it in the way)
@@ -56,6 +61,34 @@ def _why_not(path: Path) -> str | None:
         return f"{str(parent)!r} is not a directory"
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"the directory {str(parent)!r} is not writable"
+    return _create_in(parent)
+
+
+# os.access answers yes to root wherever the permission bits would let root write, also where
+# the filesystem itself refuses (/proc, an NFS export that squashes root): the two probes
+# below ask the filesystem, leaving nothing behind.
+
+
+def _open_for_writing(path: Path) -> str | None:
+    try:  # (no O_TRUNC: the file is left as it is; O_NONBLOCK: a FIFO without reader refuses)
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError as error:
+        return f"the file exists and cannot be opened for writing ({_reason(error)})"
+    return None
+
+
+def _reason(error: OSError) -> str:
+    return error.strerror or repr(error)
+
+
+def _create_in(directory: Path) -> str | None:
+    try:
+        handle, name = tempfile.mkstemp(prefix=".mcgraph-report-probe-", dir=directory)
+    except OSError as error:
+        return f"no file can be created in the directory {str(directory)!r} ({_reason(error)})"
+    os.close(handle)
+    with contextlib.suppress(OSError):
+        os.unlink(name)
     return None
 
 
