@@ -272,7 +272,8 @@ def _check_args(
         if importlib.util.find_spec("transformer_engine") is None:
             problems.append(
                 "--transformer-impl transformer_engine needs Transformer Engine, which is not "
-                "installed (pip install 'transformer-engine[pytorch]'); use --transformer-impl "
+                "installed (the te extra: pip install -e '.[te]' in this checkout, as the README "
+                "says); use --transformer-impl "
                 "local"
             )
         elif not use_cuda:

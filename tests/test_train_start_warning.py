@@ -49,8 +49,8 @@ def test_train_start_warns_with_the_numbers(monkeypatch, caplog, cuda):
     assert warning == (
         "cuda_graph_warmup_steps=1000 and this run trains 10 step(s) (steps 0..9: "
         "start_step=0, train_iters=10): the capture step 1000 (start_step + warm-up) is never "
-        "reached, so no CUDA graph will be captured; use at most 8 warm-up step(s) or train "
-        "longer"
+        "reached, so no CUDA graph will be captured; use at most 8 warm-up step(s) (so that a "
+        "step replays) or train longer"
     )
 
 

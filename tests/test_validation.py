@@ -1958,12 +1958,13 @@ def test_warmup_warning_with_the_numbers(warmup, start, iters, says):
     "baseline, iters, says",
     [
         (10, 6, "the capture step 11 (start_step + warm-up) is never reached, so no CUDA graph "
-         "will be captured; use at most 3 baseline step(s) or train longer"),
+         "will be captured; use at most 3 baseline step(s) (so that a step replays) or train "
+         "longer"),
         (10, 12, "captured at the last step (11) and never replayed, so the run cannot show a "
-         "speed-up; use at most 9 baseline step(s) or train longer"),
+         "speed-up; use at most 9 baseline step(s) (so that a step replays) or train longer"),
         # the warm-up given (3) is itself too long for 3 steps: both must come down
         (5, 3, "never reached, so no CUDA graph will be captured; use at most 0 baseline "
-         "step(s) and at most 1 warm-up step(s) or train longer"),
+         "step(s) and at most 1 warm-up step(s) (so that a step replays) or train longer"),
         (5, 1, "never reached, so no CUDA graph will be captured; train longer"),
     ],
 )  # fmt: skip

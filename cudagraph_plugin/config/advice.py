@@ -149,4 +149,4 @@ def warmup_warning(settings: Settings, start_step: int, train_iters: int) -> str
     if any(count < 0 for count, _ in fixes):
         return f"{where}: {said}; train longer"
     fewer = " and ".join(f"at most {count} {what} step(s)" for count, what in fixes)
-    return f"{where}: {said}; use {fewer} or train longer"
+    return f"{where}: {said}; use {fewer} (so that a step replays) or train longer"
