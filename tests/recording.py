@@ -101,7 +101,7 @@ class InvalidateAt:
 
 # The example host's flags the CPU lifecycle tests combine.
 FULL = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
-TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp"]
+TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp", "--bf16"]
 OVERLAP = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"]
 
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
+import torch
 
 from cudagraph_plugin import compat
 from cudagraph_plugin.config.errors import CudaGraphConfigError
@@ -149,3 +150,45 @@ def test_scope_names_written_into_a_built_transformer_config_are_refused(rng_tra
         cuda_graph_scope="full_iteration", use_te_rng_tracker=True,
     )  # fmt: skip
     build.build_model_graphs(state_for(FULL, [], made), compat.DDPBuildContext(True), None)
+
+
+class _Chunk(torch.nn.Module):
+    """A DDP-wrapped chunk as the helper needs it, its parameters in ``dtype``."""
+
+    def __init__(self, dtype: Any) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4, dtype=dtype)
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+
+    def zero_grad_buffer(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_te_layers_not_in_bf16_are_refused_where_the_config_did_not_say(
+    rng_tracker, te_helper, dtype
+):
+    """megatron-core captures each layer with bfloat16 sample inputs: an fp32 or fp16 model
+    fails at the capture step (measured on an H100, 2026-12-05, both megatron-core
+    versions). A config without ``bf16`` passes the configure-time rule, so the built model's
+    parameters say it, before anything is captured."""
+    rng_tracker(True)
+    state = state_for(TE, [_Chunk(getattr(torch, dtype))])
+    assert state.settings.layer_dtype is None  # (the config does not say)
+    with pytest.raises(CudaGraphConfigError) as info:
+        build.build_model_graphs(state, compat.DDPBuildContext(False), optimizer=None)
+    [problem] = info.value.violations
+    assert problem.value == f"parameters in {dtype}"
+    assert "bfloat16 sample inputs" in problem.problem
+    assert "Float16Module" in problem.fix and "cuda_graph_impl=local" in problem.fix
+    assert te_helper.made == []
+    # the same chunks in bf16 (megatron-core's Float16Module): the helper is made
+    state = state_for(TE, [_Chunk(getattr(torch, dtype)).to(torch.bfloat16)])
+    build.build_model_graphs(state, compat.DDPBuildContext(False), optimizer=None)
+    assert len(te_helper.made) == 1
+
+
+def test_full_iteration_graphs_take_any_precision(rng_tracker):
+    rng_tracker(True)
+    state = state_for(FULL, [_Chunk(torch.float32)], SimpleNamespace(**FULL))
+    build.build_model_graphs(state, compat.DDPBuildContext(True), optimizer=None)

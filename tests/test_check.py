@@ -597,12 +597,12 @@ def test_a_pasted_megatron_lm_command_line_gets_the_verdict_of_the_flags_it_read
     code, out = check([*PASTED, "--skip-unknown-flags"])
     plain_code, plain = check([*DENSE_FULL_ITERATION, "--micro-batch-size", "4",
                                "--tensor-model-parallel-size", "2", "--num-experts", "8",
-                               "--cpu-offloading"])  # fmt: skip
+                               "--cpu-offloading", "--bf16"])  # fmt: skip
     notes = [line for line in lines(out) if "does not read" in line]
     assert notes == [
-        "note: 7 flag(s) this check does not read were skipped (--skip-unknown-flags): "
-        "--hidden-size, --data-path, --bf16, --adam-eps, --seq-lenght (did you mean "
-        "--seq-length?), --lr, --moe-router-topk"
+        "note: 6 flag(s) this check does not read were skipped (--skip-unknown-flags): "
+        "--hidden-size, --data-path, --adam-eps, --seq-lenght (did you mean --seq-length?), "
+        "--lr, --moe-router-topk"
     ], out
     # the rest is the verdict of the flags it reads alone (here: problems, exit 1)
     assert (code, [line for line in lines(out) if line not in notes]) == (plain_code, lines(plain))
@@ -715,6 +715,8 @@ def test_a_history_check_with_full_iteration_fails_the_check(flag):
 # moe_layer_recompute from --recompute-modules), or only config objects carry them.
 NO_FLAG = {
     "model_te_rng_tracker", "batch_p2p_comm", "batch_p2p_sync", "grad_norm_skip_threshold",
+    # Megatron-LM derives params_dtype from --bf16/--fp16; mixed_precision is Bridge's recipe
+    "params_dtype", "mixed_precision",
 }  # fmt: skip
 
 
@@ -943,3 +945,23 @@ def test_the_check_command_plans_no_warmup_rewrite_for_its_own_string():
     code, out = check([*DENSE_FULL_ITERATION, "--cuda-graph-warmup-steps", "5"])
     assert code == 0
     assert "cuda-graph-warmup-steps=5 (was" not in out and "warmup=5" in out
+
+
+def test_te_graphs_read_the_precision_flags_of_the_command_line():
+    """Megatron-LM trains in fp32 without --bf16 or --fp16, and megatron-core's TE layer
+    graphs fail at the capture then (an H100, 2026-12-05); a pasted line may leave out what
+    does not concern the graphs, so without either flag the check notes it, with --fp16 it
+    refuses, with --bf16 it says nothing."""
+    argv = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn"]
+    said = "note: TE graphs need bf16 layers (megatron-core captures them with bfloat16"
+    code, out = check(argv)
+    assert code == 0 and said in out, out
+    code, out = check([*argv, "--bf16"])
+    assert code == 0 and "bf16 layers" not in out, out
+    code, out = check([*argv, "--fp16"])
+    assert code == 1 and said not in out, out
+    assert "--cuda-graph-impl, --fp16 = ('transformer_engine', True)" in out
+    assert "fix: train in bf16 (pass --bf16; drop --fp16)" in out
+    # full-iteration graphs are captured from the run's own tensors: any precision
+    code, out = check(["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"])
+    assert "bf16 layers" not in out

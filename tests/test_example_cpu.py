@@ -736,3 +736,30 @@ def test_the_plugin_judges_the_example_s_recompute_as_megatron_core_does(extra, 
             "fix: set --hidden-dropout=0.0" in problem.format()
         )
         assert "--recompute-modules" in problem.format()
+
+
+@pytest.mark.parametrize(
+    "precision, said",
+    [
+        ([], "layers whose parameters are fp32 fail at the capture step"),
+        (["--fp16", "--loss-scale", "4096"], "layers whose parameters are fp16 fail"),
+        (["--bf16"], None),
+    ],
+    ids=["fp32", "fp16", "bf16"],
+)
+def test_te_graphs_on_layers_not_in_bf16_are_refused_at_the_start(precision, said) -> None:
+    """An fp32 or fp16 run of the example with TE graphs failed at the capture step on the
+    GPU (an H100, 2026-12-05, both megatron-core versions: megatron-core's sample inputs
+    are bfloat16); the plugin now refuses it at the start, naming the example's flag."""
+    from cudagraph_plugin import check_config
+
+    parser = train_gpt.build_parser(get_plugin_manager())
+    args = parser.parse_args(
+        ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp", *precision]
+    )
+    result = check_config(args, te_version=None)
+    assert result.ok is (said is None)
+    if said is not None:
+        (problem,) = result.problems
+        assert said in problem.format()
+        assert "fix: train in bf16 (pass --bf16" in problem.format()

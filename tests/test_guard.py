@@ -449,7 +449,10 @@ def test_tensors_inside_objects_are_found_at_any_depth_and_containers_alone_are_
     "argv, copied",
     [
         (["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"], [True]),
-        (["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp"], [False]),
+        (
+            ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn,mlp", "--bf16"],
+            [False],
+        ),
     ],
     ids=["full_iteration", "te"],
 )

@@ -48,7 +48,7 @@ HOOKS_MD = REPO / "docs" / "hooks.md"
 OUT_ENV_VAR = "MCGRAPH_PROBE_OUT"
 FAIL_ENV_VAR = "MCGRAPH_PROBE_FAIL_AT"
 GRAPH_ARGS = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
-TE_ARGS = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn"]
+TE_ARGS = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn", "--bf16"]
 NOT_SOURCES = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__")
 
 

@@ -297,7 +297,7 @@ def test_warmups_started_over_are_said_with_the_bucket_reason() -> None:
 def test_a_capture_that_produced_no_graph_is_reported_as_no_capture(fake_graphs):
     _, rec = run_recorded(
         "--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "mamba",
-        "--cuda-graph-accept-eager", *WARMUP, steps=10,
+        "--cuda-graph-accept-eager", "--bf16", *WARMUP, steps=10,
     )  # fmt: skip
     data = rec.report.to_dict()
     assert data["graphs_captured"] is False

@@ -206,7 +206,8 @@ RULE_CASES = {
         bridge(scope="attn", cuda_graph_warmup_steps=0),
         full_iteration(cuda_graph_warmup_steps=0),
     ),
-    "_fp16_full_iteration": (bridge(scope="attn", fp16=True), full_iteration(fp16=True)),
+    "_fp16_full_iteration": (full_iteration(bf16=True), full_iteration(fp16=True)),
+    "_te_graphs_need_bf16_layers": (bridge(bf16=False, params_dtype="bf16"), bridge(bf16=False)),
     "_graphs_only_settings": (
         with_fallback(full_iteration()),
         with_fallback(bridge()),  # TE scopes: no full-iteration graph
@@ -1195,6 +1196,7 @@ def _mcore_config(**kwargs):
     from megatron.core.transformer import TransformerConfig
 
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
+    base["bf16"] = not kwargs.get("fp16")  # (TE graphs need bf16 layers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return TransformerConfig(**base, **kwargs)
@@ -2048,7 +2050,13 @@ def test_fp16_is_refused_with_full_iteration_only_when_its_loss_scale_is_dynamic
         phrase="scales the loss dynamically",
         fix="set a constant loss_scale (e.g. 4096), train in bf16",
     )
-    accepted(bridge(scope="attn,mlp", fp16=True))
+    # (TE scopes: no full-iteration graph reads the scaler; their fp16 layers are refused by
+    # another rule, _te_graphs_need_bf16_layers)
+    assert not [
+        problem
+        for problem in find_violations(read_settings(bridge(scope="attn,mlp", fp16=True)))
+        if "scales the loss" in problem.problem
+    ]
     # one scale tensor for the run (ConstantGradScaler): the captured iteration may read it
     accepted(with_optimizer(full_iteration(fp16=True), loss_scale=4096.0))
     # megatron-core: `if config.loss_scale:` -- 0 is the dynamic scaler
@@ -2599,3 +2607,20 @@ def test_report_paths_the_report_can_be_written_to_are_accepted(tmp_path, monkey
     for path in ("r.json", "old.json", str(tmp_path / "new" / "deeper" / "r.json"), None, ""):
         accepted(with_report(bridge(), path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]  # the check wrote nothing
+
+
+def test_a_bridge_mixed_precision_recipe_leaves_the_layers_precision_to_the_build_check():
+    """Megatron-Bridge's recipe sets model.bf16 when the config is finalised, which may come
+    after the run's configure: ``model.bf16=False`` beside a recipe says nothing yet (the
+    built model's parameters are checked at ``run.model_built()``)."""
+    config = bridge(bf16=False)
+    rejected(
+        config,
+        fields=["model.cuda_graph_impl", "model.bf16"],
+        value="('transformer_engine', False)",
+        phrase="layers whose parameters are fp32 fail at the capture step",
+        fix="train in bf16 (set model.bf16=True)",
+    )
+    config.mixed_precision = "bf16_mixed"
+    accepted(config)
+    assert read_settings(config).mixed_precision == "bf16_mixed"

@@ -86,6 +86,11 @@ class Settings:
     add_qkv_bias: bool = False
     add_bias_linear: bool = True  # megatron-core's default
     fp16: bool = False
+    bf16: bool | None = None  # None: the config does not say
+    params_dtype: str | None = None
+    # Megatron-Bridge's recipe (ConfigContainer.mixed_precision), which sets the model's
+    # bf16/fp16/params_dtype when the config is finalised: as given, or its class's name
+    mixed_precision: str | None = None
     pipeline_model_parallel_size: int | None = None
     tensor_model_parallel_size: int | None = None
     context_parallel_size: int | None = None
@@ -178,6 +183,22 @@ class Settings:
         return self.is_moe and (
             self.moe_expert_capacity_factor is None or not self.moe_pad_expert_input_to_capacity
         )
+
+    @property
+    def layer_dtype(self) -> str | None:
+        """The dtype the model's layers hold their parameters in (``fp32``, ``bf16``,
+        ``fp16``), where the config says: ``fp16`` and ``bf16`` (megatron-core's Float16Module
+        casts to them) before ``params_dtype``; None where it does not say (no ``bf16``
+        field) or a Megatron-Bridge recipe will decide when the config is finalised."""
+        if self.mixed_precision is not None:
+            return None
+        if self.fp16:
+            return "fp16"
+        if self.bf16 or self.params_dtype == "bf16":
+            return "bf16"
+        if self.bf16 is None:
+            return None
+        return self.params_dtype or "fp32"
 
     @property
     def effective_recompute_modules(self) -> tuple[str, ...]:

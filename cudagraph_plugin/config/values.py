@@ -304,6 +304,11 @@ def _to_optimizer_name(value: Any) -> str:
     return value
 
 
+def _to_recipe(value: Any) -> str:
+    """A mixed-precision recipe: its name as given, or the class of a recipe object."""
+    return value.strip() if isinstance(value, str) else type(value).__name__
+
+
 def _to_path(value: Any) -> Any:
     """The report's path: a string or a path object, kept as given (``""`` or ``False``:
     no report, as a YAML recipe's "off")."""
@@ -354,6 +359,8 @@ _PARSERS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "report_json": (_to_path, False),
     "grad_norm_skip_threshold": (_to_limit, True),
     "main_params_dtype": (_to_dtype_name, True),
+    "params_dtype": (_to_dtype_name, True),
+    "mixed_precision": (_to_recipe, True),
     "exp_avg_dtype": (_to_dtype_name, True),
     "exp_avg_sq_dtype": (_to_dtype_name, True),
     "timing_log_level": (_to_int(0, 0), True),
@@ -386,6 +393,7 @@ BOOL_SETTINGS = (
     "fp8_param",
     "use_distributed_optimizer",
     "fp16",
+    "bf16",
     "batch_p2p_comm",
     "batch_p2p_sync",
     "overlap_p2p_comm",

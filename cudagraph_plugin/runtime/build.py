@@ -21,6 +21,7 @@ from cudagraph_plugin.compat import buckets as bucket_compat
 from cudagraph_plugin.compat import grad_norm
 from cudagraph_plugin.config.errors import MCORE, CudaGraphConfigError, Violation
 from cudagraph_plugin.config.logs import JOB_WIDE
+from cudagraph_plugin.config.rules.model import TE_SAMPLE_DTYPE_FIX, TE_SAMPLE_DTYPE_PROBLEM
 from cudagraph_plugin.config.rules.optimizer import optimizer_step_problems
 from cudagraph_plugin.config.settings import Settings, read_settings
 from cudagraph_plugin.runtime.buckets import BucketGraphs
@@ -124,6 +125,34 @@ _UNWRAPPED_PROBLEM = (
 _UNWRAPPED_FIX = "wrap each model chunk in megatron-core's DistributedDataParallel"
 
 
+def _layer_dtype_problems(model: list[Any]) -> list[Violation]:
+    """TE graphs, where the config did not say the precision: a model none of whose
+    floating-point parameters is bfloat16 fails at the capture (megatron-core's sample
+    inputs are bfloat16)."""
+    dtypes = {
+        str(param.dtype).removeprefix("torch.")
+        for chunk in model
+        if callable(getattr(chunk, "parameters", None))  # (what a module is: said elsewhere)
+        for param in chunk.parameters()
+        if param.is_floating_point()
+    }
+    if not dtypes or "bfloat16" in dtypes:
+        return []
+    held = ", ".join(sorted(dtypes))
+    return [
+        Violation(
+            ("run.model_built(model=...)",),
+            f"parameters in {held}",
+            TE_SAMPLE_DTYPE_PROBLEM.format(dtype=held),
+            TE_SAMPLE_DTYPE_FIX.format(
+                bf16="bf16=True in the TransformerConfig and the model wrapped in "
+                "megatron-core's Float16Module, as Megatron-LM's get_model does, or "
+                "params_dtype=torch.bfloat16"
+            ),
+        )
+    ]
+
+
 def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer: Any) -> None:
     """Check what the host built for model graphs (every problem in one error); create the
     TE helper for TE scopes, the bucket graphs for ``cuda_graph_buckets``."""
@@ -153,6 +182,7 @@ def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer
             Violation(("num_microbatches_calculator",), "not initialised", *_CALC_FIX)
         )
     if state.te_mode:
+        violations += _layer_dtype_problems(model)
         unwrapped = [
             index
             for index, chunk in enumerate(model)

@@ -201,9 +201,8 @@ class PeerWatch(PeerInterrupt):
             ``release``), end the process this many seconds later unless :meth:`finish`
             settled first (:class:`ExitDeadline`); None: never.
         :param release: Offer :meth:`release_blocked_main_thread` to the run's stuck-signal
-            watch (with a deadline only). None: where the default process group is NCCL's,
-            whose abort ends a blocked collective (over gloo only the peer's exit does: the
-            release would only delay the run's own exit to the deadline).
+            watch (with a deadline only). None: over NCCL, whose abort ends a blocked
+            collective (over gloo only the peer's exit does: it would delay the exit).
         :raises RuntimeError: if another watch is running in this process.
         """
         global _generation, _active

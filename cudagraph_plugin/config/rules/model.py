@@ -1,4 +1,5 @@
-"""Rules on the model: MoE scopes and dispatchers, expert-parallel overlap, recompute."""
+"""Rules on the model: MoE scopes and dispatchers, expert-parallel overlap, recompute, the
+precision of the layers (TE graphs)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Iterator
 
 from cudagraph_plugin.config import environment
 from cudagraph_plugin.config.environment import Environment
-from cudagraph_plugin.config.errors import MCORE, MCORE_16, MCORE_19, Violation
+from cudagraph_plugin.config.errors import MCORE, MCORE_16, MCORE_19, Note, Violation
 from cudagraph_plugin.config.rules.base import did_you_mean, rule, scope_value, violation
 from cudagraph_plugin.config.settings import Settings
 
@@ -238,3 +239,48 @@ def _selective_recompute(s: Settings, env: Environment) -> Iterator[Violation]:
             f"{s.field('recompute_modules')}",
             (MCORE, "moe_input_jitter_eps is not supported with graphed moe recomputation"),
         )
+
+
+# -- precision --------------------------------------------------------------------------------
+
+TE_SAMPLE_DTYPE_PROBLEM = (
+    "megatron-core captures each layer's Transformer Engine graph with bfloat16 sample inputs "
+    "(TransformerLayer.get_layer_static_inputs), so layers whose parameters are {dtype} fail "
+    'at the capture step, after the warm-up ("expected scalar type BFloat16 but found '
+    '...", or Transformer Engine\'s "Data types for parameters must match")'
+)
+TE_SAMPLE_DTYPE_FIX = (
+    "train in bf16 ({bf16}), or use cuda_graph_impl=local with scope full_iteration (captured "
+    "from the run's own tensors, in any precision)"
+)
+
+
+@rule
+def _te_graphs_need_bf16_layers(s: Settings, env: Environment) -> Iterator[Violation | Note]:
+    dtype = s.layer_dtype
+    if s.impl != "transformer_engine" or dtype == "bf16":
+        return
+    if dtype is None:
+        if s.from_command_line and s.mixed_precision is None and s.bf16 is None:
+            yield Note(
+                "TE graphs need bf16 layers (megatron-core captures them with bfloat16 sample "
+                "inputs): without --bf16 (or --fp16) Megatron-LM trains in fp32, and the run "
+                "refuses that at its start; add --bf16 here if the run has it"
+            )
+        return
+    # (a command line without --bf16 holds no bf16 field to name: the switch it lacks)
+    given = "bf16" in s.paths or not s.from_command_line
+    bf16 = s.set_text("bf16", True) if given else "pass --bf16"
+    if dtype == "fp16":
+        names, values = ("impl", "fp16"), ("transformer_engine", True)
+        bf16 = f"{bf16}; {s.set_text('fp16', False)}"
+    else:
+        names = ("impl", "bf16", "params_dtype") if "params_dtype" in s.paths else ("impl", "bf16")
+        values = ("transformer_engine", False, dtype)[: len(names)]
+    yield violation(
+        s,
+        names,
+        values,
+        TE_SAMPLE_DTYPE_PROBLEM.format(dtype=dtype),
+        TE_SAMPLE_DTYPE_FIX.format(bf16=bf16),
+    )
