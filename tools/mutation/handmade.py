@@ -931,6 +931,32 @@ MUTANTS = [
         "            pass\n",
         (DEADLINE + "test_a_watch_whose_thread_cannot_start_leaves_no_offer_handler_or_registry",),
     ),
+    Mutant(
+        "te-layers-any-precision",
+        "TE layer graphs on fp32 or fp16 layers pass the configure-time check and fail at the "
+        "capture step, after the warm-up",
+        "cudagraph_plugin/config/rules/model.py",
+        '    if s.impl != "transformer_engine" or dtype == "bf16":\n',
+        "    if True:\n",
+        (
+            "tests/test_validation.py::test_each_rule_accepts_and_rejects[_te_graphs_need_bf16_"
+            "layers]",
+            "tests/test_example_cpu.py::test_te_graphs_on_layers_not_in_bf16_are_refused_at_the_"
+            "start[fp32]",
+        ),
+    ),
+    Mutant(
+        "te-built-layers-dtype-unchecked",
+        "a model none of whose parameters is bf16, its config silent on the precision, reaches "
+        "the TE capture",
+        "cudagraph_plugin/runtime/build.py",
+        "        violations += _layer_dtype_problems(model)\n",
+        "        pass\n",
+        (
+            "tests/test_build_checks.py::test_te_layers_not_in_bf16_are_refused_where_the_config_"
+            "did_not_say[float32]",
+        ),
+    ),
 ]
 
 
