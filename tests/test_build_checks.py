@@ -192,3 +192,17 @@ def test_full_iteration_graphs_take_any_precision(rng_tracker):
     rng_tracker(True)
     state = state_for(FULL, [_Chunk(torch.float32)], SimpleNamespace(**FULL))
     build.build_model_graphs(state, compat.DDPBuildContext(True), optimizer=None)
+
+
+def test_a_megatron_core_that_follows_the_config_s_dtype_takes_fp32_layers(
+    rng_tracker, te_helper, monkeypatch
+):
+    """(megatron-core's development branch builds the sample inputs in the config's dtype
+    since mid-2026: nothing to refuse there)"""
+    from cudagraph_plugin.config import environment
+
+    monkeypatch.setattr(environment, "mcore_te_samples_in_bf16", lambda: False)
+    rng_tracker(True)
+    state = state_for(TE, [_Chunk(torch.float32)])
+    build.build_model_graphs(state, compat.DDPBuildContext(False), optimizer=None)
+    assert len(te_helper.made) == 1

@@ -2048,7 +2048,8 @@ def test_fp16_is_refused_with_full_iteration_only_when_its_loss_scale_is_dynamic
         fields=("model.fp16", "loss_scale"),
         value="(True, None)",
         phrase="scales the loss dynamically",
-        fix="set a constant loss_scale (e.g. 4096), train in bf16",
+        fix="set a constant loss_scale (e.g. 4096), or train in bf16 (set model.fp16=False, "
+        "bf16 on; TE scopes such as attn,mlp then work too: they need bf16 layers)",
     )
     # (TE scopes: no full-iteration graph reads the scaler; their fp16 layers are refused by
     # another rule, _te_graphs_need_bf16_layers)
@@ -2619,8 +2620,61 @@ def test_a_bridge_mixed_precision_recipe_leaves_the_layers_precision_to_the_buil
         fields=["model.cuda_graph_impl", "model.bf16"],
         value="('transformer_engine', False)",
         phrase="layers whose parameters are fp32 fail at the capture step",
-        fix="train in bf16 (set model.bf16=True)",
+        fix='train in bf16 (set model.bf16=True, or mixed_precision="bf16_mixed", which sets '
+        "the optimizer's too), or use model.cuda_graph_impl=local with "
+        "model.cuda_graph_scope=full_iteration",
     )
     config.mixed_precision = "bf16_mixed"
     accepted(config)
     assert read_settings(config).mixed_precision == "bf16_mixed"
+    # (Bridge's optimizer.bf16 is not the layers' precision: not read, so no disagreement)
+    config.optimizer = NS(bf16=True)
+    assert not read_settings(config).disagreements
+
+
+def test_te_layer_precision_is_left_to_the_build_where_the_config_may_not_decide_it(
+    monkeypatch,
+):
+    """A flat config holding a TransformerConfig's defaults (bf16 off, fp32) may belong to a
+    host that casts the model itself (model.bfloat16()): the built model's parameters decide
+    (review of 2026-12-05). A megatron-core that builds the sample inputs in the config's
+    dtype (its development branch since mid-2026) refuses nothing."""
+    from cudagraph_plugin.config import environment
+
+    flat = {"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": "attn", "bf16": False}
+    accepted({**flat, "params_dtype": "torch.float32"})
+    rejected(
+        {**flat, "fp16": True},
+        fields=["cuda_graph_impl", "fp16"],
+        value="('transformer_engine', True)",
+        phrase="layers whose parameters are fp16 fail at the capture step",
+        fix="train in bf16 (set bf16=True; set fp16=False), or use cuda_graph_impl=local",
+    )
+    monkeypatch.setattr(environment, "mcore_te_samples_in_bf16", lambda: False)
+    accepted({**flat, "fp16": True})
+    accepted(bridge(bf16=False))
+
+
+def test_the_sample_inputs_dtype_is_read_from_the_installed_megatron_core(tmp_path, monkeypatch):
+    """0.16.1 (installed here) builds them as bfloat16; a megatron-core whose
+    ``get_layer_static_inputs`` takes the config's dtype (its development branch) does not
+    (read from the module's text: no import, no GPU)."""
+    from cudagraph_plugin.config import environment
+
+    environment.mcore_te_samples_in_bf16.cache_clear()
+    assert environment.mcore_te_samples_in_bf16() is True
+    module = tmp_path / "module.py"
+    module.write_text(
+        "class GraphableMegatronModule:\n"
+        "    def get_layer_static_inputs(self, seq_length, micro_batch_size):\n"
+        "        dtype = self.config.params_dtype\n"
+        "        return {'hidden_states': torch.ones((1,), dtype=dtype)}\n\n"
+        "    def other(self):\n"
+        "        return torch.ones((1,), dtype=torch.bfloat16)\n"
+    )
+    monkeypatch.setattr(environment, "_megatron_file", lambda *parts: module)
+    environment.mcore_te_samples_in_bf16.cache_clear()
+    try:
+        assert environment.mcore_te_samples_in_bf16() is False
+    finally:
+        environment.mcore_te_samples_in_bf16.cache_clear()

@@ -116,6 +116,27 @@ def mcore_spells_modules() -> bool | None:
     return None if text is None else "cuda_graph_modules" in text
 
 
+@functools.cache
+def mcore_te_samples_in_bf16() -> bool | None:
+    """Whether the installed megatron-core builds every layer's TE-graph sample inputs as
+    bfloat16, whatever the model's precision (``get_layer_static_inputs`` in
+    ``transformer/module.py``: the 0.16 to 0.20 releases; its development branch takes the
+    config's dtype since mid-2026). None: no megatron-core found. Reads the module's text,
+    without importing megatron-core."""
+    path = _megatron_file("core", "transformer", "module.py")
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    start = text.find("def get_layer_static_inputs")
+    if start == -1:
+        return False
+    end = text.find("\n    def ", start + 1)
+    return "dtype=torch.bfloat16" in text[start : end if end != -1 else len(text)]
+
+
 def full_iteration_scope_turns_graphs_on(s: Settings) -> bool:
     """``cuda_graph_impl`` none with ``full_iteration`` in the scope, where megatron-core reads
     that as graphs on: 0.18+ migrates this deprecated spelling to

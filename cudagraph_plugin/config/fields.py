@@ -119,7 +119,9 @@ FIELD_PATHS: dict[str, tuple[str, ...]] = {
     "add_qkv_bias": ("model.add_qkv_bias", "add_qkv_bias"),
     "add_bias_linear": ("model.add_bias_linear", "add_bias_linear"),
     "fp16": ("model.fp16", "optimizer.fp16", "fp16"),
-    "bf16": ("model.bf16", "optimizer.bf16", "bf16"),
+    # (the model's: Bridge's optimizer.bf16 differs from it until a mixed_precision recipe
+    # sets both, and the layers' precision is the model's)
+    "bf16": ("model.bf16", "bf16"),
     "params_dtype": ("model.params_dtype", "params_dtype"),
     "mixed_precision": ("mixed_precision",),
     "pipeline_model_parallel_size": (

@@ -19,6 +19,7 @@ from typing import Any
 from cudagraph_plugin import compat
 from cudagraph_plugin.compat import buckets as bucket_compat
 from cudagraph_plugin.compat import grad_norm
+from cudagraph_plugin.config import environment
 from cudagraph_plugin.config.errors import MCORE, CudaGraphConfigError, Violation
 from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.config.rules.model import TE_SAMPLE_DTYPE_FIX, TE_SAMPLE_DTYPE_PROBLEM
@@ -147,7 +148,9 @@ def _layer_dtype_problems(model: list[Any]) -> list[Violation]:
             TE_SAMPLE_DTYPE_FIX.format(
                 bf16="bf16=True in the TransformerConfig and the model wrapped in "
                 "megatron-core's Float16Module, as Megatron-LM's get_model does, or "
-                "params_dtype=torch.bfloat16"
+                "params_dtype=torch.bfloat16",
+                impl="cuda_graph_impl",
+                scope="cuda_graph_scope",
             ),
         )
     ]
@@ -181,7 +184,7 @@ def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer
         violations.append(
             Violation(("num_microbatches_calculator",), "not initialised", *_CALC_FIX)
         )
-    if state.te_mode:
+    if state.te_mode and environment.mcore_te_samples_in_bf16() is not False:
         violations += _layer_dtype_problems(model)
         unwrapped = [
             index

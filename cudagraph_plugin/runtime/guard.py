@@ -359,7 +359,8 @@ class ShapeGuard:
                     "the tensors of dicts, lists and tuples), so every replay would read it "
                     "where it was at the capture. Fix: put the tensor itself in the batch "
                     "dict (e.g. cu_seqlens) and build the object (e.g. PackedSeqParams) in "
-                    "forward_step, as Megatron-LM does; or use TE scopes such as attn,mlp"
+                    "forward_step, as Megatron-LM does; or use TE scopes such as attn,mlp "
+                    "(bf16 layers)"
                 )
             recording.batches[(chunk, index)] = (fingerprint(batch), signature(batch))
             return

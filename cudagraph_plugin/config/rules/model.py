@@ -250,37 +250,50 @@ TE_SAMPLE_DTYPE_PROBLEM = (
     '...", or Transformer Engine\'s "Data types for parameters must match")'
 )
 TE_SAMPLE_DTYPE_FIX = (
-    "train in bf16 ({bf16}), or use cuda_graph_impl=local with scope full_iteration (captured "
-    "from the run's own tensors, in any precision)"
+    "train in bf16 ({bf16}), or use {impl}=local with {scope}=full_iteration (captured from "
+    "the run's own tensors, in any precision)"
 )
 
 
 @rule
 def _te_graphs_need_bf16_layers(s: Settings, env: Environment) -> Iterator[Violation | Note]:
     dtype = s.layer_dtype
-    if s.impl != "transformer_engine" or dtype == "bf16":
+    if (
+        s.impl != "transformer_engine"
+        or dtype == "bf16"
+        or environment.mcore_te_samples_in_bf16() is False  # (it takes the config's dtype)
+    ):
         return
     if dtype is None:
         if s.from_command_line and s.mixed_precision is None and s.bf16 is None:
             yield Note(
                 "TE graphs need bf16 layers (megatron-core captures them with bfloat16 sample "
-                "inputs): without --bf16 (or --fp16) Megatron-LM trains in fp32, and the run "
-                "refuses that at its start; add --bf16 here if the run has it"
+                "inputs); this command line says no precision (no --bf16 or --fp16), with "
+                "which Megatron-LM trains in fp32 and the capture fails: pass --bf16 (the "
+                "layers' dtypes are checked once the model is built)"
             )
         return
+    path = s.paths.get("bf16", "")
+    if dtype == "fp32" and not s.from_command_line and path == "bf16":
+        # a flat config (a TransformerConfig's defaults: bf16 off, fp32) whose host may cast
+        # the model itself (model.bfloat16()): the parameters say it at run.model_built()
+        return
     # (a command line without --bf16 holds no bf16 field to name: the switch it lacks)
-    given = "bf16" in s.paths or not s.from_command_line
-    bf16 = s.set_text("bf16", True) if given else "pass --bf16"
+    bf16 = s.set_text("bf16", True) if path or not s.from_command_line else "pass --bf16"
+    if "." in path:  # (Megatron-Bridge: the optimizer's bf16 too, which the recipe sets)
+        bf16 += ', or mixed_precision="bf16_mixed", which sets the optimizer\'s too'
     if dtype == "fp16":
         names, values = ("impl", "fp16"), ("transformer_engine", True)
         bf16 = f"{bf16}; {s.set_text('fp16', False)}"
     else:
-        names = ("impl", "bf16", "params_dtype") if "params_dtype" in s.paths else ("impl", "bf16")
+        # (Megatron-LM derives params_dtype from --bf16/--fp16: no flag of its own to name)
+        dtype_named = "params_dtype" in s.paths and not s.from_command_line
+        names = ("impl", "bf16", "params_dtype") if dtype_named else ("impl", "bf16")
         values = ("transformer_engine", False, dtype)[: len(names)]
     yield violation(
         s,
         names,
         values,
         TE_SAMPLE_DTYPE_PROBLEM.format(dtype=dtype),
-        TE_SAMPLE_DTYPE_FIX.format(bf16=bf16),
+        TE_SAMPLE_DTYPE_FIX.format(bf16=bf16, impl=s.field("impl"), scope=s.field("scope")),
     )

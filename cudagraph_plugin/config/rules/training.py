@@ -110,7 +110,7 @@ def _history_checks(s: Settings, env: Environment) -> Iterator[Violation]:
                 f"full_iteration CUDA graph with {setting}: {what} with its history on the "
                 "host (megatron-core's rerun state machine, a device synchronisation) inside "
                 "the captured iteration",
-                f"{s.set_text(setting, False)}, or use TE scopes such as attn,mlp",
+                f"{s.set_text(setting, False)}, or use TE scopes such as attn,mlp on bf16 layers",
             )
 
 
@@ -143,8 +143,9 @@ def _fp16_full_iteration(s: Settings, env: Environment) -> Iterator[Violation]:
             "scaler checks the gradients for inf/NaN on the host and replaces its scale tensor "
             "when it changes the scale, so a captured iteration would go on using the scale it "
             "was captured with",
-            f"set a constant {s.field('loss_scale')} (e.g. 4096), train in bf16 "
-            f"({s.set_text('fp16', False)}, bf16 on), or use TE scopes such as attn,mlp",
+            f"set a constant {s.field('loss_scale')} (e.g. 4096), or train in bf16 "
+            f"({s.set_text('fp16', False)}, bf16 on; TE scopes such as attn,mlp then work too: "
+            "they need bf16 layers)",
         )
 
 
@@ -211,8 +212,8 @@ def _pipeline_full_iteration(s: Settings, env: Environment) -> Iterator[Violatio
                 "only with virtual pipeline stages",
                 "use virtual pipeline stages (--num-layers-per-virtual-pipeline-stage or "
                 "--num-virtual-stages-per-pipeline-rank) without --no-overlap-p2p-communication, "
-                "or use TE scopes such as attn,mlp (the virtual stages are read from the args "
-                "validate_args returns, which derives them)",
+                "or use TE scopes such as attn,mlp on bf16 layers (the virtual stages are read "
+                "from the args validate_args returns, which derives them)",
                 reference,
             )
         else:
@@ -222,8 +223,9 @@ def _pipeline_full_iteration(s: Settings, env: Environment) -> Iterator[Violatio
                 (s.pipeline_model_parallel_size, True, True),
                 problem,
                 f"{s.set_text('batch_p2p_comm', False)} or {s.set_text('batch_p2p_sync', False)}, "
-                "or use TE scopes such as attn,mlp (Megatron-LM passes batch_p2p_comm=False "
-                "with virtual pipeline stages, unless --no-overlap-p2p-communication)",
+                "or use TE scopes such as attn,mlp on bf16 layers (Megatron-LM passes "
+                "batch_p2p_comm=False with virtual pipeline stages, unless "
+                "--no-overlap-p2p-communication)",
                 reference,
             )
     if s.overlap_param_gather_with_optimizer_step:
