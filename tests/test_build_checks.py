@@ -178,7 +178,7 @@ def test_te_layers_not_in_bf16_are_refused_where_the_config_did_not_say(
     with pytest.raises(CudaGraphConfigError) as info:
         build.build_model_graphs(state, compat.DDPBuildContext(False), optimizer=None)
     [problem] = info.value.violations
-    assert problem.value == f"parameters in {dtype}"
+    assert problem.value == f"1 of 1 model chunk(s) with parameters in {dtype}"
     assert "bfloat16 sample inputs" in problem.problem
     assert "Float16Module" in problem.fix and "cuda_graph_impl=local" in problem.fix
     assert te_helper.made == []
@@ -206,3 +206,41 @@ def test_a_megatron_core_that_follows_the_config_s_dtype_takes_fp32_layers(
     state = state_for(TE, [_Chunk(torch.float32)])
     build.build_model_graphs(state, compat.DDPBuildContext(False), optimizer=None)
     assert len(te_helper.made) == 1
+
+
+def test_the_layers_megatron_core_graphs_are_judged_not_the_whole_model(rng_tracker, te_helper):
+    """A bf16 embedding does not make fp32 transformer layers capturable: the layers the
+    helper graphs (megatron-core's GraphableMegatronModule) are judged one by one (review
+    of 2026-12-05: any bf16 parameter of the model let it through)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from test_compat import _world
+
+    with _world():
+        config = TransformerConfig(
+            num_layers=2, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True
+        )
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=32,
+            max_sequence_length=8,
+        )
+        gpt.zero_grad_buffer = lambda: None  # (what DDP gives the helper)
+        gpt.embedding.to(torch.bfloat16)
+        rng_tracker(True)
+        with pytest.raises(CudaGraphConfigError) as info:
+            build.build_model_graphs(
+                state_for(TE, [gpt]), compat.DDPBuildContext(False), optimizer=None
+            )
+        [problem] = info.value.violations
+        assert problem.value == "2 of 2 graphable layer(s) with parameters in float32"
+        gpt.decoder.layers[0].to(torch.bfloat16)  # (one layer in bf16: the other still fails)
+        with pytest.raises(CudaGraphConfigError, match="1 of 2 graphable layer"):
+            build.build_model_graphs(
+                state_for(TE, [gpt]), compat.DDPBuildContext(False), optimizer=None
+            )
+        gpt.bfloat16()
+        build.build_model_graphs(state_for(TE, [gpt]), compat.DDPBuildContext(False), None)
+        assert len(te_helper.made) == 1

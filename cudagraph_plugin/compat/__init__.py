@@ -89,6 +89,7 @@ from cudagraph_plugin.compat.optimizer import (
 from cudagraph_plugin.compat.te import (
     end_stuck_te_capture,
     free_te_graphs,
+    graphable_layers,
     make_te_helper,
     num_microbatches_calculator_ready,
     te_capture_done,
@@ -145,6 +146,7 @@ __all__ = [
     "full_iteration_state_dirty",
     "gather_across_ranks",
     "grad_norm_on_device",
+    "graphable_layers",
     "has_optimizer_graph",
     "is_full_iteration_wrapper",
     "is_optimizer_graph_wrapper",

@@ -37,6 +37,24 @@ def _model_pg_collection(model: list[Any]) -> Any:
     return None if module is None else module.pg_collection
 
 
+def graphable_layers(model: list[Any]) -> list[Any]:
+    """The model chunks' layers megatron-core's TE helper graphs: its innermost
+    ``GraphableMegatronModule``s (transformer and Mamba layers, not the block that holds
+    them), in the model's own order."""
+    from megatron.core.transformer.module import GraphableMegatronModule
+
+    def graphable(module: Any) -> bool:
+        return isinstance(module, GraphableMegatronModule)
+
+    return [
+        module
+        for chunk in model
+        if callable(getattr(chunk, "modules", None))
+        for module in chunk.modules()
+        if graphable(module) and not any(map(graphable, list(module.modules())[1:]))
+    ]
+
+
 def te_capture_done(helper: Any) -> bool:
     """``create_cudagraphs()`` has run (0.19 separates this from "graphs exist")."""
     if hasattr(helper, "capture_finished"):

@@ -127,23 +127,29 @@ _UNWRAPPED_FIX = "wrap each model chunk in megatron-core's DistributedDataParall
 
 
 def _layer_dtype_problems(model: list[Any]) -> list[Violation]:
-    """TE graphs, where the config did not say the precision: a model none of whose
-    floating-point parameters is bfloat16 fails at the capture (megatron-core's sample
-    inputs are bfloat16)."""
-    dtypes = {
-        str(param.dtype).removeprefix("torch.")
-        for chunk in model
-        if callable(getattr(chunk, "parameters", None))  # (what a module is: said elsewhere)
-        for param in chunk.parameters()
-        if param.is_floating_point()
-    }
-    if not dtypes or "bfloat16" in dtypes:
+    """TE graphs, where the config did not say the precision: a graphable layer none of
+    whose floating-point parameters is bfloat16 fails at the capture (megatron-core's sample
+    inputs are bfloat16). Where no layer is megatron-core's (a host's own modules), each
+    chunk is judged as a whole."""
+    layers = compat.graphable_layers(model)
+    groups = layers or [chunk for chunk in model if callable(getattr(chunk, "parameters", None))]
+    failing: list[set[str]] = []
+    for group in groups:
+        dtypes = {
+            str(param.dtype).removeprefix("torch.")
+            for param in group.parameters()
+            if param.is_floating_point()
+        }
+        if dtypes and "bfloat16" not in dtypes:
+            failing.append(dtypes)
+    if not failing:
         return []
-    held = ", ".join(sorted(dtypes))
+    held = ", ".join(sorted(set().union(*failing)))
+    what = "graphable layer(s)" if layers else "model chunk(s)"
     return [
         Violation(
             ("run.model_built(model=...)",),
-            f"parameters in {held}",
+            f"{len(failing)} of {len(groups)} {what} with parameters in {held}",
             TE_SAMPLE_DTYPE_PROBLEM.format(dtype=held),
             TE_SAMPLE_DTYPE_FIX.format(
                 bf16="bf16=True in the TransformerConfig and the model wrapped in "
