@@ -1,8 +1,8 @@
 """What the plugin checks and sets up once the host has built its model: the model given as
 a list of chunks, the RNG tracker (again: a host may skip ``run.rng_initialized()`` or
 reseed after it), the model config against the configured settings, the DDP build stream,
-megatron-core's micro-batch calculator and DDP-wrapped chunks (TE graphs), the optimizer
-graph's prerequisites; then the TE helper and the optimizer graph.
+megatron-core's micro-batch calculator, DDP-wrapped chunks and bf16 layers (TE graphs), the
+optimizer graph's prerequisites; then the TE helper and the optimizer graph.
 
 The model-build checks raise one
 :class:`~cudagraph_plugin.config.errors.CudaGraphConfigError` listing every problem with
