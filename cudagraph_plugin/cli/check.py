@@ -278,9 +278,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     on("--sequence-parallel", "sequence_parallel")
     on("--fp16", "fp16")
     # (absent: not known; a pasted line may leave out what does not concern the graphs)
-    parallel.add_argument(
-        *_flags("bf16"), dest="bf16", action="store_true", default=argparse.SUPPRESS
-    )
+    given("bf16", action="store_true")
     given("loss_scale", help="a constant loss scale (fp16; none: megatron-core's dynamic scaler)")
     given("optimizer", metavar="{adam,sgd}")
     on("--use-distributed-optimizer", "use_distributed_optimizer")

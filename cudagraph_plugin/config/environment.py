@@ -94,17 +94,22 @@ def has_optimizer_graph() -> bool | None:
     return _megatron_file("core", "optimizer", "optimizer_cuda_graph.py") is not None
 
 
-@functools.cache
-def _transformer_config_source() -> str | None:
-    """The text of the installed megatron-core's ``transformer_config.py`` (None: not found or
-    not readable), read once, without importing megatron-core."""
-    source = _megatron_file("core", "transformer", "transformer_config.py")
+def _megatron_text(*parts: str) -> str | None:
+    """The text of a file of the installed megatron package (None: not found or not
+    readable), without importing it."""
+    source = _megatron_file(*parts)
     if source is None:
         return None
     try:
         return source.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None
+
+
+@functools.cache
+def _transformer_config_source() -> str | None:
+    """The text of the installed megatron-core's ``transformer_config.py``, read once."""
+    return _megatron_text("core", "transformer", "transformer_config.py")
 
 
 @functools.cache
@@ -123,12 +128,8 @@ def mcore_te_samples_in_bf16() -> bool | None:
     ``transformer/module.py``: the 0.16 to 0.20 releases; its development branch takes the
     config's dtype since mid-2026). None: no megatron-core found. Reads the module's text,
     without importing megatron-core."""
-    path = _megatron_file("core", "transformer", "module.py")
-    if path is None:
-        return None
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
+    text = _megatron_text("core", "transformer", "module.py")
+    if text is None:
         return None
     start = text.find("def get_layer_static_inputs")
     if start == -1:
