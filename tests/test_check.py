@@ -964,4 +964,9 @@ def test_te_graphs_read_the_precision_flags_of_the_command_line():
     assert "fix: train in bf16 (pass --bf16; drop --fp16)" in out
     # full-iteration graphs are captured from the run's own tensors: any precision
     code, out = check(["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"])
-    assert "bf16 layers" not in out
+    assert code == 0 and "TE graphs need bf16 layers" not in out, out
+    # (its advice towards TE scopes says what they need: the line says no precision)
+    assert "(start with TE attn,mlp on bf16 layers)" in out
+    fp16 = ["--fp16", "--loss-scale", "4096"]
+    code, out = check(["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration", *fp16])
+    assert code == 0 and "start with TE" not in out, out  # they would be refused

@@ -1438,6 +1438,37 @@ def test_no_advice_against_full_iteration_where_buckets_need_it():
     assert scope_notes(full_iteration()) != []
 
 
+@pytest.mark.parametrize("precision", [dict(bf16=False), dict(fp16=True)], ids=["fp32", "fp16"])
+def test_no_advice_towards_te_scopes_that_the_layers_precision_would_refuse(precision):
+    """(2026-12-05: an fp32 loop on full_iteration was told to start with TE attn,mlp, which
+    the rules then refuse: megatron-core captures TE layer graphs with bf16 samples.)"""
+    assert scope_notes(full_iteration(**precision)) == []
+    # what the advice would have led to:
+    (refused,) = find_violations(read_settings(bridge(**precision)))
+    assert "bfloat16 sample inputs" in refused.text
+    (note,) = scope_notes(full_iteration(bf16=True))
+    assert "(start with TE attn,mlp):" in note
+    (note,) = scope_notes(full_iteration())  # a config that does not say its precision
+    assert "(start with TE attn,mlp on bf16 layers):" in note
+
+
+def test_advice_towards_te_scopes_for_any_precision_where_megatron_core_takes_the_config_s(
+    monkeypatch,
+):
+    monkeypatch.setattr(environment, "mcore_te_samples_in_bf16", lambda: False)
+    (note,) = scope_notes(full_iteration(bf16=False))
+    assert "(start with TE attn,mlp):" in note
+    (note,) = scope_notes(full_iteration())
+    assert "(start with TE attn,mlp):" in note
+
+
+def test_advice_towards_te_scopes_for_local_spec_layers():
+    """Layers built with the local spec are captured by TE graphs too (bf16, measured on an
+    H100, 2026-12-05): the spec is no reason to keep quiet."""
+    (note,) = scope_notes(full_iteration(bf16=True, transformer_impl="local"))
+    assert "start with TE attn,mlp" in note
+
+
 def test_advice_expandable_segments():
     env = {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6,expandable_segments:True"}
     (note,) = notes(bridge(), env)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from cudagraph_plugin.config import environment
 from cudagraph_plugin.config.environment import expandable_segments_source
 from cudagraph_plugin.config.rules.base import scope_value
 from cudagraph_plugin.config.settings import Settings
@@ -23,6 +24,15 @@ def _model_kind(s: Settings) -> str:
     if not s.is_moe:
         return "dense"
     return "dropless MoE" if s.dropless_moe else "drop-and-pad MoE"
+
+
+def _te_layer_graphs_refused(s: Settings) -> bool:
+    """Whether the configuration rules refuse TE layer graphs for the layers' precision (the
+    config says fp32 or fp16, and the installed megatron-core captures them with bfloat16
+    sample inputs): then advising TE scopes would send the user to a refusal. Layers built
+    with the local spec are no reason: TE graphs capture them too (bf16, measured on an H100
+    on 2026-12-05)."""
+    return s.layer_dtype in ("fp32", "fp16") and environment.mcore_te_samples_in_bf16() is not False
 
 
 RECOMMENDED_SCOPES = {
@@ -49,14 +59,17 @@ def advice(settings: Settings, environ: Any = None) -> list[str]:
     scope = set(s.scope)
     if not scope <= set(SCOPES):
         pass  # unknown or deprecated names: validation says what is wrong with the scope
-    elif s.full_iteration and s.transformer_impl == "local":
-        pass  # per-layer TE graphs need Transformer Engine layers: full_iteration is the option
+    elif s.full_iteration and _te_layer_graphs_refused(s):
+        pass  # fp32 or fp16 layers: full_iteration is the option (TE scopes would be refused)
     elif s.full_iteration and s.buckets:
         pass  # graphs per length bucket are full-iteration graphs: no narrower option
     elif s.full_iteration:
+        # (a precision the config does not say: the layers' dtype is checked at the build)
+        unsaid = s.layer_dtype is None and environment.mcore_te_samples_in_bf16() is not False
         notes.append(
             f"scope full_iteration is wider than recommended for a first {kind} run "
-            f"(start with TE {','.join(recommended)}): it can raise peak memory 1.5-2x; "
+            f"(start with TE {','.join(recommended)}{' on bf16 layers' if unsaid else ''}): "
+            "it can raise peak memory 1.5-2x; "
             "check replay works and memory fits, and compare eager vs replay"
         )
     elif scope and scope < set(recommended):
