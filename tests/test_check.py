@@ -956,6 +956,8 @@ def test_te_graphs_read_the_precision_flags_of_the_command_line():
     said = "note: TE graphs need bf16 layers (megatron-core captures them with bfloat16"
     code, out = check(argv)
     assert code == 0 and said in out, out
+    # (said at run time too, by argparse hosts without a precision flag: no "pass --bf16")
+    assert "a Megatron-LM launcher then trains in fp32 and its capture fails" in out
     code, out = check([*argv, "--bf16"])
     assert code == 0 and "bf16 layers" not in out, out
     code, out = check([*argv, "--fp16"])

@@ -267,10 +267,12 @@ def _te_graphs_need_bf16_layers(s: Settings, env: Environment) -> Iterator[Viola
     if dtype is None:
         if s.from_command_line and s.mixed_precision is None and s.bf16 is None:
             yield Note(
+                # (worded for any argparse host too: at run time it is said where the
+                # command line has no precision flag at all, e.g. examples/minimal_loop.py)
                 "TE graphs need bf16 layers (megatron-core captures them with bfloat16 sample "
-                "inputs); this command line says no precision (no --bf16 or --fp16), with "
-                "which Megatron-LM trains in fp32 and the capture fails: pass --bf16 (the "
-                "layers' dtypes are checked once the model is built)"
+                "inputs), and this command line says no precision (no --bf16 or --fp16): a "
+                "Megatron-LM launcher then trains in fp32 and its capture fails (give it "
+                "--bf16); the layers' dtypes are checked once the model is built"
             )
         return
     path = s.paths.get("bf16", "")
