@@ -37,7 +37,8 @@ flags) except ``--eval-interval`` (the rollouts are this loop's forward-only pas
 (megatron-core splits each sequence over those ranks; the rollouts are not padded)::
 
     python examples/rl_loop.py --cuda-graph-impl local --cuda-graph-scope full_iteration \\
-        --cuda-graph-buckets 16,32,48 --seq-length 48 --train-iters 60 --offload-interval 10
+        --cuda-graph-buckets 16,32,48 --seq-length 48 --train-iters 60 --offload-interval 10 \\
+        --bf16
     torchrun --nproc-per-node 2 examples/rl_loop.py ...
 """
 

@@ -972,3 +972,19 @@ def test_te_graphs_read_the_precision_flags_of_the_command_line():
     fp16 = ["--fp16", "--loss-scale", "4096"]
     code, out = check(["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration", *fp16])
     assert code == 0 and "start with TE" not in out, out  # they would be refused
+
+
+def test_check_refuses_buckets_beyond_megatron_lm_s_learned_position_embeddings():
+    """Megatron-LM's position embeddings are learned_absolute by default, their table as long
+    as --max-position-embeddings (else --seq-length): a bucket beyond it is a problem."""
+    argv = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
+    argv += ["--cuda-graph-buckets", "16,32,64", "--seq-length", "48"]
+    code, out = check(argv)
+    assert code == 1, out
+    assert "--cuda-graph-buckets, --seq-length, --position-embedding-type = " in out
+    assert "('16,32,64', 48, 'learned_absolute')" in out
+    assert "fix: give buckets up to 48 (e.g. 16,32,48)" in out
+    code, out = check([*argv, "--max-position-embeddings", "64"])
+    assert code == 0, out
+    code, out = check([*argv, "--position-embedding-type", "rope"])
+    assert code == 0 and "go up to" not in out, out

@@ -2364,6 +2364,60 @@ def test_buckets_refuse_what_they_do_not_serve(top, model, phrase):
 
 
 @pytest.mark.parametrize(
+    "impl, scope, said",
+    [
+        ("local", "full_iteraton", "did you mean full_iteration?"),
+        ("lcoal", "full_iteration", "did you mean local?"),
+    ],
+)
+def test_buckets_leave_a_misspelt_impl_or_scope_to_its_own_rule(impl, scope, said):
+    """(user trial, 2026-12-05: a typo in the scope was first told "sequence-length buckets
+    are full-iteration graphs ... use cuda_graph_impl=local with scope full_iteration", what
+    the user had asked for.)"""
+    config = bridge(impl, scope, cuda_graph_buckets="256,512")
+    [violation] = find_violations(read_settings(config))
+    assert said in violation.fix
+    # a known scope that buckets do not serve is still refused by the bucket rule
+    texts = [v.text for v in find_violations(read_settings(bridge(cuda_graph_buckets="256")))]
+    assert any("buckets are full-iteration graphs" in text for text in texts), texts
+
+
+def test_buckets_beyond_the_learned_position_embeddings_are_refused_where_the_config_says_them():
+    """(user trial, 2026-12-05: check said OK for buckets 16,32,64 on a model of 48 learned
+    positions, which the model build refuses on a GPU and the model itself fails at.)"""
+    config = full_iteration(
+        cuda_graph_buckets="16,32,64", seq_length=48, position_embedding_type="learned_absolute"
+    )
+    [violation] = find_violations(read_settings(config))
+    assert violation.fields == (
+        "model.cuda_graph_buckets",
+        "model.seq_length",
+        "model.position_embedding_type",
+    )
+    assert violation.value == "('16,32,64', 48, 'learned_absolute')"
+    assert "learned position embeddings end at 48: a step padded to bucket(s) 64" in violation.text
+    assert violation.fix.startswith("give buckets up to 48 (e.g. 16,32,48), or a model with ")
+    assert "model.position_embedding_type=rope" in violation.fix
+    # Megatron-LM's table ends at max_position_embeddings where it is given
+    config.model.max_position_embeddings = 64
+    accepted(config)
+    config.model.max_position_embeddings = 60
+    [violation] = find_violations(read_settings(config))
+    assert violation.fields[1] == "model.max_position_embeddings" and "end at 60" in violation.text
+    # rotary embeddings have no table to run past: neither a problem nor advice
+    rope = full_iteration(
+        cuda_graph_buckets="16,32,64", seq_length=48, position_embedding_type="rope"
+    )
+    accepted(rope)
+    assert not [n for n in notes(rope) if "position" in n]
+    # a config that does not say its position embeddings gets the advice only
+    unsaid = full_iteration(cuda_graph_buckets="16,32,64", seq_length=48)
+    accepted(unsaid)
+    [note] = [n for n in notes(unsaid) if "go up to" in n]
+    assert "cuda_graph_buckets go up to 64 but model.seq_length is 48" in note
+
+
+@pytest.mark.parametrize(
     "model,multiple,fields",
     [
         (dict(tensor_model_parallel_size=2, sequence_parallel=True), 2, 3),

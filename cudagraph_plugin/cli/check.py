@@ -174,6 +174,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="the layer implementation (Megatron-LM's default: transformer_engine)",
     )
     value("seq_length")
+    value(
+        "position_embedding_type",
+        "learned_absolute",
+        metavar="{learned_absolute,rope,...}",
+        help="Megatron-LM's default: learned_absolute, whose table ends at "
+        "--max-position-embeddings (default: --seq-length)",
+    )
+    value("max_position_embeddings")
     value("micro_batch_size")
     value("num_experts", help="MoE experts (num_moe_experts)")
     value("moe_expert_capacity_factor")

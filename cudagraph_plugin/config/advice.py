@@ -92,7 +92,13 @@ def advice(settings: Settings, environ: Any = None) -> list[str]:
             f"{source} has expandable_segments:True: CUDA graphs then need "
             "NCCL_GRAPH_REGISTER=0 (the preflight sets it when it can)"
         )
-    if s.buckets and s.seq_length is not None and max(s.buckets) > s.seq_length:
+    # (where the config says learned position embeddings, the rules refuse such buckets)
+    if (
+        s.buckets
+        and s.position_embedding_type is None
+        and s.seq_length is not None
+        and max(s.buckets) > s.seq_length
+    ):
         notes.append(
             f"cuda_graph_buckets go up to {max(s.buckets)} but {s.field('seq_length')} is "
             f"{s.seq_length}: a model with learned position embeddings has none beyond it"

@@ -66,6 +66,11 @@ FIELD_PATHS: dict[str, tuple[str, ...]] = {
     "external_cuda_graph": ("model.external_cuda_graph", "external_cuda_graph"),
     "seq_length": ("model.seq_length", "dataset.sequence_length", "seq_length"),
     "micro_batch_size": ("train.micro_batch_size", "micro_batch_size"),
+    # (a GPTModel argument, not a TransformerConfig field: Megatron-LM's args and
+    # Megatron-Bridge's model provider hold it; its learned table ends at
+    # max_position_embeddings, Megatron-LM's flag, else at seq_length)
+    "position_embedding_type": ("model.position_embedding_type", "position_embedding_type"),
+    "max_position_embeddings": ("model.max_position_embeddings", "max_position_embeddings"),
     "variable_seq_lengths": ("model.variable_seq_lengths", "variable_seq_lengths"),
     "num_moe_experts": ("model.num_moe_experts", "num_moe_experts", "num_experts"),
     "moe_expert_capacity_factor": (

@@ -60,6 +60,8 @@ class Settings:
     enable_cuda_graph: bool = False
     external_cuda_graph: bool = False
     seq_length: int | None = None
+    position_embedding_type: str | None = None
+    max_position_embeddings: int | None = None
     micro_batch_size: int | None = None
     variable_seq_lengths: bool = False
     num_moe_experts: int | None = None
@@ -154,6 +156,21 @@ class Settings:
     @property
     def pipeline_parallel(self) -> bool:
         return (self.pipeline_model_parallel_size or 1) > 1
+
+    @property
+    def learned_positions_end(self) -> tuple[str, int] | None:
+        """Where a model with learned position embeddings (``learned_absolute``) has none
+        further, and the setting that says so: ``max_position_embeddings`` (Megatron-LM's
+        GPTModel gets it as ``max_sequence_length``), else ``seq_length`` (Megatron-LM's
+        default for it; Megatron-Bridge's provider builds the model with it). None where the
+        config does not say the position embeddings or their length."""
+        if self.position_embedding_type != "learned_absolute":
+            return None
+        if self.max_position_embeddings is not None:
+            return "max_position_embeddings", self.max_position_embeddings
+        if self.seq_length is not None:
+            return "seq_length", self.seq_length
+        return None
 
     @property
     def sequence_multiple(self) -> int:

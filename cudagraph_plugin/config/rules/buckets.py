@@ -1,7 +1,8 @@
 """Rules on sequence-length buckets (``cuda_graph_buckets``): one full-iteration graph per
 bucket, so buckets need the full-iteration scope; the fallback policy and pipeline
 parallelism are not served with them yet; each bucket must be a sequence length the model's
-parallel layout can split."""
+parallel layout can split, and none may be longer than the model's learned position
+embeddings where the config says them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from cudagraph_plugin.config.environment import Environment
 from cudagraph_plugin.config.errors import Note, Violation
 from cudagraph_plugin.config.rules.base import rule, scope_value, violation
 from cudagraph_plugin.config.settings import Settings
+from cudagraph_plugin.config.vocabulary import IMPLS, SCOPES
 
 
 def _buckets_value(s: Settings) -> str:
@@ -27,7 +29,10 @@ def _buckets(s: Settings, env: Environment) -> Iterator[Violation]:
             f"({s.field('impl')}={s.impl})"
         )
         return
-    if not (s.impl == "local" and s.full_iteration):
+    # (an unknown impl or scope name is refused by its own rule, with a did-you-mean: a
+    # misspelt full_iteration is not told to become what it meant to be)
+    named = s.impl in IMPLS and set(s.scope) <= set(SCOPES)
+    if named and not (s.impl == "local" and s.full_iteration):
         yield violation(
             s,
             ("buckets", "impl", "scope"),
@@ -51,6 +56,22 @@ def _buckets(s: Settings, env: Environment) -> Iterator[Violation]:
             (_buckets_value(s), s.pipeline_model_parallel_size),
             "bucketed graphs are not served with pipeline parallelism yet",
             "use one sequence length (no buckets) with pipeline parallelism",
+        )
+    end = s.learned_positions_end
+    over = [bucket for bucket in s.buckets if end is not None and bucket > end[1]]
+    if end is not None and over:
+        setting, length = end
+        fitting = sorted({min(bucket, length) for bucket in s.buckets})
+        yield violation(
+            s,
+            ("buckets", setting, "position_embedding_type"),
+            (_buckets_value(s), length, s.position_embedding_type),
+            f"the model's learned position embeddings end at {length}: a step padded to "
+            f"bucket(s) {', '.join(map(str, over))} fails in the model (no position beyond "
+            "the embedding table)",
+            f"give buckets up to {length} (e.g. {','.join(map(str, fitting))}), or a model "
+            f"with {s.field(setting)} >= {max(over)}, or rotary position embeddings "
+            f"({s.field('position_embedding_type')}=rope)",
         )
     multiple = s.sequence_multiple
     uneven = [bucket for bucket in s.buckets if bucket % multiple]
