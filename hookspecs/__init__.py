@@ -23,6 +23,7 @@ One name, ``mcgraph``, is the marker name, the hook prefix and the entry-point g
 
 from __future__ import annotations
 
+from hookspecs.answers import SettledKwargs
 from hookspecs.errors import ConfigurationError, print_peer_failure, print_refusal
 from hookspecs.manager import (
     BLOCK_ENV_VAR,
@@ -49,6 +50,7 @@ __all__ = [
     "PeerFailed",
     "PeerRefused",
     "Report",
+    "SettledKwargs",
     "ShutdownReason",
     "SignalReceived",
     "StepProgress",

@@ -15,12 +15,35 @@ callable`` at step 0, in another plugin's frame.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import pluggy
 
 from hookspecs.manager import HOST_DEFAULTS_NAME, describe_plugin
+from hookspecs.ranks import launcher_rank
+
+logger = logging.getLogger(__name__)
+
+
+class SettledKwargs(dict):  # type: ignore[type-arg]
+    """A kwargs answer whose fields the plugin settles from the run's own configuration
+    (``why`` says how), so that they replace what the host's ``base`` holds for them.
+
+    A host whose configuration object is its model config (Megatron-Bridge's ``cfg.model``)
+    naturally passes all of it as ``base``, the plugin's own fields included
+    (``cuda_graph_impl="local"``, ``cuda_graph_scope="attn,mlp"``); the plugin answers the
+    same settings spelled for the installed megatron-core (``["attn", "mlp"]``, 0.18+'s
+    ``cuda_graph_impl="full_iteration"``), or off where they cannot act (no CUDA device).
+    Such an answer replaces the host's value, logged once per job with the reason, where a
+    plain dict's would be a conflict. Two plugins that disagree are refused all the same.
+    It is a ``dict``: a host that merges the answers itself sees the values as they are.
+    """
+
+    def __init__(self, values: Mapping[str, Any], *, why: str) -> None:
+        super().__init__(values)
+        self.why = why
 
 
 def answered_by(pluginmanager: pluggy.PluginManager, hook_name: str) -> str:
@@ -42,6 +65,9 @@ def answered_by(pluginmanager: pluggy.PluginManager, hook_name: str) -> str:
     return f"implemented by plugins {', '.join(names)}"
 
 
+HOST = "the host's"
+
+
 def merge_kwargs(
     results: list[dict[str, Any] | None],
     what: str,
@@ -56,10 +82,11 @@ def merge_kwargs(
     :param base: The host's own kwargs, merged first.
     :param who: Who answered (:func:`answered_by`), added to an error's message.
     :raises TypeError: if a contribution is not a mapping (``None`` aside).
-    :raises ValueError: if two contributions set the same key to different values.
+    :raises ValueError: if two contributions set the same key to different values (a
+        :class:`SettledKwargs` answer replaces the host's ``base`` value instead, logged).
     """
     merged: dict[str, Any] = dict(base or {})
-    source = dict.fromkeys(merged, "the host's")
+    source = dict.fromkeys(merged, HOST)
     by = f" ({who})" if who else ""
     for contribution in results:
         if contribution is None:
@@ -69,13 +96,26 @@ def merge_kwargs(
                 f"{what}: a plugin answered {contribution!r} ({type(contribution).__name__}), "
                 f"not a dict of keyword arguments{by}; answer a dict, or None for nothing"
             )
+        why = contribution.why if isinstance(contribution, SettledKwargs) else None
         for key, value in contribution.items():
             if key in merged and merged[key] != value:
-                raise ValueError(
-                    f"{what}: conflicting values for {key!r}: {source[key]} {merged[key]!r} "
-                    f"and a plugin's {value!r}{by}; make the host and its plugins agree on "
-                    f"{key!r}"
-                )
+                if why is None or source[key] != HOST:
+                    raise ValueError(
+                        f"{what}: conflicting values for {key!r}: {source[key]} "
+                        f"{merged[key]!r} and a plugin's {value!r}{by}; make the host and its "
+                        f"plugins agree on {key!r}"
+                    )
+                if launcher_rank()[0] == 0:  # (each rank replaces alike: said once per job)
+                    logger.info(
+                        "%s: %s=%r replaces the host's %r: %s%s",
+                        what,
+                        key,
+                        value,
+                        merged[key],
+                        why,
+                        by,
+                    )
+                source[key] = "a plugin's"
             merged[key] = value
             source.setdefault(key, "a plugin's")
     return merged

@@ -49,7 +49,7 @@ from cudagraph_plugin.runtime.state import Phase, RunState
 from cudagraph_plugin.runtime.steps import StepListener
 from cudagraph_plugin.runtime.te_capture import TECapture
 from cudagraph_plugin.runtime.wiring import Wiring
-from hookspecs import StepProgress, hookimpl
+from hookspecs import SettledKwargs, StepProgress, hookimpl
 
 logger = logging.getLogger("cudagraph_plugin")
 
@@ -130,7 +130,11 @@ class CudaGraphPlugin:
     @hookimpl
     def mcgraph_model_config_kwargs(self, config: Any) -> dict[str, Any]:
         impl = self.settings.impl if self.state.active else "none"
-        return compat.model_config_kwargs(impl, self.settings.scope, self.settings.warmup_steps)
+        why = "the run's CUDA graph settings, spelled for the installed megatron-core"
+        if self.settings.enabled and not self.state.active:
+            why = "CUDA graphs off: this run cannot capture (no CUDA device)"
+        kwargs = compat.model_config_kwargs(impl, self.settings.scope, self.settings.warmup_steps)
+        return SettledKwargs(kwargs, why=why)
 
     @hookimpl
     def mcgraph_rng_options(self, config: Any) -> dict[str, Any] | None:
