@@ -187,6 +187,7 @@ class TrainingRun(RunSignals):
         self._finished = False
         self._train_started = False
         self._warmup_steps: int | None = None
+        self._model_built = False
         self._post_warmup_fired = False
         self._next_step = start_step
         self._running_step: int | None = None  # the step whose train_step is entered
@@ -299,8 +300,15 @@ class TrainingRun(RunSignals):
         seq_length: int,
         micro_batch_size: int,
     ) -> None:
-        """Tell the plugins the DDP-wrapped model chunks and the optimizer exist."""
+        """Tell the plugins the DDP-wrapped model chunks and the optimizer exist (once)."""
         self._check_active()
+        if self._model_built:
+            raise RuntimeError(
+                "run.model_built() was called a second time: call it once, after the model "
+                "chunks are DDP-wrapped and the optimizer exists (a model built anew needs a "
+                "TrainingRun of its own)"
+            )
+        self._model_built = True
         self._call(
             "mcgraph_model_built",
             model=model,

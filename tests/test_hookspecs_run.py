@@ -770,3 +770,13 @@ def test_merge_kwargs_takes_any_mapping():
     from types import MappingProxyType
 
     assert merge_kwargs([MappingProxyType({"a": 1}), None], "X") == {"a": 1}
+
+
+def test_model_built_a_second_time_is_refused_naming_the_call(pm):
+    """(user trial, 2026-12-05: the second call reached the plugin's state machine, "cannot
+    go from built to built", which named neither the call nor the fix.)"""
+    built = dict(model=[object()], optimizer=object(), model_config=object())
+    with TrainingRun(pm, "cfg", train_iters=1) as run:
+        run.model_built(**built, seq_length=8, micro_batch_size=2)
+        with pytest.raises(RuntimeError, match=r"run\.model_built\(\) was called a second time"):
+            run.model_built(**built, seq_length=8, micro_batch_size=2)
