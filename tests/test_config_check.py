@@ -418,6 +418,64 @@ def test_a_setting_given_two_values_in_two_sections_is_said():
     assert not [n for n in agreeing.notes if "disagree" in n]
 
 
+@pytest.mark.parametrize(
+    "top, model, fields, values, by_mcore",
+    [
+        (
+            dict(cuda_graph_impl="local", cuda_graph_scope="full_iteration"),
+            dict(cuda_graph_impl="none"),
+            ("model.cuda_graph_impl", "cuda_graph_impl"),
+            "('none', 'local')",
+            True,
+        ),
+        (
+            dict(cuda_graph_scope="attn"),
+            dict(cuda_graph_impl="local", cuda_graph_scope="full_iteration"),
+            ("model.cuda_graph_scope", "cuda_graph_scope"),
+            "('full_iteration', 'attn')",
+            True,
+        ),
+        (
+            dict(cuda_graph_buckets=[128, 1024]),
+            dict(
+                cuda_graph_impl="local",
+                cuda_graph_scope="full_iteration",
+                cuda_graph_buckets="256,512",
+            ),
+            ("model.cuda_graph_buckets", "cuda_graph_buckets"),
+            "((256, 512), [128, 1024])",
+            False,
+        ),
+    ],
+    ids=["impl", "scope", "buckets"],
+)
+def test_a_cuda_graph_setting_given_two_values_in_two_places_is_a_problem(
+    top, model, fields, values, by_mcore
+):
+    """Only one place is read: a top-level cuda_graph_impl=local beside a nested config's
+    model.cuda_graph_impl='none' ran eagerly, with a note only (user trial, 2026-12-05)."""
+    from cudagraph_plugin import check_config
+
+    result = check_config({**top, "model": model})
+    [problem] = result.problems
+    assert (problem.fields, problem.value) == (fields, values)
+    assert f"{fields[0]} is the one read" in problem.text
+    assert ("by megatron-core too" in problem.text) is by_mcore
+    assert problem.fix.startswith(f"give it once: set {fields[0]}=")
+    assert not [n for n in result.notes if "disagree" in n]
+    # the same value in both places is no such problem
+    agreeing = {**top, "model": {**model, **top}}
+    assert not [p for p in check_config(agreeing).problems if "given twice" in p.text]
+
+
+def test_megatron_core_s_default_scope_in_the_other_place_is_no_disagreement():
+    from cudagraph_plugin import check_config
+
+    model = {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"}
+    for default in ([], "full", None):  # (megatron-core's defaults: 0.16's "full", 0.19's [])
+        assert check_config({"cuda_graph_scope": default, "model": model}).problems == ()
+
+
 def test_the_plugin_s_own_fields_are_read_beside_the_model_s_cuda_graph_fields():
     """They were read at the top only: under ``model.`` they were ignored without a word."""
     from cudagraph_plugin import check_config

@@ -140,7 +140,7 @@ class Settings:
     input_problems: tuple[FieldProblem, ...] = ()
     # a setting found in two places with two values ("model.fp16=False", "optimizer.fp16=True"):
     # the first is read; megatron-core may read the other where it builds that part
-    disagreements: tuple[tuple[str, str], ...] = ()
+    disagreements: tuple[Disagreement, ...] = ()
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
     paths: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -259,6 +259,21 @@ class Settings:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Disagreement:
+    """One setting given in two places of the config with two values: ``read`` (the path
+    the settings took it from) and ``other``, each as the config names it."""
+
+    setting: str
+    read: str
+    read_value: Any
+    other: str
+    other_value: Any
+
+    def said(self) -> tuple[str, str]:
+        return f"{self.read}={self.read_value!r}", f"{self.other}={self.other_value!r}"
+
+
 _DEFAULT_NAMES = {
     "impl": "cuda_graph_impl",
     "scope": "cuda_graph_scope",
@@ -284,24 +299,30 @@ def _scope_conflict(config: Any) -> tuple[tuple[str, str], ...]:
     return ()
 
 
-def _disagreeing(config: Any, setting: str, read: str, value: Any) -> list[tuple[str, str]]:
+def _disagreeing(config: Any, setting: str, read: str, value: Any) -> list[Disagreement]:
     """The other places ``setting`` is given with another value than ``value`` (read from
-    ``read``), as ``("read=value", "other=value")`` pairs; unreadable ones are left out."""
+    ``read``); unreadable ones are left out. The scope: only another level's (both
+    generations' names at one level are :func:`_scope_conflict`), and not megatron-core's
+    defaults there (nothing, or 0.16's ``"full"``)."""
     found = []
+    level = read.rpartition(".")[0]
     for path in FIELD_PATHS[setting]:
         if path == read or path.startswith(read + "."):
+            continue
+        if setting == "scope" and path.rpartition(".")[0] == level:
             continue
         other = resolve(config, path)
         if other is MISSING or other is None or isinstance(other, Unreadable):
             continue
-        with contextlib.suppress(ValueError):
-            if not _same(normalise(setting, other), value):
-                found.append(
-                    (
-                        f"{display_name(config, read)}={value!r}",
-                        f"{display_name(config, path)}={other!r}",
-                    )
-                )
+        with contextlib.suppress(ValueError, TypeError):
+            if setting == "scope":
+                names = parse_scope(other)
+                alike = names in ((), ("full",)) or names == parse_scope(value)
+            else:
+                alike = _same(normalise(setting, other), value)
+            if not alike:
+                shown = display_name(config, read), display_name(config, path)
+                found.append(Disagreement(setting, shown[0], value, shown[1], other))
     return found
 
 
@@ -326,7 +347,7 @@ def read_settings(config: Any) -> Settings:
     sources: dict[str, str] = {}
     paths: dict[str, str] = {}
     problems: list[FieldProblem] = []
-    disagreements: list[tuple[str, str]] = []
+    disagreements: list[Disagreement] = []
     for setting in FIELD_PATHS:
         value, path = lookup(config, setting)
         if path is None:
@@ -346,6 +367,7 @@ def read_settings(config: Any) -> Settings:
             continue
         if setting == "scope":
             values[setting] = value
+            disagreements += _disagreeing(config, setting, path, value)
             continue
         try:
             value = normalise(setting, value)

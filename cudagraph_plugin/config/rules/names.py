@@ -16,19 +16,37 @@ from cudagraph_plugin.config.errors import (
     Note,
     Violation,
 )
+from cudagraph_plugin.config.fields import FIELD_PATHS
 from cudagraph_plugin.config.rules.base import did_you_mean, rule, scope_value, violation
 from cudagraph_plugin.config.settings import Settings
 from cudagraph_plugin.config.vocabulary import DEPRECATED_SCOPES, IMPLS, SCOPES, TE_SCOPES
 
 # -- values that could not be read ------------------------------------------------------------
 
+MCORE_READS = ("impl", "scope", "warmup_steps")  # (TransformerConfig's; the rest: the plugin's)
+
 
 @rule
 def field_values(s: Settings, env: Environment) -> Iterator[Violation | Note]:
     for p in s.input_problems:
         yield Violation((s.field(p.setting),), repr(p.value), p.problem, p.fix)
-    for read, other in s.disagreements:  # (said, not refused: each part may be right)
-        yield Note(
+    for d in s.disagreements:
+        read, other = d.said()
+        if all("cuda_graph" in path for path in FIELD_PATHS[d.setting]):
+            # a CUDA graph setting is read in one place: the other is not used (a top-level
+            # cuda_graph_impl=local beside a nested config's model.cuda_graph_impl='none'
+            # ran eagerly, only noted; user trial, 2026-12-05)
+            mcore = " (by megatron-core too, where it builds the model)"
+            yield Violation(
+                (d.read, d.other),
+                repr((d.read_value, d.other_value)),
+                f"the CUDA graph setting is given twice with two values: {d.read} is the one "
+                f"read{mcore if d.setting in MCORE_READS else ''}, {d.other} is not used",
+                f"give it once: set {d.read}={d.other_value!r} if that is the value you "
+                f"meant, and drop {d.other} (or give both the same value)",
+            )
+            continue
+        yield Note(  # (said, not refused: each part may be right)
             f"{read} and {other} disagree: the check reads the first, while megatron-core "
             "reads each where the part it builds is given it (OptimizerConfig's fp16 picks "
             "the loss scaler, say). Make them agree"
