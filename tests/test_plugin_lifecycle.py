@@ -1336,14 +1336,22 @@ def test_a_warmup_answer_of_none_says_the_te_capture_never_came(fake_graphs):
 
 @needs_mcore_on_cpu
 def test_buckets_longer_than_the_learned_position_embeddings_are_refused_at_the_build(
-    bucket_fakes,
+    bucket_fakes, monkeypatch
 ):
     """(review of 2026-12-05: a bucket of 128 over a model of max_sequence_length 64 was
     accepted; the first step padded to it failed in the embedding, "index out of range in
-    self", on a GPU a device-side assert.) Rotary embeddings take any length."""
+    self", on a GPU a device-side assert.) Rotary embeddings take any length. A config that
+    says its position embeddings is refused at configure already (the example's args do);
+    the build check serves those that do not (a TransformerConfig host's), seen here by
+    hiding the field from the configuration's reading."""
     from cudagraph_plugin.config.errors import CudaGraphConfigError
+    from cudagraph_plugin.config.fields import FIELD_PATHS
 
     argv = [*FULL, "--seq-length", "32", "--cuda-graph-buckets", "16,32,48,64"]
+    with pytest.raises(CudaGraphConfigError) as refused:
+        run(*argv, steps=2)  # (at configure: the args say learned_absolute and 32)
+    assert "--cuda-graph-buckets, --seq-length, --position-embedding-type = " in str(refused.value)
+    monkeypatch.setitem(FIELD_PATHS, "position_embedding_type", ("model.nowhere",))
     with pytest.raises(CudaGraphConfigError) as refused:
         run(*argv, steps=2)
     assert "  1. --cuda-graph-buckets = 48,64: longer than model chunk 0's learned position " in (
