@@ -981,6 +981,7 @@ def test_check_refuses_buckets_beyond_megatron_lm_s_learned_position_embeddings(
     argv += ["--cuda-graph-buckets", "16,32,64", "--seq-length", "48"]
     code, out = check(argv)
     assert code == 1, out
+    assert out.startswith("cuda graphs: impl=local scope=full_iteration buckets=16,32,64 ")
     assert "--cuda-graph-buckets, --seq-length, --position-embedding-type = " in out
     assert "('16,32,64', 48, 'learned_absolute')" in out
     assert "fix: give buckets up to 48 (e.g. 16,32,48)" in out

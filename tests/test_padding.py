@@ -102,6 +102,9 @@ def test_above_the_largest_bucket_raises_naming_the_length_and_the_buckets():
     message = str(error.value)
     assert "length 40" in message and "8, 16, 32" in message
     assert "--cuda-graph-buckets 8,16,32,40" in message and "overflow='keep'" in message
+    # truncating first: a bucket or keep helps only where the model takes the length (user
+    # trial, 2026-12-05: keep beyond learned position embeddings failed in the embedding)
+    assert "Fix: truncate the sequence; or, where the model takes 40 tokens" in message
     assert isinstance(error.value, ValueError)
 
 

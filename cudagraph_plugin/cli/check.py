@@ -379,8 +379,9 @@ def run_check(argv: Sequence[str] | None = None, out: Any = None, prog: str | No
         te_text = "not installed here" if installed is None else "not checked"
     else:
         te_text = f"{te} (--te-version)" if given else str(te)
+    buckets = f" buckets={','.join(map(str, settings.buckets))}" if settings.buckets else ""
     print(
-        f"cuda graphs: impl={settings.impl} scope={','.join(settings.scope) or '-'} "
+        f"cuda graphs: impl={settings.impl} scope={','.join(settings.scope) or '-'}{buckets} "
         f"warmup={settings.warmup_steps} (megatron-core {environment.mcore_version()}, "
         f"Transformer Engine {te_text})",
         file=out,

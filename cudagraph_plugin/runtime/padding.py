@@ -181,9 +181,11 @@ def pad_to_bucket(
             )
             raise BucketOverflowError(
                 f"{what} exceeds the largest CUDA graph bucket ({buckets[-1]}; buckets: "
-                f"{', '.join(map(str, buckets))}). Fix: add a bucket >= {wanted} (e.g. "
-                f"--cuda-graph-buckets {','.join(map(str, (*buckets, wanted)))}), truncate "
-                "the sequence, or pass overflow='keep' to run such steps eagerly"
+                f"{', '.join(map(str, buckets))}). Fix: truncate the sequence; or, where the "
+                f"model takes {wanted} tokens (learned position embeddings end at its "
+                f"max_sequence_length), add a bucket >= {wanted} (e.g. --cuda-graph-buckets "
+                f"{','.join(map(str, (*buckets, wanted)))}) or pass overflow='keep' to run "
+                "such steps eagerly"
             )
     added = bucket - own
     padded = dict(batch)

@@ -348,10 +348,11 @@ def _say_configured(result: Any, cuda: bool) -> None:
     if settings.enabled and not cuda:
         logger.warning(
             "CUDA graphs need a CUDA device and none is available: this run is eager and "
-            "captures nothing (cuda_graph_impl=%s, scope=%s was validated; what the loop "
+            "captures nothing (cuda_graph_impl=%s, scope=%s%s was validated; what the loop "
             "builds and how it drives the graphs are checked on a CUDA device only)",
             settings.impl,
             ",".join(settings.scope),
+            f", buckets={','.join(map(str, settings.buckets))}" if settings.buckets else "",
             extra=JOB_WIDE,
         )
 
