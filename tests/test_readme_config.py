@@ -65,3 +65,25 @@ def test_accepted_forms_table_names_every_normalised_field():
     for setting in [*_PARSERS, "scope"]:
         flat = [path for path in FIELD_PATHS[setting] if "." not in path]
         assert any(name in named for name in flat), setting
+
+
+def test_the_fields_table_is_generated_from_the_paths_read(tmp_path):
+    """docs/configuration.md says where each setting is read (user trial, 2026-12-05: a
+    nested config's author found the places by experiment); docs/gen_fields.py writes the
+    table from the reader's own paths, so it cannot go stale unnoticed."""
+    import importlib.util
+
+    from cudagraph_plugin.config.fields import FIELD_PATHS
+
+    path = pathlib.Path(__file__).parent.parent / "docs" / "gen_fields.py"
+    spec = importlib.util.spec_from_file_location("gen_fields_under_test", path)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.main(["--check"]) == 0, "run `python docs/gen_fields.py`"
+    assert "| cuda_graph_impl | `model.cuda_graph_impl`, `cuda_graph_impl` |" in README
+    for paths in FIELD_PATHS.values():
+        assert f"| {', '.join(f'`{p}`' for p in paths)} |" in README, paths
+    stale = tmp_path / "configuration.md"
+    stale.write_text(README.replace("| bf16 | `model.bf16`, `bf16` |\n", ""))
+    assert gen.main(["--check"], target=stale) == 1
+    assert gen.main([], target=stale) == 0 and stale.read_text() == README
