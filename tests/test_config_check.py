@@ -618,3 +618,70 @@ def test_second_review_of_the_config_object_changes():
     off = check_config({"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration",
                         "cuda_graph_report_json": False})  # fmt: skip
     assert off.ok and not off.settings.report_json
+
+
+@pytest.mark.parametrize(
+    "config, said",
+    [
+        (
+            {"model": {"cuda_graph_impl": "none"}, "cuda_graph_bucket": [128, 1024]},
+            [
+                "cuda_graph_bucket is not a field the CUDA graph checks read (did you mean "
+                "cuda_graph_buckets?)"
+            ],
+        ),
+        (
+            {"model": {"cuda_graphs_impl": "local"}, "train": {"cuda_graph_impl": "local"}},
+            [
+                "model.cuda_graphs_impl is not a field the CUDA graph checks read (did you "
+                "mean model.cuda_graph_impl?)",
+                "train.cuda_graph_impl is not read there: cuda_graph_impl is read at "
+                "cuda_graph_impl or model.cuda_graph_impl",
+            ],
+        ),
+        (
+            {"model": {"optimizer_cuda_graph": True}, "train": {"cuda_graph_buckets_x": 1}},
+            [
+                "model.optimizer_cuda_graph is not read there: optimizer_cuda_graph is read at "
+                "optimizer.optimizer_cuda_graph or optimizer_cuda_graph",
+                "train.cuda_graph_buckets_x is not a field the CUDA graph checks read (did "
+                "you mean cuda_graph_buckets or model.cuda_graph_buckets?)",
+            ],
+        ),
+    ],
+    ids=["misspelt-at-the-top", "misspelt-and-misplaced", "misplaced"],
+)
+def test_cuda_graph_fields_where_nothing_reads_them_are_said(config, said):
+    """(user trial, 2026-12-05: train.cuda_graph_impl, model.cuda_graphs_impl,
+    model.optimizer_cuda_graph and cuda_graph_bucket were ignored without a word, the run
+    eager or without the feature.)"""
+    from cudagraph_plugin import check_config
+
+    notes = check_config(config).notes
+    assert [n for n in notes if " read there: " in n or "not a field the" in n] == said
+
+
+def test_megatron_core_s_own_cuda_graph_fields_are_not_taken_for_strays():
+    """A TransformerConfig, OptimizerConfig and DDP config hold CUDA graph fields the checks
+    do not read (cuda_graph_use_single_mempool, ...): no note for them, flat or nested."""
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    from cudagraph_plugin.config.strays import stray_fields
+
+    def names(cls: type) -> dict[str, None]:
+        return {f.name: None for f in dataclasses.fields(cls) if "cuda_graph" in f.name}
+
+    sections = {
+        "model": names(TransformerConfig),
+        "optimizer": names(OptimizerConfig),
+        "ddp": names(DistributedDataParallelConfig),
+    }
+    assert "cuda_graph_use_single_mempool" in sections["model"]  # (what the test is about)
+    assert stray_fields(sections) == ()
+    assert stray_fields({k: v for section in sections.values() for k, v in section.items()}) == ()
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
+    assert stray_fields(config) == ()

@@ -27,6 +27,7 @@ from cudagraph_plugin.config.fields import (
     lookup,
     resolve,
 )
+from cudagraph_plugin.config.strays import stray_fields
 from cudagraph_plugin.config.values import FieldProblem, normalise, parse_scope
 from cudagraph_plugin.config.vocabulary import (
     DEFAULT_WARMUP_STEPS,
@@ -141,6 +142,8 @@ class Settings:
     # a setting found in two places with two values ("model.fp16=False", "optimizer.fp16=True"):
     # the first is read; megatron-core may read the other where it builds that part
     disagreements: tuple[Disagreement, ...] = ()
+    # CUDA graph fields where nothing reads them (misplaced, misspelt): what to say of each
+    stray_fields: tuple[str, ...] = ()
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
     paths: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -427,6 +430,7 @@ def read_settings(config: Any) -> Settings:
         scope_conflict=_scope_conflict(config),
         input_problems=tuple(problems),
         disagreements=tuple(disagreements),
+        stray_fields=stray_fields(config),
         sources=sources,
         paths=paths,
     )

@@ -51,6 +51,8 @@ def field_values(s: Settings, env: Environment) -> Iterator[Violation | Note]:
             "reads each where the part it builds is given it (OptimizerConfig's fp16 picks "
             "the loss scaler, say). Make them agree"
         )
+    for text in s.stray_fields:  # (notes: a name close to ours may be someone else's field)
+        yield Note(text)
 
 
 # -- impl and scope names ---------------------------------------------------------------------
