@@ -63,7 +63,7 @@ def test_the_plugin_s_fields_in_the_host_s_base_take_the_plugin_s_spelling(
     assert lines and all(why in line for line in lines), lines
     if not cuda:  # (and the CPU run says what it leaves to a CUDA device)
         [said] = [r.getMessage() for r in caplog.records if "none is available" in r.getMessage()]
-        assert "how it drives the graphs are checked on a CUDA device only" in said
+        assert "how the loop drives the graphs are checked on a CUDA device only" in said
     assert f"cuda_graph_scope={answered[1]!r} replaces the host's {scope!r}" in " ".join(lines)
     assert len(lines) == len(set(lines))  # each field once
 

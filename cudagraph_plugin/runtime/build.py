@@ -162,12 +162,7 @@ def _layer_dtype_problems(model: list[Any]) -> list[Violation]:
     ]
 
 
-def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer: Any) -> None:
-    """Check what the host built for model graphs (every problem in one error); create the
-    TE helper for TE scopes, the bucket graphs for ``cuda_graph_buckets``."""
-    model = state.model
-    assert model is not None and state.seq_length is not None
-    assert state.micro_batch_size is not None
+def _check_chunks(model: Any) -> None:
     if not isinstance(model, (list, tuple)):
         raise CudaGraphConfigError(
             [
@@ -179,6 +174,35 @@ def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer
                 )
             ]
         )
+
+
+def rehearse_model_checks(state: RunState) -> None:
+    """Without a CUDA device, graphs asked for: the checks of the built model that need no
+    device (the chunks a list, the TE-graphed layers' precision, the buckets against the
+    learned position embeddings), so that a loop wired on a laptop learns there what its
+    first GPU run would refuse (user trials, 2026-12-05). The rest (the DDP build stream, the
+    model config's CUDA graph fields, the RNG tracker) needs the device's set-up."""
+    model, settings = state.model, state.settings
+    _check_chunks(model)
+    violations: list[Violation] = []
+    if (
+        settings.impl == "transformer_engine"
+        and environment.mcore_te_samples_in_bf16() is not False
+    ):
+        violations += _layer_dtype_problems(model)
+    if settings.buckets:
+        violations += _bucket_position_problems(settings, model)
+    if violations:
+        raise CudaGraphConfigError(violations)
+
+
+def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer: Any) -> None:
+    """Check what the host built for model graphs (every problem in one error); create the
+    TE helper for TE scopes, the bucket graphs for ``cuda_graph_buckets``."""
+    model = state.model
+    assert model is not None and state.seq_length is not None
+    assert state.micro_batch_size is not None
+    _check_chunks(model)
     violations = _built_config_problems(
         state.settings, state.model_config, state.seq_length, state.micro_batch_size
     )

@@ -129,12 +129,7 @@ class CudaGraphPlugin:
 
     @hookimpl
     def mcgraph_model_config_kwargs(self, config: Any) -> dict[str, Any]:
-        impl = self.settings.impl if self.state.active else "none"
-        why = "the run's CUDA graph settings, spelled for the installed megatron-core"
-        if self.settings.enabled and not self.state.active:
-            why = "CUDA graphs off: this run cannot capture (no CUDA device)"
-        kwargs = compat.model_config_kwargs(impl, self.settings.scope, self.settings.warmup_steps)
-        return SettledKwargs(kwargs, why=why)
+        return _model_config_answer(self.settings, self.state.active)
 
     @hookimpl
     def mcgraph_rng_options(self, config: Any) -> dict[str, Any] | None:
@@ -178,6 +173,8 @@ class CudaGraphPlugin:
                 state.buckets.on_invalidate.append(self.wiring.buckets_invalidated)
             if state.te is not None:
                 self.wiring.te_layers_found(state.te.layer_count(), state.te.skips_empty_stage())
+        elif self.settings.enabled:
+            build.rehearse_model_checks(state)
         if self.settings.device_grad_norm:
             build.install_device_grad_norm(state)
         if state.optimizer_graph:
@@ -338,6 +335,17 @@ class OutermostHooks:
         return self.plugin.settings.warmup_steps
 
 
+def _model_config_answer(settings: Settings, active: bool) -> SettledKwargs:
+    """The ``TransformerConfig`` fields of the settings (graphs off where they cannot act),
+    settled: they replace what a host's ``base`` holds for them (its whole ``cfg.model``)."""
+    impl = settings.impl if active else "none"
+    why = "the run's CUDA graph settings, spelled for the installed megatron-core"
+    if settings.enabled and not active:
+        why = "CUDA graphs off: this run cannot capture (no CUDA device)"
+    kwargs = compat.model_config_kwargs(impl, settings.scope, settings.warmup_steps)
+    return SettledKwargs(kwargs, why=why)
+
+
 def _say_configured(result: Any, cuda: bool) -> None:
     """The configuration's advice and notes, and that graphs need a device."""
     settings = result.settings
@@ -348,8 +356,9 @@ def _say_configured(result: Any, cuda: bool) -> None:
     if settings.enabled and not cuda:
         logger.warning(
             "CUDA graphs need a CUDA device and none is available: this run is eager and "
-            "captures nothing (cuda_graph_impl=%s, scope=%s%s was validated; what the loop "
-            "builds and how it drives the graphs are checked on a CUDA device only)",
+            "captures nothing (cuda_graph_impl=%s, scope=%s%s was validated; of the loop's "
+            "wiring, the device's set-up and how the loop drives the graphs are checked on a "
+            "CUDA device only)",
             settings.impl,
             ",".join(settings.scope),
             f", buckets={','.join(map(str, settings.buckets))}" if settings.buckets else "",

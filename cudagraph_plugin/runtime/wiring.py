@@ -4,7 +4,9 @@ A run that asked for CUDA graphs must never end up eager without a word: several
 Megatron-Core-based trainers accept the CUDA-graph flags and then capture nothing, because
 nothing drives the capture. So, on a CUDA device with graphs on:
 
-* training starts only after ``run.model_built()`` (the build checks and the TE helper);
+* training starts only after ``run.model_built()`` (the build checks and the TE helper;
+  checked without a device too, as are the build checks that need none:
+  :func:`~cudagraph_plugin.runtime.build.rehearse_model_checks`);
 * a full-iteration capture needs the DDP forward pre-hooks on where the model uses them
   (else the captured iteration has no parameter all-gather and every replay trains on
   stale shards), and their all-gather due: one a forward-only call already did is made due
@@ -70,7 +72,9 @@ class Wiring:
         return self.state.active or self.state.optimizer_graph
 
     def training_starts(self) -> None:
-        if self.expects_graphs and self.state.phase is Phase.CONFIGURED:
+        # (without a device too: a loop wired on a laptop learns it there)
+        asked = self.expects_graphs or self.state.settings.enabled
+        if asked and self.state.phase is Phase.CONFIGURED:
             raise CudaGraphWiringError(
                 "training started before run.model_built(): the CUDA graph plugin has not "
                 "checked the model or set up its graphs. Fix: call run.model_built(model=..., "
