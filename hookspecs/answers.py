@@ -36,9 +36,11 @@ class SettledKwargs(dict):  # type: ignore[type-arg]
     (``cuda_graph_impl="local"``, ``cuda_graph_scope="attn,mlp"``); the plugin answers the
     same settings spelled for the installed megatron-core (``["attn", "mlp"]``, 0.18+'s
     ``cuda_graph_impl="full_iteration"``), or off where they cannot act (no CUDA device).
-    Such an answer replaces the host's value, logged once per job with the reason, where a
-    plain dict's would be a conflict. Two plugins that disagree are refused all the same.
-    It is a ``dict``: a host that merges the answers itself sees the values as they are.
+    Such an answer replaces the host's value, logged on rank 0 with the reason, where a
+    plain dict's would be a conflict. Two plugins that disagree are refused all the same,
+    in either order (a plugin that agreed with the host's value holds it too). It is a
+    ``dict``: a host that merges the answers itself sees the values as they are (a copy,
+    ``dict(answer)`` or ``answer | other``, is a plain dict without ``why``).
     """
 
     def __init__(self, values: Mapping[str, Any], *, why: str) -> None:
@@ -115,9 +117,11 @@ def merge_kwargs(
                         why,
                         by,
                     )
-                source[key] = "a plugin's"
             merged[key] = value
-            source.setdefault(key, "a plugin's")
+            # (a plugin's, once a plugin gave it: a host value a plugin agreed with is no
+            # longer the host's alone for a later settled answer to replace; review of
+            # 2026-12-05: the outcome depended on the order pluggy called them in)
+            source[key] = "a plugin's"
     return merged
 
 

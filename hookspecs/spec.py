@@ -101,7 +101,7 @@ def mcgraph_model_config_kwargs(config: Any) -> dict[str, Any] | None:
     Result: collected; the host merges the dicts with :func:`hookspecs.merge_kwargs`, which
     refuses two plugins setting the same field to different values. A plugin whose fields
     are settings it read from ``config`` answers a :class:`hookspecs.SettledKwargs`: its
-    values then replace the host's ``base`` ones (logged once), since a host may pass its
+    values then replace the host's ``base`` ones (logged on rank 0), since a host may pass its
     whole model config, the plugin's own fields included, as ``base``.
     """
 

@@ -985,7 +985,12 @@ def test_check_refuses_buckets_beyond_megatron_lm_s_learned_position_embeddings(
     assert "--cuda-graph-buckets, --seq-length, --position-embedding-type = " in out
     assert "('16,32,64', 48, 'learned_absolute')" in out
     assert "fix: give buckets up to 48 (e.g. 16,32,48)" in out
+    # (Megatron-LM requires --max-position-embeddings: the fix names it too)
+    assert "(Megatron-LM: --max-position-embeddings >= 64)" in out
     code, out = check([*argv, "--max-position-embeddings", "64"])
     assert code == 0, out
+    # Megatron-LM's legacy flag for rotary embeddings (its validate_args derives the type)
+    code, out = check([*argv, "--use-rotary-position-embeddings"])
+    assert code == 0 and "--position-embedding-type rope" in out, out
     code, out = check([*argv, "--position-embedding-type", "rope"])
     assert code == 0 and "go up to" not in out, out

@@ -507,12 +507,14 @@ def test_model_config_kwargs_new_generation(monkeypatch):
     monkeypatch.setattr(generation, "new_generation", lambda: True)
     assert compat.model_config_kwargs("local", ("full_iteration",), 2) == {
         "cuda_graph_impl": "full_iteration",
+        "cuda_graph_scope": None,  # (0.16's name, which a host's base may hold: cleared)
         "cuda_graph_modules": [],
         "cuda_graph_warmup_steps": 2,
         "use_te_rng_tracker": True,
     }
     assert compat.model_config_kwargs("transformer_engine", ("attn", "moe_router"), 3) == {
         "cuda_graph_impl": "transformer_engine",
+        "cuda_graph_scope": None,
         "cuda_graph_modules": ["attn", "moe_router"],
         "cuda_graph_warmup_steps": 3,
         "use_te_rng_tracker": True,

@@ -12,6 +12,7 @@ from types import SimpleNamespace as NS
 import pytest
 
 from cudagraph_plugin import compat
+from cudagraph_plugin.compat import generation
 from hookspecs import SettledKwargs, TrainingRun, get_plugin_manager, merge_kwargs
 
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, bf16=True)
@@ -51,7 +52,7 @@ def test_the_plugin_s_fields_in_the_host_s_base_take_the_plugin_s_spelling(
         request.getfixturevalue("fake_graphs")  # (a device whose graphs are fakes)
     else:
         monkeypatch.setattr(compat, "cuda_available", lambda: False)
-    monkeypatch.setattr(compat, "new_generation", lambda: False)  # (0.16's field names)
+    monkeypatch.setattr(generation, "new_generation", lambda: False)  # (0.16's field names)
     config = bridge_config(impl, scope)
     with caplog.at_level(logging.INFO, logger="hookspecs.answers"):
         with TrainingRun(get_plugin_manager(), config=config, train_iters=3) as run:
@@ -78,6 +79,12 @@ def test_a_settled_answer_replaces_the_host_s_value_only():
         merge_kwargs([{"cuda_graph_impl": "local"}, settled], "TransformerConfig")
     with pytest.raises(ValueError, match="a plugin's 'none' and a plugin's 'local'"):
         merge_kwargs([settled, {"cuda_graph_impl": "local"}], "TransformerConfig")
+    # a plugin that agreed with the host's value holds it too: refused in either order
+    # (review of 2026-12-05: after such a plugin, the settled answer replaced it silently)
+    base, agreeing = {"cuda_graph_impl": "local"}, {"cuda_graph_impl": "local"}
+    for order in ([agreeing, settled], [settled, agreeing]):
+        with pytest.raises(ValueError, match=r"a plugin's '(local|none)' and a plugin's"):
+            merge_kwargs(order, "TransformerConfig", base=base)
     # a plain answer against the host's value stays a conflict
     with pytest.raises(ValueError, match="the host's 'local' and a plugin's 'none'"):
         merge_kwargs(
@@ -95,3 +102,15 @@ def test_a_replacement_is_said_by_rank_0_only(monkeypatch, caplog):
             assert merge_kwargs([settled], "X", base={"a": 1}) == {"a": 2}
         assert len(replaced(caplog)) == said
     assert replaced(caplog) == ["X: a=2 replaces the host's 1: because"]
+
+
+def test_a_base_in_0_16_s_spelling_gets_the_newer_field_only_on_0_18(monkeypatch, fake_graphs):
+    """On megatron-core 0.18+ the plugin answers cuda_graph_modules; a base written for 0.16
+    (cuda_graph_scope) kept its key, and 0.18+'s TransformerConfig asserts "cuda_graph_scope
+    and cuda_graph_modules cannot be set together" (review of 2026-12-05): cleared."""
+    monkeypatch.setattr(generation, "new_generation", lambda: True)
+    config = bridge_config("transformer_engine", "attn,mlp")
+    with TrainingRun(get_plugin_manager(), config=config, train_iters=3) as run:
+        kwargs = run.model_config_kwargs(base=vars(config.model))
+    assert kwargs["cuda_graph_scope"] is None
+    assert kwargs["cuda_graph_modules"] == ["attn", "mlp"]

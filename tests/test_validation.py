@@ -2404,6 +2404,14 @@ def test_buckets_beyond_the_learned_position_embeddings_are_refused_where_the_co
     config.model.max_position_embeddings = 60
     [violation] = find_violations(read_settings(config))
     assert violation.fields[1] == "model.max_position_embeddings" and "end at 60" in violation.text
+    # a value that is no whole number leaves the limit unknown: it refuses nothing (review of
+    # 2026-12-05: 4096.0 refused every run, graphs off too); a string of one is read
+    for unknown in (4096.0, 0, "abc", True):
+        config.model.max_position_embeddings = unknown
+        accepted(config)
+    config.model.max_position_embeddings = "60"
+    [violation] = find_violations(read_settings(config))
+    assert "end at 60" in violation.text
     # rotary embeddings have no table to run past: neither a problem nor advice
     rope = full_iteration(
         cuda_graph_buckets="16,32,64", seq_length=48, position_embedding_type="rope"

@@ -179,7 +179,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "learned_absolute",
         metavar="{learned_absolute,rope,...}",
         help="Megatron-LM's default: learned_absolute, whose table ends at "
-        "--max-position-embeddings (default: --seq-length)",
+        "--max-position-embeddings",
+    )
+    switch(
+        "--use-rotary-position-embeddings",
+        "use_rotary_position_embeddings",
+        help="Megatron-LM's legacy flag for --position-embedding-type rope",
     )
     value("max_position_embeddings")
     value("micro_batch_size")

@@ -24,7 +24,9 @@ def as_validate_args(args: argparse.Namespace) -> tuple[list[Violation], list[st
     * ``--recompute-activations``: selective recompute;
     * the virtual pipeline stages (:func:`_virtual_stages`); one per rank is none (so the p2p
       exchanges are batched: no overlap without the interleaved schedule);
-    * ``--cpu-offloading-num-layers`` above 0: CPU offloading.
+    * ``--cpu-offloading-num-layers`` above 0: CPU offloading;
+    * ``--use-rotary-position-embeddings`` (the legacy flag): ``--position-embedding-type
+      rope``.
     """
     problems: list[Violation] = []
     derived: list[str] = []
@@ -46,6 +48,9 @@ def as_validate_args(args: argparse.Namespace) -> tuple[list[Violation], list[st
     if offloaded is not None and offloaded > 0:
         args.cpu_offloading = True
         derived.append(f"--cpu-offloading-num-layers {offloaded}: --cpu-offloading")
+    if getattr(args, "use_rotary_position_embeddings", False):
+        args.position_embedding_type = "rope"
+        derived.append("--use-rotary-position-embeddings: --position-embedding-type rope")
     return problems, derived
 
 

@@ -56,6 +56,9 @@ def model_config_kwargs(impl: str, scope: tuple[str, ...], warmup_steps: int) ->
     kwargs["cuda_graph_warmup_steps"] = warmup_steps
     kwargs["use_te_rng_tracker"] = True
     if new_generation():
+        # 0.16's name left None: a host's base holding it (a config written for 0.16) would
+        # make 0.18+ assert "cuda_graph_scope and cuda_graph_modules cannot be set together"
+        kwargs["cuda_graph_scope"] = None
         if "full_iteration" in scope:
             kwargs["cuda_graph_impl"] = "full_iteration"
             kwargs["cuda_graph_modules"] = []

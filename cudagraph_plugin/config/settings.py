@@ -61,8 +61,8 @@ class Settings:
     enable_cuda_graph: bool = False
     external_cuda_graph: bool = False
     seq_length: int | None = None
-    position_embedding_type: str | None = None
-    max_position_embeddings: int | None = None
+    position_embedding_type: Any = None  # (taken as given: only learned_absolute matters)
+    max_position_embeddings: Any = None  # (as given: a bad one only makes the limit unknown)
     micro_batch_size: int | None = None
     variable_seq_lengths: bool = False
     num_moe_experts: int | None = None
@@ -170,7 +170,14 @@ class Settings:
         if self.position_embedding_type != "learned_absolute":
             return None
         if self.max_position_embeddings is not None:
-            return "max_position_embeddings", self.max_position_embeddings
+            # (read only here, so a value that is no whole number refuses nothing: it leaves
+            # the limit unknown; review of 2026-12-05)
+            given = self.max_position_embeddings
+            if isinstance(given, str) and given.strip().isdigit():
+                given = int(given)
+            if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+                return None
+            return "max_position_embeddings", given
         if self.seq_length is not None:
             return "seq_length", self.seq_length
         return None

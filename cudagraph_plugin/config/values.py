@@ -333,7 +333,6 @@ _PARSERS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "check_for_nan_in_loss": (to_bool, True),
     "check_for_nan_in_grad": (to_bool, True),
     "seq_length": (_to_int(1, 4096), True),
-    "max_position_embeddings": (_to_int(1, 4096), True),
     "micro_batch_size": (_to_int(1, 1), True),
     "num_moe_experts": (_to_int(0, 8), True),
     "moe_expert_capacity_factor": (_to_float, True),

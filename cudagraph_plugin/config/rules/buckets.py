@@ -61,6 +61,9 @@ def _buckets(s: Settings, env: Environment) -> Iterator[Violation]:
     over = [bucket for bucket in s.buckets if end is not None and bucket > end[1]]
     if end is not None and over:
         setting, length = end
+        model = f"{s.field(setting)} >= {max(over)}"
+        if s.from_command_line and setting == "seq_length":  # (Megatron-LM requires the flag)
+            model += f" (Megatron-LM: --max-position-embeddings >= {max(over)})"
         fitting = sorted({min(bucket, length) for bucket in s.buckets})
         yield violation(
             s,
@@ -70,7 +73,7 @@ def _buckets(s: Settings, env: Environment) -> Iterator[Violation]:
             f"bucket(s) {', '.join(map(str, over))} fails in the model (no position beyond "
             "the embedding table)",
             f"give buckets up to {length} (e.g. {','.join(map(str, fitting))}), or a model "
-            f"with {s.field(setting)} >= {max(over)}, or rotary position embeddings "
+            f"with {model}, or rotary position embeddings "
             f"({s.field('position_embedding_type')}=rope)",
         )
     multiple = s.sequence_multiple
