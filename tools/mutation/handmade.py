@@ -950,11 +950,36 @@ MUTANTS = [
         "a model none of whose parameters is bf16, its config silent on the precision, reaches "
         "the TE capture",
         "cudagraph_plugin/runtime/build.py",
+        "    if state.te_mode and environment.mcore_te_samples_in_bf16() is not False:\n"
         "        violations += _layer_dtype_problems(model)\n",
+        "    if state.te_mode and environment.mcore_te_samples_in_bf16() is not False:\n"
         "        pass\n",
         (
             "tests/test_build_checks.py::test_te_layers_not_in_bf16_are_refused_where_the_config_"
             "did_not_say[float32]",
+        ),
+    ),
+    Mutant(
+        "cpu-build-checks-skipped",
+        "without a CUDA device the build checks that need none are skipped (a loop wired on a "
+        "laptop learns nothing there)",
+        "cudagraph_plugin/runtime/plugin.py",
+        "        elif self.settings.enabled:\n            build.rehearse_model_checks(state)\n",
+        "        elif False:\n            build.rehearse_model_checks(state)\n",
+        (
+            "tests/test_cpu_rehearsal.py::test_te_scopes_on_fp32_layers_are_refused_at_the_build_"
+            "on_the_cpu_too",
+        ),
+    ),
+    Mutant(
+        "cpu-training-before-build-unchecked",
+        "... and training before run.model_built() goes on there",
+        "cudagraph_plugin/runtime/wiring.py",
+        "        asked = self.expects_graphs or self.state.settings.enabled\n",
+        "        asked = self.expects_graphs\n",
+        (
+            "tests/test_cpu_rehearsal.py::test_training_before_model_built_is_refused_on_the_cpu_"
+            "too[full_iteration]",
         ),
     ),
 ]
