@@ -2382,6 +2382,15 @@ def test_buckets_leave_a_misspelt_impl_or_scope_to_its_own_rule(impl, scope, sai
     assert any("buckets are full-iteration graphs" in text for text in texts), texts
 
 
+def test_one_bucket_given_as_an_int_reads_as_its_string_does():
+    """(user trial, 2026-12-05: YAML's `cuda_graph_buckets: 512` was refused while "512" was
+    read.) pad_step's own argument stays a list (check_buckets names a lone int)."""
+    for one in (512, "512", [512]):
+        assert read_settings(full_iteration(cuda_graph_buckets=one)).buckets == (512,)
+    [problem] = find_violations(read_settings(full_iteration(cuda_graph_buckets=True)))
+    assert "model.cuda_graph_buckets" in problem.fields
+
+
 def test_buckets_beyond_the_learned_position_embeddings_are_refused_where_the_config_says_them():
     """(user trial, 2026-12-05: check said OK for buckets 16,32,64 on a model of 48 learned
     positions, which the model build refuses on a GPU and the model itself fails at.)"""
