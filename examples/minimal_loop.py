@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         pm = get_plugin_manager()  # a fresh manager with every installed plugin, once per run
     except ConfigurationError as refused:  # (two installed plugins of one name)
         return print_refusal(refused)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--train-iters", type=int, default=5)
     parser.add_argument("--trace", action="store_true", help="print each hook call")
     pm.hook.mcgraph_add_arguments(parser=parser)  # --cuda-graph-impl, --cuda-graph-scope ...

@@ -70,6 +70,9 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
         prog="train_gpt.py",
         description="Train a tiny Megatron-Core GPT on synthetic tokens, hosting mcgraph plugins.",
         formatter_class=_DefaultsOnce,
+        # as Megatron-LM's: a shortened or misspelt flag is an error, not a prefix that
+        # argparse completes (`--cuda-graph-bucket` ran with buckets; `check` refused it)
+        allow_abbrev=False,
     )
     model = parser.add_argument_group("model")
     model.add_argument("--num-layers", type=int, default=2)

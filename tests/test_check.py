@@ -994,3 +994,31 @@ def test_check_refuses_buckets_beyond_megatron_lm_s_learned_position_embeddings(
     assert code == 0 and "--position-embedding-type rope" in out, out
     code, out = check([*argv, "--position-embedding-type", "rope"])
     assert code == 0 and "go up to" not in out, out
+
+
+def test_bucket_lengths_given_as_several_values_get_the_comma_joined_flag(capsys):
+    """(user trial, 2026-12-05: `--cuda-graph-buckets 256 512` was told only that 512 is "a
+    value without a flag".)"""
+    with pytest.raises(SystemExit) as raised:
+        check([*DENSE_FULL_ITERATION, "--cuda-graph-buckets", "256", "512", "1024", "--bf16"])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    hint = "--cuda-graph-buckets takes one value, the lengths joined by commas"
+    assert f"hint: {hint}: --cuda-graph-buckets 256,512,1024\n" in err
+    assert err.count(hint) == 1 and "a value without a flag" not in err
+    # another flag's stray value keeps the general hint (no comma-joined value for it)
+    with pytest.raises(SystemExit):
+        check([*DENSE_FULL_ITERATION, "--seq-length", "512", "1024"])
+    assert "1024: a value without a flag" in capsys.readouterr().err
+
+
+def test_the_example_hosts_refuse_a_shortened_flag_as_megatron_lm_and_check_do():
+    """(user trial, 2026-12-05: `rl_loop.py --cuda-graph-bucket 16,32,48` ran with buckets,
+    argparse completing the prefix, while `check` refused it.)"""
+    import train_gpt
+    from hookspecs import get_plugin_manager
+
+    parser = train_gpt.build_parser(get_plugin_manager())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cuda-graph-bucket", "16,32,48"])
+    assert parser.parse_args(["--cuda-graph-buckets", "16,32,48"]).cuda_graph_buckets

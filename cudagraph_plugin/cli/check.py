@@ -73,9 +73,18 @@ def _hint(parser: argparse.ArgumentParser, message: str) -> str:
             if close:
                 hints.append(f"{token}: did you mean {close[0]}?")
         elif not after_flag:
-            hints.append(
-                f"{token}: a value without a flag; only {', '.join(LIST_FLAGS)} take several values"
-            )
+            owner, values = _flag_before(getattr(parser, "given", []), token)
+            if owner == "--cuda-graph-buckets":  # (one value: the lengths joined by commas)
+                if not any(hint.startswith(owner) for hint in hints):
+                    hints.append(
+                        f"{owner} takes one value, the lengths joined by commas: "
+                        f"{owner} {','.join(values)}"
+                    )
+            else:
+                hints.append(
+                    f"{token}: a value without a flag; only {', '.join(LIST_FLAGS)} take "
+                    "several values"
+                )
         after_flag = token.startswith("-")
     if any(_is_flag(t) and not t.startswith(OWN_NAMESPACE) for t in unknown):
         hints.append(
@@ -83,6 +92,21 @@ def _hint(parser: argparse.ArgumentParser, message: str) -> str:
             "does not read are then named in a note and skipped"
         )
     return "".join(f"\n  hint: {hint}" for hint in hints)
+
+
+def _flag_before(argv: Sequence[str], token: str) -> tuple[str | None, list[str]]:
+    """The flag whose values ``token`` follows on the command line, and all its values
+    (``--cuda-graph-buckets``, ``["256", "512"]`` in ``--cuda-graph-buckets 256 512``);
+    ``(None, [])`` where no flag comes before it."""
+    argv = list(argv)
+    if token not in argv:
+        return None, []
+    at = argv.index(token)
+    flags = [i for i in range(at) if argv[i].startswith("-")]
+    if not flags or "=" in argv[flags[-1]]:
+        return None, []
+    end = next((i for i in range(at, len(argv)) if argv[i].startswith("-")), len(argv))
+    return argv[flags[-1]], argv[flags[-1] + 1 : end]
 
 
 def _close_flag(name: str, known: list[str]) -> list[str]:
@@ -361,6 +385,7 @@ def _own_flags(args: argparse.Namespace) -> tuple[Any, list[Violation]]:
 def run_check(argv: Sequence[str] | None = None, out: Any = None, prog: str | None = None) -> int:
     out = out or sys.stdout
     parser = build_parser(prog)
+    parser.given = list(sys.argv[1:] if argv is None else argv)  # type: ignore[attr-defined]
     args, unknown = parser.parse_known_args(argv)
     if unknown and not args.skip_unknown_flags:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # (what parse_args says)
