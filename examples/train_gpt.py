@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import functools
 import importlib.util
 import logging
@@ -33,7 +34,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from lr_schedule import lr_scheduler
@@ -66,7 +67,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
     """The example's argument parser, with every plugin's options added to it."""
-    parser = argparse.ArgumentParser(
+    parser = _ShortErrors(
         prog="train_gpt.py",
         description="Train a tiny Megatron-Core GPT on synthetic tokens, hosting mcgraph plugins.",
         formatter_class=_DefaultsOnce,
@@ -233,6 +234,21 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
 
 def _shown_default(action: argparse.Action) -> bool:
     return action.default not in (None, False, argparse.SUPPRESS)
+
+
+class _ShortErrors(argparse.ArgumentParser):
+    """A broken command line in two lines, a misspelt flag with the one it likely means,
+    instead of argparse's usage of every flag (some sixty lines here)."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = ""
+        if message.startswith("unrecognized arguments: "):
+            flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            for token in message.removeprefix("unrecognized arguments: ").split():
+                close = difflib.get_close_matches(token.split("=")[0], flags, n=1, cutoff=0.8)
+                if token.startswith("--") and close:
+                    hint += f" ({token}: did you mean {close[0]}?)"
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n({self.prog} --help lists the flags)\n")
 
 
 class _DefaultsOnce(argparse.HelpFormatter):

@@ -1022,3 +1022,21 @@ def test_the_example_hosts_refuse_a_shortened_flag_as_megatron_lm_and_check_do()
     with pytest.raises(SystemExit):
         parser.parse_args(["--cuda-graph-bucket", "16,32,48"])
     assert parser.parse_args(["--cuda-graph-buckets", "16,32,48"]).cuda_graph_buckets
+
+
+def test_the_example_hosts_say_a_broken_command_line_in_one_line(capsys):
+    """(user trial, 2026-12-05: a flag typo printed some sixty lines of usage, no
+    did-you-mean, unlike the hosts' own refusals and `check`.)"""
+    import train_gpt
+    from hookspecs import get_plugin_manager
+
+    parser = train_gpt.build_parser(get_plugin_manager())
+    with pytest.raises(SystemExit) as raised:
+        parser.parse_args(["--cuda-graph-bucket", "16,32"])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "train_gpt.py: error: unrecognized arguments: --cuda-graph-bucket 16,32 "
+        "(--cuda-graph-bucket: did you mean --cuda-graph-buckets?)\n"
+        "(train_gpt.py --help lists the flags)\n"
+    )
