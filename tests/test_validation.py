@@ -576,7 +576,17 @@ def test_variable_seq_lengths_rejected():
         fields=["model.variable_seq_lengths"],
         value="True",
         phrase="CUDA graphs need static tensor shapes; variable-length sequences do not work",
-        fix="pad packed sequences to a fixed width and set model.variable_seq_lengths=False",
+        fix="pad packed sequences to a fixed width and set model.variable_seq_lengths=False; "
+        "for lengths that change from step to step, pad each step to a bucket "
+        "(model.cuda_graph_buckets: one full-iteration graph per length)",
+    )
+    # with buckets the fix says they are the way (user trial, 2026-12-05)
+    [problem] = find_violations(
+        read_settings(full_iteration(variable_seq_lengths=True, cuda_graph_buckets="256,512"))
+    )
+    assert problem.fix == (
+        "set model.variable_seq_lengths=False: with model.cuda_graph_buckets each step is "
+        "padded to a bucket (pad_step, run.step_padded), which serves lengths that change"
     )
 
 

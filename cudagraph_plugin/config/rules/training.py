@@ -17,13 +17,24 @@ from cudagraph_plugin.config.settings import Settings
 @rule
 def _static_shapes(s: Settings, env: Environment) -> Iterator[Violation]:
     if s.enabled and s.variable_seq_lengths:
+        drop = s.set_text("variable_seq_lengths", False)
+        if s.buckets:  # (user trial, 2026-12-05: the fix did not say the buckets are the way)
+            fix = (
+                f"{drop}: with {s.field('buckets')} each step is padded to a bucket "
+                "(pad_step, run.step_padded), which serves lengths that change"
+            )
+        else:
+            fix = (
+                "fix seq_length and micro_batch_size; pad packed sequences to a fixed width "
+                f"and {drop}; for lengths that change from step to step, pad each step to a "
+                f"bucket ({s.field('buckets')}: one full-iteration graph per length)"
+            )
         yield violation(
             s,
             ("variable_seq_lengths",),
             True,
             "CUDA graphs need static tensor shapes; variable-length sequences do not work",
-            "fix seq_length and micro_batch_size; pad packed sequences to a fixed width and "
-            f"{s.set_text('variable_seq_lengths', False)}",
+            fix,
             (BRIDGE, "Offline packing with CUDA graphs requires dataset pad_to_max_length=True"),
         )
 
