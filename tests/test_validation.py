@@ -578,7 +578,7 @@ def test_variable_seq_lengths_rejected():
         phrase="CUDA graphs need static tensor shapes; variable-length sequences do not work",
         fix="pad packed sequences to a fixed width and set model.variable_seq_lengths=False; "
         "for lengths that change from step to step, pad each step to a bucket "
-        "(model.cuda_graph_buckets: one full-iteration graph per length)",
+        "(cuda_graph_buckets: one full-iteration graph per length)",
     )
     # with buckets the fix says they are the way (user trial, 2026-12-05)
     [problem] = find_violations(

@@ -288,6 +288,7 @@ _DEFAULT_NAMES = {
     "impl": "cuda_graph_impl",
     "scope": "cuda_graph_scope",
     "warmup_steps": "cuda_graph_warmup_steps",
+    "buckets": "cuda_graph_buckets",
     "model_te_rng_tracker": "use_te_rng_tracker",
     "rng_te_rng_tracker": "rng.te_rng_tracker",
 }
