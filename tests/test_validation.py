@@ -2039,6 +2039,20 @@ def test_no_warmup_warning_when_a_replay_step_follows_the_capture(warmup, start,
     assert warmup_warning(s, start, iters) is None
 
 
+def test_buckets_too_many_for_the_run_s_steps_to_replay_each_are_said():
+    """Each bucket is captured after its own warm-up and replays from the call after: a run
+    of fewer than buckets x (warm-up + 2) steps cannot replay every bucket, whatever the
+    lengths (user trial, 2026-12-05: the warm-up warning said nothing of it)."""
+    s = read_settings(full_iteration(cuda_graph_buckets="16,32,48", cuda_graph_warmup_steps=3))
+    warning = warmup_warning(s, 0, 14)
+    assert warning.startswith("model.cuda_graph_buckets has 3 buckets, each captured after 3 ")
+    assert "this run's 14 step(s) can replay at most 2 of them (3 x 5 = 15 steps" in warning
+    assert warmup_warning(s, 0, 15) is None and warmup_warning(s, 5, 20) is None
+    assert "8 step(s) can replay at most 1 of them" in warmup_warning(s, 12, 20)
+    one = read_settings(full_iteration(cuda_graph_buckets="512", cuda_graph_warmup_steps=3))
+    assert warmup_warning(one, 0, 6) is None  # (one bucket: the run's own warning covers it)
+
+
 def test_no_warmup_warning_with_graphs_off():
     s = read_settings(bridge("none", [], cuda_graph_warmup_steps=1000))
     assert warmup_warning(s, 0, 10) is None

@@ -125,6 +125,23 @@ def advice(settings: Settings, environ: Any = None) -> list[str]:
     return notes
 
 
+def _buckets_warning(settings: Settings, steps: int) -> str | None:
+    """Bucket graphs each count their own warm-up: a bucket replays once it had warm-up + 1
+    steps of its own plus one more, so ``steps`` too few for every bucket cannot replay them
+    all, whatever the lengths (user trial, 2026-12-05: no word was said of it)."""
+    buckets, warmup = settings.buckets or (), settings.warmup_steps
+    each = warmup + 2
+    if len(buckets) < 2 or steps >= len(buckets) * each:
+        return None
+    return (
+        f"{settings.field('buckets')} has {len(buckets)} buckets, each captured after "
+        f"{warmup} warm-up step(s) of its own and replayed from the step after: this run's "
+        f"{steps} step(s) can replay at most {steps // each} of them ({len(buckets)} x {each} "
+        f"= {len(buckets) * each} steps would replay each once, if the lengths fall so); "
+        "train longer, or use fewer buckets or warm-up steps"
+    )
+
+
 def warmup_warning(settings: Settings, start_step: int, train_iters: int) -> str | None:
     """What to say at train start when the warm-up leaves nothing to capture or replay."""
     if not settings.enabled:
@@ -143,7 +160,7 @@ def warmup_warning(settings: Settings, start_step: int, train_iters: int) -> str
             "run cannot show a speed-up"
         )
     else:
-        return None
+        return _buckets_warning(settings, steps)
     most = steps - 2  # the longest warm-up whose graphs are replayed in this run
     warmup_field = settings.field("warmup_steps")
     given = settings.warmup_from_baseline
