@@ -495,17 +495,20 @@ def test_auto_fixes_are_written_all_or_nothing():
     """A field the config refuses (a frozen section) raised FrozenInstanceError after the
     fixes before it were written and logged: the config was left half-changed, although a
     configuration that fails is left as it was."""
-    import dataclasses
-
     from cudagraph_plugin import CudaGraphConfigError, check_config
 
-    @dataclasses.dataclass(frozen=True)
-    class FrozenRng:
-        te_rng_tracker: bool = False
+    class GuardedRng:  # (a section whose setter refuses: the check cannot see that coming)
+        @property
+        def te_rng_tracker(self) -> bool:
+            return False
+
+        @te_rng_tracker.setter
+        def te_rng_tracker(self, value: bool) -> None:
+            raise AttributeError("read-only: set by the launcher")
 
     config = NS(
         model=NS(cuda_graph_impl="transformer_engine", cuda_graph_scope="attn, mlp"),
-        rng=FrozenRng(),
+        rng=GuardedRng(),
     )
     checked = check_config(config, environ={})
     assert checked.ok and len(checked.autofixes) >= 2
@@ -518,8 +521,34 @@ def test_auto_fixes_are_written_all_or_nothing():
     )
     [problem] = refused.value.violations
     assert problem.fields == ("rng.te_rng_tracker",)
-    assert "but the config refuses the write (FrozenInstanceError: " in problem.problem
+    assert "but the config refuses the write (AttributeError: read-only" in problem.problem
     assert problem.fix.startswith("set rng.te_rng_tracker=True yourself before the run")
+
+
+def test_a_frozen_section_the_run_must_write_is_a_problem_of_the_check():
+    """(user trial, 2026-12-05: check_config said OK for a frozen dataclass whose fields the
+    run must set; only the run's apply refused it.) A read-only mapping alike."""
+    import dataclasses
+    from types import MappingProxyType
+
+    from cudagraph_plugin import check_config
+
+    @dataclasses.dataclass(frozen=True)
+    class FrozenRng:
+        te_rng_tracker: bool = False
+
+    model = {"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": "attn,mlp"}
+    checked = check_config(NS(model=NS(**model), rng=FrozenRng()), environ={})
+    [problem] = checked.problems
+    assert problem.fields == ("rng.te_rng_tracker",) and problem.value == "False"
+    assert "but the config refuses the write (a frozen FrozenRng)" in problem.problem
+    assert problem.fix.startswith("set rng.te_rng_tracker=True yourself before the run")
+    flat = MappingProxyType({**model, "use_te_rng_tracker": False})
+    [problem] = check_config(flat, environ={}).problems
+    assert "(a read-only mapping)" in problem.problem
+    # a section that can be written, or one holding the value already, is no problem
+    assert check_config(NS(model=NS(**model), rng=NS(te_rng_tracker=False))).ok
+    assert check_config(NS(model=NS(**model), rng=FrozenRng(te_rng_tracker=True))).ok
 
 
 def test_a_report_path_that_is_not_a_path_is_a_problem_of_the_check():

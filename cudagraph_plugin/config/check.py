@@ -35,6 +35,7 @@ from cudagraph_plugin.config.fixes import (
     plan_autofixes,
     plan_environment_fixes,
     settings_after,
+    unwritable_fixes,
     write_fixes,
 )
 from cudagraph_plugin.config.rules import evaluate
@@ -127,6 +128,7 @@ def check_config(
         settings, env, nccl_initialized=nccl_initialized, te_available=te_available
     )
     env_fixes = plan_environment_fixes(settings, env, nccl_initialized=nccl_initialized)
+    problems += unwritable_fixes(config, fixes)
     refused = bool(problems or env_problems)
     return ConfigCheck(
         settings=settings,

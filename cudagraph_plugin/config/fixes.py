@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
 from cudagraph_plugin.config.environment import (
@@ -266,6 +266,38 @@ def write_fixes(
     return [fix.message for fix in fixes]
 
 
+def _refused_write(config: Any, fix: AutoFix, before: Any, why: str) -> Violation:
+    name = display_name(config, fix.path)
+    return Violation(
+        (name,),
+        repr(before),
+        f"the run must set it ({fix.message}), but the config refuses the write ({why}); "
+        "none of the auto-fixes was written",
+        f"set {name}={fix.value!r} yourself before the run, or give the run a config whose "
+        "fields can be set",
+    )
+
+
+def unwritable_fixes(config: Any, fixes: Iterable[AutoFix]) -> list[Violation]:
+    """The config fields among ``fixes`` that the run could not write, seen without writing:
+    those of a frozen dataclass or a read-only mapping (``check_config`` says so as the run
+    would refuse it; before, the check said OK and only the run refused; user trial,
+    2026-12-05)."""
+    found = []
+    for fix in fixes:
+        if fix.environment:
+            continue
+        parent_path = fix.path.rpartition(".")[0]
+        parent = resolve(config, parent_path) if parent_path else config
+        frozen = dataclasses.is_dataclass(parent) and not isinstance(parent, type)
+        frozen = frozen and type(parent).__dataclass_params__.frozen  # type: ignore[attr-defined]
+        read_only = isinstance(parent, Mapping) and not isinstance(parent, MutableMapping)
+        if frozen or read_only:
+            why = f"a frozen {type(parent).__name__}" if frozen else "a read-only mapping"
+            found.append(_refused_write(config, fix, resolve(config, fix.path), why))
+    return found
+
+
 def _write_all(config: Any, fixes: list[AutoFix]) -> None:
     written: list[tuple[str, Any]] = []
     for fix in fixes:
@@ -276,20 +308,8 @@ def _write_all(config: Any, fixes: list[AutoFix]) -> None:
             for path, value in reversed(written):  # (as the config was; best effort)
                 with contextlib.suppress(Exception):
                     assign(config, path, value)
-            name = display_name(config, fix.path)
-            raise CudaGraphConfigError(
-                [
-                    Violation(
-                        (name,),
-                        repr(before),
-                        f"the run must set it ({fix.message}), but the config refuses the "
-                        f"write ({type(error).__name__}: {error}); none of the auto-fixes "
-                        "was written",
-                        f"set {name}={fix.value!r} yourself before the run, or give the run "
-                        "a config whose fields can be set",
-                    )
-                ]
-            ) from None
+            why = f"{type(error).__name__}: {error}"
+            raise CudaGraphConfigError([_refused_write(config, fix, before, why)]) from None
         written.append((fix.path, before))
 
 
