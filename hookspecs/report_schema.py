@@ -325,7 +325,8 @@ REPORT_FIELDS: tuple[ReportField, ...] = (
         "each `run.invalidate_graphs(reason)`, and each time the bucket graphs' address "
         "check saw memory move (`reason` says what moved): `step` (the step running, or the "
         "last one run: `null` before the first), `reason`, `graphs_freed`, `then` (what "
-        "followed); `[]` without",
+        "followed); `[]` without, and where graphs are off (no CUDA device: there is nothing "
+        "to free, so a call is not recorded)",
     ),
     ReportField(
         "captures",
