@@ -1006,6 +1006,11 @@ def test_bucket_lengths_given_as_several_values_get_the_comma_joined_flag(capsys
     hint = "--cuda-graph-buckets takes one value, the lengths joined by commas"
     assert f"hint: {hint}: --cuda-graph-buckets 256,512,1024\n" in err
     assert err.count(hint) == 1 and "a value without a flag" not in err
+    # found where it is a stray (its first occurrence may be another flag's value), and in
+    # the underscore spelling too (review of 2026-12-05)
+    with pytest.raises(SystemExit):
+        check(["--seq-length", "512", *DENSE_FULL_ITERATION, "--cuda_graph_buckets", "256", "512"])
+    assert f"hint: {hint}: --cuda-graph-buckets 256,512\n" in capsys.readouterr().err
     # another flag's stray value keeps the general hint (no comma-joined value for it)
     with pytest.raises(SystemExit):
         check([*DENSE_FULL_ITERATION, "--seq-length", "512", "1024"])

@@ -541,14 +541,46 @@ def test_a_frozen_section_the_run_must_write_is_a_problem_of_the_check():
     checked = check_config(NS(model=NS(**model), rng=FrozenRng()), environ={})
     [problem] = checked.problems
     assert problem.fields == ("rng.te_rng_tracker",) and problem.value == "False"
-    assert "but the config refuses the write (a frozen FrozenRng)" in problem.problem
+    assert "but the config refuses the write (FrozenRng is a frozen dataclass)" in problem.problem
     assert problem.fix.startswith("set rng.te_rng_tracker=True yourself before the run")
     flat = MappingProxyType({**model, "use_te_rng_tracker": False})
     [problem] = check_config(flat, environ={}).problems
-    assert "(a read-only mapping)" in problem.problem
+    assert "(mappingproxy is a read-only mapping)" in problem.problem
     # a section that can be written, or one holding the value already, is no problem
     assert check_config(NS(model=NS(**model), rng=NS(te_rng_tracker=False))).ok
     assert check_config(NS(model=NS(**model), rng=FrozenRng(te_rng_tracker=True))).ok
+    # an attribute of a frozen dataclass's subclass that is no field of it can be set (review
+    # of 2026-12-05: refused by the check, written fine by the run)
+
+    @dataclasses.dataclass(frozen=True)
+    class FrozenModel:
+        cuda_graph_impl: str = "transformer_engine"
+        cuda_graph_scope: str = "attn,mlp"
+
+    class Host(FrozenModel):
+        def __init__(self) -> None:
+            super().__init__()
+            object.__setattr__(self, "use_te_rng_tracker", False)
+
+    host = Host()
+    checked = check_config(host, environ={})
+    assert checked.ok, checked.problems
+    checked.apply(host, environ={})
+    assert host.use_te_rng_tracker is True
+
+
+def test_an_auto_fix_into_any_mutable_mapping_is_written_as_an_item():
+    """(review of 2026-12-05: a UserDict got the fix as an attribute, the item unchanged,
+    while the log said it was written.)"""
+    from collections import UserDict
+
+    from cudagraph_plugin import check_config
+
+    config = UserDict(
+        cuda_graph_impl="local", cuda_graph_scope="full_iteration", use_te_rng_tracker=False
+    )
+    check_config(config, environ={}).apply(config, environ={})
+    assert config["use_te_rng_tracker"] is True and "use_te_rng_tracker" not in vars(config)
 
 
 def test_a_report_path_that_is_not_a_path_is_a_problem_of_the_check():

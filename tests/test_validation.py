@@ -2051,6 +2051,14 @@ def test_buckets_too_many_for_the_run_s_steps_to_replay_each_are_said():
     assert "8 step(s) can replay at most 1 of them" in warmup_warning(s, 12, 20)
     one = read_settings(full_iteration(cuda_graph_buckets="512", cuda_graph_warmup_steps=3))
     assert warmup_warning(one, 0, 6) is None  # (one bucket: the run's own warning covers it)
+    # where the baseline raised the warm-up, the baseline is what to lower (review of
+    # 2026-12-05: "fewer warm-up steps" named a knob that changes nothing there)
+    config = full_iteration(cuda_graph_buckets="16,32,48", cuda_graph_warmup_steps=1)
+    config.cuda_graph_baseline_steps = 10
+    raised = warmup_warning(read_settings(config), 0, 30)
+    assert raised.endswith(
+        "or use fewer buckets or cuda_graph_baseline_steps below 10 (it raised the warm-up to 11)"
+    )
 
 
 def test_no_warmup_warning_with_graphs_off():
@@ -2409,8 +2417,12 @@ def test_buckets_leave_a_misspelt_impl_or_scope_to_its_own_rule(impl, scope, sai
 def test_one_bucket_given_as_an_int_reads_as_its_string_does():
     """(user trial, 2026-12-05: YAML's `cuda_graph_buckets: 512` was refused while "512" was
     read.) pad_step's own argument stays a list (check_buckets names a lone int)."""
+    from cudagraph_plugin.config.buckets import parse_buckets
+
     for one in (512, "512", [512]):
         assert read_settings(full_iteration(cuda_graph_buckets=one)).buckets == (512,)
+    with pytest.raises(ValueError, match="not a list of sequence lengths"):
+        parse_buckets(512)  # (pad_step's buckets: a list, as the review of 2026-12-05 said)
     [problem] = find_violations(read_settings(full_iteration(cuda_graph_buckets=True)))
     assert "model.cuda_graph_buckets" in problem.fields
 

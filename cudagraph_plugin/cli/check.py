@@ -99,14 +99,14 @@ def _flag_before(argv: Sequence[str], token: str) -> tuple[str | None, list[str]
     (``--cuda-graph-buckets``, ``["256", "512"]`` in ``--cuda-graph-buckets 256 512``);
     ``(None, [])`` where no flag comes before it."""
     argv = list(argv)
-    if token not in argv:
-        return None, []
-    at = argv.index(token)
-    flags = [i for i in range(at) if argv[i].startswith("-")]
-    if not flags or "=" in argv[flags[-1]]:
-        return None, []
-    end = next((i for i in range(at, len(argv)) if argv[i].startswith("-")), len(argv))
-    return argv[flags[-1]], argv[flags[-1] + 1 : end]
+    for at in (i for i, item in enumerate(argv) if item == token):
+        flags = [i for i in range(at) if argv[i].startswith("-")]
+        # (the stray one: a second value or later of its flag, not a flag's own value)
+        if not flags or "=" in argv[flags[-1]] or at - flags[-1] < 2:
+            continue
+        end = next((i for i in range(at, len(argv)) if argv[i].startswith("-")), len(argv))
+        return argv[flags[-1]].replace("_", "-"), argv[flags[-1] + 1 : end]
+    return None, []
 
 
 def _close_flag(name: str, known: list[str]) -> list[str]:

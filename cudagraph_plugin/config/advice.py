@@ -133,12 +133,18 @@ def _buckets_warning(settings: Settings, steps: int) -> str | None:
     each = warmup + 2
     if len(buckets) < 2 or steps >= len(buckets) * each:
         return None
+    fewer = "warm-up steps"
+    if settings.warmup_from_baseline is not None:  # (the baseline raised the warm-up)
+        fewer = (
+            f"{settings.field('baseline_steps')} below {settings.baseline_steps} (it raised "
+            f"the warm-up to {warmup})"
+        )
     return (
         f"{settings.field('buckets')} has {len(buckets)} buckets, each captured after "
         f"{warmup} warm-up step(s) of its own and replayed from the step after: this run's "
         f"{steps} step(s) can replay at most {steps // each} of them ({len(buckets)} x {each} "
         f"= {len(buckets) * each} steps would replay each once, if the lengths fall so); "
-        "train longer, or use fewer buckets or warm-up steps"
+        f"train longer, or use fewer buckets or {fewer}"
     )
 
 

@@ -52,12 +52,9 @@ def check_buckets(buckets: Iterable[Any], field: str = "buckets") -> tuple[int, 
 
 def parse_buckets(value: Any, field: str = "buckets") -> tuple[int, ...]:
     """The setting's accepted form: a list of ints or a string ``"256,512,1024"`` (commas or
-    spaces; digit strings count as ints), or one int (a YAML recipe's ``cuda_graph_buckets:
-    512``, which reads as the string ``"512"`` reads), checked by :func:`check_buckets`.
-    Raises ``ValueError`` saying what is wrong."""
+    spaces; digit strings count as ints), checked by :func:`check_buckets`. Raises
+    ``ValueError`` saying what is wrong."""
     problems = []
-    if _length(value) is not None:
-        value = [value]
     if isinstance(value, str):
         if re.search(r"(^|,)\s*(,|$)", value.strip()) and value.strip():
             # "256,,512", "256,512,": an unset variable in a launcher drops a bucket

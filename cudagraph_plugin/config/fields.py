@@ -13,7 +13,8 @@ Pure Python: no torch, no megatron import.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, MutableMapping
 from enum import Enum
 from typing import Any
 
@@ -305,12 +306,32 @@ def existing_paths(config: Any, setting: str) -> list[str]:
 
 
 def assign(config: Any, path: str, value: Any) -> None:
-    """Set ``path`` in ``config`` (attribute or mapping item, nested by dots)."""
+    """Set ``path`` in ``config`` (attribute or mapping item, nested by dots); a read-only
+    mapping raises ``TypeError`` (setting an attribute on it would be read by nobody)."""
     *parents, leaf = path.split(".")
     obj = config
     for part in parents:
         obj = _get(obj, part)
-    if isinstance(obj, dict):
+    if isinstance(obj, MutableMapping):  # (any mutable mapping: a UserDict's too)
         obj[leaf] = value
+    elif isinstance(obj, Mapping):
+        raise TypeError(f"{type(obj).__name__} is a read-only mapping")
     else:
         setattr(obj, leaf, value)
+
+
+def write_refusal(config: Any, path: str) -> str | None:
+    """Why :func:`assign` would be refused at ``path``, seen without writing: a field of a
+    frozen dataclass, an item of a read-only mapping; None where nothing says so (a setter
+    may still refuse: the write says that)."""
+    *parents, leaf = path.split(".")
+    obj = config
+    for part in parents:
+        obj = _get(obj, part)
+    if isinstance(obj, Mapping) and not isinstance(obj, MutableMapping):
+        return f"{type(obj).__name__} is a read-only mapping"
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        frozen = type(obj).__dataclass_params__.frozen  # type: ignore[attr-defined]
+        if frozen and leaf in {field.name for field in dataclasses.fields(obj)}:
+            return f"{type(obj).__name__} is a frozen dataclass"
+    return None

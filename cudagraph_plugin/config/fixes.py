@@ -40,6 +40,7 @@ from cudagraph_plugin.config.fields import (
     existing_paths,
     resolve,
     set_words,
+    write_refusal,
 )
 from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.config.settings import Settings
@@ -285,15 +286,8 @@ def unwritable_fixes(config: Any, fixes: Iterable[AutoFix]) -> list[Violation]:
     2026-12-05)."""
     found = []
     for fix in fixes:
-        if fix.environment:
-            continue
-        parent_path = fix.path.rpartition(".")[0]
-        parent = resolve(config, parent_path) if parent_path else config
-        frozen = dataclasses.is_dataclass(parent) and not isinstance(parent, type)
-        frozen = frozen and type(parent).__dataclass_params__.frozen  # type: ignore[attr-defined]
-        read_only = isinstance(parent, Mapping) and not isinstance(parent, MutableMapping)
-        if frozen or read_only:
-            why = f"a frozen {type(parent).__name__}" if frozen else "a read-only mapping"
+        why = None if fix.environment else write_refusal(config, fix.path)
+        if why is not None:
             found.append(_refused_write(config, fix, resolve(config, fix.path), why))
     return found
 

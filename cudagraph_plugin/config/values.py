@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import math
+import numbers
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -186,7 +187,10 @@ def _to_dtype_name(value: Any) -> str:
 
 def _to_buckets(value: Any) -> tuple[int, ...]:
     """Sequence-length buckets: a list of ints or a string ``"256,512,1024"`` (commas or
-    spaces); sorted, each once."""
+    spaces), or one int in a config (a YAML recipe's ``cuda_graph_buckets: 512``, read as
+    ``"512"`` is; ``pad_step``'s own argument stays a list); sorted, each once."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = [value]
     try:
         return parse_buckets(value, "cuda_graph_buckets")
     except ValueError as exc:
