@@ -100,8 +100,15 @@ def te_helper(monkeypatch: pytest.MonkeyPatch) -> type[_Helper]:
     return _Helper
 
 
-def test_te_chunks_without_a_ddp_wrapper_are_refused_before_the_capture(rng_tracker, te_helper):
-    # megatron-core's helper calls zero_grad_buffer() on each chunk after capturing
+@pytest.mark.parametrize("bf16_samples", [True, False])
+def test_te_chunks_without_a_ddp_wrapper_are_refused_before_the_capture(
+    rng_tracker, te_helper, monkeypatch, bf16_samples
+):
+    # megatron-core's helper calls zero_grad_buffer() on each chunk after capturing, whatever
+    # dtype its sample inputs take (the precision check had come to gate this one)
+    from cudagraph_plugin.config import environment
+
+    monkeypatch.setattr(environment, "mcore_te_samples_in_bf16", lambda: bf16_samples)
     rng_tracker(True)
     chunks = [SimpleNamespace(zero_grad_buffer=lambda: None), SimpleNamespace()]
     state = state_for(TE, chunks)

@@ -32,7 +32,7 @@ def _te_layer_graphs_refused(s: Settings) -> bool:
     sample inputs): then advising TE scopes would send the user to a refusal. Layers built
     with the local spec are no reason: TE graphs capture them too (bf16, measured on an H100
     on 2026-12-05)."""
-    return s.layer_dtype in ("fp32", "fp16") and environment.mcore_te_samples_in_bf16() is not False
+    return s.layer_dtype in ("fp32", "fp16") and environment.te_layers_need_bf16()
 
 
 RECOMMENDED_SCOPES = {
@@ -65,7 +65,7 @@ def advice(settings: Settings, environ: Any = None) -> list[str]:
         pass  # graphs per length bucket are full-iteration graphs: no narrower option
     elif s.full_iteration:
         # (a precision the config does not say: the layers' dtype is checked at the build)
-        unsaid = s.layer_dtype is None and environment.mcore_te_samples_in_bf16() is not False
+        unsaid = s.layer_dtype is None and environment.te_layers_need_bf16()
         notes.append(
             f"scope full_iteration is wider than recommended for a first {kind} run "
             f"(start with TE {','.join(recommended)}{' on bf16 layers' if unsaid else ''}): "

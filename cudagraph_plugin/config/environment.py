@@ -138,6 +138,13 @@ def mcore_te_samples_in_bf16() -> bool | None:
     return "dtype=torch.bfloat16" in text[start : end if end != -1 else len(text)]
 
 
+def te_layers_need_bf16() -> bool:
+    """TE layer graphs need bf16 layers here: the installed megatron-core builds their sample
+    inputs as bfloat16 (:func:`mcore_te_samples_in_bf16`), or none was found to say (the
+    released versions do)."""
+    return mcore_te_samples_in_bf16() is not False
+
+
 def full_iteration_scope_turns_graphs_on(s: Settings) -> bool:
     """``cuda_graph_impl`` none with ``full_iteration`` in the scope, where megatron-core reads
     that as graphs on: 0.18+ migrates this deprecated spelling to

@@ -182,18 +182,21 @@ def rehearse_model_checks(state: RunState) -> None:
     learned position embeddings), so that a loop wired on a laptop learns there what its
     first GPU run would refuse (user trials, 2026-12-05). The rest (the DDP build stream, the
     model config's CUDA graph fields, the RNG tracker) needs the device's set-up."""
-    model, settings = state.model, state.settings
-    _check_chunks(model)
+    _check_chunks(state.model)
+    violations = _device_free_problems(state.settings, state.model)
+    if violations:
+        raise CudaGraphConfigError(violations)
+
+
+def _device_free_problems(settings: Settings, model: list[Any]) -> list[Violation]:
+    """The build checks that need no device, the CPU's and the GPU's alike: the TE-graphed
+    layers' precision, the buckets against the learned position embeddings."""
     violations: list[Violation] = []
-    if (
-        settings.impl == "transformer_engine"
-        and environment.mcore_te_samples_in_bf16() is not False
-    ):
+    if settings.impl == "transformer_engine" and environment.te_layers_need_bf16():
         violations += _layer_dtype_problems(model)
     if settings.buckets:
         violations += _bucket_position_problems(settings, model)
-    if violations:
-        raise CudaGraphConfigError(violations)
+    return violations
 
 
 def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer: Any) -> None:
@@ -214,8 +217,8 @@ def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer
         violations.append(
             Violation(("num_microbatches_calculator",), "not initialised", *_CALC_FIX)
         )
-    if state.te_mode and environment.mcore_te_samples_in_bf16() is not False:
-        violations += _layer_dtype_problems(model)
+    violations += _device_free_problems(state.settings, model)
+    if state.te_mode:
         unwrapped = [
             index
             for index, chunk in enumerate(model)
@@ -230,8 +233,6 @@ def build_model_graphs(state: RunState, build: compat.DDPBuildContext, optimizer
                     _UNWRAPPED_FIX,
                 )
             )
-    if state.settings.buckets:
-        violations += _bucket_position_problems(state.settings, model)
     missing = build.missing(model)
     if missing:
         chunks = ", ".join(map(str, missing))

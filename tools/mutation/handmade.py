@@ -950,9 +950,7 @@ MUTANTS = [
         "a model none of whose parameters is bf16, its config silent on the precision, reaches "
         "the TE capture",
         "cudagraph_plugin/runtime/build.py",
-        "    if state.te_mode and environment.mcore_te_samples_in_bf16() is not False:\n"
         "        violations += _layer_dtype_problems(model)\n",
-        "    if state.te_mode and environment.mcore_te_samples_in_bf16() is not False:\n"
         "        pass\n",
         (
             "tests/test_build_checks.py::test_te_layers_not_in_bf16_are_refused_where_the_config_"

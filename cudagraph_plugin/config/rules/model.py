@@ -261,7 +261,7 @@ def _te_graphs_need_bf16_layers(s: Settings, env: Environment) -> Iterator[Viola
     if (
         s.impl != "transformer_engine"
         or dtype == "bf16"
-        or environment.mcore_te_samples_in_bf16() is False  # (it takes the config's dtype)
+        or not environment.te_layers_need_bf16()  # (it takes the config's dtype)
     ):
         return
     if dtype is None:
