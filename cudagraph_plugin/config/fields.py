@@ -305,13 +305,16 @@ def existing_paths(config: Any, setting: str) -> list[str]:
     return [path for path in FIELD_PATHS[setting] if resolve(config, path) is not MISSING]
 
 
+def _parent(config: Any, path: str) -> tuple[Any, str]:
+    """The object that holds ``path``'s last part, and that part."""
+    parent, _, leaf = path.rpartition(".")
+    return (resolve(config, parent) if parent else config), leaf
+
+
 def assign(config: Any, path: str, value: Any) -> None:
     """Set ``path`` in ``config`` (attribute or mapping item, nested by dots); a read-only
     mapping raises ``TypeError`` (setting an attribute on it would be read by nobody)."""
-    *parents, leaf = path.split(".")
-    obj = config
-    for part in parents:
-        obj = _get(obj, part)
+    obj, leaf = _parent(config, path)
     if isinstance(obj, MutableMapping):  # (any mutable mapping: a UserDict's too)
         obj[leaf] = value
     elif isinstance(obj, Mapping):
@@ -324,10 +327,7 @@ def write_refusal(config: Any, path: str) -> str | None:
     """Why :func:`assign` would be refused at ``path``, seen without writing: a field of a
     frozen dataclass, an item of a read-only mapping; None where nothing says so (a setter
     may still refuse: the write says that)."""
-    *parents, leaf = path.split(".")
-    obj = config
-    for part in parents:
-        obj = _get(obj, part)
+    obj, leaf = _parent(config, path)
     if isinstance(obj, Mapping) and not isinstance(obj, MutableMapping):
         return f"{type(obj).__name__} is a read-only mapping"
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

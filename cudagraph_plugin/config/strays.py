@@ -20,7 +20,7 @@ import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from cudagraph_plugin.config.fields import FIELD_PATHS
+from cudagraph_plugin.config.fields import FIELD_PATHS, resolve
 
 MARK = "cuda_graph"
 CLOSE = 0.85  # (difflib's ratio: "cuda_graph_bucket" is close to "cuda_graph_buckets")
@@ -37,20 +37,14 @@ def _names(obj: Any) -> list[str] | None:
     return None
 
 
-def _value(obj: Any, name: str) -> Any:
-    try:
-        return obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
-    except Exception:  # (a property that raises: the reader lists it where it reads it)
-        return None
-
-
 def _places(config: Any) -> Iterator[tuple[str, str]]:
     """``(prefix, name)`` of each field at the top and one section down."""
     top = _names(config) or []
     for name in top:
         yield "", name
     for section in top:
-        for name in _names(_value(config, section)) or []:
+        # (MISSING, or Unreadable where a property raised: no container, so no names)
+        for name in _names(resolve(config, section)) or []:
             yield f"{section}.", name
 
 
