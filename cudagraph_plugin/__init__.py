@@ -13,6 +13,8 @@ Public API (imported on first use, so ``import cudagraph_plugin`` stays cheap)::
                                          # process group aborted at once (see its docstring)
 
     from cudagraph_plugin import pad_step, BucketOverflowError   # bucketed graphs: padding
+    from cudagraph_plugin import parse_buckets, bucket_for, padding_waste_percent
+                                         # their arithmetic, as the plugin reads and pads
 
     from cudagraph_plugin import StaticShapeError, HyperparameterChangedError   # what a
                                          # replay refuses (a changed shape or setting)
@@ -50,6 +52,9 @@ _EXPORTS = {
     "pad_step": "cudagraph_plugin.runtime.padding",
     "pad_to_bucket": "cudagraph_plugin.runtime.padding",
     "BucketOverflowError": "cudagraph_plugin.runtime.padding",
+    "parse_buckets": "cudagraph_plugin.config.buckets",
+    "bucket_for": "cudagraph_plugin.config.buckets",
+    "padding_waste_percent": "cudagraph_plugin.config.buckets",
     "StaticShapeError": "cudagraph_plugin.runtime.guard",
     "HyperparameterChangedError": "cudagraph_plugin.runtime.optimizer_sync",
 }

@@ -13,7 +13,7 @@ trainers written on megatron-core as a library run it. Each round:
    says so (``run.invalidate_graphs``);
 3. ``--steps-per-round`` **training steps**: each micro-batch gets a random length, the ranks
    of the data-parallel group agree on the step's longest (one all-reduce), every micro-batch
-   is padded to that length's bucket (``cudagraph_plugin.runtime.padding.pad_step``:
+   is padded to that length's bucket (``cudagraph_plugin.pad_step``:
    tokens, labels, a zero loss mask and continued position ids on the right), the host
    reports the padding (``run.step_padded``) and calls ``forward_backward_func`` with the
    bucket as ``seq_length``;
@@ -61,9 +61,9 @@ import torch
 from step_clock import StepClock
 
 import train_gpt
-from cudagraph_plugin.config.settings import read_settings
-from cudagraph_plugin.runtime.padding import (
+from cudagraph_plugin import (
     bucket_for,
+    check_config,
     pad_step,
     padding_waste_percent,
     parse_buckets,
@@ -217,7 +217,7 @@ def _one_shape_problems(args: argparse.Namespace) -> list[str]:
     Engine's per-layer graphs run in training mode only and are captured for the model's
     ``--seq-length``: every training step must come at that length (``--pad-to-buckets``).
     The settings are read as the plugin reads them (either megatron-core spelling)."""
-    settings = read_settings(args)
+    settings = check_config(args).settings
     # (buckets given, valid or not, or a value it cannot read: the plugin judges them)
     if settings.impl == "none" or settings.input_problems:
         return []

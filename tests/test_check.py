@@ -1045,3 +1045,16 @@ def test_the_example_hosts_say_a_broken_command_line_in_one_line(capsys):
         "(--cuda-graph-bucket: did you mean --cuda-graph-buckets?)\n"
         "(train_gpt.py --help lists the flags)\n"
     )
+
+
+def test_a_config_override_gets_check_config_named(capsys):
+    """(user trial, 2026-12-05: a Hydra override, ``actor.megatron.cuda_graph_impl=local``,
+    was told it is "a value without a flag".)"""
+    for override in ("actor.megatron.cuda_graph_impl=local", "+model.cuda_graph_buckets=[256]"):
+        with pytest.raises(SystemExit) as raised:
+            check([override, *DENSE_FULL_ITERATION])
+        assert raised.value.code == 2
+        err = capsys.readouterr().err
+        assert f"hint: {override}: a config override; this command reads command-line" in err
+        assert "cudagraph_plugin.check_config(cfg.<the section" in err
+        assert "a value without a flag" not in err

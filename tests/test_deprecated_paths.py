@@ -76,6 +76,11 @@ def test_the_public_names_are_unchanged():
         "BucketOverflowError",
         "StaticShapeError",
         "HyperparameterChangedError",
+        # the bucket arithmetic (user trial of 2026-12-05: rl_loop.py imported it from
+        # internal modules)
+        "parse_buckets",
+        "bucket_for",
+        "padding_waste_percent",
     }
     from cudagraph_plugin.config.check import ConfigCheck, check_config
     from cudagraph_plugin.config.errors import CudaGraphConfigError
@@ -86,6 +91,7 @@ def test_the_public_names_are_unchanged():
     from cudagraph_plugin.runtime import guard, padding
 
     assert cudagraph_plugin.pad_step is padding.pad_step
+    assert cudagraph_plugin.parse_buckets is padding.parse_buckets
     assert cudagraph_plugin.StaticShapeError is guard.StaticShapeError
 
 

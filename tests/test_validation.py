@@ -2454,9 +2454,10 @@ def test_buckets_beyond_the_learned_position_embeddings_are_refused_where_the_co
     for unknown in (4096.0, 0, "abc", True):
         config.model.max_position_embeddings = unknown
         accepted(config)
-    config.model.max_position_embeddings = "60"
-    [violation] = find_violations(read_settings(config))
-    assert "end at 60" in violation.text
+    for text in ("60", " +60 "):  # read as the plugin's own integer fields read it
+        config.model.max_position_embeddings = text
+        [violation] = find_violations(read_settings(config))
+        assert "end at 60" in violation.text
     # rotary embeddings have no table to run past: neither a problem nor advice
     rope = full_iteration(
         cuda_graph_buckets="16,32,64", seq_length=48, position_embedding_type="rope"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -80,6 +81,14 @@ def _hint(parser: argparse.ArgumentParser, message: str) -> str:
                         f"{owner} takes one value, the lengths joined by commas: "
                         f"{owner} {','.join(values)}"
                     )
+            elif re.fullmatch(r"[+~]*[A-Za-z_][\w.]*=.*", token, re.DOTALL):
+                # (a Hydra override: user trial, 2026-12-05)
+                hints.append(
+                    f"{token}: a config override; this command reads command-line flags: "
+                    "check a config tree (a Hydra DictConfig, say) from Python with "
+                    "cudagraph_plugin.check_config(cfg.<the section with the Megatron "
+                    "settings>)"
+                )
             else:
                 hints.append(
                     f"{token}: a value without a flag; only {', '.join(LIST_FLAGS)} take "

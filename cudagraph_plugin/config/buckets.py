@@ -52,10 +52,14 @@ def check_buckets(buckets: Iterable[Any], field: str = "buckets") -> tuple[int, 
 
 def parse_buckets(value: Any, field: str = "buckets") -> tuple[int, ...]:
     """The setting's accepted form: a list of ints or a string ``"256,512,1024"`` (commas or
-    spaces; digit strings count as ints), checked by :func:`check_buckets`. Raises
-    ``ValueError`` saying what is wrong."""
+    spaces, in brackets or not; digit strings count as ints), checked by
+    :func:`check_buckets`. Raises ``ValueError`` saying what is wrong."""
     problems = []
     if isinstance(value, str):
+        # a list written as text ("[256, 512]": a quoted Hydra override, a JSON or YAML
+        # list kept as a string; user trial, 2026-12-05) is that list
+        bracketed = re.fullmatch(r"\s*\[(.*)\]\s*", value, re.DOTALL)
+        value = bracketed.group(1) if bracketed else value
         if re.search(r"(^|,)\s*(,|$)", value.strip()) and value.strip():
             # "256,,512", "256,512,": an unset variable in a launcher drops a bucket
             problems.append(

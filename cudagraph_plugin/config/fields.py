@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from collections.abc import Mapping, MutableMapping
 from enum import Enum
 from typing import Any
@@ -207,7 +208,13 @@ _SKIP_NONE = {
 def _get(obj: Any, name: str) -> Any:
     try:
         if isinstance(obj, Mapping):
-            return obj.get(name, MISSING)
+            value = obj.get(name, MISSING)
+            if value is MISSING and name in obj.keys():
+                # a key that ``get`` answers with the default: OmegaConf's mandatory value
+                # (``???``) does; its item access says why (MissingMandatoryValue). Read as
+                # absent, it let ``cuda_graph_impl: ???`` run eagerly (user trial, 2026-12-05)
+                value = obj[name]
+            return value
         return getattr(obj, name, MISSING)
     except Exception as exc:  # a property of the host's that raises: a listed problem
         return Unreadable(exc)
@@ -330,8 +337,23 @@ def write_refusal(config: Any, path: str) -> str | None:
     obj, leaf = _parent(config, path)
     if isinstance(obj, Mapping) and not isinstance(obj, MutableMapping):
         return f"{type(obj).__name__} is a read-only mapping"
+    if _omegaconf_read_only(obj):
+        return f"{type(obj).__name__} is read-only (OmegaConf.set_readonly)"
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         frozen = type(obj).__dataclass_params__.frozen  # type: ignore[attr-defined]
         if frozen and leaf in {field.name for field in dataclasses.fields(obj)}:
             return f"{type(obj).__name__} is a frozen dataclass"
     return None
+
+
+def _omegaconf_read_only(obj: Any) -> bool:
+    """``obj`` is an OmegaConf container made read-only (``OmegaConf.set_readonly`` on it or
+    a parent): a ``MutableMapping`` whose writes raise ``ReadonlyConfigError``. Asked of
+    OmegaConf itself, already imported where its containers exist (it is no dependency)."""
+    if not type(obj).__module__.startswith("omegaconf."):
+        return False
+    omegaconf = sys.modules.get("omegaconf")
+    try:
+        return bool(omegaconf.OmegaConf.is_readonly(obj))  # type: ignore[union-attr]
+    except Exception:  # (another version's API: the write says it, as before)
+        return False

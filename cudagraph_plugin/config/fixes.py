@@ -22,7 +22,9 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Set as AbstractSet
+from enum import Enum
 from typing import Any
 
 from cudagraph_plugin.config.environment import (
@@ -117,7 +119,13 @@ def plan_autofixes(config: Any, settings: Settings, *, harness: bool = False) ->
                             f"the captured iteration): {set_words(config, path, False)}",
                         )
                     )
-    elif settings.scope and not full_iteration_scope_turns_graphs_on(settings):
+    elif (
+        settings.scope
+        and not full_iteration_scope_turns_graphs_on(settings)
+        # (an impl that could not be read is no "none": ``cuda_graph_impl: ???`` had its
+        # scope cleared; user trial, 2026-12-05)
+        and not any(problem.setting == "impl" for problem in settings.input_problems)
+    ):
         # (that one is a problem instead: megatron-core 0.18+ turns graphs on for it)
         for path in existing_paths(config, "scope"):
             value = resolve(config, path)
@@ -162,10 +170,11 @@ def _respelled(config: Any) -> list[AutoFix]:
             elif isinstance(value, str):
                 names = value.split(",") if setting == "scope" else [value]
                 tidy = ",".join(name.strip() for name in names)
-            elif setting == "scope" and isinstance(value, list | tuple | set | frozenset):
+            elif setting == "scope" and isinstance(value, Sequence | AbstractSet):
+                # (any sequence or set: an OmegaConf ListConfig too; user trial, 2026-12-05)
                 if isinstance(value, list) and value and not any(isinstance(i, str) for i in value):
                     continue  # a list of enum members: megatron-core's own form
-                items = sorted(value, key=str) if isinstance(value, set | frozenset) else value
+                items = sorted(value, key=str) if isinstance(value, AbstractSet) else list(value)
                 names = [i if isinstance(i, str) else getattr(i, "name", None) for i in items]
                 if not all(isinstance(name, str) for name in names):
                     continue  # (an item that is no name: validation says what is wrong)
@@ -244,12 +253,11 @@ def write_fixes(
     """Write ``fixes`` into ``config`` (and ``environ``, ``os.environ`` by default), logging
     each once; with ``dry_run`` only log what would be written. Returns the messages.
 
-    All or nothing: a field the config refuses to take (a frozen dataclass, a read-only
-    mapping) puts back the ones written before it and raises :class:`CudaGraphConfigError`
-    naming it; the environment is written only after every config field was."""
+    All or nothing: fields the config refuses to take (a frozen dataclass, a read-only
+    mapping) put back the ones written and raise :class:`CudaGraphConfigError` naming each;
+    the environment is written only after every config field was."""
     env = os.environ if environ is None else environ
-    if not dry_run:
-        _write_all(config, [fix for fix in fixes if not fix.environment])
+    converted = {} if dry_run else _write_all(config, [f for f in fixes if not f.environment])
     for fix in fixes:
         if fix.environment:
             if not dry_run:
@@ -258,6 +266,14 @@ def write_fixes(
                 "preflight: %s%s",
                 "(dry run) would " if dry_run else "",
                 fix.message,
+                extra=JOB_WIDE,
+            )
+        elif fix.path in converted:
+            logger.warning(
+                "auto-fix: %s, but the config holds %r after the write (its field's type "
+                "converts the value): megatron-core, where it reads that field, gets that",
+                fix.message,
+                converted[fix.path],
                 extra=JOB_WIDE,
             )
         else:
@@ -292,19 +308,40 @@ def unwritable_fixes(config: Any, fixes: Iterable[AutoFix]) -> list[Violation]:
     return found
 
 
-def _write_all(config: Any, fixes: list[AutoFix]) -> None:
+def _write_all(config: Any, fixes: list[AutoFix]) -> dict[str, Any]:
+    """Write every fix, or none: each field the config refuses is named (every one at once,
+    not one per attempt; user trial, 2026-12-05), and what was written is put back. Returns
+    what a typed field (an OmegaConf structured config's ``str`` field) holds where it took
+    the write but converted the value back, by path."""
+    converted: dict[str, Any] = {}
     written: list[tuple[str, Any]] = []
+    refused: list[Violation] = []
     for fix in fixes:
         before = resolve(config, fix.path)
         try:
             assign(config, fix.path, fix.value)
         except Exception as error:
-            for path, value in reversed(written):  # (as the config was; best effort)
-                with contextlib.suppress(Exception):
-                    assign(config, path, value)
-            why = f"{type(error).__name__}: {error}"
-            raise CudaGraphConfigError([_refused_write(config, fix, before, why)]) from None
+            said = (str(error).splitlines() or [""])[0]  # (OmegaConf's: a first line, a key)
+            refused.append(_refused_write(config, fix, before, f"{type(error).__name__}: {said}"))
+            continue
         written.append((fix.path, before))
+        after = resolve(config, fix.path)
+        if _plain(after) != _plain(fix.value):
+            converted[fix.path] = after
+    if refused:
+        for path, value in reversed(written):  # (as the config was; best effort)
+            with contextlib.suppress(Exception):
+                assign(config, path, value)
+        raise CudaGraphConfigError(refused) from None
+    return converted
+
+
+def _plain(value: Any) -> Any:
+    """``value`` compared as written: a sequence as a list of its items (an OmegaConf
+    ListConfig equals the list written), an enum member as its name."""
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return [_plain(item) for item in value]
+    return getattr(value, "name", value) if isinstance(value, Enum) else value
 
 
 def apply_autofixes(config: Any, settings: Settings) -> list[str]:

@@ -27,8 +27,8 @@ from cudagraph_plugin.config.fields import (
     lookup,
     resolve,
 )
-from cudagraph_plugin.config.strays import stray_fields
-from cudagraph_plugin.config.values import FieldProblem, normalise, parse_scope
+from cudagraph_plugin.config.strays import Stray, stray_fields
+from cudagraph_plugin.config.values import FieldProblem, normalise, parse_scope, whole_number
 from cudagraph_plugin.config.vocabulary import (
     DEFAULT_WARMUP_STEPS,
     PEER_EXIT_DEADLINE_S,
@@ -143,7 +143,7 @@ class Settings:
     # the first is read; megatron-core may read the other where it builds that part
     disagreements: tuple[Disagreement, ...] = ()
     # CUDA graph fields where nothing reads them (misplaced, misspelt): what to say of each
-    stray_fields: tuple[str, ...] = ()
+    stray_fields: tuple[Stray, ...] = ()
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
     paths: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -172,10 +172,8 @@ class Settings:
         if self.max_position_embeddings is not None:
             # (read only here, so a value that is no whole number refuses nothing: it leaves
             # the limit unknown; review of 2026-12-05)
-            given = self.max_position_embeddings
-            if isinstance(given, str) and given.strip().isdigit():
-                given = int(given)
-            if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+            given = whole_number(self.max_position_embeddings)
+            if given is None or given < 1:
                 return None
             return "max_position_embeddings", given
         if self.seq_length is not None:
@@ -284,6 +282,12 @@ class Disagreement:
         return f"{self.read}={self.read_value!r}", f"{self.other}={self.other_value!r}"
 
 
+# what to do about a value whose reading raised, by the error's type where it says more
+_UNREADABLE_FIXES = {
+    "MissingMandatoryValue": "fill in the value that the config marks mandatory (OmegaConf's "
+    "???), e.g. with a Hydra override, or drop the field",
+}
+
 _DEFAULT_NAMES = {
     "impl": "cuda_graph_impl",
     "scope": "cuda_graph_scope",
@@ -370,9 +374,13 @@ def read_settings(config: Any) -> Settings:
                 FieldProblem(
                     setting,
                     value,
-                    f"reading it raised {type(value.error).__name__}: {str(value.error)[:120]}",
-                    "give the field a plain value before the run starts (a property must not "
-                    "raise when it is read)",
+                    f"reading it raised {type(value.error).__name__}: "
+                    f"{(str(value.error).splitlines() or [''])[0][:120]}",
+                    _UNREADABLE_FIXES.get(
+                        type(value.error).__name__,
+                        "give the field a plain value before the run starts (a property must "
+                        "not raise when it is read)",
+                    ),
                 )
             )
             continue

@@ -4,11 +4,24 @@ The reader looks at fixed places (:data:`~cudagraph_plugin.config.fields.FIELD_P
 CUDA graph field put elsewhere (``train.cuda_graph_impl``, ``model.optimizer_cuda_graph``)
 or misspelt (``model.cuda_graphs_impl``, ``cuda_graph_bucket``) was ignored without a word,
 and its run went eagerly or without the feature (user trial, 2026-12-05). This module
-finds them, at the top of the config and one section down, and says where the field is
-read (said as notes: a name close to ours may be a field of someone else's).
+finds them and says where the field is read (as notes: a name close to ours may be a field
+of someone else's):
 
-Only plain containers are looked into: dicts, namespaces and dataclass instances (a host's
-model or optimizer object is never walked). Pure Python: no torch, no megatron import.
+* at the top of the config and one section down, whatever the read places hold;
+* further down (a Hydra tree passed whole: ``actor.megatron.cuda_graph_impl``; user trial
+  of 2026-12-05, the run eager without a word), up to :data:`DEPTH` sections, only names
+  that no read place holds (Megatron-LM's ``GPTModelConfig`` hands its ``transformer``'s
+  fields out as its own: ``model.transformer.cuda_graph_impl`` is read as
+  ``model.cuda_graph_impl``), with the section to pass instead.
+
+A ``cuda_graph_impl`` (or a near spelling of it) that turns graphs on where nothing reads
+it, in a config whose read places do not say the implementation, asks for graphs the run
+would not give: :attr:`Stray.asks_for_graphs` (a problem, :mod:`~cudagraph_plugin.config.
+rules.names`).
+
+Only plain containers are looked into: mappings (an OmegaConf ``DictConfig`` too),
+namespaces and dataclass instances (a host's model or optimizer object is never walked).
+Pure Python: no torch, no megatron import.
 """
 
 from __future__ import annotations
@@ -20,10 +33,33 @@ import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from cudagraph_plugin.config.fields import FIELD_PATHS, resolve
+from cudagraph_plugin.config.fields import FIELD_PATHS, MISSING, lookup, resolve
 
 MARK = "cuda_graph"
 CLOSE = 0.85  # (difflib's ratio: "cuda_graph_bucket" is close to "cuda_graph_buckets")
+DEPTH = 4  # sections walked below the top (verl's actor_rollout_ref.actor.megatron is 3)
+MAX_SECTIONS = 2_000  # containers looked into at most (a large tree costs no more)
+_OFF_WORDS = ("", "none", "null", "false")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stray:
+    """A CUDA graph field where nothing reads it: ``path`` (as the config names it), the
+    ``section`` that holds it (``""`` at the top), what to say of it, and whether it asks
+    for graphs that the run, reading none, would not give."""
+
+    path: str
+    section: str
+    value: Any
+    said: str  # where it is and where it is read
+    move: str  # what to do with it
+    hold: str = ""  # further down: the section to pass instead
+    asks_for_graphs: bool = False
+
+    @property
+    def text(self) -> str:
+        """The note."""
+        return f"{self.said} ({self.hold})" if self.hold else self.said
 
 
 def _names(obj: Any) -> list[str] | None:
@@ -37,34 +73,68 @@ def _names(obj: Any) -> list[str] | None:
     return None
 
 
-def _places(config: Any) -> Iterator[tuple[str, str]]:
-    """``(prefix, name)`` of each field at the top and one section down."""
-    top = _names(config) or []
-    for name in top:
-        yield "", name
-    for section in top:
-        # (MISSING, or Unreadable where a property raised: no container, so no names)
-        for name in _names(resolve(config, section)) or []:
-            yield f"{section}.", name
+def _places(config: Any) -> Iterator[tuple[str, str, int]]:
+    """``(prefix, name, depth)`` of each field, section by section (breadth first) down to
+    :data:`DEPTH` sections below the top, each container once."""
+    level: list[tuple[str, Any]] = [("", config)]
+    seen = {id(config)}
+    walked = 0
+    for depth in range(DEPTH + 1):
+        below: list[tuple[str, Any]] = []
+        for prefix, container in level:
+            walked += 1
+            if walked > MAX_SECTIONS:
+                return
+            for name in _names(container) or []:
+                yield prefix, name, depth
+                if depth == DEPTH:
+                    continue
+                # (MISSING, or Unreadable where a property raised: no container, no names)
+                section = resolve(container, name)
+                if _names(section) is not None and id(section) not in seen:
+                    seen.add(id(section))
+                    below.append((f"{prefix}{name}.", section))
+        level = below
 
 
-def stray_fields(config: Any) -> tuple[str, ...]:
-    """What to say of each CUDA graph field of ``config`` that no setting reads there."""
+def _turns_graphs_on(value: Any) -> bool:
+    return value is not None and value is not False and str(value).strip().lower() not in _OFF_WORDS
+
+
+def stray_fields(config: Any) -> tuple[Stray, ...]:
+    """Each CUDA graph field of ``config`` that no setting reads there."""
     read = {path for paths in FIELD_PATHS.values() for path in paths if MARK in path}
     known = sorted({path.rpartition(".")[2] for path in read})
-    said = []
-    for prefix, name in _places(config):
+    impl_said = lookup(config, "impl")[0] is not None
+    found = []
+    for prefix, name, depth in _places(config):
         path = prefix + name
         if MARK not in name or path in read:
             continue
         if name in known:
-            where = " or ".join(sorted(p for p in read if p.rpartition(".")[2] == name))
-            said.append(f"{path} is not read there: {name} is read at {where}")
-            continue
-        close = difflib.get_close_matches(name, known, n=1, cutoff=CLOSE)
-        if close:
-            meant = prefix + close[0]
-            if meant not in read:  # (the name is close, the place wrong too)
-                meant = " or ".join(sorted(p for p in read if p.rpartition(".")[2] == close[0]))
-            said.append(f"{path} is not a field the CUDA graph checks read (did you mean {meant}?)")
-    return tuple(said)
+            meant = name
+            places = " or ".join(sorted(p for p in read if p.rpartition(".")[2] == name))
+            text = f"{path} is not read there: {name} is read at {places}"
+            move = f"move it to {places}"
+        else:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=CLOSE)
+            if not close:
+                continue
+            meant = close[0]
+            places = prefix + meant
+            if places not in read:  # (the name is close, the place wrong too)
+                places = " or ".join(sorted(p for p in read if p.rpartition(".")[2] == meant))
+            text = f"{path} is not a field the CUDA graph checks read (did you mean {places}?)"
+            move = f"spell it {places}"
+        if depth > 1:
+            same = [p for p in read if p.rpartition(".")[2] == meant]
+            if any(resolve(config, p) is not MISSING for p in same):
+                continue  # (a read place holds it: a copy, or the same field handed out)
+            hold = f"pass the section that holds it, {prefix[:-1]}, as the config"
+            move = f"{hold}, or {move}"
+        else:
+            hold = ""
+        value = resolve(config, path)
+        asks = meant == "cuda_graph_impl" and not impl_said and _turns_graphs_on(value)
+        found.append(Stray(path, prefix[:-1], value, text, move, hold, asks))
+    return tuple(found)

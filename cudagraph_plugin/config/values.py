@@ -107,6 +107,15 @@ def _integer(value: Any) -> int:
     raise _Unreadable("not an integer", "")
 
 
+def whole_number(value: Any) -> int | None:
+    """``value`` as an int where this module would read it as one (an int, or a string of
+    digits with an optional sign and spaces), else None."""
+    try:
+        return _integer(value)
+    except _Unreadable:
+        return None
+
+
 def _to_int(minimum: int, example: int) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
         try:

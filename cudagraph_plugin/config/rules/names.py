@@ -51,8 +51,20 @@ def field_values(s: Settings, env: Environment) -> Iterator[Violation | Note]:
             "reads each where the part it builds is given it (OptimizerConfig's fp16 picks "
             "the loss scaler, say). Make them agree"
         )
-    for text in s.stray_fields:  # (notes: a name close to ours may be someone else's field)
-        yield Note(text)
+    for stray in s.stray_fields:  # (notes: a name close to ours may be someone else's field)
+        if not stray.asks_for_graphs:
+            yield Note(stray.text)
+            continue
+        # graphs asked for where nothing reads it, no implementation where one is read: the
+        # run would be eager without a word (a Hydra tree passed whole; user trial, 2026-12-05)
+        yield Violation(
+            (stray.path,),
+            repr(stray.value),
+            "it asks for CUDA graphs where nothing reads it, and no implementation is given "
+            f"where one is read: the run would be eager ({stray.said})",
+            f"{stray.move}; if that section belongs to something else (training without "
+            "graphs), give cuda_graph_impl='none' at the top of the config",
+        )
 
 
 # -- impl and scope names ---------------------------------------------------------------------

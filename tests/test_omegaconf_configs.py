@@ -1,0 +1,248 @@
+"""Hydra/OmegaConf configs, as RL trainers built on megatron-core keep them (user trial of
+2026-12-05): a whole tree passed as the config, read-only and struct-mode ``DictConfig``,
+``???`` values, ``ListConfig`` scopes and buckets, typed structured configs. OmegaConf is
+the real one (the test extra installs it); nothing here needs torch beyond the package."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from types import SimpleNamespace as NS
+from typing import Any
+
+import pytest
+
+omegaconf = pytest.importorskip("omegaconf")  # (the test extra: a missing one fails the count)
+from omegaconf import OmegaConf  # noqa: E402
+
+from cudagraph_plugin import check_config  # noqa: E402
+from cudagraph_plugin.config import environment  # noqa: E402
+from cudagraph_plugin.config.check import CudaGraphConfigError  # noqa: E402
+from cudagraph_plugin.config.fixes import write_fixes  # noqa: E402
+from cudagraph_plugin.config.strays import DEPTH, stray_fields  # noqa: E402
+from cudagraph_plugin.runtime.plugin import CudaGraphPlugin  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def no_te_no_alloc_conf(monkeypatch):
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "NCCL_GRAPH_REGISTER"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(environment, "installed_te_version", lambda: None)
+
+
+def graphs(**more: Any) -> dict[str, Any]:
+    """A Megatron section asking for full-iteration graphs, its NaN checks off."""
+    return {
+        "cuda_graph_impl": "local",
+        "cuda_graph_scope": "full_iteration",
+        "check_for_nan_in_loss_and_grad": False,
+        **more,
+    }
+
+
+# -- a whole tree passed as the config --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tree, section",
+    [
+        ({"actor": {"megatron": graphs()}}, "actor.megatron"),
+        ({"policy": {"megatron_cfg": graphs()}}, "policy.megatron_cfg"),  # (NeMo-RL's)
+        (
+            {"actor_rollout_ref": {"actor": {"megatron": graphs()}}},
+            "actor_rollout_ref.actor.megatron",
+        ),
+    ],
+    ids=["two-down", "nemo-rl", "verl-three-down"],
+)
+def test_graphs_asked_for_in_a_section_nothing_reads_are_a_problem(tree, section):
+    """The whole Hydra tree passed: check said OK with impl none, and the run went eagerly
+    without a word (its report file not written either)."""
+    config = OmegaConf.create(tree)
+    checked = check_config(config)
+    [problem] = checked.problems
+    assert problem.fields == (f"{section}.cuda_graph_impl",) and problem.value == "'local'"
+    assert problem.problem.startswith("it asks for CUDA graphs where nothing reads it")
+    assert "the run would be eager" in problem.problem
+    assert problem.fix.startswith(f"pass the section that holds it, {section}, as the config")
+    assert "cuda_graph_impl='none' at the top" in problem.fix
+    assert f"{section}.cuda_graph_scope is not read there" in " ".join(checked.notes)
+    with pytest.raises(CudaGraphConfigError, match=f"{section}.cuda_graph_impl = 'local'"):
+        CudaGraphPlugin.configure(config, None)
+    # the section itself is read, and graphs are on
+    part = OmegaConf.select(config, section)
+    assert check_config(part).ok and check_config(part).settings.impl == "local"
+    # graphs said off where the implementation is read: that section is someone else's
+    config.cuda_graph_impl = "none"
+    assert check_config(config).ok
+
+
+def test_a_misplaced_or_misspelt_impl_one_section_down_is_a_problem_when_none_is_read():
+    checked = check_config({"train": {"cuda_graph_impl": "transformer_engine"}})
+    [problem] = checked.problems
+    assert problem.fields == ("train.cuda_graph_impl",)
+    assert problem.fix.startswith("move it to cuda_graph_impl or model.cuda_graph_impl")
+    [problem] = check_config({"model": {"cuda_graphs_impl": "local"}}).problems
+    assert problem.fix.startswith("spell it model.cuda_graph_impl")
+    # graphs off there, or an implementation read elsewhere: a note, as before
+    for quiet in (
+        {"train": {"cuda_graph_impl": "none"}},
+        {"train": {"cuda_graph_impl": None}},
+        {"model": {"cuda_graph_impl": "none"}, "train": {"cuda_graph_impl": "local"}},
+    ):
+        checked = check_config(quiet)
+        assert checked.ok, (quiet, checked.problems)
+
+
+def test_a_field_handed_out_by_its_parent_is_read_there_and_not_a_stray():
+    """Megatron-LM 0.19's GPTModelConfig holds a TransformerConfig in ``transformer`` and
+    hands its fields out as its own (``__getattr__``): ``model.transformer.cuda_graph_impl``
+    is read as ``model.cuda_graph_impl``. Mirrors that class's proxying."""
+
+    @dataclasses.dataclass
+    class Transformer:
+        cuda_graph_impl: str = "local"
+        cuda_graph_scope: str = "full_iteration"
+        check_for_nan_in_loss_and_grad: bool = False
+
+    @dataclasses.dataclass
+    class GPTModelConfig:
+        transformer: Transformer
+        vocab_size: int = 128
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "transformer":  # (not set yet: no recursion)
+                raise AttributeError(name)
+            return getattr(self.transformer, name)
+
+    container = NS(model=GPTModelConfig(Transformer()))
+    assert stray_fields(container) == ()
+    checked = check_config(container)
+    assert checked.ok and checked.settings.impl == "local", checked.problems
+
+
+def test_the_walk_is_bounded_and_survives_a_cycle():
+    deep: dict[str, Any] = graphs()
+    for level in range(DEPTH + 1):  # one section further down than the walk goes
+        deep = {f"s{level}": deep}
+    assert stray_fields(deep) == ()
+    loop: dict[str, Any] = {"actor": {"cuda_graph_impl": "local"}}
+    loop["actor"]["back"] = loop
+    [stray] = stray_fields(loop)
+    assert stray.path == "actor.cuda_graph_impl" and stray.asks_for_graphs
+
+
+# -- values OmegaConf marks, converts or guards -----------------------------------------------
+
+
+def test_a_mandatory_value_left_unfilled_is_a_problem_not_an_unset_field():
+    """``cuda_graph_impl: ???`` ran eagerly with a fix that cleared a scope the user never
+    wrote; ``cuda_graph_buckets: ???`` read as no buckets."""
+    for field in ("cuda_graph_impl", "cuda_graph_buckets", "seq_length"):
+        config = OmegaConf.create({"model": {**graphs(), field: "???"}})
+        checked = check_config(config)
+        [problem] = checked.problems
+        assert problem.fields == (f"model.{field}",)
+        assert problem.problem == (
+            f"reading it raised MissingMandatoryValue: Missing mandatory value: model.{field}"
+        )
+        assert problem.fix.startswith("fill in the value that the config marks mandatory")
+        assert not checked.autofixes
+
+
+def test_a_read_only_dictconfig_is_a_problem_of_the_check_with_every_field_at_once():
+    """OmegaConf.set_readonly: check said OK, and the run refused one field per attempt."""
+    model = {
+        "cuda_graph_impl": "transformer_engine",
+        "cuda_graph_scope": ["attn", " mlp"],
+        "cuda_graph_warmup_steps": "2",
+        "use_te_rng_tracker": False,
+    }
+    config = OmegaConf.create({"model": model, "rng": {"te_rng_tracker": False}})
+    OmegaConf.set_readonly(config, True)
+    expected = (
+        "model.cuda_graph_scope",
+        "model.cuda_graph_warmup_steps",
+        "model.use_te_rng_tracker",
+        "rng.te_rng_tracker",
+    )
+    checked = check_config(config, environ={})
+    assert tuple(p.fields[0] for p in checked.problems) == expected
+    assert all(
+        "(DictConfig is read-only (OmegaConf.set_readonly))" in p.problem for p in checked.problems
+    )
+    # the writes themselves, as a run makes them: every refused field named in one error
+    with pytest.raises(CudaGraphConfigError) as refused:
+        write_fixes(config, list(check_config(OmegaConf.create(config)).autofixes), environ={})
+    assert tuple(v.fields[0] for v in refused.value.violations) == expected
+    assert "ReadonlyConfigError: Cannot change read-only config container" in str(refused.value)
+    OmegaConf.set_readonly(config, False)
+    assert check_config(config, environ={}).ok
+
+
+def test_every_field_a_config_refuses_is_named_and_nothing_stays_written():
+    """Not only OmegaConf's: a host whose setters refuse two fields gets both in one error
+    (before: the first, then the next on the following attempt)."""
+
+    class Guarded(NS):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name in ("use_te_rng_tracker", "te_rng_tracker") and hasattr(self, name):
+                raise AttributeError(f"{name} is managed elsewhere")
+            super().__setattr__(name, value)
+
+    model = Guarded(cuda_graph_impl="transformer_engine", cuda_graph_scope="attn, mlp",
+                    use_te_rng_tracker=False)  # fmt: skip
+    rng = Guarded(te_rng_tracker=False)
+    config = NS(model=model, rng=rng)
+    fixes = list(check_config(config, environ={}).autofixes)
+    assert {f.path for f in fixes} >= {"model.cuda_graph_scope", "rng.te_rng_tracker"}
+    with pytest.raises(CudaGraphConfigError) as refused:
+        write_fixes(config, fixes, environ={})
+    named = [v.fields[0] for v in refused.value.violations]
+    assert named == ["model.use_te_rng_tracker", "rng.te_rng_tracker"]
+    assert model.cuda_graph_scope == "attn, mlp"  # the one written was put back
+
+
+def test_a_listconfig_scope_is_respelled_as_a_list_is():
+    for scope in (["attn", " mlp"], ["attn,mlp"]):
+        config = OmegaConf.create({"model": {"cuda_graph_impl": "transformer_engine",
+                                             "cuda_graph_scope": scope}})  # fmt: skip
+        [fix] = [f for f in check_config(config, environ={}).autofixes if "scope" in f.path]
+        assert fix.value == ["attn", "mlp"]
+        write_fixes(config, [fix], environ={})
+        assert list(config.model.cuda_graph_scope) == ["attn", "mlp"]
+    clean = OmegaConf.create({"model": {"cuda_graph_impl": "transformer_engine",
+                                        "cuda_graph_scope": ["attn", "mlp"]}})  # fmt: skip
+    assert not [f for f in check_config(clean, environ={}).autofixes if "scope" in f.path]
+
+
+def test_a_write_a_typed_field_converts_back_is_said(caplog):
+    """A structured config's ``str`` warm-up takes the int the fix writes and holds "2"
+    again: the log said the fix was made."""
+
+    @dataclasses.dataclass
+    class Model:
+        cuda_graph_impl: str = "local"
+        cuda_graph_scope: str = "full_iteration"
+        cuda_graph_warmup_steps: str = "2"
+        check_for_nan_in_loss_and_grad: bool = False
+
+    config = OmegaConf.structured({"model": Model()})
+    [fix] = [f for f in check_config(config, environ={}).autofixes if "warmup" in f.path]
+    with (
+        caplog.at_level(logging.WARNING, logger="cudagraph_plugin"),
+        pytest.warns(FutureWarning, match="Implicit conversion from int to str"),  # (OmegaConf's)
+    ):
+        write_fixes(config, [fix], environ={})
+    [said] = [r.getMessage() for r in caplog.records if "warmup" in r.getMessage()]
+    assert said.startswith("auto-fix: set model.cuda_graph_warmup_steps=2 (was '2'")
+    assert "but the config holds '2' after the write (its field's type converts" in said
+
+
+def test_listconfig_and_bracketed_string_buckets_are_read():
+    for buckets in ([256, 512], "[256, 512]", "256,512", " [256 512] "):
+        config = OmegaConf.create({"model": graphs(cuda_graph_buckets=buckets)})
+        checked = check_config(config)
+        assert checked.ok and checked.settings.buckets == (256, 512), (buckets, checked.problems)
+    [problem] = check_config({"model": graphs(cuda_graph_buckets="[256,,512]")}).problems
+    assert "an empty length between commas" in problem.problem
