@@ -205,14 +205,15 @@ _SKIP_NONE = {
 }  # fmt: skip
 
 
-def _get(obj: Any, name: str) -> Any:
+def _get(obj: Any, name: str, leaf: bool = True) -> Any:
     try:
         if isinstance(obj, Mapping):
             value = obj.get(name, MISSING)
-            if value is MISSING and name in obj.keys():
+            if value is MISSING and leaf and is_omegaconf(obj) and name in obj.keys():
                 # a key that ``get`` answers with the default: OmegaConf's mandatory value
-                # (``???``) does; its item access says why (MissingMandatoryValue). Read as
-                # absent, it let ``cuda_graph_impl: ???`` run eagerly (user trial, 2026-12-05)
+                # (``???``); its item access says why (MissingMandatoryValue). Read as absent,
+                # it let ``cuda_graph_impl: ???`` run eagerly (user trial, 2026-12-05). (A
+                # ``???`` section stays absent: the lookup goes on to the flat paths.)
                 value = obj[name]
             return value
         return getattr(obj, name, MISSING)
@@ -224,11 +225,17 @@ def resolve(config: Any, path: str) -> Any:
     """The value at ``path`` in ``config``, the ``MISSING`` sentinel, or :class:`Unreadable`
     where reading a part of the path raised."""
     obj = config
-    for part in path.split("."):
-        obj = _get(obj, part)
+    parts = path.split(".")
+    for at, part in enumerate(parts):
+        obj = _get(obj, part, leaf=at == len(parts) - 1)
         if obj is MISSING or isinstance(obj, Unreadable):
             return obj
     return obj
+
+
+def is_omegaconf(obj: Any) -> bool:
+    """``obj`` is one of OmegaConf's containers or nodes (no dependency: asked by module)."""
+    return type(obj).__module__.startswith("omegaconf.")
 
 
 # Megatron-LM flags that store False into a positively named field.
@@ -350,7 +357,7 @@ def _omegaconf_read_only(obj: Any) -> bool:
     """``obj`` is an OmegaConf container made read-only (``OmegaConf.set_readonly`` on it or
     a parent): a ``MutableMapping`` whose writes raise ``ReadonlyConfigError``. Asked of
     OmegaConf itself, already imported where its containers exist (it is no dependency)."""
-    if not type(obj).__module__.startswith("omegaconf."):
+    if not is_omegaconf(obj):
         return False
     omegaconf = sys.modules.get("omegaconf")
     try:

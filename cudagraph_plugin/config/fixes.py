@@ -22,7 +22,14 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import (
+    Callable,
+    Iterable,
+    Mapping,
+    MutableMapping,
+    MutableSequence,
+    Sequence,
+)
 from collections.abc import Set as AbstractSet
 from enum import Enum
 from typing import Any
@@ -172,7 +179,8 @@ def _respelled(config: Any) -> list[AutoFix]:
                 tidy = ",".join(name.strip() for name in names)
             elif setting == "scope" and isinstance(value, Sequence | AbstractSet):
                 # (any sequence or set: an OmegaConf ListConfig too; user trial, 2026-12-05)
-                if isinstance(value, list) and value and not any(isinstance(i, str) for i in value):
+                listed = isinstance(value, MutableSequence)  # (a ListConfig too: review)
+                if listed and value and not any(isinstance(i, str) for i in value):
                     continue  # a list of enum members: megatron-core's own form
                 items = sorted(value, key=str) if isinstance(value, AbstractSet) else list(value)
                 names = [i if isinstance(i, str) else getattr(i, "name", None) for i in items]

@@ -33,13 +33,15 @@ import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from cudagraph_plugin.config.fields import FIELD_PATHS, MISSING, lookup, resolve
+from cudagraph_plugin.config.fields import FIELD_PATHS, MISSING, is_omegaconf, lookup, resolve
+from cudagraph_plugin.config.values import to_bool
+from cudagraph_plugin.config.vocabulary import IMPLS
 
 MARK = "cuda_graph"
 CLOSE = 0.85  # (difflib's ratio: "cuda_graph_bucket" is close to "cuda_graph_buckets")
 DEPTH = 4  # sections walked below the top (verl's actor_rollout_ref.actor.megatron is 3)
 MAX_SECTIONS = 2_000  # containers looked into at most (a large tree costs no more)
-_OFF_WORDS = ("", "none", "null", "false")
+_GRAPH_IMPLS = (*(impl for impl in IMPLS if impl != "none"), "full_iteration")  # (0.18+'s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +65,28 @@ class Stray:
 
 
 def _names(obj: Any) -> list[str] | None:
-    """The field names of a plain container, else None."""
-    if isinstance(obj, Mapping):
-        return [name for name in obj if isinstance(name, str)]
-    if isinstance(obj, argparse.Namespace | types.SimpleNamespace):
-        return list(vars(obj))
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [field.name for field in dataclasses.fields(obj)]
+    """The field names of a plain container, else None (also where listing them raised)."""
+    try:
+        if isinstance(obj, Mapping):
+            return [name for name in obj if isinstance(name, str)]
+        if isinstance(obj, argparse.Namespace | types.SimpleNamespace):
+            return list(vars(obj))
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return [field.name for field in dataclasses.fields(obj)]
+    except Exception:  # (a host's mapping whose iteration raises: nothing to look into)
+        return None
     return None
+
+
+def _section(container: Any, name: str) -> Any:
+    """The part at ``name`` to look into, read without running OmegaConf's resolvers (a
+    leaf's interpolation is never evaluated by the walk; review of 2026-12-05)."""
+    if is_omegaconf(container):
+        try:
+            return container._get_node(name)  # (a DictConfig is its own node; a leaf: no)
+        except Exception:
+            return None
+    return resolve(container, name)
 
 
 def _places(config: Any) -> Iterator[tuple[str, str, int]]:
@@ -90,7 +106,7 @@ def _places(config: Any) -> Iterator[tuple[str, str, int]]:
                 if depth == DEPTH:
                     continue
                 # (MISSING, or Unreadable where a property raised: no container, no names)
-                section = resolve(container, name)
+                section = _section(container, name)
                 if _names(section) is not None and id(section) not in seen:
                     seen.add(id(section))
                     below.append((f"{prefix}{name}.", section))
@@ -98,14 +114,31 @@ def _places(config: Any) -> Iterator[tuple[str, str, int]]:
 
 
 def _turns_graphs_on(value: Any) -> bool:
-    return value is not None and value is not False and str(value).strip().lower() not in _OFF_WORDS
+    """An implementation megatron-core would capture with (another engine's value, such as
+    a generation server's ``sglang``, is not this run's request; review of 2026-12-05)."""
+    return isinstance(value, str) and value.strip().lower() in _GRAPH_IMPLS
+
+
+def _impl_said(config: Any) -> bool:
+    """The config says the implementation where it is read, or turns graphs on by a
+    deprecated flag there (``enable_cuda_graph``: a problem of its own)."""
+    if lookup(config, "impl")[0] is not None:
+        return True
+    for setting in ("enable_cuda_graph", "external_cuda_graph"):
+        value = lookup(config, setting)[0]
+        try:
+            if value is not None and to_bool(value):
+                return True
+        except ValueError:
+            continue
+    return False
 
 
 def stray_fields(config: Any) -> tuple[Stray, ...]:
     """Each CUDA graph field of ``config`` that no setting reads there."""
     read = {path for paths in FIELD_PATHS.values() for path in paths if MARK in path}
     known = sorted({path.rpartition(".")[2] for path in read})
-    impl_said = lookup(config, "impl")[0] is not None
+    impl_said = _impl_said(config)
     found = []
     for prefix, name, depth in _places(config):
         path = prefix + name
@@ -128,8 +161,10 @@ def stray_fields(config: Any) -> tuple[Stray, ...]:
             move = f"spell it {places}"
         if depth > 1:
             same = [p for p in read if p.rpartition(".")[2] == meant]
-            if any(resolve(config, p) is not MISSING for p in same):
-                continue  # (a read place holds it: a copy, or the same field handed out)
+            held = (resolve(config, p) for p in same)
+            if any(value is not MISSING and value is not None for value in held):
+                continue  # (a read place holds it: a copy, or the same field handed out;
+                # a null there holds nothing: review of 2026-12-05)
             hold = f"pass the section that holds it, {prefix[:-1]}, as the config"
             move = f"{hold}, or {move}"
         else:
