@@ -1058,3 +1058,12 @@ def test_a_config_override_gets_check_config_named(capsys):
         assert f"hint: {override}: a config override; this command reads command-line" in err
         assert "cudagraph_plugin.check_config(cfg.<the section" in err
         assert "a value without a flag" not in err
+
+
+def test_a_bucket_problem_names_the_flag_once():
+    """(user trial, 2026-12-05: "--cuda-graph-buckets = '512,256,512': cuda_graph_buckets has
+    a length twice" named one field two ways.)"""
+    code, out = check([*DENSE_FULL_ITERATION, "--cuda-graph-buckets", "512,256,512"])
+    assert code == 1
+    assert "--cuda-graph-buckets = '512,256,512': it has a length twice: 512 in" in out, out
+    assert "cuda_graph_buckets" not in out, out

@@ -201,7 +201,9 @@ def _to_buckets(value: Any) -> tuple[int, ...]:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         value = [value]
     try:
-        return parse_buckets(value, "cuda_graph_buckets")
+        # ("it": the problem follows the field as the config or command line names it,
+        # "--cuda-graph-buckets = '512,256,512': it has a length twice"; user trial)
+        return parse_buckets(value, "it")
     except ValueError as exc:
         raise _Unreadable(str(exc), _BUCKETS_FIX) from None
 
