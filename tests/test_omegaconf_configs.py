@@ -314,7 +314,16 @@ def test_a_write_a_typed_field_converts_back_is_said(caplog):
         check_for_nan_in_loss_and_grad: bool = False
 
     config = OmegaConf.structured({"model": Model()})
-    [fix] = [f for f in check_config(config, environ={}).autofixes if "warmup" in f.path]
+    checked = check_config(config, environ={})
+    [fix] = [f for f in checked.autofixes if "warmup" in f.path]
+    # the check says it as the run will, from a write on a copy (review of 2026-12-05)
+    [note] = [n for n in checked.notes if "declared type" in n]
+    assert note == (
+        "model.cuda_graph_warmup_steps: the run's fix writes 2, but the field's declared type "
+        "converts it to '2', which megatron-core gets where it reads that field; declare the "
+        "field int"
+    )
+    assert config.model.cuda_graph_warmup_steps == "2"  # (the check wrote nothing)
     with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"), warnings.catch_warnings():
         # (OmegaConf 2.4 also warns that it converts: a FutureWarning, 2.3 says nothing)
         warnings.filterwarnings("ignore", "Implicit conversion", FutureWarning)
@@ -322,6 +331,7 @@ def test_a_write_a_typed_field_converts_back_is_said(caplog):
     [said] = [r.getMessage() for r in caplog.records if "warmup" in r.getMessage()]
     assert said.startswith("auto-fix: set model.cuda_graph_warmup_steps=2 (was '2'")
     assert "but the config holds '2' after the write (its field's type converts" in said
+    assert said.endswith("declare the field int")
 
 
 def test_listconfig_and_bracketed_string_buckets_are_read():

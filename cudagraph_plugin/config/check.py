@@ -32,6 +32,7 @@ from cudagraph_plugin.config.environment import (
 from cudagraph_plugin.config.errors import CudaGraphConfigError, Violation
 from cudagraph_plugin.config.fixes import (
     AutoFix,
+    converting_fixes,
     plan_autofixes,
     plan_environment_fixes,
     settings_after,
@@ -129,6 +130,7 @@ def check_config(
     )
     env_fixes = plan_environment_fixes(settings, env, nccl_initialized=nccl_initialized)
     problems += unwritable_fixes(config, fixes)
+    notes += converting_fixes(config, fixes)
     refused = bool(problems or env_problems)
     return ConfigCheck(
         settings=settings,

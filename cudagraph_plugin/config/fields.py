@@ -13,8 +13,10 @@ Pure Python: no torch, no megatron import.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import sys
+import warnings
 from collections.abc import Mapping, MutableMapping
 from enum import Enum
 from typing import Any
@@ -351,6 +353,24 @@ def write_refusal(config: Any, path: str) -> str | None:
         if frozen and leaf in {field.name for field in dataclasses.fields(obj)}:
             return f"{type(obj).__name__} is a frozen dataclass"
     return None
+
+
+def held_after_write(config: Any, path: str, value: Any) -> Any:
+    """What an OmegaConf container would hold at ``path`` once ``value`` is written there,
+    tried on a copy (a structured config's ``str`` field turns an int into a string);
+    ``MISSING`` for any other config, or where the trial write raised (:func:`write_refusal`
+    says why a write would be refused)."""
+    obj, leaf = _parent(config, path)
+    if not is_omegaconf(obj):
+        return MISSING
+    try:
+        trial = copy.deepcopy(obj)
+        with warnings.catch_warnings():  # (2.4 warns that it converts: said by the caller)
+            warnings.simplefilter("ignore")
+            trial[leaf] = value
+            return trial[leaf]
+    except Exception:
+        return MISSING
 
 
 def _omegaconf_read_only(obj: Any) -> bool:

@@ -44,9 +44,11 @@ from cudagraph_plugin.config.environment import (
 )
 from cudagraph_plugin.config.errors import CudaGraphConfigError, Violation
 from cudagraph_plugin.config.fields import (
+    MISSING,
     assign,
     display_name,
     existing_paths,
+    held_after_write,
     resolve,
     set_words,
     write_refusal,
@@ -279,9 +281,11 @@ def write_fixes(
         elif fix.path in converted:
             logger.warning(
                 "auto-fix: %s, but the config holds %r after the write (its field's type "
-                "converts the value): megatron-core, where it reads that field, gets that",
+                "converts the value): megatron-core, where it reads that field, gets that; "
+                "declare the field %s",
                 fix.message,
                 converted[fix.path],
+                type(fix.value).__name__,
                 extra=JOB_WIDE,
             )
         else:
@@ -314,6 +318,22 @@ def unwritable_fixes(config: Any, fixes: Iterable[AutoFix]) -> list[Violation]:
         if why is not None:
             found.append(_refused_write(config, fix, resolve(config, fix.path), why))
     return found
+
+
+def converting_fixes(config: Any, fixes: Iterable[AutoFix]) -> list[str]:
+    """Notes for the config fields among ``fixes`` whose declared type would convert the
+    written value back (an OmegaConf structured config's ``str`` warm-up), seen on a copy:
+    ``check_config`` says so as the run's log line will (review of 2026-12-05)."""
+    said = []
+    for fix in fixes:
+        after = MISSING if fix.environment else held_after_write(config, fix.path, fix.value)
+        if after is not MISSING and _plain(after) != _plain(fix.value):
+            said.append(
+                f"{display_name(config, fix.path)}: the run's fix writes {fix.value!r}, but the "
+                f"field's declared type converts it to {after!r}, which megatron-core gets "
+                f"where it reads that field; declare the field {type(fix.value).__name__}"
+            )
+    return said
 
 
 def _write_all(config: Any, fixes: list[AutoFix]) -> dict[str, Any]:
