@@ -724,7 +724,7 @@ MUTANTS = [
         "bucket-over-position-embeddings-accepted",
         "a bucket longer than the learned position embeddings fails in the embedding lookup",
         "cudagraph_plugin/runtime/build.py",
-        "        violations += _bucket_position_problems(state.settings, model)\n",
+        "        violations += _bucket_position_problems(settings, model)\n",
         "        pass\n",
         (
             LIFECYCLE + "test_buckets_longer_than_the_learned_position_embeddings_are_refused_"
@@ -805,8 +805,8 @@ MUTANTS = [
         "full-iteration-scope-cleared",
         "graphs off with a full_iteration scope that megatron-core 0.18+ reads as on: cleared",
         "cudagraph_plugin/config/fixes.py",
-        "    elif settings.scope and not full_iteration_scope_turns_graphs_on(settings):\n",
-        "    elif settings.scope:\n",
+        "        and not full_iteration_scope_turns_graphs_on(settings)\n",
+        "        and True\n",
         (
             "tests/test_check_megatron_lm.py::test_full_iteration_scope_without_impl_is_a_"
             "problem_where_it_means_graphs",
@@ -978,6 +978,40 @@ MUTANTS = [
         (
             "tests/test_cpu_rehearsal.py::test_training_before_model_built_is_refused_on_the_cpu_"
             "too[full_iteration]",
+        ),
+    ),
+    Mutant(
+        "stray-impl-only-noted",
+        "graphs asked for where nothing reads them, none where they are read, only noted "
+        "(a Hydra tree passed whole ran eagerly)",
+        "cudagraph_plugin/config/rules/names.py",
+        "        if not stray.asks_for_graphs:\n",
+        "        if True:\n",
+        (
+            "tests/test_omegaconf_configs.py::test_graphs_asked_for_in_a_section_nothing_reads_"
+            "are_a_problem[two-down]",
+        ),
+    ),
+    Mutant(
+        "omegaconf-mandatory-read-as-absent",
+        "OmegaConf's ??? read as an unset field (cuda_graph_impl: ??? ran eagerly)",
+        "cudagraph_plugin/config/fields.py",
+        "            if value is MISSING and leaf and is_omegaconf(obj) and name in obj.keys():\n",
+        "            if False:\n",
+        (
+            "tests/test_omegaconf_configs.py::test_a_mandatory_value_left_unfilled_is_a_"
+            "problem_not_an_unset_field",
+        ),
+    ),
+    Mutant(
+        "refused-writes-one-per-attempt",
+        "the run names only the first field its config refuses to take",
+        "cudagraph_plugin/config/fixes.py",
+        "            continue\n        written.append((fix.path, before))\n",
+        "            break\n        written.append((fix.path, before))\n",
+        (
+            "tests/test_omegaconf_configs.py::test_every_field_a_config_refuses_is_named_and_"
+            "nothing_stays_written",
         ),
     ),
 ]
