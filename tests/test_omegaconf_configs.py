@@ -320,8 +320,8 @@ def test_a_write_a_typed_field_converts_back_is_said(caplog):
     [note] = [n for n in checked.notes if "declared type" in n]
     assert note == (
         "model.cuda_graph_warmup_steps: the run's fix writes 2, but the field's declared type "
-        "converts it to '2', which megatron-core gets where it reads that field; declare the "
-        "field int"
+        "converts it to '2', which megatron-core gets where it reads that field; give the "
+        "field the type int"
     )
     assert config.model.cuda_graph_warmup_steps == "2"  # (the check wrote nothing)
     with caplog.at_level(logging.WARNING, logger="cudagraph_plugin"), warnings.catch_warnings():
@@ -331,7 +331,7 @@ def test_a_write_a_typed_field_converts_back_is_said(caplog):
     [said] = [r.getMessage() for r in caplog.records if "warmup" in r.getMessage()]
     assert said.startswith("auto-fix: set model.cuda_graph_warmup_steps=2 (was '2'")
     assert "but the config holds '2' after the write (its field's type converts" in said
-    assert said.endswith("declare the field int")
+    assert said.endswith("give the field the type int")
 
 
 def test_listconfig_and_bracketed_string_buckets_are_read():

@@ -13,14 +13,13 @@ Pure Python: no torch, no megatron import.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import sys
-import warnings
 from collections.abc import Mapping, MutableMapping
 from enum import Enum
 from typing import Any
 
+from cudagraph_plugin.config.libraries import UNKNOWN, aliased, library_of, trial_write
 from cudagraph_plugin.config.vocabulary import SCOPE_FIELD_NAMES
 
 MISSING = object()
@@ -218,7 +217,10 @@ def _get(obj: Any, name: str, leaf: bool = True) -> Any:
                 # ``???`` section stays absent: the lookup goes on to the flat paths.)
                 value = obj[name]
             return value
-        return getattr(obj, name, MISSING)
+        value = getattr(obj, name, MISSING)
+        if value is MISSING and (attribute := aliased(obj, name)) is not None:
+            value = getattr(obj, attribute, MISSING)  # (the field by its alias: user trial)
+        return value
     except Exception as exc:  # a property of the host's that raises: a listed problem
         return Unreadable(exc)
 
@@ -237,7 +239,7 @@ def resolve(config: Any, path: str) -> Any:
 
 def is_omegaconf(obj: Any) -> bool:
     """``obj`` is one of OmegaConf's containers or nodes (no dependency: asked by module)."""
-    return type(obj).__module__.startswith("omegaconf.")
+    return library_of(obj) == "omegaconf"
 
 
 # Megatron-LM flags that store False into a positively named field.
@@ -330,19 +332,25 @@ def _parent(config: Any, path: str) -> tuple[Any, str]:
 def assign(config: Any, path: str, value: Any) -> None:
     """Set ``path`` in ``config`` (attribute or mapping item, nested by dots); a read-only
     mapping raises ``TypeError`` (setting an attribute on it would be read by nobody)."""
-    obj, leaf = _parent(config, path)
+    _write_into(*_parent(config, path), value)
+
+
+def _write_into(obj: Any, leaf: str, value: Any) -> None:
     if isinstance(obj, MutableMapping):  # (any mutable mapping: a UserDict's too)
         obj[leaf] = value
     elif isinstance(obj, Mapping):
         raise TypeError(f"{type(obj).__name__} is a read-only mapping")
     else:
-        setattr(obj, leaf, value)
+        attribute = leaf if hasattr(obj, leaf) else (aliased(obj, leaf) or leaf)
+        setattr(obj, attribute, value)
 
 
-def write_refusal(config: Any, path: str) -> str | None:
+def write_refusal(config: Any, path: str, value: Any = MISSING) -> str | None:
     """Why :func:`assign` would be refused at ``path``, seen without writing: a field of a
-    frozen dataclass, an item of a read-only mapping; None where nothing says so (a setter
-    may still refuse: the write says that)."""
+    frozen dataclass, an item of a read-only mapping; for a config library's object (a
+    frozen or strict pydantic model, a frozen attrs class, a ``FrozenConfigDict``) what a
+    write of ``value`` on a copy met. None where nothing says so (a setter may still
+    refuse: the write says that)."""
     obj, leaf = _parent(config, path)
     if isinstance(obj, Mapping) and not isinstance(obj, MutableMapping):
         return f"{type(obj).__name__} is a read-only mapping"
@@ -352,25 +360,19 @@ def write_refusal(config: Any, path: str) -> str | None:
         frozen = type(obj).__dataclass_params__.frozen  # type: ignore[attr-defined]
         if frozen and leaf in {field.name for field in dataclasses.fields(obj)}:
             return f"{type(obj).__name__} is a frozen dataclass"
+    if value is not MISSING:
+        return trial_write(obj, leaf, value, _write_into, _get)[0]
     return None
 
 
 def held_after_write(config: Any, path: str, value: Any) -> Any:
-    """What an OmegaConf container would hold at ``path`` once ``value`` is written there,
-    tried on a copy (a structured config's ``str`` field turns an int into a string);
-    ``MISSING`` for any other config, or where the trial write raised (:func:`write_refusal`
-    says why a write would be refused)."""
-    obj, leaf = _parent(config, path)
-    if not is_omegaconf(obj):
-        return MISSING
-    try:
-        trial = copy.deepcopy(obj)
-        with warnings.catch_warnings():  # (2.4 warns that it converts: said by the caller)
-            warnings.simplefilter("ignore")
-            trial[leaf] = value
-            return trial[leaf]
-    except Exception:
-        return MISSING
+    """What a config library's object (OmegaConf, pydantic, attrs, ml_collections) would
+    hold at ``path`` once ``value`` is written there, tried on a copy (a structured
+    config's ``str`` field turns an int into a string, a converter a list into a tuple);
+    ``MISSING`` for any other config, or where the trial write was refused
+    (:func:`write_refusal` says why)."""
+    held = trial_write(*_parent(config, path), value, _write_into, _get)[1]
+    return MISSING if held is UNKNOWN or isinstance(held, Unreadable) else held
 
 
 def _omegaconf_read_only(obj: Any) -> bool:

@@ -53,6 +53,7 @@ from cudagraph_plugin.config.fields import (
     set_words,
     write_refusal,
 )
+from cudagraph_plugin.config.libraries import error_text
 from cudagraph_plugin.config.logs import JOB_WIDE
 from cudagraph_plugin.config.settings import Settings
 from cudagraph_plugin.config.values import normalise, parse_scope, to_bool
@@ -282,7 +283,7 @@ def write_fixes(
             logger.warning(
                 "auto-fix: %s, but the config holds %r after the write (its field's type "
                 "converts the value): megatron-core, where it reads that field, gets that; "
-                "declare the field %s",
+                "give the field the type %s",
                 fix.message,
                 converted[fix.path],
                 type(fix.value).__name__,
@@ -297,12 +298,17 @@ def write_fixes(
 
 def _refused_write(config: Any, fix: AutoFix, before: Any, why: str) -> Violation:
     name = display_name(config, fix.path)
+    value = fix.value
+    if fix.setting == "scope" and isinstance(value, list) and value:
+        # (the string megatron-core reads as well: a container that holds no list, a
+        # FrozenConfigDict's tuples, takes it; user trial, 2026-12-05)
+        value = ",".join(value)
     return Violation(
         (name,),
         repr(before),
         f"the run must set it ({fix.message}), but the config refuses the write ({why}); "
         "none of the auto-fixes was written",
-        f"set {name}={fix.value!r} yourself before the run, or give the run a config whose "
+        f"set {name}={value!r} yourself before the run, or give the run a config whose "
         "fields can be set",
     )
 
@@ -314,7 +320,7 @@ def unwritable_fixes(config: Any, fixes: Iterable[AutoFix]) -> list[Violation]:
     2026-12-05)."""
     found = []
     for fix in fixes:
-        why = None if fix.environment else write_refusal(config, fix.path)
+        why = None if fix.environment else write_refusal(config, fix.path, fix.value)
         if why is not None:
             found.append(_refused_write(config, fix, resolve(config, fix.path), why))
     return found
@@ -331,7 +337,7 @@ def converting_fixes(config: Any, fixes: Iterable[AutoFix]) -> list[str]:
             said.append(
                 f"{display_name(config, fix.path)}: the run's fix writes {fix.value!r}, but the "
                 f"field's declared type converts it to {after!r}, which megatron-core gets "
-                f"where it reads that field; declare the field {type(fix.value).__name__}"
+                f"where it reads that field; give the field the type {type(fix.value).__name__}"
             )
     return said
 
@@ -349,8 +355,7 @@ def _write_all(config: Any, fixes: list[AutoFix]) -> dict[str, Any]:
         try:
             assign(config, fix.path, fix.value)
         except Exception as error:
-            said = (str(error).splitlines() or [""])[0]  # (OmegaConf's: a first line, a key)
-            refused.append(_refused_write(config, fix, before, f"{type(error).__name__}: {said}"))
+            refused.append(_refused_write(config, fix, before, error_text(error)))
             continue
         written.append((fix.path, before))
         after = resolve(config, fix.path)
@@ -365,10 +370,14 @@ def _write_all(config: Any, fixes: list[AutoFix]) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    """``value`` compared as written: a sequence as a list of its items (an OmegaConf
-    ListConfig equals the list written), an enum member as its name."""
-    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+    """``value`` compared as written: a list as its items (an OmegaConf ListConfig equals
+    the list written), another sequence as its items and its kind (a converter that turns
+    the list into a tuple changed it: megatron-core asserts a list; user trial), an enum
+    member as its name."""
+    if isinstance(value, MutableSequence):
         return [_plain(item) for item in value]
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return type(value).__name__, [_plain(item) for item in value]
     return getattr(value, "name", value) if isinstance(value, Enum) else value
 
 

@@ -19,8 +19,10 @@ it, in a config whose read places do not say the implementation, asks for graphs
 would not give: :attr:`Stray.asks_for_graphs` (a problem, :mod:`~cudagraph_plugin.config.
 rules.names`).
 
-Only plain containers are looked into: mappings (an OmegaConf ``DictConfig`` too),
-namespaces and dataclass instances (a host's model or optimizer object is never walked).
+Only config containers are looked into: mappings (an OmegaConf ``DictConfig`` too),
+namespaces, dataclass instances, pydantic models, attrs instances and ml_collections
+``ConfigDict`` s (:mod:`~cudagraph_plugin.config.libraries`; a host's model or optimizer
+object is never walked).
 Pure Python: no torch, no megatron import.
 """
 
@@ -34,6 +36,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from cudagraph_plugin.config.fields import FIELD_PATHS, MISSING, is_omegaconf, lookup, resolve
+from cudagraph_plugin.config.libraries import field_names, library_of
 from cudagraph_plugin.config.values import to_bool
 from cudagraph_plugin.config.vocabulary import IMPLS
 
@@ -65,7 +68,11 @@ class Stray:
 
 
 def _names(obj: Any) -> list[str] | None:
-    """The field names of a plain container, else None (also where listing them raised)."""
+    """The field names of a plain container or a config library's object (a pydantic
+    model, an attrs instance, a ConfigDict: user trial, 2026-12-05), else None (also where
+    listing them raised)."""
+    if library_of(obj) not in (None, "omegaconf"):
+        return field_names(obj)
     try:
         if isinstance(obj, Mapping):
             return [name for name in obj if isinstance(name, str)]
