@@ -386,6 +386,23 @@ def test_a_field_whose_reading_raises_is_a_listed_problem_and_nothing_is_written
     assert config.rng.te_rng_tracker is False  # nothing written
 
 
+def test_a_section_whose_reading_raises_is_one_problem_naming_the_section():
+    """(user trial, 2026-12-05: a ``model`` property raising gave one problem per setting
+    read through it, about fifty, each repeating the error.)"""
+    from cudagraph_plugin import check_config
+
+    class Host:
+        cuda_graph_impl = "local"
+
+        @property
+        def model(self):
+            raise ValueError("model section not built yet")
+
+    [problem] = check_config(Host()).problems
+    assert problem.fields == ("model",)
+    assert problem.problem == "reading it raised ValueError: model section not built yet"
+
+
 # -- config objects of other shapes (review of 2026-12-05, a config-object user) ------------
 
 

@@ -30,10 +30,11 @@ class Unreadable:
     raises, a mapping whose ``get`` does): a value no rule accepts and no fix writes over;
     :func:`~cudagraph_plugin.config.settings.read_settings` lists it as a problem."""
 
-    __slots__ = ("error",)
+    __slots__ = ("error", "where")
 
     def __init__(self, error: Exception) -> None:
         self.error = error
+        self.where: str | None = None  # the part of the path whose reading raised
 
     def __bool__(self) -> bool:
         return False
@@ -232,6 +233,8 @@ def resolve(config: Any, path: str) -> Any:
     parts = path.split(".")
     for at, part in enumerate(parts):
         obj = _get(obj, part, leaf=at == len(parts) - 1)
+        if isinstance(obj, Unreadable):
+            obj.where = ".".join(parts[: at + 1])
         if obj is MISSING or isinstance(obj, Unreadable):
             return obj
     return obj

@@ -381,6 +381,11 @@ def read_settings(config: Any) -> Settings:
                         "give the field a plain value before the run starts (a property must "
                         "not raise when it is read)",
                     ),
+                    section=(
+                        display_name(config, value.where)
+                        if value.where and value.where != path
+                        else None
+                    ),
                 )
             )
             continue

@@ -65,6 +65,9 @@ class FieldProblem:
     value: Any
     problem: str
     fix: str
+    # where a section on the way raised instead (``model``): said once for every setting
+    # read through it (a property raising for its whole section gave ~50 problems; user trial)
+    section: str | None = None
 
 
 class _Unreadable(ValueError):

@@ -28,8 +28,12 @@ MCORE_READS = ("impl", "scope", "warmup_steps")  # (TransformerConfig's; the res
 
 @rule
 def field_values(s: Settings, env: Environment) -> Iterator[Violation | Note]:
+    said = set()
     for p in s.input_problems:
-        yield Violation((s.field(p.setting),), repr(p.value), p.problem, p.fix)
+        where = p.section or s.field(p.setting)
+        if where not in said:  # (a section that raised: once for all read through it)
+            said.add(where)
+            yield Violation((where,), repr(p.value), p.problem, p.fix)
     for d in s.disagreements:
         read, other = d.said()
         if all("cuda_graph" in path for path in FIELD_PATHS[d.setting]):
