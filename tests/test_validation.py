@@ -297,6 +297,23 @@ def test_misspelled_impl_gets_a_suggestion():
     )
 
 
+def test_a_plain_enum_member_for_the_impl_is_told_to_give_the_string():
+    """(user trial, 2026-12-05: ``Impl.local`` was refused with "use one of none, local,
+    ...", which it seemed to be; megatron-core compares the string.)"""
+    import enum
+
+    class Impl(enum.Enum):
+        local = "local"
+
+    rejected(
+        bridge(Impl.local, "full_iteration"),
+        fields=["model.cuda_graph_impl"],
+        value="<Impl.local: 'local'>",
+        phrase="unknown CUDA graph implementation",
+        fix="(give the string 'local': an enum member is not the string itself)",
+    )
+
+
 def test_unknown_impl_named_as_flag_on_a_namespace():
     args = argparse.Namespace(cuda_graph_impl="te", cuda_graph_scope="attn", te_rng_tracker=True)
     rejected(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterator
+from enum import Enum
 from typing import Any
 
 from cudagraph_plugin.config.environment import Environment
@@ -42,6 +43,12 @@ def scope_value(s: Settings) -> str:
     return ",".join(s.scope) if s.scope else "(empty)"
 
 
-def did_you_mean(name: str, choices: tuple[str, ...]) -> str:
+def did_you_mean(name: Any, choices: tuple[str, ...]) -> str:
+    if isinstance(name, Enum) and not isinstance(name, str):
+        # (a plain enum member: megatron-core compares the implementation as a string;
+        # "<Impl.local: 'local'>: use one of none, local, ..." puzzled; user trial)
+        meant = [str(x) for x in (name.value, name.name) if str(x) in choices]
+        if meant:
+            return f" (give the string {meant[0]!r}: an enum member is not the string itself)"
     close = difflib.get_close_matches(str(name), choices, n=1)
     return f" (did you mean {close[0]}?)" if close else ""
