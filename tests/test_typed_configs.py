@@ -11,7 +11,7 @@ import logging
 import attrs
 import pytest
 from ml_collections import ConfigDict, FrozenConfigDict
-from pydantic import BaseModel, Field
+from pydantic import AliasChoices, BaseModel, Field, model_validator
 from pydantic import ConfigDict as ModelConfig
 
 from cudagraph_plugin import check_config
@@ -150,6 +150,7 @@ def test_a_fix_the_field_s_type_converts_is_said_by_the_check_and_the_run(caplog
     config = _Coercing()
     checked = check_config(config, environ={})
     assert checked.ok
+    assert config.cuda_graph_scope == ("attn", " mlp")  # (the check tried it on a copy)
     [note] = [n for n in checked.notes if "declared type" in n]
     assert note.startswith(
         "cuda_graph_scope: the run's fix writes ['attn', 'mlp'], but the field's declared type "
@@ -188,6 +189,60 @@ def test_a_field_named_by_its_alias_is_read_and_written(make):
     config = make()
     checked = check_config(config, environ={})
     assert checked.settings.impl == "transformer_engine" and checked.ok, checked.problems
+    assert not [n for n in checked.notes if "cuda_graph" in n], checked.notes  # (review)
     configure(config)
     tracker = config.te_tracker if isinstance(config, _Aliased) else config.use_te_rng_tracker
     assert tracker is True  # the auto-fix wrote the aliased field
+
+
+class _Choices(BaseModel):
+    impl: str = Field("none", validation_alias=AliasChoices("cuda_graph_impl", "graph_impl"))
+    cuda_graph_scope: str = "full_iteration"
+    check_for_nan_in_loss_and_grad: bool = False
+    shown: str = Field("x", serialization_alias="cuda_graph_modules")  # (an output name)
+
+
+def test_an_alias_choice_is_an_input_name_and_a_serialization_alias_is_not():
+    """(review of 2026-12-05: an ``AliasChoices`` member was not read, a run eager without a
+    word; a serialization alias was read as the field, a false scope problem.)"""
+    checked = check_config(_Choices(graph_impl="local"))
+    assert checked.settings.impl == "local" and checked.ok, checked.problems
+
+
+class _Guarded(BaseModel):
+    """A cross-field validator: the tracker may be on only once the scope is respelled."""
+
+    model_config = ModelConfig(validate_assignment=True)
+    cuda_graph_impl: str = "transformer_engine"
+    cuda_graph_scope: str = "attn, mlp"
+    use_te_rng_tracker: bool = False
+
+    @model_validator(mode="after")
+    def _respelled_first(self):
+        if self.use_te_rng_tracker and " " in self.cuda_graph_scope:
+            raise ValueError("respell the scope first")
+        return self
+
+
+def test_the_check_tries_the_writes_in_the_run_s_order_on_one_copy():
+    """(review of 2026-12-05: each fix was tried alone on a fresh copy, so a validator that
+    reads a field an earlier fix writes refused a config the run writes fine.)"""
+    config = _Guarded()
+    checked = check_config(config, environ={})
+    assert checked.ok, checked.problems
+    configure(config)
+    assert config.cuda_graph_scope == "attn,mlp" and config.use_te_rng_tracker is True
+
+
+def test_a_refused_scope_clear_offers_none():
+    """Graphs off with a scope: the fix clears it to [], which a str-typed field refuses;
+    megatron-core reads None as no scope."""
+    config = FrozenConfigDict({"cuda_graph_impl": "none", "cuda_graph_scope": "attn"})
+    [problem] = check_config(config, environ={}).problems
+    assert problem.fix.startswith("set cuda_graph_scope=None yourself before the run")
+
+
+def test_a_class_without_a_module_is_read_as_an_object():
+    """(review of 2026-12-05: ``__module__ = None`` made the check raise.)"""
+    odd = type("Odd", (), {"__module__": None, "cuda_graph_impl": "none"})
+    assert check_config({"model": odd()}).ok

@@ -32,11 +32,10 @@ from cudagraph_plugin.config.environment import (
 from cudagraph_plugin.config.errors import CudaGraphConfigError, Violation
 from cudagraph_plugin.config.fixes import (
     AutoFix,
-    converting_fixes,
+    check_writes,
     plan_autofixes,
     plan_environment_fixes,
     settings_after,
-    unwritable_fixes,
     write_fixes,
 )
 from cudagraph_plugin.config.rules import evaluate
@@ -129,8 +128,9 @@ def check_config(
         settings, env, nccl_initialized=nccl_initialized, te_available=te_available
     )
     env_fixes = plan_environment_fixes(settings, env, nccl_initialized=nccl_initialized)
-    problems += unwritable_fixes(config, fixes)
-    notes += converting_fixes(config, fixes)
+    unwritable, converted = check_writes(config, fixes)
+    problems += unwritable
+    notes += converted
     refused = bool(problems or env_problems)
     return ConfigCheck(
         settings=settings,

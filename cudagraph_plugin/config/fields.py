@@ -15,11 +15,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from enum import Enum
 from typing import Any
 
-from cudagraph_plugin.config.libraries import UNKNOWN, aliased, library_of, trial_write
+from cudagraph_plugin.config.libraries import (
+    UNKNOWN,
+    aliased,
+    library_of,
+    trial_copy,
+    trial_write,
+)
 from cudagraph_plugin.config.vocabulary import SCOPE_FIELD_NAMES
 
 MISSING = object()
@@ -348,12 +354,11 @@ def _write_into(obj: Any, leaf: str, value: Any) -> None:
         setattr(obj, attribute, value)
 
 
-def write_refusal(config: Any, path: str, value: Any = MISSING) -> str | None:
+def write_refusal(config: Any, path: str) -> str | None:
     """Why :func:`assign` would be refused at ``path``, seen without writing: a field of a
-    frozen dataclass, an item of a read-only mapping; for a config library's object (a
-    frozen or strict pydantic model, a frozen attrs class, a ``FrozenConfigDict``) what a
-    write of ``value`` on a copy met. None where nothing says so (a setter may still
-    refuse: the write says that)."""
+    frozen dataclass, an item of a read-only mapping or OmegaConf container; None where
+    nothing says so (a config library's object is tried by :func:`trial_writes`; a setter
+    may still refuse: the write says that)."""
     obj, leaf = _parent(config, path)
     if isinstance(obj, Mapping) and not isinstance(obj, MutableMapping):
         return f"{type(obj).__name__} is a read-only mapping"
@@ -363,19 +368,30 @@ def write_refusal(config: Any, path: str, value: Any = MISSING) -> str | None:
         frozen = type(obj).__dataclass_params__.frozen  # type: ignore[attr-defined]
         if frozen and leaf in {field.name for field in dataclasses.fields(obj)}:
             return f"{type(obj).__name__} is a frozen dataclass"
-    if value is not MISSING:
-        return trial_write(obj, leaf, value, _write_into, _get)[0]
     return None
 
 
-def held_after_write(config: Any, path: str, value: Any) -> Any:
-    """What a config library's object (OmegaConf, pydantic, attrs, ml_collections) would
-    hold at ``path`` once ``value`` is written there, tried on a copy (a structured
-    config's ``str`` field turns an int into a string, a converter a list into a tuple);
-    ``MISSING`` for any other config, or where the trial write was refused
-    (:func:`write_refusal` says why)."""
-    held = trial_write(*_parent(config, path), value, _write_into, _get)[1]
-    return MISSING if held is UNKNOWN or isinstance(held, Unreadable) else held
+def trial_writes(config: Any, writes: Sequence[tuple[str, Any]]) -> list[tuple[str | None, Any]]:
+    """The ``(path, value)`` writes made in order on copies of the config library objects
+    that hold them (OmegaConf, pydantic, attrs, ml_collections; one copy per object, so a
+    validator that looks at a field written before sees it, as in the run), the host's
+    config untouched: for each, why it was refused (None: taken, or not known) and what the
+    field holds after it (``MISSING`` where not known: a converter, a coercing validator or
+    a typed field show here)."""
+    copies: dict[int, tuple[Any, Any]] = {}  # (the object kept: its id stays its own)
+    results: list[tuple[str | None, Any]] = []
+    for path, value in writes:
+        obj, leaf = _parent(config, path)
+        if id(obj) not in copies:
+            copies[id(obj)] = (obj, trial_copy(obj))
+        trial = copies[id(obj)][1]
+        if trial is UNKNOWN:
+            results.append((None, MISSING))
+            continue
+        why, held = trial_write(trial, leaf, value, _write_into, _get)
+        known = held is not UNKNOWN and not isinstance(held, Unreadable)
+        results.append((why, held if known else MISSING))
+    return results
 
 
 def _omegaconf_read_only(obj: Any) -> bool:

@@ -48,9 +48,9 @@ from cudagraph_plugin.config.fields import (
     assign,
     display_name,
     existing_paths,
-    held_after_write,
     resolve,
     set_words,
+    trial_writes,
     write_refusal,
 )
 from cudagraph_plugin.config.libraries import error_text
@@ -299,10 +299,11 @@ def write_fixes(
 def _refused_write(config: Any, fix: AutoFix, before: Any, why: str) -> Violation:
     name = display_name(config, fix.path)
     value = fix.value
-    if fix.setting == "scope" and isinstance(value, list) and value:
-        # (the string megatron-core reads as well: a container that holds no list, a
-        # FrozenConfigDict's tuples, takes it; user trial, 2026-12-05)
-        value = ",".join(value)
+    if fix.setting == "scope" and isinstance(value, list):
+        # (the string megatron-core reads as well, None for no scope: a container that
+        # holds no list, a FrozenConfigDict's tuples, a str-typed field take it; user
+        # trial and review, 2026-12-05)
+        value = ",".join(value) if value else None
     return Violation(
         (name,),
         repr(before),
@@ -313,33 +314,29 @@ def _refused_write(config: Any, fix: AutoFix, before: Any, why: str) -> Violatio
     )
 
 
-def unwritable_fixes(config: Any, fixes: Iterable[AutoFix]) -> list[Violation]:
-    """The config fields among ``fixes`` that the run could not write, seen without writing:
-    those of a frozen dataclass or a read-only mapping (``check_config`` says so as the run
-    would refuse it; before, the check said OK and only the run refused; user trial,
-    2026-12-05)."""
-    found = []
-    for fix in fixes:
-        why = None if fix.environment else write_refusal(config, fix.path, fix.value)
+def check_writes(config: Any, fixes: Iterable[AutoFix]) -> tuple[list[Violation], list[str]]:
+    """What the run's writes of ``fixes`` will meet, seen without writing: the fields it
+    could not write (a frozen dataclass, a read-only mapping or OmegaConf container; a
+    frozen or strict pydantic model, a frozen attrs class, a ``FrozenConfigDict``, tried on
+    a copy in the run's order), as problems (``check_config`` says so as the run would
+    refuse it; user trials, 2026-12-05), and the writes a field's declared type would
+    convert (an OmegaConf structured config's ``str`` warm-up, a converter turning the list
+    into a tuple), as notes (the run's log line says so too)."""
+    written = [fix for fix in fixes if not fix.environment]
+    problems: list[Violation] = []
+    notes: list[str] = []
+    trials = trial_writes(config, [(fix.path, fix.value) for fix in written])
+    for fix, (tried, after) in zip(written, trials, strict=True):
+        why = write_refusal(config, fix.path) or tried
         if why is not None:
-            found.append(_refused_write(config, fix, resolve(config, fix.path), why))
-    return found
-
-
-def converting_fixes(config: Any, fixes: Iterable[AutoFix]) -> list[str]:
-    """Notes for the config fields among ``fixes`` whose declared type would convert the
-    written value back (an OmegaConf structured config's ``str`` warm-up), seen on a copy:
-    ``check_config`` says so as the run's log line will (review of 2026-12-05)."""
-    said = []
-    for fix in fixes:
-        after = MISSING if fix.environment else held_after_write(config, fix.path, fix.value)
-        if after is not MISSING and _plain(after) != _plain(fix.value):
-            said.append(
+            problems.append(_refused_write(config, fix, resolve(config, fix.path), why))
+        elif after is not MISSING and _plain(after) != _plain(fix.value):
+            notes.append(
                 f"{display_name(config, fix.path)}: the run's fix writes {fix.value!r}, but the "
                 f"field's declared type converts it to {after!r}, which megatron-core gets "
                 f"where it reads that field; give the field the type {type(fix.value).__name__}"
             )
-    return said
+    return problems, notes
 
 
 def _write_all(config: Any, fixes: list[AutoFix]) -> dict[str, Any]:

@@ -30,10 +30,10 @@ UNKNOWN = object()
 
 @functools.lru_cache(maxsize=256)
 def _library_of_class(cls: type) -> str | None:
-    if cls.__module__.startswith("omegaconf."):
+    if (cls.__module__ or "").startswith("omegaconf."):
         return "omegaconf"
     for base in cls.__mro__:
-        module = base.__module__ or ""
+        module = getattr(base, "__module__", None) or ""
         if module.startswith("pydantic.") and base.__name__ == "BaseModel":
             return "pydantic"
         if module.startswith("ml_collections."):
@@ -48,7 +48,7 @@ def library_of(obj: Any) -> str | None:
     config objects, else None."""
     try:
         return _library_of_class(type(obj))
-    except TypeError:  # (a class that cannot be hashed)
+    except Exception:  # (a class that cannot be hashed, an odd __module__)
         return None
 
 
@@ -59,9 +59,10 @@ def field_names(obj: Any) -> list[str] | None:
     try:
         if library == "pydantic":
             extra = getattr(obj, "__pydantic_extra__", None) or {}
-            return [*type(obj).model_fields, *(name for name in extra if isinstance(name, str))]
+            named = [_input_names(n, i)[0] for n, i in type(obj).model_fields.items()]
+            return [*named, *(name for name in extra if isinstance(name, str))]
         if library == "attrs":
-            return [attribute.name for attribute in type(obj).__attrs_attrs__]
+            return [_init_name(attribute) for attribute in type(obj).__attrs_attrs__]
         if library == "ml_collections":
             return [name for name in obj.keys() if isinstance(name, str)]
     except Exception:
@@ -71,22 +72,42 @@ def field_names(obj: Any) -> list[str] | None:
 
 def aliased(obj: Any, name: str) -> str | None:
     """The attribute of ``obj`` that holds the field its user names ``name``: a pydantic
-    field whose alias is ``name``, an attrs field whose ``__init__`` argument is ``name``
-    (``_cuda_graph_impl``); None where ``name`` is no alias."""
+    field one of whose input names is ``name`` (``alias``, ``validation_alias``, an
+    ``AliasChoices`` member, a one-step ``AliasPath``), an attrs field whose ``__init__``
+    argument is ``name`` (``_cuda_graph_impl``); None where ``name`` is no alias."""
     library = library_of(obj)
     try:
         if library == "pydantic":
             for attribute, info in type(obj).model_fields.items():
-                aliases = (info.alias, info.validation_alias, info.serialization_alias)
-                if attribute != name and name in aliases:
+                if attribute != name and name in _input_names(attribute, info):
                     return attribute
         elif library == "attrs":
             for attribute in type(obj).__attrs_attrs__:
-                if getattr(attribute, "alias", None) == name and attribute.name != name:
+                if attribute.name != name and _init_name(attribute) == name:
                     return attribute.name
     except Exception:
         return None
     return None
+
+
+def _input_names(attribute: str, info: Any) -> list[str]:
+    """The names a pydantic field is given by, its alias first (a serialization alias is
+    an output name: not one)."""
+    names: list[str] = []
+    for alias in (info.alias, info.validation_alias):
+        for choice in getattr(alias, "choices", None) or [alias]:  # (AliasChoices)
+            path = getattr(choice, "path", None)  # (AliasPath: one step only)
+            choice = path[0] if isinstance(path, list) and len(path) == 1 else choice
+            if isinstance(choice, str) and choice not in names:
+                names.append(choice)
+    return [*names, attribute] if attribute not in names else names
+
+
+def _init_name(attribute: Any) -> str:
+    """An attrs field's ``__init__`` argument (attrs before 22.2 has no ``alias``: its rule,
+    the name without leading underscores)."""
+    alias = getattr(attribute, "alias", None)
+    return alias if isinstance(alias, str) else attribute.name.lstrip("_")
 
 
 def error_text(error: BaseException) -> str:
@@ -103,19 +124,27 @@ def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
 
 
-def trial_write(
-    obj: Any, leaf: str, value: Any, write: Callable[[Any, str, Any], None], read: Callable
-) -> tuple[str | None, Any]:
-    """``write(copy, leaf, value)`` on a deep copy of ``obj`` (one of these libraries'
-    objects): why the write was refused (None: it was taken) and what ``read(copy, leaf)``
-    gives after it (:data:`UNKNOWN` where it was refused, for another kind of object, or
-    where the copy itself failed: nothing is then known, nothing is said)."""
-    if library_of(obj) is None:
-        return None, UNKNOWN
+def trial_copy(obj: Any) -> Any:
+    """A copy of one of these libraries' objects to try writes on, or ``UNKNOWN`` (another
+    kind of object, or one that cannot be copied: nothing is then known, nothing is said).
+    A pydantic model or an attrs instance is copied shallowly (a write sets one attribute
+    of the copy; a big tensor in the config is not duplicated); OmegaConf and ml_collections
+    containers deeply (their nodes and ``FieldReference`` s are shared otherwise)."""
+    library = library_of(obj)
+    if library is None:
+        return UNKNOWN
     try:
-        trial = copy.deepcopy(obj)
+        return copy.copy(obj) if library in ("pydantic", "attrs") else copy.deepcopy(obj)
     except Exception:
-        return None, UNKNOWN
+        return UNKNOWN
+
+
+def trial_write(
+    trial: Any, leaf: str, value: Any, write: Callable[[Any, str, Any], None], read: Callable
+) -> tuple[str | None, Any]:
+    """``write(trial, leaf, value)`` on a copy from :func:`trial_copy`: why the write was
+    refused (None: it was taken) and what ``read(trial, leaf)`` gives after it
+    (:data:`UNKNOWN` where it was refused or the reading raised)."""
     with warnings.catch_warnings():  # (OmegaConf 2.4 warns that it converts: said by callers)
         warnings.simplefilter("ignore")
         try:
