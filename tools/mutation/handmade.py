@@ -1014,6 +1014,28 @@ MUTANTS = [
             "nothing_stays_written",
         ),
     ),
+    Mutant(
+        "typed-config-write-untried",
+        "check_config says OK for a fix a frozen pydantic/attrs object refuses; the run refuses",
+        "cudagraph_plugin/config/fixes.py",
+        "        why = write_refusal(config, fix.path) or tried\n",
+        "        why = write_refusal(config, fix.path)\n",
+        (
+            "tests/test_typed_configs.py::test_a_fix_a_typed_config_refuses_is_a_problem_of_the_"
+            "check_as_of_the_run[pydantic-frozen]",
+        ),
+    ),
+    Mutant(
+        "typed-config-not-walked",
+        "a misspelt CUDA graph field in a pydantic model is ignored (the run eager)",
+        "cudagraph_plugin/config/strays.py",
+        "        return field_names(obj)\n",
+        "        return None\n",
+        (
+            "tests/test_typed_configs.py::test_graphs_asked_for_where_nothing_reads_them_are_a_"
+            "problem_in_typed_configs[pydantic-extra]",
+        ),
+    ),
 ]
 
 
