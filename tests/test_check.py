@@ -1058,6 +1058,12 @@ def test_a_config_override_gets_check_config_named(capsys):
         assert f"hint: {override}: a config override; this command reads command-line" in err
         assert "cudagraph_plugin.check_config(cfg.<the section" in err
         assert "a value without a flag" not in err
+    # a launch line's environment variable is no config override (review of 2026-12-05)
+    with pytest.raises(SystemExit):
+        check(["CUDA_DEVICE_MAX_CONNECTIONS=1", *DENSE_FULL_ITERATION])
+    err = capsys.readouterr().err
+    assert "hint: CUDA_DEVICE_MAX_CONNECTIONS=1: an environment variable" in err
+    assert "config override" not in err
 
 
 def test_a_bucket_problem_names_the_flag_once():

@@ -73,9 +73,17 @@ def test_graphs_asked_for_in_a_section_nothing_reads_are_a_problem(tree, section
     # the section itself is read, and graphs are on
     part = OmegaConf.select(config, section)
     assert check_config(part).ok and check_config(part).settings.impl == "local"
-    # graphs said off where the implementation is read: that section is someone else's
+    # graphs said off where the implementation is read: that section may be someone
+    # else's, so no problem; but a note (a base YAML's none at the top under a deeper
+    # override trained eagerly without a word; review of 2026-12-05)
     config.cuda_graph_impl = "none"
-    assert check_config(config).ok
+    checked = check_config(config)
+    assert checked.ok
+    assert (
+        f"{section}.cuda_graph_impl is not read there: cuda_graph_impl is read at "
+        "cuda_graph_impl or model.cuda_graph_impl, where it turns graphs off (pass the "
+        f"section that holds it, {section}, as the config)"
+    ) in checked.notes
 
 
 def test_a_misplaced_or_misspelt_impl_one_section_down_is_a_problem_when_none_is_read():

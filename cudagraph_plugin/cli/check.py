@@ -81,6 +81,13 @@ def _hint(parser: argparse.ArgumentParser, message: str) -> str:
                         f"{owner} takes one value, the lengths joined by commas: "
                         f"{owner} {','.join(values)}"
                     )
+            elif re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", token, re.DOTALL):
+                # (a launch line's environment: CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun ...)
+                hints.append(
+                    f"{token}: an environment variable; the check reads the environment it "
+                    f"runs in: put it before the command ({token} python -m cudagraph_plugin "
+                    "check ...)"
+                )
             elif re.fullmatch(r"[+~]*[A-Za-z_][\w.]*=.*", token, re.DOTALL):
                 # (a Hydra override: user trial, 2026-12-05)
                 hints.append(

@@ -98,7 +98,8 @@ def check_config(
     """Check ``config`` as a run would, without changing anything.
 
     :param config: The host's configuration: a Megatron-Bridge-style nested config, a
-        megatron-core ``TransformerConfig``, a Megatron-LM ``args`` namespace or a dict.
+        megatron-core ``TransformerConfig``, a Megatron-LM ``args`` namespace, a dict, or
+        an OmegaConf, pydantic, attrs or ml_collections config object.
     :param te_version: The Transformer Engine version the rules check against:
         ``"installed"`` (this machine's, the default), a version such as ``"2.12"`` (to check
         a GPU recipe on a laptop), or None. Without a version those rules are not checked

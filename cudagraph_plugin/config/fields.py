@@ -2,10 +2,11 @@
 
 Owns the field table: for every setting, the attribute paths under which hosts keep it (a
 Megatron-Bridge-style nested config, a megatron-core ``TransformerConfig``, a
-Megatron-LM-style argparse namespace, a dict), the lookup, the in-place assignment (used
-only by :mod:`cudagraph_plugin.config.fixes` and the harness overrides) and the display
-name used in messages (``--cuda-graph-scope`` for a command line, ``model.cuda_graph_scope``
-for a nested config).
+Megatron-LM-style argparse namespace, a dict, an OmegaConf, pydantic, attrs or
+ml_collections object: :mod:`cudagraph_plugin.config.libraries`), the lookup, the in-place
+assignment (used only by :mod:`cudagraph_plugin.config.fixes` and the harness overrides;
+its trial on copies by the check) and the display name used in messages
+(``--cuda-graph-scope`` for a command line, ``model.cuda_graph_scope`` for a nested config).
 
 Pure Python: no torch, no megatron import.
 """

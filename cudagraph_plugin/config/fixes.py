@@ -342,8 +342,8 @@ def check_writes(config: Any, fixes: Iterable[AutoFix]) -> tuple[list[Violation]
 def _write_all(config: Any, fixes: list[AutoFix]) -> dict[str, Any]:
     """Write every fix, or none: each field the config refuses is named (every one at once,
     not one per attempt; user trial, 2026-12-05), and what was written is put back. Returns
-    what a typed field (an OmegaConf structured config's ``str`` field) holds where it took
-    the write but converted the value back, by path."""
+    what a field holds where it took the write but converted the value (an OmegaConf
+    structured config's ``str`` field, an attrs converter, a pydantic validator), by path."""
     converted: dict[str, Any] = {}
     written: list[tuple[str, Any]] = []
     refused: list[Violation] = []

@@ -49,12 +49,11 @@ _GRAPH_IMPLS = (*(impl for impl in IMPLS if impl != "none"), "full_iteration")  
 
 @dataclasses.dataclass(frozen=True)
 class Stray:
-    """A CUDA graph field where nothing reads it: ``path`` (as the config names it), the
-    ``section`` that holds it (``""`` at the top), what to say of it, and whether it asks
-    for graphs that the run, reading none, would not give."""
+    """A CUDA graph field where nothing reads it: ``path`` (as the config names it), its
+    value, what to say of it, and whether it asks for graphs that the run, reading none,
+    would not give."""
 
     path: str
-    section: str
     value: Any
     said: str  # where it is and where it is read
     move: str  # what to do with it
@@ -86,8 +85,9 @@ def _names(obj: Any) -> list[str] | None:
 
 
 def _section(container: Any, name: str) -> Any:
-    """The part at ``name`` to look into, read without running OmegaConf's resolvers (a
-    leaf's interpolation is never evaluated by the walk; review of 2026-12-05)."""
+    """The part at ``name`` to look into, read without running OmegaConf's resolvers (the
+    walk evaluates no interpolation on its way down; review of 2026-12-05: only the value
+    of a CUDA graph field it finds is read, its interpolation resolved)."""
     if is_omegaconf(container):
         try:
             return container._get_node(name)  # (a DictConfig is its own node; a leaf: no)
@@ -166,17 +166,24 @@ def stray_fields(config: Any) -> tuple[Stray, ...]:
                 places = " or ".join(sorted(p for p in read if p.rpartition(".")[2] == meant))
             text = f"{path} is not a field the CUDA graph checks read (did you mean {places}?)"
             move = f"spell it {places}"
+        value = resolve(config, path)
+        hold = ""
         if depth > 1:
             same = [p for p in read if p.rpartition(".")[2] == meant]
-            held = (resolve(config, p) for p in same)
-            if any(value is not MISSING and value is not None for value in held):
-                continue  # (a read place holds it: a copy, or the same field handed out;
-                # a null there holds nothing: review of 2026-12-05)
+            held = [v for v in (resolve(config, p) for p in same) if v is not MISSING]
+            held = [v for v in held if v is not None]  # (a null there holds nothing: review)
             hold = f"pass the section that holds it, {prefix[:-1]}, as the config"
             move = f"{hold}, or {move}"
-        else:
-            hold = ""
-        value = resolve(config, path)
+            if held:  # (a read place holds it: a copy, or the same field handed out)
+                if not (
+                    meant == "cuda_graph_impl"
+                    and _turns_graphs_on(value)
+                    and not any(_turns_graphs_on(v) for v in held)
+                ):
+                    continue
+                # graphs asked for deep down, off where read (a base YAML's top-level none
+                # under a deeper override: a note, that section may be another engine's)
+                text += ", where it turns graphs off"
         asks = meant == "cuda_graph_impl" and not impl_said and _turns_graphs_on(value)
-        found.append(Stray(path, prefix[:-1], value, text, move, hold, asks))
+        found.append(Stray(path, value, text, move, hold, asks))
     return tuple(found)

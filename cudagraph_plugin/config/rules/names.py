@@ -55,7 +55,8 @@ def field_values(s: Settings, env: Environment) -> Iterator[Violation | Note]:
             "reads each where the part it builds is given it (OptimizerConfig's fp16 picks "
             "the loss scaler, say). Make them agree"
         )
-    for stray in s.stray_fields:  # (notes: a name close to ours may be someone else's field)
+    for stray in s.stray_fields:  # (notes, a name close to ours may be someone else's
+        # field; a problem only where graphs are asked for and none where they are read)
         if not stray.asks_for_graphs:
             yield Note(stray.text)
             continue
