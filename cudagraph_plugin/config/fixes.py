@@ -317,11 +317,12 @@ def _refused_write(config: Any, fix: AutoFix, before: Any, why: str) -> Violatio
 def check_writes(config: Any, fixes: Iterable[AutoFix]) -> tuple[list[Violation], list[str]]:
     """What the run's writes of ``fixes`` will meet, seen without writing: the fields it
     could not write (a frozen dataclass, a read-only mapping or OmegaConf container; a
-    frozen or strict pydantic model, a frozen attrs class, a ``FrozenConfigDict``, tried on
-    a copy in the run's order), as problems (``check_config`` says so as the run would
-    refuse it; user trials, 2026-12-05), and the writes a field's declared type would
-    convert (an OmegaConf structured config's ``str`` warm-up, a converter turning the list
-    into a tuple), as notes (the run's log line says so too)."""
+    frozen pydantic model or one validating assignments, a frozen attrs class, a
+    ``FrozenConfigDict``, tried on a copy in the run's order), as problems
+    (``check_config`` says so as the run would refuse it; user trials, 2026-12-05), and the
+    writes a field's declared type would convert (an OmegaConf structured config's ``str``
+    warm-up, a converter turning the list into a tuple), as notes (the run's log line says
+    so too)."""
     written = [fix for fix in fixes if not fix.environment]
     problems: list[Violation] = []
     notes: list[str] = []
@@ -330,7 +331,7 @@ def check_writes(config: Any, fixes: Iterable[AutoFix]) -> tuple[list[Violation]
         why = write_refusal(config, fix.path) or tried
         if why is not None:
             problems.append(_refused_write(config, fix, resolve(config, fix.path), why))
-        elif after is not MISSING and _plain(after) != _plain(fix.value):
+        elif after is not MISSING and _converted(after, fix.value):
             notes.append(
                 f"{display_name(config, fix.path)}: the run's fix writes {fix.value!r}, but the "
                 f"field's declared type converts it to {after!r}, which megatron-core gets "
@@ -356,7 +357,7 @@ def _write_all(config: Any, fixes: list[AutoFix]) -> dict[str, Any]:
             continue
         written.append((fix.path, before))
         after = resolve(config, fix.path)
-        if _plain(after) != _plain(fix.value):
+        if _converted(after, fix.value):
             converted[fix.path] = after
     if refused:
         for path, value in reversed(written):  # (as the config was; best effort)
@@ -364,6 +365,11 @@ def _write_all(config: Any, fixes: list[AutoFix]) -> dict[str, Any]:
                 assign(config, path, value)
         raise CudaGraphConfigError(refused) from None
     return converted
+
+
+def _converted(held: Any, written: Any) -> bool:
+    """The field holds another value than the one written (its type converted it)."""
+    return _plain(held) != _plain(written)
 
 
 def _plain(value: Any) -> Any:

@@ -143,17 +143,21 @@ def _impl_said(config: Any) -> bool:
 
 def stray_fields(config: Any) -> tuple[Stray, ...]:
     """Each CUDA graph field of ``config`` that no setting reads there."""
-    read = {path for paths in FIELD_PATHS.values() for path in paths if MARK in path}
-    known = sorted({path.rpartition(".")[2] for path in read})
+    read_at: dict[str, list[str]] = {}  # a field's name: every path it is read at, in order
+    for path in sorted({path for paths in FIELD_PATHS.values() for path in paths}):
+        if MARK in path:
+            read_at.setdefault(path.rpartition(".")[2], []).append(path)
+    read = {path for paths in read_at.values() for path in paths}
+    known = sorted(read_at)
     impl_said = _impl_said(config)
     found = []
     for prefix, name, depth in _places(config):
         path = prefix + name
         if MARK not in name or path in read:
             continue
-        if name in known:
+        if name in read_at:
             meant = name
-            places = " or ".join(sorted(p for p in read if p.rpartition(".")[2] == name))
+            places = " or ".join(read_at[name])
             text = f"{path} is not read there: {name} is read at {places}"
             move = f"move it to {places}"
         else:
@@ -163,15 +167,15 @@ def stray_fields(config: Any) -> tuple[Stray, ...]:
             meant = close[0]
             places = prefix + meant
             if places not in read:  # (the name is close, the place wrong too)
-                places = " or ".join(sorted(p for p in read if p.rpartition(".")[2] == meant))
+                places = " or ".join(read_at[meant])
             text = f"{path} is not a field the CUDA graph checks read (did you mean {places}?)"
             move = f"spell it {places}"
         value = resolve(config, path)
         hold = ""
         if depth > 1:
-            same = [p for p in read if p.rpartition(".")[2] == meant]
-            held = [v for v in (resolve(config, p) for p in same) if v is not MISSING]
-            held = [v for v in held if v is not None]  # (a null there holds nothing: review)
+            held = [resolve(config, p) for p in read_at[meant]]
+            # (a null there holds nothing: review of 2026-12-05)
+            held = [v for v in held if v is not MISSING and v is not None]
             hold = f"pass the section that holds it, {prefix[:-1]}, as the config"
             move = f"{hold}, or {move}"
             if held:  # (a read place holds it: a copy, or the same field handed out)

@@ -121,10 +121,7 @@ def whole_number(value: Any) -> int | None:
 
 def _to_int(minimum: int, example: int) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
-        try:
-            number = _integer(value)
-        except _Unreadable:
-            number = None
+        number = whole_number(value)
         if number is None or number < minimum:
             what = "a non-negative integer" if minimum == 0 else f"an integer >= {minimum}"
             raise _Unreadable(f"must be {what}", f"give a whole number such as {example}")
