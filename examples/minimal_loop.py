@@ -17,12 +17,11 @@ import sys
 import torch
 
 from hookspecs import (
+    PLAIN_ENDINGS,
     ConfigurationError,
-    PeerFailed,
-    PeerRefused,
     TrainingRun,
     get_plugin_manager,
-    print_peer_failure,
+    print_ending,
     print_refusal,
 )
 
@@ -144,10 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                     train(run, args, cuda)  # shutdown fires on every exit, frees the graphs
             finally:
                 end_distributed(run)  # after shutdown: graphs hold NCCL buffers
-    except (ConfigurationError, PeerRefused) as refused:  # its problems, no traceback
-        return print_refusal(refused)
-    except PeerFailed as told:  # another rank failed first: one line, no traceback
-        return print_peer_failure(told)
+    except PLAIN_ENDINGS as ended:  # a refusal, a peer's failure, a Ctrl-C: no traceback
+        return print_ending(ended)
     return 0
 
 

@@ -69,12 +69,9 @@ from cudagraph_plugin import (
     parse_buckets,
 )
 from hookspecs import (
-    ConfigurationError,
-    PeerFailed,
-    PeerRefused,
+    PLAIN_ENDINGS,
     TrainingRun,
-    print_peer_failure,
-    print_refusal,
+    print_ending,
 )
 
 logger = logging.getLogger("rl_loop")
@@ -534,10 +531,8 @@ def main() -> int:
     train_gpt.configure_logging()
     try:
         summary = run()
-    except (ConfigurationError, PeerRefused) as refused:  # its problems, no traceback
-        return print_refusal(refused)
-    except PeerFailed as told:  # another rank failed first: one line, no traceback
-        return print_peer_failure(told)
+    except PLAIN_ENDINGS as ended:  # a refusal, a peer's failure, a Ctrl-C: no traceback
+        return print_ending(ended)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     lengths = sorted(set(summary["seq_lengths"]))

@@ -42,14 +42,11 @@ from step_clock import StepClock
 
 from cpu_redirect import cpu_redirect, cpu_run_blocker, mcore_without_te_fixes
 from hookspecs import (
-    ConfigurationError,
-    PeerFailed,
-    PeerRefused,
+    PLAIN_ENDINGS,
     ShutdownReason,
     TrainingRun,
     get_plugin_manager,
-    print_peer_failure,
-    print_refusal,
+    print_ending,
 )
 
 # megatron-core is imported inside the functions that use it, so importing this module (for
@@ -1023,10 +1020,8 @@ def main() -> int:
     configure_logging()
     try:
         summary = run()
-    except (ConfigurationError, PeerRefused) as refused:  # its problems, no traceback
-        return print_refusal(refused)
-    except PeerFailed as told:  # another rank failed first: one line, no traceback
-        return print_peer_failure(told)
+    except PLAIN_ENDINGS as ended:  # a refusal, a peer's failure, a Ctrl-C: no traceback
+        return print_ending(ended)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     if summary["losses"]:

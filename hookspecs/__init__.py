@@ -24,7 +24,15 @@ One name, ``mcgraph``, is the marker name, the hook prefix and the entry-point g
 from __future__ import annotations
 
 from hookspecs.answers import SettledKwargs
-from hookspecs.errors import ConfigurationError, print_peer_failure, print_refusal
+from hookspecs.errors import (
+    INTERRUPTED_EXIT_STATUS,
+    PLAIN_ENDINGS,
+    ConfigurationError,
+    print_ending,
+    print_interrupted,
+    print_peer_failure,
+    print_refusal,
+)
 from hookspecs.manager import (
     BLOCK_ENV_VAR,
     McgraphPluginManager,
@@ -43,6 +51,8 @@ that breaks plugins raises the minor version while it is 0.x."""
 
 __all__ = [
     "BLOCK_ENV_VAR",
+    "INTERRUPTED_EXIT_STATUS",
+    "PLAIN_ENDINGS",
     "PROJECT_NAME",
     "REPORT_SCHEMA_VERSION",
     "ConfigurationError",
@@ -61,6 +71,8 @@ __all__ = [
     "hookspec",
     "merge_kwargs",
     "plugin_name",
+    "print_ending",
+    "print_interrupted",
     "print_peer_failure",
     "print_refusal",
 ]

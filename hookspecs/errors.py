@@ -5,6 +5,10 @@
 (its message lists every problem with its fix). A host catches it and hands it to
 :func:`print_refusal`, which prints the message without a traceback, once per job, and
 gives the exit status 2, as command-line tools do for bad usage.
+
+The endings a host says without a traceback (:data:`PLAIN_ENDINGS`: a refusal, another
+rank's failure, a Ctrl-C) go to :func:`print_ending`, which hands each to its printer:
+:func:`print_refusal`, :func:`print_peer_failure` or :func:`print_interrupted`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from hookspecs.reasons import PeerFailed, PeerRefused, refused_by
 
 # How long a rank that does not say a refusal waits before it exits (see print_refusal).
 REFUSAL_GRACE_S = 30.0
+
+INTERRUPTED_EXIT_STATUS = 130
+"""The exit status of a run ended by a Ctrl-C (``KeyboardInterrupt``): 128 + SIGINT, what a
+shell reports for a process that SIGINT ended."""
 
 
 class ConfigurationError(ValueError):
@@ -56,8 +64,7 @@ def print_refusal(
     itself rather than a told rank 0: over gloo a rank blocked in a collective is released
     only by its peer's exit, which an abort of its process group does not replace.)"""
     rank, world_size = launcher_rank()
-    said_here = error.said_here if error.said_here is not None else rank == 0
-    if said_here:
+    if speaker(error):
         said = refused_by(rank, str(error)) if rank != 0 else str(error)
         out = stream if stream is not None else sys.stderr
         # one write: print() writes the line and its newline apart, and on an unbuffered
@@ -87,6 +94,53 @@ def print_peer_failure(error: PeerFailed, stream: Any = None) -> int:
     out.write(f"{rank_tag()}run ended: {said}\n")  # (one line, one write: see print_refusal)
     out.flush()
     return error.exit_code
+
+
+def speaker(error: BaseException) -> bool:
+    """Whether this rank says ``error`` for the job: ``error.said_here`` where a plugin
+    watching the job set it (True: this rank's failure was the job's first, or that is not
+    known), else rank 0 of a launcher's job (``RANK``), every rank having the same to say."""
+    said_here = getattr(error, "said_here", None)
+    return said_here if said_here is not None else launcher_rank()[0] == 0
+
+
+def print_interrupted(error: KeyboardInterrupt, stream: Any = None) -> int:
+    """Say that a Ctrl-C (SIGINT, a ``KeyboardInterrupt``) ended the run, in one line
+    without a traceback, to ``stream`` (standard error), and return its exit status (130,
+    :data:`INTERRUPTED_EXIT_STATUS`).
+
+    A Ctrl-C usually reaches every rank at once (torchrun passes the SIGINT it receives on
+    to each worker): one rank says it for the job, as a refusal is said (the rank whose
+    interrupt was the job's first failure where a plugin watching the job found that out,
+    else rank 0); the others exit without a word. The traceback would only show where the
+    interrupt found each rank, once per rank."""
+    if speaker(error):
+        out = stream if stream is not None else sys.stderr
+        out.write(f"{rank_tag()}interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)\n")
+        out.flush()  # (one line, one write: see print_refusal)
+    return INTERRUPTED_EXIT_STATUS
+
+
+PLAIN_ENDINGS: tuple[type[BaseException], ...] = (ConfigurationError, PeerFailed, KeyboardInterrupt)
+"""What a host catches around its run and hands to :func:`print_ending`: the endings said
+without a traceback (a refusal, :class:`~hookspecs.reasons.PeerRefused` and
+:class:`~hookspecs.reasons.PeerFailed` included, and a Ctrl-C). Anything else keeps its
+traceback."""
+
+
+def print_ending(error: BaseException, stream: Any = None) -> int:
+    """Say one of :data:`PLAIN_ENDINGS` the way its printer does and return the exit status:
+    a ``ConfigurationError`` or ``PeerRefused`` by :func:`print_refusal` (2), another
+    ``PeerFailed`` by :func:`print_peer_failure` (1), a ``KeyboardInterrupt`` by
+    :func:`print_interrupted` (130). ``TypeError`` for anything else: its traceback is
+    what says it."""
+    if isinstance(error, ConfigurationError):
+        return print_refusal(error, stream)
+    if isinstance(error, PeerFailed):  # (a PeerRefused goes on to print_refusal)
+        return print_peer_failure(error, stream)
+    if isinstance(error, KeyboardInterrupt):
+        return print_interrupted(error, stream)
+    raise TypeError(f"print_ending: {error!r} is not one of PLAIN_ENDINGS; re-raise it") from error
 
 
 def traceback_without(error: BaseException, original: BaseException) -> str:

@@ -98,3 +98,23 @@ def test_a_negative_train_iters_is_a_usage_error(capsys: pytest.CaptureFixture[s
     err = capsys.readouterr().err
     assert err.startswith("usage: ")
     assert err.endswith("error: --train-iters must not be negative\n")
+
+
+@needs_mcore_on_cpu
+def test_a_ctrl_c_ends_the_loop_after_its_shutdown_in_one_line_with_status_130(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import minimal_loop
+
+    def interrupted(run, args, cuda):
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(minimal_loop, "train", interrupted)
+    assert minimal_loop.main(["--train-iters", "2", "--trace"]) == 130
+    out, err = capsys.readouterr()
+    assert err == "interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)\n"
+    assert "hook: mcgraph_shutdown" in out  # (the run's shutdown came first)

@@ -192,6 +192,13 @@ def test_a_peers_refusal_reaches_this_rank_whole_and_is_said_once_by_the_refusin
         (hookspecs.ConfigurationError("bad"), None, True),
         # not a refusal: nothing to say
         (RuntimeError("boom"), (1, "mine", ""), None),
+        # a Ctrl-C (every rank usually gets one): the rank whose interrupt came first says it
+        (KeyboardInterrupt(), (1, "mine", ""), True),
+        # another rank failed first, whatever its failure: that rank has said why
+        (KeyboardInterrupt(), (0, "other", ""), False),
+        (KeyboardInterrupt(), (0, "other", "worse"), False),
+        # the store did not answer in time: this rank says it
+        (KeyboardInterrupt(), None, True),
     ],
 )
 def test_the_mark_tells_print_refusal_which_rank_says_the_refusal(exception, first, said_here):

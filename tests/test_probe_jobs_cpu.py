@@ -44,6 +44,7 @@ JOBS = {
     ),
     "raise": ([*SHORT, *FULL], {"MCGRAPH_PROBE_RAISE": "3:0"}),
     "sigterm": ([*SHORT, *FULL], {"MCGRAPH_PROBE_SIGTERM": "3:0"}),
+    "sigint": ([*SHORT, *FULL], {"MCGRAPH_PROBE_SIGINT": "3:0"}),
 }
 
 
@@ -165,6 +166,26 @@ def test_sigterm_at_a_step_ends_the_job_by_the_signal_with_the_reason_recorded(
     assert "at_exit" not in record  # the process ended by the signal: no exit handlers
 
 
+def test_a_ctrl_c_ends_the_run_with_one_line_and_status_130_without_a_traceback(
+    jobs: dict[str, TrainJob],
+) -> None:
+    """(Before: the KeyboardInterrupt's traceback, through the loop and megatron-core.)"""
+    job = jobs["sigint"]
+    assert job.result.rc == 130 and not job.result.timed_out, job.context()
+    assert job.result.leftovers == []
+    record = job.record(0)
+    assert record["shutdown_reason"] == "interrupted"
+    assert record["events"][-3:] == [
+        ["fault", "sigint", 3],
+        ["report"],
+        ["shutdown", "interrupted"],
+    ]
+    stderr = job.result.stderr.read_text()
+    assert "Traceback" not in stderr and "KeyboardInterrupt\n" not in stderr, job.context()
+    said = [line for line in stderr.splitlines() if "interrupted (KeyboardInterrupt" in line]
+    assert said == ["interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)"], job.context()
+
+
 def _failing_gloo_job(name: str, tmp_path: Path, probe: dict[str, str]) -> TrainJob:
     """A 2-rank gloo torchrun of the example with the probe's fault ``probe``: it must end,
     non-zero and in time, with no process left."""
@@ -279,4 +300,43 @@ def test_two_gloo_ranks_say_a_refusal_once_by_the_rank_that_refused_first(
     assert first_failure(2, speaker) in output, job.context()
     assert "cuda_graph_peer_exit_deadline" not in output, job.context()  # no rank timed out
     # the one traceback is torchrun's own ChildFailedError; none from a worker
+    assert output.count("Traceback") == 1 and "ChildFailedError" in output, job.context()
+
+
+def _interrupted_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if "interrupted (KeyboardInterrupt" in line]
+
+
+def test_a_ctrl_c_passed_to_every_rank_is_said_once_per_job_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """torchrun passes a Ctrl-C on to every worker (the probe sends each rank a SIGINT at
+    the end of step 2): one rank says it for the job, the rank whose interrupt was the job's
+    first failure, and no rank prints a KeyboardInterrupt traceback (before: one per rank).
+    The one traceback left is torchrun's own ChildFailedError."""
+    job = _failing_gloo_job("gloo-sigint-all", tmp_path, {"MCGRAPH_PROBE_SIGINT": "2:all"})
+    output = job.result.output()
+    said = _interrupted_lines(output)
+    assert len(said) == 1 and said[0].startswith("[rank "), job.context()
+    assert output.count("Traceback") == 1 and "ChildFailedError" in output, job.context()
+    reasons = {job.record(rank)["shutdown_reason"] for rank in (0, 1)}
+    assert reasons <= {"interrupted", "peer_failed"} and "interrupted" in reasons, job.context()
+    assert "exitcode  : 130" in output or "exitcode: 130" in output, job.context()
+
+
+def test_a_ctrl_c_on_one_rank_is_said_by_that_rank_and_named_by_the_other(
+    tmp_path: Path,
+) -> None:
+    """A SIGINT to rank 1 alone (``kill -INT`` of one worker): rank 1, whose interrupt was
+    the job's first failure, names itself (rank 0 would not know to speak for it), and
+    rank 0, told by its watch, says its one line naming rank 1."""
+    job = _failing_gloo_job("gloo-sigint-1", tmp_path, {"MCGRAPH_PROBE_SIGINT": "2:1"})
+    output = job.result.output()
+    assert job.record(1)["shutdown_reason"] == "interrupted", job.context()
+    assert job.records[0]["shutdown_reason"] == "peer_failed", job.context()
+    assert _interrupted_lines(output) == [
+        "[rank 1] interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)"
+    ], job.context()
+    ended = [line for line in output.splitlines() if " run ended: " in line]
+    assert len(ended) == 1 and ended[0].startswith("[rank 0] run ended: rank 1 ("), job.context()
     assert output.count("Traceback") == 1 and "ChildFailedError" in output, job.context()

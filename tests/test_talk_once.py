@@ -315,3 +315,72 @@ def test_a_told_rank_says_its_end_in_one_line_and_a_told_refusal_goes_to_print_r
     refused = PeerRefused(1, "exception: ConfigurationError", refusal="scope attn: fix it")
     assert errors.print_peer_failure(refused, stream=stream) == 2
     assert stream.getvalue() == ""  # (the refusing rank says it, once)
+
+
+@pytest.mark.parametrize(
+    "rank,world_size,said_here,said",
+    [
+        # one process: it says it
+        (None, None, None, "interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)\n"),
+        # a Ctrl-C reaches every rank (torchrun passes it on): rank 0 says it for the job
+        ("0", "4", None, "[rank 0] interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)\n"),
+        ("2", "4", None, ""),
+        # a plugin watching the job found whose interrupt came first (issue 22)
+        ("2", "4", True, "[rank 2] interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)\n"),
+        ("0", "4", False, ""),
+    ],
+)
+def test_a_ctrl_c_is_said_in_one_line_by_one_rank_with_the_shells_status(
+    monkeypatch, rank, world_size, said_here, said
+):
+    """(2026-12-06: every rank printed a KeyboardInterrupt traceback through the loop and
+    megatron-core, torchrun passing a Ctrl-C on to each worker)"""
+    import io
+
+    from hookspecs import INTERRUPTED_EXIT_STATUS, errors
+
+    for name, value in (("RANK", rank), ("WORLD_SIZE", world_size)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    interrupt = KeyboardInterrupt()
+    if said_here is not None:
+        interrupt.said_here = said_here
+    stream = io.StringIO()
+    assert errors.print_interrupted(interrupt, stream=stream) == INTERRUPTED_EXIT_STATUS == 130
+    assert stream.getvalue() == said
+
+
+def test_print_ending_hands_each_plain_ending_to_its_printer(monkeypatch):
+    import io
+
+    from hookspecs import (
+        PLAIN_ENDINGS,
+        ConfigurationError,
+        PeerFailed,
+        PeerRefused,
+        SignalReceived,
+        errors,
+        print_ending,
+    )
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(errors.time, "sleep", lambda s: None)
+    cases = [
+        (ConfigurationError("scope attn: fix it"), 2, "error: scope attn: fix it\n"),
+        (PeerRefused(1, "exception", refusal="scope attn: fix it"), 2, ""),
+        (PeerFailed(1, "x", "rank 1 failed: boom"), 1, "[rank 0] run ended: rank 1 failed: boom\n"),
+        (KeyboardInterrupt(), 130, "[rank 0] interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)\n"),
+    ]
+    for error, status, said in cases:
+        assert isinstance(error, PLAIN_ENDINGS)
+        stream = io.StringIO()
+        assert print_ending(error, stream=stream) == status, error
+        assert stream.getvalue() == said, error
+    # anything else keeps its traceback: the host re-raises it, never a made-up status
+    for other in (RuntimeError("boom"), SignalReceived(15), SystemExit(3)):
+        assert not isinstance(other, PLAIN_ENDINGS)
+        with pytest.raises(TypeError, match="not one of PLAIN_ENDINGS"):
+            print_ending(other, stream=io.StringIO())

@@ -174,14 +174,18 @@ def note_speaker(exception: BaseException | None, first: PeerFailure | None, ran
     found: this rank's own (it says it), another rank's refusal (that rank says it), another
     rank's failure of another kind (not known: rank 0 says it). A mark the store did not
     answer in time (``first`` is None) may still land and tell the other ranks, who then
-    say nothing: this rank says it (said twice, at worst, rather than never)."""
-    if not isinstance(exception, ConfigurationError):
+    say nothing: this rank says it (said twice, at worst, rather than never).
+
+    The same for ``print_interrupted`` and a Ctrl-C (``KeyboardInterrupt.said_here``), which
+    usually reaches every rank at once: the rank whose interrupt was the job's first
+    failure says it; after another rank's failure of any kind, that rank has said why."""
+    if not isinstance(exception, ConfigurationError | KeyboardInterrupt):
         return
     if first is None:
         exception.said_here = True
         return
     first_is_mine = (first.rank, first.pid) == (rank, os.getpid())
-    if first_is_mine or first.refusal:
+    if first_is_mine or first.refusal or isinstance(exception, KeyboardInterrupt):
         exception.said_here = first_is_mine
 
 

@@ -31,6 +31,9 @@ Environment contract (``R`` is the ``RANK`` variable, 0 without torchrun):
     (``all`` for every rank).
 ``MCGRAPH_PROBE_SIGTERM=<step>:<rank>``
     Send SIGTERM to this process at the end of that step, on that rank.
+``MCGRAPH_PROBE_SIGINT=<step>:<rank>``
+    Send SIGINT to this process at the end of that step, on that rank (``all``: what
+    torchrun does with a Ctrl-C, which it passes on to every worker).
 ``MCGRAPH_PROBE_SIGKILL=<step>:<rank>``
     Write the record (the fault in it, no shutdown) and SIGKILL this process at the end of
     that step, on that rank: a rank that dies without a word (the OOM killer, a lost node),
@@ -85,6 +88,7 @@ DIR_VAR = "MCGRAPH_PROBE_DIR"
 RAISE_VAR = "MCGRAPH_PROBE_RAISE"
 RAISE_SEEDING_VAR = "MCGRAPH_PROBE_RAISE_SEEDING"
 SIGTERM_VAR = "MCGRAPH_PROBE_SIGTERM"
+SIGINT_VAR = "MCGRAPH_PROBE_SIGINT"
 SIGKILL_VAR = "MCGRAPH_PROBE_SIGKILL"
 REFUSE_VAR = "MCGRAPH_PROBE_REFUSE"
 FAIL_CAPTURE_VAR = "MCGRAPH_PROBE_FAIL_CAPTURE"
@@ -97,6 +101,7 @@ PROBE_VARS = (
     RAISE_VAR,
     RAISE_SEEDING_VAR,
     SIGTERM_VAR,
+    SIGINT_VAR,
     SIGKILL_VAR,
     REFUSE_VAR,
     FAIL_CAPTURE_VAR,
@@ -204,6 +209,7 @@ class Probe:
             raise ValueError(f"{RAISE_SEEDING_VAR}={raise_seeding!r}: expected a rank or all")
         self.raise_seeding = _applies(raise_seeding, self.rank)
         self.sigterm_at = _step_rank(environ, SIGTERM_VAR)
+        self.sigint_at = _step_rank(environ, SIGINT_VAR)
         self.sigkill_at = _step_rank(environ, SIGKILL_VAR)
         self.refuse_at = _step_rank(environ, REFUSE_VAR)
         self.scale_lr = _step_factor(environ.get(SCALE_LR_VAR))
@@ -313,6 +319,10 @@ class Probe:
             self.events.append(["fault", "sigterm", step])
             self.record["fault_at"] = time.time()
             os.kill(os.getpid(), signal.SIGTERM)
+        if self.sigint_at is not None and self._due(self.sigint_at, step):
+            self.events.append(["fault", "sigint", step])
+            self.record["fault_at"] = time.time()
+            os.kill(os.getpid(), signal.SIGINT)
         if self.sigkill_at is not None and self._due(self.sigkill_at, step):
             self.events.append(["fault", "sigkill", step])
             self.record["fault_at"] = time.time()
