@@ -168,12 +168,18 @@ def _problems(args: argparse.Namespace, use_cuda: bool) -> list[str]:
             f"--offload-interval {args.offload_interval} must be 0 or a positive multiple of "
             f"--steps-per-round {args.steps_per_round} (the state is offloaded between rounds)"
         )
-    if args.offload_interval and use_cuda and not args.bf16:
-        problems.append(
+    if args.offload_interval and not args.bf16:
+        needs_bf16 = (
             "--offload-interval needs --bf16 on a GPU: without it megatron-core's optimizer "
             "holds the model's own parameters (or, distributed, views of them), and its "
             "offload_to_cpu() would move the weights the rollout needs to the host"
         )
+        if use_cuda:
+            problems.append(needs_bf16)
+        else:  # (the host is where the state already is: the CPU rehearsal says it only)
+            logger.warning(
+                "%s; on the CPU the offload moves nothing, so this run goes on", needs_bf16
+            )
     lengths += _bucket_problems(args)
     if not lengths:  # (it reads the lengths and buckets checked above)
         lengths += _one_shape_problems(args)

@@ -433,6 +433,23 @@ def test_offload_on_a_gpu_needs_bf16(bf16, refused, capsys):
     assert "--offload-interval needs --bf16 on a GPU" in capsys.readouterr().err
 
 
+def test_offload_without_bf16_on_the_cpu_goes_on_with_the_gpus_refusal_as_a_warning(caplog):
+    """(A user trial: the CPU rehearsal accepted what the GPU run then refused, without a
+    word.) On the CPU the offload moves nothing, so the run goes on, saying it."""
+    parser = rl_loop.build_parser(get_plugin_manager())
+    args = parser.parse_args([*LOOP, "--offload-interval", "8"])
+    with caplog.at_level(logging.WARNING, logger="rl_loop"):
+        rl_loop._check(parser, args, use_cuda=False)
+    warned = [r.getMessage() for r in caplog.records if r.name == "rl_loop"]
+    assert len(warned) == 1 and warned[0].startswith("--offload-interval needs --bf16 on a GPU")
+    assert warned[0].endswith("on the CPU the offload moves nothing, so this run goes on")
+    caplog.clear()
+    args = parser.parse_args([*LOOP, "--offload-interval", "8", "--bf16"])
+    with caplog.at_level(logging.WARNING, logger="rl_loop"):
+        rl_loop._check(parser, args, use_cuda=False)
+    assert not [r for r in caplog.records if r.name == "rl_loop"]
+
+
 def test_two_data_parallel_ranks_pad_each_step_to_one_agreed_bucket(tmp_path, subprocess_env):
     """Each rank draws its own lengths; the ranks agree on the step's longest, so every
     step has one bucket on both ranks (the graphs of a step hold collectives)."""
