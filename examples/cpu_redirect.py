@@ -389,6 +389,14 @@ def cpu_redirect() -> Iterator[None]:
             setattr(module, name, stand_in)
         with mcore_without_te_fixes(), _CudaToCpuMode():
             yield
+    except RuntimeError as error:
+        # An interrupt (a Ctrl-C, a peer's failure told by the plugin's watch) that lands
+        # inside torch's own mode-stack bookkeeping leaves the stack without this mode, and
+        # leaving the mode then fails ("trying to pop from empty mode stack"): that error
+        # would replace the interrupt, which is what happened
+        if error.__context__ is not None and "mode stack" in str(error):
+            raise error.__context__ from None
+        raise
     finally:
         for module, name, original in saved:
             setattr(module, name, original)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from hookspecs.answers import SettledKwargs
 from hookspecs.errors import (
-    INTERRUPTED_EXIT_STATUS,
     PLAIN_ENDINGS,
     ConfigurationError,
     print_ending,
@@ -51,7 +50,6 @@ that breaks plugins raises the minor version while it is 0.x."""
 
 __all__ = [
     "BLOCK_ENV_VAR",
-    "INTERRUPTED_EXIT_STATUS",
     "PLAIN_ENDINGS",
     "PROJECT_NAME",
     "REPORT_SCHEMA_VERSION",

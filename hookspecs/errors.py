@@ -8,7 +8,9 @@ gives the exit status 2, as command-line tools do for bad usage.
 
 The endings a host says without a traceback (:data:`PLAIN_ENDINGS`: a refusal, another
 rank's failure, a Ctrl-C) go to :func:`print_ending`, which hands each to its printer:
-:func:`print_refusal`, :func:`print_peer_failure` or :func:`print_interrupted`.
+:func:`print_refusal`, :func:`print_peer_failure` or :func:`print_interrupted` (which says
+the Ctrl-C and raises it again: it stops the host's callers too, and the process ends by
+SIGINT).
 """
 
 from __future__ import annotations
@@ -16,17 +18,13 @@ from __future__ import annotations
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 from hookspecs.ranks import launcher_rank, rank_tag
 from hookspecs.reasons import PeerFailed, PeerRefused, refused_by
 
 # How long a rank that does not say a refusal waits before it exits (see print_refusal).
 REFUSAL_GRACE_S = 30.0
-
-INTERRUPTED_EXIT_STATUS = 130
-"""The exit status of a run ended by a Ctrl-C (``KeyboardInterrupt``): 128 + SIGINT, what a
-shell reports for a process that SIGINT ended."""
 
 
 class ConfigurationError(ValueError):
@@ -63,19 +61,29 @@ def print_refusal(
     a job under torchrun ends as soon as it has spoken. (The first refusing rank speaks
     itself rather than a told rank 0: over gloo a rank blocked in a collective is released
     only by its peer's exit, which an abort of its process group does not replace.)"""
-    rank, world_size = launcher_rank()
-    if speaker(error):
-        said = refused_by(rank, str(error)) if rank != 0 else str(error)
-        out = stream if stream is not None else sys.stderr
-        # one write: print() writes the line and its newline apart, and on an unbuffered
-        # stream (PYTHONUNBUFFERED) another process's log line can land between them
-        # which plugin refused (the note TrainingRun adds naming it), on a line of its own
-        who = [n for n in getattr(error, "__notes__", ()) if n.startswith("raised by plugin ")]
-        out.write(f"error: {said}\n" + "".join(f"  ({note})\n" for note in who))
-        out.flush()
-    elif world_size > 1:
+    if not _say_refusal(error, stream) and launcher_rank()[1] > 1:
         time.sleep(grace_s)
     return error.exit_code
+
+
+def _say_refusal(error: ConfigurationError | PeerRefused, stream: Any) -> bool:
+    """Print the refusal where this rank says it (:func:`speaker`); whether it did."""
+    if not speaker(error):
+        return False
+    rank = launcher_rank()[0]
+    said = refused_by(rank, str(error)) if rank != 0 else str(error)
+    # which plugin refused (the note TrainingRun adds naming it), on a line of its own
+    who = [n for n in getattr(error, "__notes__", ()) if n.startswith("raised by plugin ")]
+    _write(stream, f"error: {said}\n" + "".join(f"  ({note})\n" for note in who))
+    return True
+
+
+def _write(stream: Any, text: str) -> None:
+    """One write, flushed: print() writes a line and its newline apart, and on an unbuffered
+    stream (PYTHONUNBUFFERED) another process's log line can land between them."""
+    out = stream if stream is not None else sys.stderr
+    out.write(text)
+    out.flush()
 
 
 def print_peer_failure(error: PeerFailed, stream: Any = None) -> int:
@@ -89,11 +97,13 @@ def print_peer_failure(error: PeerFailed, stream: Any = None) -> int:
     burying the one that matters."""
     if isinstance(error, PeerRefused):
         return print_refusal(error, stream)
-    out = stream if stream is not None else sys.stderr
-    said = " | ".join(line.strip() for line in str(error).splitlines() if line.strip())
-    out.write(f"{rank_tag()}run ended: {said}\n")  # (one line, one write: see print_refusal)
-    out.flush()
+    _say_peer_failure(error, stream)
     return error.exit_code
+
+
+def _say_peer_failure(error: PeerFailed, stream: Any) -> None:
+    said = " | ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    _write(stream, f"{rank_tag()}run ended: {said}\n")
 
 
 def speaker(error: BaseException) -> bool:
@@ -104,21 +114,60 @@ def speaker(error: BaseException) -> bool:
     return said_here if said_here is not None else launcher_rank()[0] == 0
 
 
-def print_interrupted(error: KeyboardInterrupt, stream: Any = None) -> int:
+def print_interrupted(error: KeyboardInterrupt, stream: Any = None) -> NoReturn:
     """Say that a Ctrl-C (SIGINT, a ``KeyboardInterrupt``) ended the run, in one line
-    without a traceback, to ``stream`` (standard error), and return its exit status (130,
-    :data:`INTERRUPTED_EXIT_STATUS`).
+    without a traceback (``interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)``), to
+    ``stream`` (standard error), and raise ``error`` again: a Ctrl-C stops the host's
+    callers too (a script, a sweep calling ``main()`` in a loop), and where nothing catches
+    it the process ends by SIGINT once the interpreter has finished (its exit handlers
+    run), as Python ends on any uncaught ``KeyboardInterrupt``, so that a shell script
+    running the job stops as well. Python's ``sys.excepthook`` is told to print nothing
+    for this one interrupt (another hook a host set is called for anything else).
 
     A Ctrl-C usually reaches every rank at once (torchrun passes the SIGINT it receives on
-    to each worker): one rank says it for the job, as a refusal is said (the rank whose
-    interrupt was the job's first failure where a plugin watching the job found that out,
-    else rank 0); the others exit without a word. The traceback would only show where the
-    interrupt found each rank, once per rank."""
-    if speaker(error):
-        out = stream if stream is not None else sys.stderr
-        out.write(f"{rank_tag()}interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)\n")
-        out.flush()  # (one line, one write: see print_refusal)
-    return INTERRUPTED_EXIT_STATUS
+    to each worker): where a plugin watching the job found whose interrupt was the job's
+    first failure (``error.said_here``, as for a refusal), that rank alone says it and the
+    others end without a word. Where none did (the interrupt came before the run watched
+    the job, or no such plugin is installed), every rank says it, each line with its rank:
+    rank 0 alone could not say a Ctrl-C that reached one other rank only. A traceback
+    would only show where the interrupt found each rank.
+
+    A Ctrl-C that came while the run was ending otherwise (held during its shutdown, then
+    raised: ``error.__context__``, unless suppressed) says that ending instead: another of
+    :data:`PLAIN_ENDINGS` the way its printer does (a refusal without the ranks' grace
+    wait), and a failure (an ``Exception``) keeps its traceback (``error`` is raised as it
+    is, the failure printed first)."""
+    ending = None if error.__suppress_context__ else error.__context__  # (raise ... from None)
+    if isinstance(ending, Exception) and not isinstance(ending, PLAIN_ENDINGS):
+        raise error  # (the failure's traceback, then the interrupt's)
+    if isinstance(ending, ConfigurationError | PeerRefused):
+        _say_refusal(ending, stream)
+    elif isinstance(ending, PeerFailed):
+        _say_peer_failure(ending, stream)
+    elif getattr(_told_which(error, ending), "said_here", None) is not False:
+        _write(stream, f"{rank_tag()}interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)\n")
+    _quiet_once(error)
+    raise error
+
+
+def _told_which(error: KeyboardInterrupt, ending: BaseException | None) -> BaseException:
+    """The interrupt a plugin told whether this rank says it (``said_here``): ``error``, or
+    the earlier Ctrl-C it was raised while handling (``ending``) where only that one was."""
+    if isinstance(ending, KeyboardInterrupt) and getattr(error, "said_here", None) is None:
+        return ending
+    return error
+
+
+def _quiet_once(said: BaseException) -> None:
+    """Let ``sys.excepthook`` print nothing for ``said`` (already said), and call the hook
+    it replaces for anything else."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if value is not said:
+            previous(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 PLAIN_ENDINGS: tuple[type[BaseException], ...] = (ConfigurationError, PeerFailed, KeyboardInterrupt)
@@ -131,9 +180,9 @@ traceback."""
 def print_ending(error: BaseException, stream: Any = None) -> int:
     """Say one of :data:`PLAIN_ENDINGS` the way its printer does and return the exit status:
     a ``ConfigurationError`` or ``PeerRefused`` by :func:`print_refusal` (2), another
-    ``PeerFailed`` by :func:`print_peer_failure` (1), a ``KeyboardInterrupt`` by
-    :func:`print_interrupted` (130). ``TypeError`` for anything else: its traceback is
-    what says it."""
+    ``PeerFailed`` by :func:`print_peer_failure` (1); a ``KeyboardInterrupt`` goes to
+    :func:`print_interrupted`, which says it and raises it again (the process ends by
+    SIGINT). ``TypeError`` for anything else: its traceback is what says it."""
     if isinstance(error, ConfigurationError):
         return print_refusal(error, stream)
     if isinstance(error, PeerFailed):  # (a PeerRefused goes on to print_refusal)

@@ -26,7 +26,7 @@ from cpu_only import needs_mcore_on_cpu
 
 import cpu_redirect
 import train_gpt
-from hookspecs import get_plugin_manager, hookimpl, spec
+from hookspecs import PeerFailed, get_plugin_manager, hookimpl, spec
 
 pytestmark = needs_mcore_on_cpu
 
@@ -535,6 +535,30 @@ def test_redirect_is_undone_when_the_block_raises() -> None:
         with cpu_redirect.cpu_redirect():
             raise ValueError("boom")
     assert torch.cuda.synchronize is original
+    assert not cpu_redirect.is_active()
+
+
+def test_a_ctrl_c_inside_torchs_mode_bookkeeping_stays_a_ctrl_c() -> None:
+    """An interrupt that lands while torch has the redirect's mode popped off its stack (a
+    review: a 2-rank rl_loop stopped by Ctrl-C, one rank's interrupt inside
+    ``torch.overrides._pop_mode_temporarily``) left the stack without the mode: leaving the
+    redirect then failed ("empty mode stack"), and that error replaced the interrupt (a
+    traceback and status 1 instead of the Ctrl-C's line)."""
+    original = torch.cuda.synchronize
+    with pytest.raises(KeyboardInterrupt) as info:
+        with cpu_redirect.cpu_redirect():
+            torch.overrides._pop_mode()  # (where the interrupt left torch's stack)
+            raise KeyboardInterrupt
+    assert info.value.__suppress_context__  # (said as a Ctrl-C: print_interrupted)
+    assert torch.cuda.synchronize is original
+    assert not cpu_redirect.is_active()
+    with pytest.raises(PeerFailed):  # (the watch's interrupt, the same way)
+        with cpu_redirect.cpu_redirect():
+            torch.overrides._pop_mode()
+            raise PeerFailed(1, "interrupted")
+    with pytest.raises(RuntimeError, match="boom"):  # (any other error is left as it is)
+        with cpu_redirect.cpu_redirect():
+            raise RuntimeError("boom")
     assert not cpu_redirect.is_active()
 
 

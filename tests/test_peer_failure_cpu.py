@@ -143,6 +143,21 @@ def test_a_peer_mark_aborts_and_then_interrupts_the_blocked_main_thread(store, w
     assert not store.check([watch.rank_key(0)])
 
 
+def test_a_ctrl_c_after_this_rank_was_told_of_a_peers_failure_is_not_said_here(store, watches):
+    """A job-wide Ctrl-C that reaches this rank after its watch acted on a peer's failure
+    (that peer's own Ctrl-C, say): the first failure is said by its rank and by this rank's
+    told line; this interrupt is not said again (``said_here`` False), and it marks nothing."""
+    stand_in = StandIn()
+    watch = start(watches, store, abort=Aborts(stand_in))
+    later(0.3, lambda: peer(watch, 1).mark_failed("interrupted: KeyboardInterrupt"))
+    with pytest.raises(PeerFailed):
+        stand_in.wait(HANG_S)
+    interrupt = KeyboardInterrupt()
+    watch.end(ShutdownReason.INTERRUPTED, interrupt)
+    assert interrupt.said_here is False
+    assert watch.first_failure is None  # (no mark of its own)
+
+
 @pytest.mark.parametrize("refused", [True, False], ids=["refusal", "exception"])
 def test_a_peers_refusal_reaches_this_rank_whole_and_is_said_once_by_the_refusing_rank(
     store, watches, monkeypatch, capsys, refused

@@ -178,7 +178,8 @@ def note_speaker(exception: BaseException | None, first: PeerFailure | None, ran
 
     The same for ``print_interrupted`` and a Ctrl-C (``KeyboardInterrupt.said_here``), which
     usually reaches every rank at once: the rank whose interrupt was the job's first
-    failure says it; after another rank's failure of any kind, that rank has said why."""
+    failure says it; an interrupt after another rank's failure of any kind is not said
+    here (the first failure is: by its rank, and by each rank told of it)."""
     if not isinstance(exception, ConfigurationError | KeyboardInterrupt):
         return
     if first is None:
