@@ -12,6 +12,11 @@ Public API (imported on first use, so ``import cudagraph_plugin`` stays cheap)::
     abort_process_groups(timeout_s=10)   # a host's teardown after an abnormal end: every
                                          # process group aborted at once (see its docstring)
 
+    from cudagraph_plugin import note_refusal_speaker
+
+    print_refusal(note_refusal_speaker(ConfigurationError(...)))   # a host's own refusal
+                                         # of its arguments, said by one rank of the job
+
     from cudagraph_plugin import pad_step, BucketOverflowError   # bucketed graphs: padding
     from cudagraph_plugin import parse_buckets, bucket_for, padding_waste_percent
                                          # their arithmetic, as the plugin reads and pads
@@ -49,6 +54,7 @@ _EXPORTS = {
     "Violation": "cudagraph_plugin.config.errors",
     "AutoFix": "cudagraph_plugin.config.fixes",
     "abort_process_groups": "cudagraph_plugin.compat.device",
+    "note_refusal_speaker": "cudagraph_plugin.runtime.configure_refusal",
     "pad_step": "cudagraph_plugin.runtime.padding",
     "pad_to_bucket": "cudagraph_plugin.runtime.padding",
     "BucketOverflowError": "cudagraph_plugin.runtime.padding",

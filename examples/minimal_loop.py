@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", action="store_true", help="print each hook call")
     pm.hook.mcgraph_add_arguments(parser=parser)  # --cuda-graph-impl, --cuda-graph-scope ...
     args = parser.parse_args(argv)
-    if args.train_iters < 0:
-        parser.error("--train-iters must not be negative")
+    if args.train_iters < 0:  # (said once per job, as the plugins' refusals are)
+        return print_refusal(ConfigurationError("--train-iters must not be negative"))
     if args.trace:
         pm.add_hookcall_monitoring(
             lambda name, impls, kwargs: print("hook:", name), lambda *a: None

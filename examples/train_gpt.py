@@ -43,10 +43,12 @@ from step_clock import StepClock
 from cpu_redirect import cpu_redirect, cpu_run_blocker, mcore_without_te_fixes
 from hookspecs import (
     PLAIN_ENDINGS,
+    ConfigurationError,
     ShutdownReason,
     TrainingRun,
     get_plugin_manager,
     print_ending,
+    print_refusal,
 )
 
 # megatron-core is imported inside the functions that use it, so importing this module (for
@@ -245,7 +247,7 @@ class _ShortErrors(argparse.ArgumentParser):
                 close = difflib.get_close_matches(token.split("=")[0], flags, n=1, cutoff=0.8)
                 if token.startswith("--") and close:
                     hint += f" ({token}: did you mean {close[0]}?)"
-        self.exit(2, f"{self.prog}: error: {message}{hint}\n({self.prog} --help lists the flags)\n")
+        exit_refused(self, f"{message}{hint}")
 
 
 class _DefaultsOnce(argparse.HelpFormatter):
@@ -324,7 +326,19 @@ def refuse(parser: argparse.ArgumentParser, problems: Sequence[str]) -> None:
         else f"{len(problems)} problems:\n"
         + "\n".join(f"  {n}. {p}" for n, p in enumerate(problems, 1))
     )
-    parser.exit(2, f"{parser.prog}: error: {said}\n({parser.prog} --help lists the flags)\n")
+    exit_refused(parser, said)
+
+
+def exit_refused(parser: argparse.ArgumentParser, said: str) -> NoReturn:
+    """Exit with status 2 saying ``said`` as argparse says a usage error (and where
+    ``--help`` lists the flags), once per job: every rank runs the same checks, and some
+    may fail on one node only (no Transformer Engine there), so the first rank to refuse
+    says it (counted in torchrun's store, as the plugin counts its own refusals), the
+    others after a grace wait (see ``hookspecs.print_refusal``)."""
+    from cudagraph_plugin import note_refusal_speaker
+
+    text = f"{parser.prog}: error: {said}\n({parser.prog} --help lists the flags)\n"
+    sys.exit(print_refusal(note_refusal_speaker(ConfigurationError(text)), said=text))
 
 
 def _layout_problems(args: argparse.Namespace) -> list[str]:

@@ -43,7 +43,10 @@ class ConfigurationError(ValueError):
 
 
 def print_refusal(
-    error: ConfigurationError | PeerRefused, stream: Any = None, grace_s: float = REFUSAL_GRACE_S
+    error: ConfigurationError | PeerRefused,
+    stream: Any = None,
+    grace_s: float = REFUSAL_GRACE_S,
+    said: str | None = None,
 ) -> int:
     """Say a refused configuration as a command-line tool does and return its exit status:
     the message alone (no traceback), printed once per job, to ``stream`` (standard error).
@@ -52,7 +55,9 @@ def print_refusal(
     itself), else rank 0 of a launcher's job (``RANK``), every rank having the same to
     say. A :class:`~hookspecs.reasons.PeerRefused` (this rank was told of another rank's
     refusal) is said by that rank, never here. The plugin that refused is named on a line
-    of its own where the run found it (the note ``raised by plugin ...``).
+    of its own where the run found it (the note ``raised by plugin ...``). ``said``: a
+    host's own words for its refusal instead (``prog: error: ...``, as argparse says a
+    usage error), this rank's tag first where it is not rank 0.
 
     The ranks that do not say it (``WORLD_SIZE`` > 1) return only after ``grace_s``
     seconds. A launcher that ends the whole job at the first worker that exits (torchrun)
@@ -61,16 +66,21 @@ def print_refusal(
     a job under torchrun ends as soon as it has spoken. (The first refusing rank speaks
     itself rather than a told rank 0: over gloo a rank blocked in a collective is released
     only by its peer's exit, which an abort of its process group does not replace.)"""
-    if not _say_refusal(error, stream) and launcher_rank()[1] > 1:
+    if not _say_refusal(error, stream, said) and launcher_rank()[1] > 1:
         time.sleep(grace_s)
     return error.exit_code
 
 
-def _say_refusal(error: ConfigurationError | PeerRefused, stream: Any) -> bool:
+def _say_refusal(
+    error: ConfigurationError | PeerRefused, stream: Any, said: str | None = None
+) -> bool:
     """Print the refusal where this rank says it (:func:`speaker`); whether it did."""
     if not speaker(error):
         return False
     rank = launcher_rank()[0]
+    if said is not None:
+        _write(stream, (f"[rank {rank}] " if rank != 0 else "") + said)
+        return True
     said = refused_by(rank, str(error)) if rank != 0 else str(error)
     # which plugin refused (the note TrainingRun adds naming it), on a line of its own
     who = [n for n in getattr(error, "__notes__", ()) if n.startswith("raised by plugin ")]

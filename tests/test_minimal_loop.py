@@ -89,15 +89,24 @@ def test_the_guide_shows_the_file_verbatim() -> None:
     assert match[1] == LOOP.read_text(), "docs/guide.md and examples/minimal_loop.py differ"
 
 
-def test_a_negative_train_iters_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_negative_train_iters_is_refused_once_per_job(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import minimal_loop
 
-    with pytest.raises(SystemExit) as info:
-        minimal_loop.main(["--train-iters", "-1"])
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("usage: ")
-    assert err.endswith("error: --train-iters must not be negative\n")
+    from hookspecs import errors
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert minimal_loop.main(["--train-iters", "-1"]) == 2
+    assert capsys.readouterr().err == "error: --train-iters must not be negative\n"
+    # rank 1 of 2 leaves it to rank 0 (every rank has the same command line) and waits
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    slept: list[float] = []
+    monkeypatch.setattr(errors.time, "sleep", slept.append)
+    assert minimal_loop.main(["--train-iters", "-1"]) == 2
+    assert capsys.readouterr().err == "" and slept == [errors.REFUSAL_GRACE_S]
 
 
 @needs_mcore_on_cpu

@@ -312,9 +312,12 @@ def test_a_told_rank_says_its_end_in_one_line_and_a_told_refusal_goes_to_print_r
     errors.print_peer_failure(PeerFailed(1, "x", "rank 1 failed: a\n  b\n\n c"), stream=stream)
     assert stream.getvalue() == "[rank 3] run ended: rank 1 failed: a | b | c\n"
     stream = io.StringIO()
+    slept: list[float] = []
+    monkeypatch.setattr(errors.time, "sleep", slept.append)
     refused = PeerRefused(1, "exception: ConfigurationError", refusal="scope attn: fix it")
     assert errors.print_peer_failure(refused, stream=stream) == 2
     assert stream.getvalue() == ""  # (the refusing rank says it, once)
+    assert slept == [errors.REFUSAL_GRACE_S]  # (and this rank waits as a silent one does)
 
 
 @pytest.fixture
@@ -531,3 +534,39 @@ def test_the_example_hosts_say_each_plain_ending_without_a_traceback(
         else:
             assert module.main() == status
         assert capsys.readouterr().err == line, ending
+
+
+@pytest.mark.slow
+def test_the_hosts_own_refusal_is_said_once_per_job(tmp_path, job_env):
+    """(2026-12-06: the example's own checks of its command line, and argparse's errors,
+    were said by every rank.) Both ranks refuse; the first counted in torchrun's store says
+    it; both exit 2; no traceback from a worker."""
+    bad = ["--loss-scale", "8", "--train-iters", "3"]
+    job = run_job(
+        torchrun_command(2, EXAMPLE, *bad), log_dir=tmp_path / "two", timeout_s=180, env=job_env
+    )
+    output = job.output()
+    assert job.rc != 0 and not job.leftovers, job.tail()
+    assert output.count("--loss-scale needs --fp16") == 1, job.tail()
+    assert output.count("train_gpt.py --help lists the flags") == 1, job.tail()
+    assert output.count("Traceback") == 1 and "ChildFailedError" in output, job.tail()
+    assert "exitcode  : 2" in output, job.tail()
+
+
+@pytest.mark.slow
+def test_a_hosts_refusal_on_one_rank_alone_is_said_by_it(tmp_path, job_env):
+    """Rank 1 alone refuses its command line (its environment says 3 ranks, so
+    ``--tensor-model-parallel-size 2`` does not divide them); rank 0 goes on into its
+    process-group set-up. Rank 1, the first (and only) to refuse, says it, naming itself."""
+    job = _rank_1_job(
+        tmp_path,
+        job_env,
+        "world1",
+        "    os.environ['WORLD_SIZE'] = '3'\n",
+        "--tensor-model-parallel-size", "2", "--train-iters", "3",
+    )  # fmt: skip
+    output = job.output()
+    assert job.rc != 0 and not job.leftovers, job.tail()
+    said = [line for line in output.splitlines() if "train_gpt.py: error:" in line]
+    assert len(said) == 1 and said[0].startswith("[rank 1] train_gpt.py: error: "), job.tail()
+    assert output.count("Traceback") == 1 and "ChildFailedError" in output, job.tail()

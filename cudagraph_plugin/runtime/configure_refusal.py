@@ -1,4 +1,5 @@
-"""Which rank says a refusal made in ``mcgraph_configure``, where no peer watch runs yet.
+"""Which rank says a refusal made in ``mcgraph_configure``, where no peer watch runs yet,
+or a host's own refusal of its command line (:func:`note_refusal_speaker`).
 
 A run refused in configure ends before the plugin is registered, so no watch of the job
 (:mod:`~cudagraph_plugin.runtime.peers`) tells the ranks apart, and ``print_refusal`` lets
@@ -12,6 +13,11 @@ process (:func:`configured`: every rank configures each of its runs), so a secon
 run in one process is said too. Another launcher leaves the error as it was (rank 0 says
 it); a store that does not answer in time makes this rank say it (twice at worst, rather
 than never).
+
+A host that checks its own arguments before the run (the example hosts' command-line
+checks, whose problems may depend on the node: a missing Transformer Engine, no CUDA
+device) has the same need: :func:`note_refusal_speaker` counts its refusal the same way,
+under a key of its own.
 """
 
 from __future__ import annotations
@@ -30,11 +36,16 @@ KEY = "mcgraph/configure_refused"
 """The store key counting the refusing ranks, per torchrun run, restart attempt and
 configured run of the process."""
 
+HOST_KEY = "mcgraph/host_refused"
+"""The same for a host's own refusals (:func:`note_refusal_speaker`), per refusal of the
+process."""
+
 WAIT_S = 10.0
 """How long a refusing rank waits for the store's count (the ranks that do not say the
 refusal wait 30 s before they exit: there is time)."""
 
 _configured = 0
+_host_refusals = 0
 
 
 def configured() -> int:
@@ -53,6 +64,30 @@ def note_configure_speaker(
     (:func:`configured`) from the count of refusing ranks in torchrun's agent store: True
     for the first, False for the others, True where the store does not answer within
     ``WAIT_S``; left as it was outside torchrun or in a job of one process."""
+    _note_first(error, KEY, run, "configure-refusal", environ)
+
+
+def note_refusal_speaker(
+    error: ConfigurationError, environ: Mapping[str, str] | None = None
+) -> ConfigurationError:
+    """For a host that refuses its own command line or config before its run (its checks
+    run on every rank, and some may fail on one node only): set ``error.said_here`` as for
+    a configure refusal (the first rank of a torchrun job to refuse says it, once; where
+    the store does not answer, this rank says it; outside torchrun, rank 0), so that
+    ``hookspecs.print_refusal`` says it once per job. Returns ``error``."""
+    global _host_refusals
+    _host_refusals += 1
+    _note_first(error, HOST_KEY, _host_refusals, "host-refusal", environ)
+    return error
+
+
+def _note_first(
+    error: ConfigurationError,
+    key_prefix: str,
+    count: int,
+    what: str,
+    environ: Mapping[str, str] | None,
+) -> None:
     env = os.environ if environ is None else environ
     if error.said_here is not None or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return
@@ -63,14 +98,14 @@ def note_configure_speaker(
     except (KeyError, ValueError):
         return
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    key = f"{KEY}/{env.get('TORCHELASTIC_RUN_ID', '')}/{attempt}/{run}"
+    key = f"{key_prefix}/{env.get('TORCHELASTIC_RUN_ID', '')}/{attempt}/{count}"
     import torch.distributed as dist  # (outside the bounded wait: its first import is slow)
 
-    def count() -> int:
+    def count_it() -> int:
         timeout = datetime.timedelta(seconds=WAIT_S)
         return dist.TCPStore(address, port, is_master=False, timeout=timeout).add(key, 1)
 
-    call = BoundedCall("configure-refusal", count)
+    call = BoundedCall(what, count_it)
     ended, interrupted = call.wait_through(WAIT_S)
     if ended and call.error is None:
         error.said_here = call.result == 1
@@ -78,6 +113,6 @@ def note_configure_speaker(
         # its count may still land and silence the others: this rank says it
         error.said_here = True
         why = "no answer in time" if not ended else first_line(call.error)
-        logger.debug("configure refusal: the agent store did not count it (%s)", why)
+        logger.debug("%s: the agent store did not count it (%s)", what, why)
     if interrupted is not None:
         raise interrupted
