@@ -70,6 +70,7 @@ def test_the_public_names_are_unchanged():
         "Violation",
         "AutoFix",
         "abort_process_groups",  # added by issue 22 (hosts' teardown after a failure)
+        "note_refusal_speaker",  # issue 22: a host's own refusal said once per job
         # added for issue 23's hosts (review of 2026-12-05: they lived in runtime/ only)
         "pad_step",
         "pad_to_bucket",
