@@ -1038,14 +1038,14 @@ MUTANTS = [
     ),
     Mutant(
         "interrupt-speaker-not-noted",
-        "a Ctrl-C on one rank alone is said by nobody (it leaves it to rank 0, only told)",
+        "a Ctrl-C that reaches every rank is said by each (none told whose came first)",
         "cudagraph_plugin/runtime/peer_mark.py",
         "    if not isinstance(exception, ConfigurationError | KeyboardInterrupt):\n",
         "    if not isinstance(exception, ConfigurationError):\n",
         (
             PEERS + "test_the_mark_tells_print_refusal_which_rank_says_the_refusal",
-            "tests/test_probe_jobs_cpu.py::test_a_ctrl_c_on_one_rank_is_said_by_that_rank_and_"
-            "named_by_the_other",
+            "tests/test_probe_jobs_cpu.py::test_a_ctrl_c_passed_to_every_rank_is_said_once_per_"
+            "job_without_a_traceback",
         ),
     ),
 ]
