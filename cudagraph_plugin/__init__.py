@@ -15,7 +15,7 @@ Public API (imported on first use, so ``import cudagraph_plugin`` stays cheap)::
     from cudagraph_plugin import note_refusal_speaker
 
     print_refusal(note_refusal_speaker(ConfigurationError(...)))   # a host's own refusal
-                                         # of its arguments, said by one rank of the job
+                                         # of its arguments, said once per torchrun job
 
     from cudagraph_plugin import pad_step, BucketOverflowError   # bucketed graphs: padding
     from cudagraph_plugin import parse_buckets, bucket_for, padding_waste_percent

@@ -394,9 +394,15 @@ def cpu_redirect() -> Iterator[None]:
         # inside torch's own mode-stack bookkeeping leaves the stack without this mode, and
         # leaving the mode then fails ("trying to pop from empty mode stack"): that error
         # would replace the interrupt, which is what happened
-        if error.__context__ is not None and "mode stack" in str(error):
-            raise error.__context__ from None
-        raise
+        interrupt = error.__context__
+        if interrupt is None or "mode stack" not in str(error):
+            raise
+        # (raised as it was: its own context, e.g. the failure a held Ctrl-C came after)
+        context, suppressed = interrupt.__context__, interrupt.__suppress_context__
+        try:
+            raise interrupt from None
+        finally:
+            interrupt.__context__, interrupt.__suppress_context__ = context, suppressed
     finally:
         for module, name, original in saved:
             setattr(module, name, original)

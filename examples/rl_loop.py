@@ -176,7 +176,7 @@ def _problems(args: argparse.Namespace, use_cuda: bool) -> list[str]:
         )
         if use_cuda:
             problems.append(needs_bf16)
-        else:  # (the host is where the state already is: the CPU rehearsal says it only)
+        elif int(os.environ.get("RANK", "0")) == 0:  # (CPU: says it only, once per job)
             logger.warning(
                 "%s; on the CPU the offload moves nothing, so this run goes on", needs_bf16
             )

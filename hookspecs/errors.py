@@ -15,6 +15,9 @@ SIGINT).
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import sys
 import time
 import traceback
@@ -67,7 +70,10 @@ def print_refusal(
     itself rather than a told rank 0: over gloo a rank blocked in a collective is released
     only by its peer's exit, which an abort of its process group does not replace.)"""
     if not _say_refusal(error, stream, said) and launcher_rank()[1] > 1:
-        time.sleep(grace_s)
+        try:
+            time.sleep(grace_s)
+        except KeyboardInterrupt as interrupt:  # (the job is being stopped: nothing to add)
+            _end_quietly(interrupt)
     return error.exit_code
 
 
@@ -128,11 +134,11 @@ def print_interrupted(error: KeyboardInterrupt, stream: Any = None) -> NoReturn:
     """Say that a Ctrl-C (SIGINT, a ``KeyboardInterrupt``) ended the run, in one line
     without a traceback (``interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)``), to
     ``stream`` (standard error), and raise ``error`` again: a Ctrl-C stops the host's
-    callers too (a script, a sweep calling ``main()`` in a loop), and where nothing catches
-    it the process ends by SIGINT once the interpreter has finished (its exit handlers
-    run), as Python ends on any uncaught ``KeyboardInterrupt``, so that a shell script
-    running the job stops as well. Python's ``sys.excepthook`` is told to print nothing
-    for this one interrupt (another hook a host set is called for anything else).
+    callers too (a script, a sweep calling ``main()`` in a loop). Where nothing catches
+    it, Python's ``sys.excepthook`` (wrapped once, see :func:`_quiet_hook`) prints nothing
+    for it and ends the process by SIGINT, so that a shell script running the job stops as
+    well (Python's own death by SIGINT after an uncaught ``KeyboardInterrupt`` is lost
+    once megatron-core or Transformer Engine is imported: exit status 1, seen on an H100).
 
     A Ctrl-C usually reaches every rank at once (torchrun passes the SIGINT it receives on
     to each worker): where a plugin watching the job found whose interrupt was the job's
@@ -142,42 +148,68 @@ def print_interrupted(error: KeyboardInterrupt, stream: Any = None) -> NoReturn:
     rank 0 alone could not say a Ctrl-C that reached one other rank only. A traceback
     would only show where the interrupt found each rank.
 
-    A Ctrl-C that came while the run was ending otherwise (held during its shutdown, then
-    raised: ``error.__context__``, unless suppressed) says that ending instead: another of
-    :data:`PLAIN_ENDINGS` the way its printer does (a refusal without the ranks' grace
-    wait), and a failure (an ``Exception``) keeps its traceback (``error`` is raised as it
-    is, the failure printed first)."""
-    ending = None if error.__suppress_context__ else error.__context__  # (raise ... from None)
+    A Ctrl-C held during the shutdown of a run that was ending otherwise (``TrainingRun``
+    raises it once the shutdown ended, with that ending as ``error.run_ended_by``) says
+    that ending instead: a told rank's line or a refusal the way their printers do
+    (without the refusal's grace wait), and a failure (an ``Exception``) keeps its
+    traceback (``error`` is raised as it is: the failure printed first, then the
+    interrupt)."""
+    ending = getattr(error, "run_ended_by", None)
     if isinstance(ending, Exception) and not isinstance(ending, PLAIN_ENDINGS):
         raise error  # (the failure's traceback, then the interrupt's)
     if isinstance(ending, ConfigurationError | PeerRefused):
         _say_refusal(ending, stream)
     elif isinstance(ending, PeerFailed):
         _say_peer_failure(ending, stream)
-    elif getattr(_told_which(error, ending), "said_here", None) is not False:
+    elif getattr(_told_which(error), "said_here", None) is not False:
         _write(stream, f"{rank_tag()}interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)\n")
-    _quiet_once(error)
-    raise error
+    _end_quietly(error)
 
 
-def _told_which(error: KeyboardInterrupt, ending: BaseException | None) -> BaseException:
+def _told_which(error: KeyboardInterrupt) -> BaseException:
     """The interrupt a plugin told whether this rank says it (``said_here``): ``error``, or
-    the earlier Ctrl-C it was raised while handling (``ending``) where only that one was."""
-    if isinstance(ending, KeyboardInterrupt) and getattr(error, "said_here", None) is None:
-        return ending
+    a first Ctrl-C it was raised while handling (a second Ctrl-C) where only that one was."""
+    earlier = error.__context__
+    if isinstance(earlier, KeyboardInterrupt) and getattr(error, "said_here", None) is None:
+        return earlier
     return error
 
 
-def _quiet_once(said: BaseException) -> None:
-    """Let ``sys.excepthook`` print nothing for ``said`` (already said), and call the hook
-    it replaces for anything else."""
-    previous = sys.excepthook
+_SAID = "_mcgraph_said"
+"""The mark of an interrupt already said (:func:`_quiet_hook` prints nothing for it)."""
 
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        if value is not said:
-            previous(kind, value, tb)
 
-    sys.excepthook = hook
+def _end_quietly(error: BaseException) -> NoReturn:
+    """Raise ``error`` on, marked as said, with :func:`_quiet_hook` in place."""
+    setattr(error, _SAID, True)
+    if sys.excepthook is not _quiet_hook:
+        global _previous_excepthook
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _quiet_hook
+    raise error
+
+
+_previous_excepthook: Any = sys.__excepthook__
+
+
+def _quiet_hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    """``sys.excepthook`` once an interrupt was said: for that interrupt, reaching the top
+    uncaught, end the process by SIGINT (logs flushed; Python's exit handlers do not run,
+    as after the run's SIGTERM); in an interactive session, only print nothing. Anything
+    else goes to the hook it replaced."""
+    if not (isinstance(value, KeyboardInterrupt) and getattr(value, _SAID, False)):
+        _previous_excepthook(kind, value, tb)
+        return
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return
+    for out in (sys.stdout, sys.stderr):
+        try:
+            out.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    logging.shutdown()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 PLAIN_ENDINGS: tuple[type[BaseException], ...] = (ConfigurationError, PeerFailed, KeyboardInterrupt)

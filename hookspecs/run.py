@@ -512,7 +512,7 @@ class TrainingRun(RunSignals):
                 _release_the_process(self)
                 restore_sigint()
         if self._pending_sigint and not isinstance(exc, KeyboardInterrupt):
-            self._act_on_deferred_sigint()
+            self._act_on_deferred_sigint(exc)
         return self._apply_previous_signal_behaviour(exc)
 
 

@@ -414,11 +414,16 @@ class RunSignals:
         signal.signal(signal.SIGINT, on_sigint)
         return lambda: signal.signal(signal.SIGINT, previous)
 
-    def _act_on_deferred_sigint(self) -> None:
+    def _act_on_deferred_sigint(self, ending: BaseException | None = None) -> None:
         """The Ctrl-C held during shutdown, now that it ended: what the host's handler does
-        (by default, ``KeyboardInterrupt``)."""
+        (by default, ``KeyboardInterrupt``, which then carries what the run was ending by,
+        ``ending``, as ``run_ended_by``: ``hookspecs.print_interrupted`` says that)."""
         logger.warning("the Ctrl-C received during shutdown is acted on now")
-        self._pass_sigint_on(self._sigint_previous, None)
+        try:
+            self._pass_sigint_on(self._sigint_previous, None)
+        except KeyboardInterrupt as interrupt:
+            interrupt.run_ended_by = ending  # type: ignore[attr-defined]
+            raise
 
     @staticmethod
     def _pass_sigint_on(previous: Any, frame: Any) -> None:

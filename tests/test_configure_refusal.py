@@ -79,3 +79,22 @@ def test_a_store_that_does_not_answer_leaves_this_rank_to_say_it(agent_env):
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     assert said({**agent_env, "MASTER_PORT": str(port)}) is True
+
+
+def test_a_hosts_refusal_is_counted_apart_and_said_by_every_rank_without_an_agent_store(
+    agent_env,
+):
+    """``note_refusal_speaker`` (a host's own refusal of its arguments): counted under its
+    own key (a configure refusal's count does not silence it). Under a launcher of several
+    ranks without torchrun's store, every rank says it (a review: rank 1 alone refusing
+    under such a launcher was said by nobody); one process leaves it as it was."""
+    from cudagraph_plugin import note_refusal_speaker
+
+    assert said(agent_env) is True  # (a configure refusal first)
+
+    def host_said(env):
+        return note_refusal_speaker(ConfigurationError("train_gpt.py: error: x"), env).said_here
+
+    assert [host_said(agent_env), host_said(agent_env)] == [True, True]  # (one per refusal)
+    assert host_said({"WORLD_SIZE": "2", "RANK": "1"}) is True
+    assert host_said({}) is None and host_said({"WORLD_SIZE": "1"}) is None

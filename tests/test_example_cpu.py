@@ -549,7 +549,17 @@ def test_a_ctrl_c_inside_torchs_mode_bookkeeping_stays_a_ctrl_c() -> None:
         with cpu_redirect.cpu_redirect():
             torch.overrides._pop_mode()  # (where the interrupt left torch's stack)
             raise KeyboardInterrupt
-    assert info.value.__suppress_context__  # (said as a Ctrl-C: print_interrupted)
+    assert info.value.__context__ is None  # (raised as it was: its own context, none)
+    failed = KeyboardInterrupt()  # (one held during a failed run's shutdown keeps its own)
+    with pytest.raises(KeyboardInterrupt) as info:
+        with cpu_redirect.cpu_redirect():
+            torch.overrides._pop_mode()
+            try:
+                raise ValueError("the real bug")
+            except ValueError:
+                raise failed  # noqa: B904 (as TrainingRun's __exit__ raises it)
+    assert info.value is failed and isinstance(failed.__context__, ValueError)
+    assert not failed.__suppress_context__
     assert torch.cuda.synchronize is original
     assert not cpu_redirect.is_active()
     with pytest.raises(PeerFailed):  # (the watch's interrupt, the same way)

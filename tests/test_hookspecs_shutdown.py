@@ -660,3 +660,20 @@ def test_a_shutdown_error_while_ending_with_an_exception_logs_only_its_own_trace
     assert "the original" not in traceback_text and record.exc_info is None
     assert "OSError: disk gone" in traceback_text
     assert "in shutdown" in str(raised.value.__notes__)
+
+
+@pytest.mark.parametrize("ending", [None, RuntimeError("the real bug")])
+def test_a_ctrl_c_held_during_shutdown_carries_what_the_run_was_ending_by(
+    pm, default_sigint, ending
+):
+    """``print_interrupted`` says what the run was ending by (a failure keeps its
+    traceback) from the interrupt's ``run_ended_by``, not from any exception it happened
+    to be raised during (a review: a Ctrl-C in argparse's own ``except`` block)."""
+    log: list[str] = []
+    pm.register(CtrlC(1, log))
+    with pytest.raises(KeyboardInterrupt) as info:
+        with TrainingRun(pm, None, train_iters=1) as run:
+            loop(run, 1)
+            if ending is not None:
+                raise ending
+    assert info.value.run_ended_by is ending

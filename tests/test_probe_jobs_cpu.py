@@ -170,8 +170,10 @@ def test_a_ctrl_c_ends_the_run_with_one_line_and_by_sigint_without_a_traceback(
     jobs: dict[str, TrainJob],
 ) -> None:
     """(Before: the KeyboardInterrupt's traceback, through the loop and megatron-core.) The
-    process still ends by SIGINT, after its exit handlers, as Python ends on an uncaught
-    KeyboardInterrupt: a shell script running the job stops too."""
+    process still ends by SIGINT, so that a shell script running the job stops too: by
+    the quiet excepthook's own signal, as after the run's SIGTERM (no exit handlers; once
+    megatron-core 0.19 or Transformer Engine is imported, Python's own death by SIGINT is
+    lost: exit status 1 on an H100)."""
     job = jobs["sigint"]
     assert job.result.signal == signal.SIGINT and not job.result.timed_out, job.context()
     assert job.result.leftovers == []
@@ -182,7 +184,7 @@ def test_a_ctrl_c_ends_the_run_with_one_line_and_by_sigint_without_a_traceback(
         ["report"],
         ["shutdown", "interrupted"],
     ]
-    assert record["at_exit"] == {"process_group_initialized": False}  # (exit handlers ran)
+    assert "at_exit" not in record  # (ended by the signal: no exit handlers)
     stderr = job.result.stderr.read_text()
     assert "Traceback" not in stderr and "KeyboardInterrupt\n" not in stderr, job.context()
     said = [line for line in stderr.splitlines() if "interrupted (KeyboardInterrupt" in line]

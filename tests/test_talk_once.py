@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -336,10 +337,19 @@ def launcher(monkeypatch):
 
 @pytest.fixture
 def excepthook(monkeypatch):
-    """sys.excepthook as it is now (a recording one), put back after the test."""
+    """sys.excepthook as it is now (a recording one), put back afterwards, with what the
+    quiet hook would do to the process recorded instead (``killed``: the signals sent)."""
+    from hookspecs import errors
+
     seen: list[BaseException] = []
+    killed: list[int] = []
     monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(value))
-    return seen
+    monkeypatch.setattr(errors, "_previous_excepthook", errors._previous_excepthook)
+    monkeypatch.setattr(errors.os, "kill", lambda pid, signum: killed.append(signum))
+    monkeypatch.setattr(errors.signal, "signal", lambda signum, handler: None)
+    monkeypatch.setattr(errors.logging, "shutdown", lambda: None)
+    monkeypatch.delattr(sys, "ps1", raising=False)
+    return seen, killed
 
 
 LINE = "interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)\n"
@@ -365,12 +375,14 @@ def test_a_ctrl_c_is_said_in_one_line_and_raised_again_without_a_traceback(
 ):
     """(2026-12-06: every rank printed a KeyboardInterrupt traceback through the loop and
     megatron-core, torchrun passing a Ctrl-C on to each worker.) The interrupt goes on (a
-    Ctrl-C stops the host's callers too, and the process ends by SIGINT), and Python's
-    excepthook prints nothing for it, but still does for anything else."""
+    Ctrl-C stops the host's callers too); reaching the top uncaught, Python's excepthook
+    prints nothing for it and ends the process by SIGINT; it still prints anything else,
+    another Ctrl-C not said included."""
     import io
 
     from hookspecs import errors
 
+    seen, killed = excepthook
     launcher(rank, world_size)
     interrupt = KeyboardInterrupt()
     if said_here is not None:
@@ -381,56 +393,103 @@ def test_a_ctrl_c_is_said_in_one_line_and_raised_again_without_a_traceback(
     assert info.value is interrupt
     assert stream.getvalue() == said
     sys.excepthook(KeyboardInterrupt, interrupt, None)
-    other = RuntimeError("another")
+    assert killed == [signal.SIGINT] and seen == []
+    other, unsaid = RuntimeError("another"), KeyboardInterrupt()
     sys.excepthook(RuntimeError, other, None)
-    assert excepthook == [other]
+    sys.excepthook(KeyboardInterrupt, unsaid, None)
+    assert seen == [other, unsaid] and killed == [signal.SIGINT]
+
+
+def test_the_quiet_hook_is_installed_once_and_only_quiets_in_a_session(
+    launcher, excepthook, monkeypatch
+):
+    """Several interrupts said in one process (a sweep that catches each) wrap the hook
+    once, and keep no interrupt alive; in an interactive session the said interrupt is
+    only not printed (the session goes on)."""
+    import gc
+    import io
+    import weakref
+
+    from hookspecs import errors
+
+    seen, killed = excepthook
+    launcher(None, None)
+
+    class Interrupt(KeyboardInterrupt):  # (a built-in exception takes no weak reference)
+        pass
+
+    alive = []
+    for _ in range(3):
+        interrupt = Interrupt()
+        with pytest.raises(KeyboardInterrupt):
+            errors.print_interrupted(interrupt, stream=io.StringIO())
+        alive.append(weakref.ref(interrupt))
+        del interrupt
+    gc.collect()
+    assert sys.excepthook is errors._quiet_hook
+    assert errors._previous_excepthook is not errors._quiet_hook  # (wrapped once)
+    assert [ref() for ref in alive] == [None, None, None]
+    said = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        errors.print_interrupted(said, stream=io.StringIO())
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
+    sys.excepthook(KeyboardInterrupt, said, None)
+    assert killed == [] and seen == []
 
 
 def test_a_ctrl_c_during_the_shutdown_of_a_failed_run_keeps_the_failures_traceback(
     launcher, excepthook
 ):
     """A Ctrl-C held during the shutdown of a run that raised, then acted on (TrainingRun
-    raises it as its ``__exit__`` ends, the failure its context): the failure is what
-    matters, so the interrupt goes on as it is, its traceback (the failure's first) printed
-    by Python (a review found "the real bug" said nowhere)."""
+    raises it as its ``__exit__`` ends, the failure as its ``run_ended_by``): the failure is
+    what matters, so the interrupt goes on as it is, its traceback (the failure's first)
+    printed by Python (a review found "the real bug" said nowhere). A Ctrl-C raised in any
+    other ``except`` block is still said in one line (argparse's, a retry's)."""
+    import io
+
+    from hookspecs import errors
+
+    seen, killed = excepthook
+    launcher("1", "2")
+    stream = io.StringIO()
+    interrupt = KeyboardInterrupt()
+    interrupt.run_ended_by = RuntimeError("the real bug")
+    with pytest.raises(KeyboardInterrupt) as info:
+        errors.print_interrupted(interrupt, stream=stream)
+    assert stream.getvalue() == ""
+    sys.excepthook(KeyboardInterrupt, info.value, None)
+    assert seen == [info.value] and killed == []  # (not quieted: Python prints both)
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            raise ValueError("argparse's own, or a retry's")
+        except ValueError:
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt as plain:
+                errors.print_interrupted(plain, stream=stream)
+    assert stream.getvalue() == "[rank 1] " + LINE
+
+
+def test_a_second_ctrl_c_keeps_the_first_ones_word_on_who_says_it(launcher, excepthook):
+    """A second Ctrl-C raised while the first was handled: the plugin told the first one
+    that another rank says it (``said_here`` False): the second is not said either."""
     import io
 
     from hookspecs import errors
 
     launcher("1", "2")
     stream = io.StringIO()
-    with pytest.raises(KeyboardInterrupt) as info:
-        try:
-            raise RuntimeError("the real bug")
-        except RuntimeError:
-            try:
-                raise KeyboardInterrupt
-            except KeyboardInterrupt as interrupt:
-                errors.print_interrupted(interrupt, stream=stream)
-    assert isinstance(info.value.__context__, RuntimeError)
-    assert stream.getvalue() == ""
-    sys.excepthook(KeyboardInterrupt, info.value, None)
-    assert excepthook == [info.value]  # (not quieted: Python prints both)
-
-
-def test_a_ctrl_c_raised_from_none_is_said_as_a_ctrl_c(launcher, excepthook):
-    """``raise interrupt from None`` (the CPU redirect's, over torch's mode-stack error):
-    the suppressed context is no ending of the run."""
-    import io
-
-    from hookspecs import errors
-
-    launcher(None, None)
-    stream = io.StringIO()
+    first = KeyboardInterrupt()
+    first.said_here = False
     with pytest.raises(KeyboardInterrupt):
         try:
-            raise RuntimeError("trying to pop from empty mode stack")
-        except RuntimeError:
+            raise first
+        except KeyboardInterrupt:
             try:
-                raise KeyboardInterrupt from None
-            except KeyboardInterrupt as interrupt:
-                errors.print_interrupted(interrupt, stream=stream)
-    assert stream.getvalue() == LINE
+                raise KeyboardInterrupt
+            except KeyboardInterrupt as second:
+                errors.print_interrupted(second, stream=stream)
+    assert stream.getvalue() == ""
 
 
 def test_a_ctrl_c_during_a_told_ranks_or_a_refusals_shutdown_says_that_ending(
@@ -454,15 +513,33 @@ def test_a_ctrl_c_during_a_told_ranks_or_a_refusals_shutdown_says_that_ending(
     }
     for ending, line in said.items():
         stream = io.StringIO()
+        interrupt = KeyboardInterrupt()
+        interrupt.run_ended_by = ending
         with pytest.raises(KeyboardInterrupt):
-            try:
-                raise ending
-            except BaseException:
-                try:
-                    raise KeyboardInterrupt
-                except KeyboardInterrupt as interrupt:
-                    errors.print_interrupted(interrupt, stream=stream)
+            errors.print_interrupted(interrupt, stream=stream)
         assert stream.getvalue() == line, ending
+
+
+def test_a_ctrl_c_during_the_refusals_grace_wait_ends_it_quietly(launcher, excepthook, monkeypatch):
+    """(A review: a Ctrl-C while a silent rank waited out the refusal's grace printed a
+    traceback ending in time.sleep.)"""
+    import io
+
+    from hookspecs import ConfigurationError, errors
+
+    seen, killed = excepthook
+    launcher("1", "2")
+
+    def interrupted(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(errors.time, "sleep", interrupted)
+    stream = io.StringIO()
+    with pytest.raises(KeyboardInterrupt) as info:
+        errors.print_refusal(ConfigurationError("scope attn: fix it"), stream=stream)
+    assert stream.getvalue() == ""
+    sys.excepthook(KeyboardInterrupt, info.value, None)
+    assert killed == [signal.SIGINT] and seen == []
 
 
 def test_print_ending_hands_each_plain_ending_to_its_printer(launcher, excepthook, monkeypatch):

@@ -73,12 +73,24 @@ def note_refusal_speaker(
     """For a host that refuses its own command line or config before its run (its checks
     run on every rank, and some may fail on one node only): set ``error.said_here`` as for
     a configure refusal (the first rank of a torchrun job to refuse says it, once; where
-    the store does not answer, this rank says it; outside torchrun, rank 0), so that
-    ``hookspecs.print_refusal`` says it once per job. Returns ``error``."""
+    the store does not answer, this rank says it), so that ``hookspecs.print_refusal``
+    says it once per job. Under another launcher of several ranks (no agent store to
+    count in) every rank says it, with its rank: rank 0 alone would not say a refusal of
+    one node's. Returns ``error``."""
     global _host_refusals
     _host_refusals += 1
-    _note_first(error, HOST_KEY, _host_refusals, "host-refusal", environ)
+    env = os.environ if environ is None else environ
+    _note_first(error, HOST_KEY, _host_refusals, "host-refusal", env)
+    if error.said_here is None and _whole(env.get("WORLD_SIZE")) > 1:
+        error.said_here = True
     return error
+
+
+def _whole(value: str | None) -> int:
+    try:
+        return int(value or 1)
+    except ValueError:
+        return 1
 
 
 def _note_first(
