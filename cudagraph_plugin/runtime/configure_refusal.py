@@ -27,6 +27,7 @@ import logging
 import os
 from collections.abc import Mapping
 
+from cudagraph_plugin.config.values import whole_number
 from cudagraph_plugin.runtime.peer_mark import BoundedCall, first_line
 from hookspecs import ConfigurationError
 
@@ -81,16 +82,9 @@ def note_refusal_speaker(
     _host_refusals += 1
     env = os.environ if environ is None else environ
     _note_first(error, HOST_KEY, _host_refusals, "host-refusal", env)
-    if error.said_here is None and _whole(env.get("WORLD_SIZE")) > 1:
+    if error.said_here is None and (whole_number(env.get("WORLD_SIZE")) or 1) > 1:
         error.said_here = True
     return error
-
-
-def _whole(value: str | None) -> int:
-    try:
-        return int(value or 1)
-    except ValueError:
-        return 1
 
 
 def _note_first(
