@@ -16,6 +16,8 @@ Public API (imported on first use, so ``import cudagraph_plugin`` stays cheap)::
 
     print_refusal(note_refusal_speaker(ConfigurationError(...)))   # a host's own refusal
                                          # of its arguments, said once per torchrun job
+    from cudagraph_plugin import JobArgumentParser   # argparse's errors said that way, in
+                                         # two lines (exit 2); parser.refuse(problems)
 
     from cudagraph_plugin import pad_step, BucketOverflowError   # bucketed graphs: padding
     from cudagraph_plugin import parse_buckets, bucket_for, padding_waste_percent
@@ -55,6 +57,7 @@ _EXPORTS = {
     "AutoFix": "cudagraph_plugin.config.fixes",
     "abort_process_groups": "cudagraph_plugin.compat.device",
     "note_refusal_speaker": "cudagraph_plugin.runtime.configure_refusal",
+    "JobArgumentParser": "cudagraph_plugin.runtime.configure_refusal",
     "pad_step": "cudagraph_plugin.runtime.padding",
     "pad_to_bucket": "cudagraph_plugin.runtime.padding",
     "BucketOverflowError": "cudagraph_plugin.runtime.padding",

@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from cudagraph_plugin import JobArgumentParser  # says a usage error once per job, exit 2
 from hookspecs import (
     PLAIN_ENDINGS,
     ConfigurationError,
@@ -117,13 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         pm = get_plugin_manager()  # a fresh manager with every installed plugin, once per run
     except ConfigurationError as refused:  # (two installed plugins of one name)
         return print_refusal(refused)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser = JobArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--train-iters", type=int, default=5)
     parser.add_argument("--trace", action="store_true", help="print each hook call")
     pm.hook.mcgraph_add_arguments(parser=parser)  # --cuda-graph-impl, --cuda-graph-scope ...
     args = parser.parse_args(argv)
-    if args.train_iters < 0:  # (said once per job, as the plugins' refusals are)
-        return print_refusal(ConfigurationError("--train-iters must not be negative"))
+    if args.train_iters < 0:
+        parser.error("--train-iters must not be negative")
     if args.trace:
         pm.add_hookcall_monitoring(
             lambda name, impls, kwargs: print("hook:", name), lambda *a: None

@@ -62,6 +62,7 @@ from step_clock import StepClock
 
 import train_gpt
 from cudagraph_plugin import (
+    JobArgumentParser,
     bucket_for,
     check_config,
     pad_step,
@@ -79,7 +80,7 @@ logger = logging.getLogger("rl_loop")
 PAD_TOKEN = 0
 
 
-def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
+def build_parser(pluginmanager: Any) -> JobArgumentParser:
     """``train_gpt.py``'s parser (every plugin's options included) with the loop's own."""
     parser = train_gpt.build_parser(pluginmanager)
     parser.prog = "rl_loop.py"
@@ -123,9 +124,9 @@ def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: bool) -> None:
+def _check(parser: JobArgumentParser, args: argparse.Namespace, use_cuda: bool) -> None:
     """The loop's own checks alone (:func:`_problems`), said at once (exit status 2)."""
-    train_gpt.refuse(parser, _problems(args, use_cuda))
+    parser.refuse(_problems(args, use_cuda))
 
 
 def _problems(args: argparse.Namespace, use_cuda: bool) -> list[str]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import difflib
 import functools
 import importlib.util
 import logging
@@ -34,21 +33,20 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from lr_schedule import lr_scheduler
 from step_clock import StepClock
 
 from cpu_redirect import cpu_redirect, cpu_run_blocker, mcore_without_te_fixes
+from cudagraph_plugin import JobArgumentParser
 from hookspecs import (
     PLAIN_ENDINGS,
-    ConfigurationError,
     ShutdownReason,
     TrainingRun,
     get_plugin_manager,
     print_ending,
-    print_refusal,
 )
 
 # megatron-core is imported inside the functions that use it, so importing this module (for
@@ -64,9 +62,9 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # -------------------------------------------------------------------------------------------
 
 
-def build_parser(pluginmanager: Any) -> argparse.ArgumentParser:
+def build_parser(pluginmanager: Any) -> JobArgumentParser:
     """The example's argument parser, with every plugin's options added to it."""
-    parser = _ShortErrors(
+    parser = JobArgumentParser(  # a usage error in two lines, once per job, exit 2
         prog="train_gpt.py",
         description="Train a tiny Megatron-Core GPT on synthetic tokens, hosting mcgraph plugins.",
         formatter_class=_DefaultsOnce,
@@ -235,21 +233,6 @@ def _shown_default(action: argparse.Action) -> bool:
     return action.default not in (None, False, argparse.SUPPRESS)
 
 
-class _ShortErrors(argparse.ArgumentParser):
-    """A broken command line in two lines, a misspelt flag with the one it likely means,
-    instead of argparse's usage of every flag (some sixty lines here)."""
-
-    def error(self, message: str) -> NoReturn:
-        hint = ""
-        if message.startswith("unrecognized arguments: "):
-            flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
-            for token in message.removeprefix("unrecognized arguments: ").split():
-                close = difflib.get_close_matches(token.split("=")[0], flags, n=1, cutoff=0.8)
-                if token.startswith("--") and close:
-                    hint += f" ({token}: did you mean {close[0]}?)"
-        exit_refused(self, f"{message}{hint}")
-
-
 class _DefaultsOnce(argparse.HelpFormatter):
     """Each flag's default, once: appended to its help unless the help says it already, or
     the default is nothing to show (None: not set; a switch's False)."""
@@ -273,7 +256,7 @@ _AT_LEAST = {
 
 
 def _check_args(
-    parser: argparse.ArgumentParser,
+    parser: JobArgumentParser,
     args: argparse.Namespace,
     use_cuda: bool,
     more: Callable[[argparse.Namespace, bool], list[str]] | None = None,
@@ -285,7 +268,7 @@ def _check_args(
         value = getattr(args, name, None)
         if value is not None and value < least:
             problems.append(f"--{name.replace('_', '-')} {value}: give a number >= {least}")
-    refuse(parser, problems)  # (the checks below divide by these counts)
+    parser.refuse(problems)  # (the checks below divide by these counts)
     if args.transformer_impl == "transformer_engine":
         if importlib.util.find_spec("transformer_engine") is None:
             problems.append(
@@ -312,33 +295,7 @@ def _check_args(
         )
     if more is not None:
         problems += more(args, use_cuda)
-    refuse(parser, problems)
-
-
-def refuse(parser: argparse.ArgumentParser, problems: Sequence[str]) -> None:
-    """Exit with status 2 saying every problem (none: return): one line for one, a numbered
-    list for several, and where ``--help`` lists the flags (not the whole usage)."""
-    if not problems:
-        return
-    said = (
-        problems[0]
-        if len(problems) == 1
-        else f"{len(problems)} problems:\n"
-        + "\n".join(f"  {n}. {p}" for n, p in enumerate(problems, 1))
-    )
-    exit_refused(parser, said)
-
-
-def exit_refused(parser: argparse.ArgumentParser, said: str) -> NoReturn:
-    """Exit with status 2 saying ``said`` as argparse says a usage error (and where
-    ``--help`` lists the flags), once per job: every rank runs the same checks, and some
-    may fail on one node only (no Transformer Engine there), so the first rank to refuse
-    says it (counted in torchrun's store, as the plugin counts its own refusals), the
-    others after a grace wait (see ``hookspecs.print_refusal``)."""
-    from cudagraph_plugin import note_refusal_speaker
-
-    text = f"{parser.prog}: error: {said}\n({parser.prog} --help lists the flags)\n"
-    sys.exit(print_refusal(note_refusal_speaker(ConfigurationError(text)), said=text))
+    parser.refuse(problems)
 
 
 def _layout_problems(args: argparse.Namespace) -> list[str]:

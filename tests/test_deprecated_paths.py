@@ -71,6 +71,7 @@ def test_the_public_names_are_unchanged():
         "AutoFix",
         "abort_process_groups",  # added by issue 22 (hosts' teardown after a failure)
         "note_refusal_speaker",  # issue 22: a host's own refusal said once per job
+        "JobArgumentParser",  # issue 22: argparse's errors said so (2026-12-06)
         # added for issue 23's hosts (review of 2026-12-05: they lived in runtime/ only)
         "pad_step",
         "pad_to_bucket",

@@ -89,24 +89,49 @@ def test_the_guide_shows_the_file_verbatim() -> None:
     assert match[1] == LOOP.read_text(), "docs/guide.md and examples/minimal_loop.py differ"
 
 
-def test_a_negative_train_iters_is_refused_once_per_job(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--train-iters", "-1"], "--train-iters must not be negative"),
+        # argparse's own errors, the plugin's flags' among them: before, the usage of
+        # every flag (some twenty lines) on every rank
+        (["--cuda-graph-scope", "atn"], "unknown scope(s) 'atn' in 'atn'"),
+        (["--cuda-graph-warmup", "2"], "(--cuda-graph-warmup: did you mean "),
+    ],
+)
+def test_a_bad_command_line_is_refused_in_two_lines_once_per_job(
+    argv: list[str],
+    said: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import minimal_loop
 
+    from cudagraph_plugin.runtime import configure_refusal
     from hookspecs import errors
 
+    monkeypatch.setattr(sys, "argv", ["minimal_loop.py"])
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert minimal_loop.main(["--train-iters", "-1"]) == 2
-    assert capsys.readouterr().err == "error: --train-iters must not be negative\n"
-    # rank 1 of 2 leaves it to rank 0 (every rank has the same command line) and waits
+    with pytest.raises(SystemExit) as exited:
+        minimal_loop.main(argv)
+    assert exited.value.code == 2
+    error, where = capsys.readouterr().err.splitlines()[-2:]
+    assert error.startswith("minimal_loop.py: error: ") and said in error, error
+    assert where == "(minimal_loop.py --help lists the flags)"
+    # rank 1 of a torchrun job whose store counted another rank's refusal first is silent
+    # and waits (the one that says it exits first)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(
+        configure_refusal, "_note_first", lambda error, *_: setattr(error, "said_here", False)
+    )
     slept: list[float] = []
     monkeypatch.setattr(errors.time, "sleep", slept.append)
-    assert minimal_loop.main(["--train-iters", "-1"]) == 2
-    assert capsys.readouterr().err == "" and slept == [errors.REFUSAL_GRACE_S]
+    with pytest.raises(SystemExit) as exited:
+        minimal_loop.main(argv)
+    assert exited.value.code == 2
+    assert "error" not in capsys.readouterr().err and slept == [errors.REFUSAL_GRACE_S]
 
 
 @needs_mcore_on_cpu

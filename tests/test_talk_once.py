@@ -614,18 +614,31 @@ def test_the_example_hosts_say_each_plain_ending_without_a_traceback(
 
 
 @pytest.mark.slow
-def test_the_hosts_own_refusal_is_said_once_per_job(tmp_path, job_env):
+@pytest.mark.parametrize(
+    "host, bad, said",
+    [
+        ("train_gpt.py", ["--loss-scale", "8", "--train-iters", "3"], "--loss-scale needs --fp16"),
+        # (2026-12-06, second session: the guide's loop said argparse's errors, the plugin's
+        # flags' among them, with the usage of every flag, on every rank)
+        ("minimal_loop.py", ["--cuda-graph-scope", "atn"], "unknown scope(s) 'atn'"),
+    ],
+    ids=["train_gpt-own-check", "minimal_loop-plugin-flag"],
+)
+def test_the_hosts_own_refusal_is_said_once_per_job(host, bad, said, tmp_path, job_env):
     """(2026-12-06: the example's own checks of its command line, and argparse's errors,
     were said by every rank.) Both ranks refuse; the first counted in torchrun's store says
-    it; both exit 2; no traceback from a worker."""
-    bad = ["--loss-scale", "8", "--train-iters", "3"]
+    it, in two lines (no usage); both exit 2; no traceback from a worker."""
     job = run_job(
-        torchrun_command(2, EXAMPLE, *bad), log_dir=tmp_path / "two", timeout_s=180, env=job_env
+        torchrun_command(2, EXAMPLE.with_name(host), *bad),
+        log_dir=tmp_path / "two",
+        timeout_s=180,
+        env=job_env,
     )
     output = job.output()
     assert job.rc != 0 and not job.leftovers, job.tail()
-    assert output.count("--loss-scale needs --fp16") == 1, job.tail()
-    assert output.count("train_gpt.py --help lists the flags") == 1, job.tail()
+    assert output.count(said) == 1, job.tail()
+    assert output.count(f"{host} --help lists the flags") == 1, job.tail()
+    assert "usage:" not in output, job.tail()
     assert output.count("Traceback") == 1 and "ChildFailedError" in output, job.tail()
     assert "exitcode  : 2" in output, job.tail()
 

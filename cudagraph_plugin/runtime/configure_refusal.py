@@ -17,19 +17,24 @@ than never).
 A host that checks its own arguments before the run (the example hosts' command-line
 checks, whose problems may depend on the node: a missing Transformer Engine, no CUDA
 device) has the same need: :func:`note_refusal_speaker` counts its refusal the same way,
-under a key of its own.
+under a key of its own. :class:`JobArgumentParser` is an ``argparse`` parser that says its
+usage errors (and a host's list of problems) that way: in two lines, once per job, exit 2.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import difflib
 import logging
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
+from typing import NoReturn
 
 from cudagraph_plugin.config.values import whole_number
 from cudagraph_plugin.runtime.peer_mark import BoundedCall, first_line
-from hookspecs import ConfigurationError
+from hookspecs import ConfigurationError, print_refusal
 
 logger = logging.getLogger("cudagraph_plugin")
 
@@ -85,6 +90,43 @@ def note_refusal_speaker(
     if error.said_here is None and (whole_number(env.get("WORLD_SIZE")) or 1) > 1:
         error.said_here = True
     return error
+
+
+class JobArgumentParser(argparse.ArgumentParser):
+    """An ``argparse.ArgumentParser`` for a host whose every rank parses the same command
+    line. A usage error (an unknown flag, a value a flag's type refuses, a call of
+    :meth:`error`) is said in two lines, ``prog: error: ...`` and where ``--help`` lists
+    the flags, instead of the usage of every flag (a plugin adds some twenty); an unknown
+    flag close to a known one gets the flag it likely means. It is said once per job, by
+    the first rank to refuse (:func:`note_refusal_speaker`, ``hookspecs.print_refusal``),
+    and the process exits with status 2. :meth:`refuse` says a host's own list of
+    problems the same way."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = ""
+        if message.startswith("unrecognized arguments: "):
+            flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            for token in message.removeprefix("unrecognized arguments: ").split():
+                close = difflib.get_close_matches(token.split("=")[0], flags, n=1, cutoff=0.8)
+                if token.startswith("--") and close:
+                    hint += f" ({token}: did you mean {close[0]}?)"
+        self._exit_saying(message + hint)
+
+    def refuse(self, problems: Sequence[str]) -> None:
+        """Exit with status 2 saying every problem, once per job: one line for one, a
+        numbered list for several. With no problem, return."""
+        if not problems:
+            return
+        self._exit_saying(
+            problems[0]
+            if len(problems) == 1
+            else f"{len(problems)} problems:\n"
+            + "\n".join(f"  {n}. {p}" for n, p in enumerate(problems, 1))
+        )
+
+    def _exit_saying(self, said: str) -> NoReturn:
+        text = f"{self.prog}: error: {said}\n({self.prog} --help lists the flags)\n"
+        sys.exit(print_refusal(note_refusal_speaker(ConfigurationError(text)), said=text))
 
 
 def _note_first(
