@@ -119,19 +119,27 @@ def test_a_bad_command_line_is_refused_in_two_lines_once_per_job(
     error, where = capsys.readouterr().err.splitlines()[-2:]
     assert error.startswith("minimal_loop.py: error: ") and said in error, error
     assert where == "(minimal_loop.py --help lists the flags)"
-    # rank 1 of a torchrun job whose store counted another rank's refusal first is silent
-    # and waits (the one that says it exits first)
+    # rank 1 of a torchrun job: said by it where torchrun's store counted its refusal
+    # first (a check that failed on its node alone), else left to that rank (after a wait)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(
-        configure_refusal, "_note_first", lambda error, *_: setattr(error, "said_here", False)
-    )
     slept: list[float] = []
     monkeypatch.setattr(errors.time, "sleep", slept.append)
-    with pytest.raises(SystemExit) as exited:
-        minimal_loop.main(argv)
-    assert exited.value.code == 2
-    assert "error" not in capsys.readouterr().err and slept == [errors.REFUSAL_GRACE_S]
+    for first in (True, False):
+        monkeypatch.setattr(
+            configure_refusal,
+            "_note_first",
+            lambda error, *_, first=first: setattr(error, "said_here", first),
+        )
+        with pytest.raises(SystemExit) as exited:
+            minimal_loop.main(argv)
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        if first:
+            assert "[rank 1] minimal_loop.py: error: " in err and said in err, err
+            assert slept == []
+        else:
+            assert "error" not in err and slept == [errors.REFUSAL_GRACE_S], err
 
 
 @needs_mcore_on_cpu
