@@ -98,3 +98,43 @@ def test_a_hosts_refusal_is_counted_apart_and_said_by_every_rank_without_an_agen
     assert [host_said(agent_env), host_said(agent_env)] == [True, True]  # (one per refusal)
     assert host_said({"WORLD_SIZE": "2", "RANK": "1"}) is True
     assert host_said({}) is None and host_said({"WORLD_SIZE": "1"}) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, argv, where",
+    [
+        ({}, ["--x"], "(host --help lists the flags)\n"),
+        # (review of 2026-12-06: the line named a --help the parser did not have)
+        ({"add_help": False}, ["--x"], ""),
+        ({"prefix_chars": "+"}, ["++x"], "(host ++help lists the flags)\n"),
+    ],
+    ids=["help", "no-help", "other-prefix"],
+)
+def test_a_job_parser_says_where_its_own_help_is(kwargs, argv, where, monkeypatch, capsys):
+    from cudagraph_plugin import JobArgumentParser
+
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    parser = JobArgumentParser(prog="host", **kwargs)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == f"host: error: unrecognized arguments: {argv[0]}\n{where}"
+
+
+def test_a_job_parser_refuses_a_list_of_problems_and_no_single_string(monkeypatch, capsys):
+    from cudagraph_plugin import JobArgumentParser
+
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    parser = JobArgumentParser(prog="host")
+    parser.refuse([])  # nothing to say: returns
+    with pytest.raises(TypeError, match=r"refuse\(\['bad thing'\]\)"):
+        parser.refuse("bad thing")  # (was: "9 problems", one per character)
+    with pytest.raises(SystemExit) as exited:
+        parser.refuse(("a is wrong", "b is wrong"))
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (
+        "host: error: 2 problems:\n  1. a is wrong\n  2. b is wrong\n"
+        "(host --help lists the flags)\n"
+    )

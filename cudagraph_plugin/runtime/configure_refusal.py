@@ -94,13 +94,15 @@ def note_refusal_speaker(
 
 class JobArgumentParser(argparse.ArgumentParser):
     """An ``argparse.ArgumentParser`` for a host whose every rank parses the same command
-    line. A usage error (an unknown flag, a value a flag's type refuses, a call of
-    :meth:`error`) is said in two lines, ``prog: error: ...`` and where ``--help`` lists
-    the flags, instead of the usage of every flag (a plugin adds some twenty); an unknown
-    flag close to a known one gets the flag it likely means. It is said once per job, by
-    the first rank to refuse (:func:`note_refusal_speaker`, ``hookspecs.print_refusal``),
-    and the process exits with status 2. :meth:`refuse` says a host's own list of
-    problems the same way."""
+    line. A usage error (an unknown flag, a value a flag refuses, a missing argument, a
+    call of :meth:`error`) is said in two lines, ``prog: error: ...`` and where ``--help``
+    lists the flags, instead of the usage of every flag (a plugin adds some twenty); an
+    unknown flag close to one of this parser's own (not a subcommand's) gets the flag it
+    likely means. It is said once per job, by the first rank to refuse
+    (:func:`note_refusal_speaker`, ``hookspecs.print_refusal``), and the process exits
+    with status 2. :meth:`refuse` says a host's own list of problems the same way. (As
+    with argparse's own parser, ``exit_on_error=False`` turns only some errors into an
+    ``ArgumentError`` to catch: unknown and missing arguments still come here.)"""
 
     def error(self, message: str) -> NoReturn:
         hint = ""
@@ -114,7 +116,11 @@ class JobArgumentParser(argparse.ArgumentParser):
 
     def refuse(self, problems: Sequence[str]) -> None:
         """Exit with status 2 saying every problem, once per job: one line for one, a
-        numbered list for several. With no problem, return."""
+        numbered list for several. With no problem, return.
+
+        :raises TypeError: for a single string (a list of its characters, otherwise)."""
+        if isinstance(problems, str):
+            raise TypeError(f"refuse() takes a list of problems: refuse([{problems!r}])")
         if not problems:
             return
         self._exit_saying(
@@ -125,7 +131,14 @@ class JobArgumentParser(argparse.ArgumentParser):
         )
 
     def _exit_saying(self, said: str) -> NoReturn:
-        text = f"{self.prog}: error: {said}\n({self.prog} --help lists the flags)\n"
+        # where the parser's own help is, if it has one (add_help=False, prefix_chars="+")
+        helps = [
+            max(a.option_strings, key=len)
+            for a in self._actions
+            if isinstance(a, argparse._HelpAction) and a.option_strings
+        ]
+        where = "".join(f"({self.prog} {flag} lists the flags)\n" for flag in helps[:1])
+        text = f"{self.prog}: error: {said}\n{where}"
         sys.exit(print_refusal(note_refusal_speaker(ConfigurationError(text)), said=text))
 
 

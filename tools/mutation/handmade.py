@@ -1052,7 +1052,8 @@ MUTANTS = [
         "job-parser-not-counted",
         "a host's usage error is said by rank 0 alone, never by the one rank that refused",
         "cudagraph_plugin/runtime/configure_refusal.py",
-        "        sys.exit(print_refusal(note_refusal_speaker(ConfigurationError(text)), said=text))\n",
+        "        sys.exit(print_refusal(note_refusal_speaker(ConfigurationError(text)), "
+        "said=text))\n",
         "        sys.exit(print_refusal(ConfigurationError(text), said=text))\n",
         (
             "tests/test_talk_once.py::test_a_hosts_refusal_on_one_rank_alone_is_said_by_it",
