@@ -132,12 +132,15 @@ class JobArgumentParser(argparse.ArgumentParser):
 
     def _exit_saying(self, said: str) -> NoReturn:
         # where the parser's own help is, if it has one (add_help=False, prefix_chars="+")
-        helps = [
-            max(a.option_strings, key=len)
-            for a in self._actions
-            if isinstance(a, argparse._HelpAction) and a.option_strings
-        ]
-        where = "".join(f"({self.prog} {flag} lists the flags)\n" for flag in helps[:1])
+        help_flag = next(
+            (
+                max(a.option_strings, key=len)
+                for a in self._actions
+                if isinstance(a, argparse._HelpAction) and a.option_strings
+            ),
+            None,
+        )
+        where = f"({self.prog} {help_flag} lists the flags)\n" if help_flag else ""
         text = f"{self.prog}: error: {said}\n{where}"
         sys.exit(print_refusal(note_refusal_speaker(ConfigurationError(text)), said=text))
 
