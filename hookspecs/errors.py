@@ -157,13 +157,24 @@ def print_interrupted(error: KeyboardInterrupt, stream: Any = None) -> NoReturn:
     ending = getattr(error, "run_ended_by", None)
     if isinstance(ending, Exception) and not isinstance(ending, PLAIN_ENDINGS):
         raise error  # (the failure's traceback, then the interrupt's)
+    say_interrupted(error, stream)
+    _end_quietly(error)
+
+
+def say_interrupted(error: KeyboardInterrupt, stream: Any = None) -> None:
+    """What :func:`print_interrupted` says for ``error``, without raising it: also said
+    where a signal held during the shutdown ends the process before the host could say it
+    (``hookspecs.run_signals``: torchrun's SIGTERM once another rank exited). Nothing for
+    an interrupt held during the shutdown of a failure (its traceback says it)."""
+    ending = getattr(error, "run_ended_by", None)
     if isinstance(ending, ConfigurationError | PeerRefused):
         _say_refusal(ending, stream)
     elif isinstance(ending, PeerFailed):
         _say_peer_failure(ending, stream)
+    elif isinstance(ending, Exception):
+        return
     elif getattr(_told_which(error), "said_here", None) is not False:
         _write(stream, f"{rank_tag()}interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)\n")
-    _end_quietly(error)
 
 
 def _told_which(error: KeyboardInterrupt) -> BaseException:

@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from hookspecs.errors import print_peer_failure
+from hookspecs.errors import print_peer_failure, say_interrupted
 from hookspecs.ranks import RankTagged, rank_tag
 from hookspecs.reasons import PeerFailed, PeerRefused, SignalReceived
 
@@ -519,10 +519,13 @@ class RunSignals:
                 signal.Signals(signum).name,
             )
             return isinstance(exc, SignalReceived)
+        # (the launcher's SIGTERM after another rank exited, during this rank's shutdown:
+        # the host that says the told rank's line, or the job's Ctrl-C, never gets the
+        # exception)
         if isinstance(exc, PeerFailed) and not isinstance(exc, PeerRefused):
-            # (the launcher's SIGTERM after the failed rank exited, during this rank's
-            # shutdown: the host that says the told rank's line never gets the exception)
             print_peer_failure(exc)
+        elif isinstance(exc, KeyboardInterrupt):
+            say_interrupted(exc)
         _terminate_by(signum)
         return False  # not reached for terminating signals
 

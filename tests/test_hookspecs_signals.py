@@ -397,13 +397,34 @@ pm.register(Told())
 try:
     with TrainingRun(pm, None, train_iters=1) as run:
         with run.train_step(0):
-            raise PeerFailed(0, "exception: boom", "rank 0 (h, pid 7) failed: exception: boom")
+            {raise_it}
 except PeerFailed as told:
     raise SystemExit(print_peer_failure(told))
 """
 
 
-def test_a_told_rank_ended_by_a_signal_held_in_its_shutdown_still_says_its_line(subprocess_env):
+INTERRUPTED = "[rank 1] interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)"
+
+
+@pytest.mark.parametrize(
+    "raise_it, said",
+    [
+        (
+            'raise PeerFailed(0, "exception: boom", "rank 0 (h, pid 7) failed: exception: boom")',
+            ["[rank 1] run ended: rank 0 (h, pid 7) failed: exception: boom"],
+        ),
+        # (2026-12-06, a loaded 2-rank gloo job given a SIGINT on every rank: the silent
+        # rank exited first, and torchrun's SIGTERM ended the rank that says the job's
+        # Ctrl-C during its shutdown, so nothing said it)
+        ("raise KeyboardInterrupt", [INTERRUPTED]),
+        # (a rank whose Ctrl-C another rank says stays silent there too)
+        ("error = KeyboardInterrupt(); error.said_here = False; raise error", []),
+    ],
+    ids=["told", "interrupted", "interrupted-silent"],
+)
+def test_a_rank_ended_by_a_signal_held_in_its_shutdown_still_says_its_line(
+    raise_it, said, subprocess_env
+):
     """(2026-12-05, a review of 2-rank failure paths: torchrun's SIGTERM, sent once the
     failed rank exited, came during the told rank's shutdown; held, it then ended the
     process by the signal, and the host, which says the told rank's line, never ran)"""
@@ -412,7 +433,7 @@ def test_a_told_rank_ended_by_a_signal_held_in_its_shutdown_still_says_its_line(
     from pathlib import Path
 
     done = subprocess.run(
-        [sys.executable, "-c", _TOLD_THEN_TERMINATED],
+        [sys.executable, "-c", _TOLD_THEN_TERMINATED.format(raise_it=raise_it)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -425,5 +446,7 @@ def test_a_told_rank_ended_by_a_signal_held_in_its_shutdown_still_says_its_line(
     )
     assert done.returncode == -signal.SIGTERM, done.stderr  # (still ended by the signal)
     assert done.stdout == f"held: {int(signal.SIGTERM)}\n"  # (the process's end: told)
-    said = [line for line in done.stderr.splitlines() if "run ended:" in line]
-    assert said == ["[rank 1] run ended: rank 0 (h, pid 7) failed: exception: boom"], done.stderr
+    lines = [
+        line for line in done.stderr.splitlines() if "run ended:" in line or "rupted (" in line
+    ]
+    assert lines == said, done.stderr
