@@ -136,14 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         from cpu_redirect import cpu_redirect  # examples/: makes "cuda" mean the CPU
 
         device = cpu_redirect()
-    run = TrainingRun(pm, config=args, train_iters=args.train_iters)
+    # the process groups go in the run's shutdown, once the graphs (which hold NCCL buffers)
+    # are freed: a launcher's SIGTERM then waits until the run said how it ended
+    run = TrainingRun(pm, config=args, train_iters=args.train_iters, teardown=end_distributed)
     try:
-        with device:
-            try:
-                with run:
-                    train(run, args, cuda)  # shutdown fires on every exit, frees the graphs
-            finally:
-                end_distributed(run)  # after shutdown: graphs hold NCCL buffers
+        with device, run:
+            train(run, args, cuda)  # shutdown fires on every exit, frees the graphs
     except PLAIN_ENDINGS as ended:  # a refusal, a peer's failure, a Ctrl-C: no traceback
         return print_ending(ended)
     return 0

@@ -964,17 +964,20 @@ def host_run(
 
     # On the CPU the CUDA graph plugin still validates the requested configuration, then
     # says in one line that graphs need a CUDA device and runs eagerly; nothing to do here.
+    # The process groups go in the run's own shutdown, after its hook freed the graphs
+    # (they hold NCCL buffers): a launcher's SIGTERM during that teardown (torchrun's, as
+    # another rank exited) is then held, and the run says its ending before it ends the
+    # process; after the run it would end the process mid-teardown without a word.
     training = TrainingRun(
-        pm, config=args, train_iters=args.train_iters, start_step=args.start_step
+        pm,
+        config=args,
+        train_iters=args.train_iters,
+        start_step=args.start_step,
+        teardown=lambda run: _end_distributed(run.shutdown_reason),
     )
     device_context = contextlib.nullcontext() if use_cuda else cpu_redirect()
-    with device_context, mcore_without_te_fixes():
-        try:
-            with training:
-                train(training, args, use_cuda, record)
-        finally:
-            # Only after the run's shutdown hook: graphs hold NCCL buffers and must go first.
-            _end_distributed(training.shutdown_reason)
+    with device_context, mcore_without_te_fixes(), training:
+        train(training, args, use_cuda, record)
     return record.summary("cuda" if use_cuda else "cpu", str(training.shutdown_reason))
 
 

@@ -24,7 +24,7 @@ import traceback
 from typing import Any, NoReturn
 
 from hookspecs.ranks import launcher_rank, rank_tag
-from hookspecs.reasons import PeerFailed, PeerRefused, refused_by
+from hookspecs.reasons import PeerFailed, PeerRefused, SignalReceived, refused_by
 
 # How long a rank that does not say a refusal waits before it exits (see print_refusal).
 REFUSAL_GRACE_S = 30.0
@@ -177,6 +177,27 @@ def say_interrupted(error: KeyboardInterrupt, stream: Any = None) -> None:
         _write(stream, f"{rank_tag()}interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)\n")
 
 
+def say_ending(error: BaseException | None, stream: Any = None) -> None:
+    """What the host (or Python, for a failure) would have said of the run's ending
+    ``error``, said where a signal held during the run's shutdown ends the process first
+    (``hookspecs.run_signals``: torchrun's SIGTERM, sent once another rank exited): a
+    Ctrl-C's line (:func:`say_interrupted`), a told rank's ``run ended:`` line, a refusal
+    by the rank that says it (without the grace wait of :func:`print_refusal`), and a
+    failure's traceback, as ``sys.excepthook`` prints it (else the process would end
+    without a word of why, on the very rank that failed). Nothing for a run that completed,
+    one ended by a handled signal (the signal says it) or by ``SystemExit``."""
+    if error is None or isinstance(error, SignalReceived | SystemExit):
+        return
+    if isinstance(error, KeyboardInterrupt):
+        say_interrupted(error, stream)
+    elif isinstance(error, ConfigurationError | PeerRefused):
+        _say_refusal(error, stream)
+    elif isinstance(error, PeerFailed):
+        _say_peer_failure(error, stream)
+    else:
+        _write(stream, "".join(traceback.format_exception(error)))
+
+
 def _told_which(error: KeyboardInterrupt) -> BaseException:
     """The interrupt a plugin told whether this rank says it (``said_here``): ``error``, or
     a first Ctrl-C it was raised while handling (a second Ctrl-C) where only that one was."""
@@ -219,8 +240,18 @@ def _quiet_hook(kind: type[BaseException], value: BaseException, tb: Any) -> Non
         except (OSError, ValueError, AttributeError):
             pass
     logging.shutdown()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGINT)
+    end_by_signal(signal.SIGINT)
+
+
+def end_by_signal(signum: int) -> NoReturn:
+    """End the process by ``signum`` with its default action, as it would have ended
+    without a Python handler (a shell sees the signal); where that action does not end it,
+    as for the first process of a PID namespace (a container's ``python train.py``, whose
+    own default-action signals the kernel drops), exit with status 128 + ``signum``, what a
+    shell reports for that signal."""
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)  # (delivered to this thread before it returns)
+    os._exit(128 + signum)
 
 
 PLAIN_ENDINGS: tuple[type[BaseException], ...] = (ConfigurationError, PeerFailed, KeyboardInterrupt)

@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pluggy
@@ -149,6 +149,16 @@ class TrainingRun(RunSignals):
         A signal that arrives while ``mcgraph_configure`` runs (inside ``__enter__``)
         propagates as :class:`SignalReceived` even when a previous Python handler returns,
         since the ``with`` body cannot be skipped.
+    :param teardown: What the host tears down once the shutdown hook has freed the graphs
+        (its process groups: ``destroy_process_group()``, or
+        ``cudagraph_plugin.abort_process_groups`` after an abnormal end), called with the
+        run right after that hook, still inside the shutdown: a signal arriving during it
+        (torchrun's SIGTERM, sent as soon as another rank exited) is held as during the
+        hook, and then ends the process after the run said its ending (a Ctrl-C's or a
+        told rank's line, a failure's traceback). Torn down after the ``with`` block
+        instead, the process ends there by the signal without a word. A teardown that
+        raises is handled as a raising shutdown hook is. Bound its waits: one blocked in C
+        holds the signal until the launcher's SIGKILL.
 
     One plugin manager serves one run: create a new one with ``get_plugin_manager()``.
     """
@@ -161,6 +171,7 @@ class TrainingRun(RunSignals):
         train_iters: int,
         start_step: int = 0,
         handle_signals: tuple[int, ...] = (signal.SIGTERM,),
+        teardown: Callable[[TrainingRun], Any] | None = None,
     ) -> None:
         train_iters = step_number("TrainingRun", "train_iters", train_iters)
         start_step = step_number("TrainingRun", "start_step", start_step)
@@ -175,7 +186,10 @@ class TrainingRun(RunSignals):
         self.config = config
         self.train_iters = train_iters
         self.start_step = start_step
+        if teardown is not None and not callable(teardown):
+            raise TypeError(f"TrainingRun: teardown must be callable, got {teardown!r}")
         self.shutdown_reason: ShutdownReason | None = None
+        self._teardown = teardown
         self._handle_signals = handle_signals
         self._previous_handlers: dict[int, Any] = {}
         self._pending_signal: int | None = None
@@ -488,21 +502,11 @@ class TrainingRun(RunSignals):
             reason = _classify(exc, completed=self._next_step >= self.train_iters)
             self.shutdown_reason = reason
             try:
-                self._call("mcgraph_shutdown", reason=reason, exception=exc)
-            except BaseException as shutdown_exc:
-                if exc is None:
-                    raise
-                # (its own traceback only: its context is the original, which the host
-                # prints when it receives it)
-                logger.error(
-                    "mcgraph_shutdown raised while the run was ending with %r; "
-                    "the original exception is re-raised:\n%s",
-                    exc,
-                    traceback_without(shutdown_exc, exc),
-                )
-                exc.add_note(
-                    f"during mcgraph_shutdown, another exception occurred: {shutdown_exc!r}"
-                )
+                self._ending_step("mcgraph_shutdown", exc, self._call, "mcgraph_shutdown",
+                                  reason=reason, exception=exc)  # fmt: skip
+            finally:
+                if self._teardown is not None:  # (graphs freed first: they hold NCCL buffers)
+                    self._ending_step("the host's teardown", exc, self._teardown, self)
         finally:
             # SIGINT last: a Ctrl-C while the others go back is still held
             try:
@@ -514,6 +518,28 @@ class TrainingRun(RunSignals):
         if self._pending_sigint and not isinstance(exc, KeyboardInterrupt):
             self._act_on_deferred_sigint(exc)
         return self._apply_previous_signal_behaviour(exc)
+
+    @staticmethod
+    def _ending_step(
+        what: str, exc: BaseException | None, call: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        """``call(*args, **kwargs)``, one step of the shutdown: what it raises goes on where
+        the run ended cleanly, else it is logged and noted on ``exc``, which goes on."""
+        try:
+            call(*args, **kwargs)
+        except BaseException as step_exc:
+            if exc is None:
+                raise
+            # (its own traceback only: its context is the original, which the host
+            # prints when it receives it)
+            logger.error(
+                "%s raised while the run was ending with %r; the original exception is "
+                "re-raised:\n%s",
+                what,
+                exc,
+                traceback_without(step_exc, exc),
+            )
+            exc.add_note(f"during {what}, another exception occurred: {step_exc!r}")
 
 
 class _TrainStep:

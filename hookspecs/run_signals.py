@@ -18,9 +18,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from hookspecs.errors import print_peer_failure, say_interrupted
+from hookspecs.errors import end_by_signal, say_ending
 from hookspecs.ranks import RankTagged, rank_tag
-from hookspecs.reasons import PeerFailed, PeerRefused, SignalReceived
+from hookspecs.reasons import SignalReceived
 
 logger = RankTagged("hookspecs.run")  # (the run's log lines keep their logger)
 
@@ -520,14 +520,15 @@ class RunSignals:
             )
             return isinstance(exc, SignalReceived)
         # (the launcher's SIGTERM after another rank exited, during this rank's shutdown:
-        # the host that says the told rank's line, or the job's Ctrl-C, never gets the
-        # exception)
-        if isinstance(exc, PeerFailed) and not isinstance(exc, PeerRefused):
-            print_peer_failure(exc)
-        elif isinstance(exc, KeyboardInterrupt):
-            say_interrupted(exc)
-        _terminate_by(signum)
-        return False  # not reached for terminating signals
+        # the host, which says the told rank's line, the job's Ctrl-C or the refusal, and
+        # Python, which prints a failure's traceback, never get the exception)
+        try:
+            say_ending(exc)
+        except BaseException as unsaid:  # (a closed pipe, a second Ctrl-C: end all the same)
+            _write_stderr(f"{rank_tag()}the run's ending could not be said: {unsaid!r}\n")
+        finally:
+            _terminate_by(signum)
+        return False  # not reached
 
 
 _IN_SHUTDOWN: weakref.ref[RunSignals] | None = None
@@ -566,7 +567,9 @@ def _terminate_by(signum: int) -> None:
     """SIG_DFL (or a handler not set from Python): die by the same signal, as the process
     would have without the run's handler."""
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    for out in (sys.stdout, sys.stderr):
+        try:
+            out.flush()
+        except (OSError, ValueError, AttributeError):  # (a closed pipe: end all the same)
+            pass
+    end_by_signal(signum)

@@ -729,6 +729,39 @@ def test_a_teardown_whose_abort_does_not_end_skips_the_rest(monkeypatch, caplog)
     assert "did not end within" in caplog.text
 
 
+@pytest.mark.parametrize("fail", [False, True], ids=["completed", "exception"])
+def test_the_example_tears_its_process_groups_down_inside_the_runs_shutdown(
+    monkeypatch: pytest.MonkeyPatch, fail: bool
+) -> None:
+    """After the shutdown hook (the graphs hold NCCL buffers) and before the run gives the
+    signals back: a launcher's SIGTERM during the teardown then waits until the run said
+    its ending (``TrainingRun(teardown=...)``), where after the run it cut that off."""
+    import signal
+
+    seen: list[tuple[str, bool]] = []
+    end_distributed = train_gpt._end_distributed
+
+    def recorded(reason: Any) -> None:
+        handler = signal.getsignal(signal.SIGTERM)
+        seen.append((str(reason), getattr(handler, "__name__", "") == "_on_signal"))
+        end_distributed(reason)
+
+    class Fails:
+        @hookimpl
+        def mcgraph_train_step_end(self, step: int, metrics: Any) -> None:
+            if fail and step == 1:
+                raise RuntimeError("step failed")
+
+    recorder = Recorder()
+    monkeypatch.setattr(train_gpt, "_end_distributed", recorded)
+    with pytest.raises(RuntimeError) if fail else contextlib.nullcontext():
+        train("--train-iters", "3", plugins=(recorder, Fails()))
+    reason = "exception" if fail else "completed"
+    assert seen == [(reason, True)]  # (once, with the run's SIGTERM handler still in place)
+    assert recorder.calls[-1] == ("shutdown", reason)
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.parametrize(
     "extra, refused",
     [

@@ -677,3 +677,167 @@ def test_a_ctrl_c_held_during_shutdown_carries_what_the_run_was_ending_by(
             if ending is not None:
                 raise ending
     assert info.value.run_ended_by is ending
+
+
+# -- the host's teardown, inside the shutdown -----------------------------------------------
+
+
+class Order:
+    """Records the shutdown hook and the host's teardown in the order they ran."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    @hookimpl
+    def mcgraph_shutdown(self, reason, exception):
+        self.calls.append(f"shutdown {reason}")
+
+    def teardown(self, run: TrainingRun) -> None:
+        # still inside the shutdown: a signal arriving now is held
+        self.calls.append(f"teardown {run.shutdown_reason} shutting_down={run._shutting_down}")
+
+
+def _body_raising(error):
+    def body(step):
+        raise error
+
+    return body
+
+
+@pytest.mark.parametrize(
+    "body, reason",
+    [
+        (None, "completed"),
+        (_body_raising(RuntimeError("step failed")), "exception"),
+        (_body_raising(KeyboardInterrupt()), "interrupted"),
+    ],
+    ids=["completed", "exception", "interrupted"],
+)
+def test_the_hosts_teardown_runs_once_after_the_shutdown_hook_inside_the_shutdown(pm, body, reason):
+    order = Order()
+    pm.register(order)
+    run = TrainingRun(pm, None, train_iters=2, teardown=order.teardown)
+    try:
+        with run:
+            loop(run, 2, body)
+    except (RuntimeError, KeyboardInterrupt):
+        pass
+    run.__exit__(None, None, None)  # (leaving again tears nothing down again)
+    assert order.calls == [f"shutdown {reason}", f"teardown {reason} shutting_down=True"]
+
+
+def test_the_hosts_teardown_runs_when_configure_refuses_the_run(pm):
+    from hookspecs import ConfigurationError
+
+    class Refuses:
+        @hookimpl
+        def mcgraph_configure(self, config, pluginmanager):
+            raise ConfigurationError("no")
+
+    order = Order()
+    pm.register(order)
+    pm.register(Refuses())
+    with pytest.raises(ConfigurationError):
+        with TrainingRun(pm, None, train_iters=2, teardown=order.teardown):
+            pass
+    assert order.calls == ["shutdown exception", "teardown exception shutting_down=True"]
+
+
+def test_the_hosts_teardown_runs_even_where_a_shutdown_hook_raises(pm, caplog):
+    class BrokenCleanup:
+        @hookimpl
+        def mcgraph_shutdown(self):
+            raise OSError("cleanup failed")
+
+    torn_down = []
+    pm.register(BrokenCleanup())
+    with pytest.raises(OSError, match="cleanup failed"):
+        with TrainingRun(pm, None, train_iters=1, teardown=torn_down.append) as run:
+            loop(run, 1)
+    assert torn_down == [run]
+
+
+def test_a_raising_teardown_propagates_after_a_clean_end_and_is_noted_after_a_failure(pm, caplog):
+    def teardown(run):
+        raise OSError("teardown failed")
+
+    with pytest.raises(OSError, match="teardown failed"):
+        with TrainingRun(pm, None, train_iters=1, teardown=teardown) as run:
+            loop(run, 1)
+    assert run.shutdown_reason is ShutdownReason.COMPLETED
+    original = RuntimeError("step failed")
+    with pytest.raises(RuntimeError) as excinfo:
+        with TrainingRun(get_plugin_manager(load_entrypoints=False), None, train_iters=1,
+                         teardown=teardown) as run:  # fmt: skip
+            loop(run, 1, _body_raising(original))
+    assert excinfo.value is original
+    assert any("the host's teardown" in note and "teardown failed" in note
+               for note in original.__notes__), original.__notes__  # fmt: skip
+    assert "the host's teardown raised while the run was ending" in caplog.text
+
+
+def test_a_teardown_that_is_not_callable_is_refused(pm):
+    with pytest.raises(TypeError, match="teardown must be callable"):
+        TrainingRun(pm, None, train_iters=1, teardown="end_distributed")
+
+
+_SIGTERM_IN_TEARDOWN = textwrap.dedent(
+    """
+    import os, signal, sys
+    from hookspecs import TrainingRun, get_plugin_manager, print_ending, PLAIN_ENDINGS
+
+    def teardown(run):
+        os.kill(os.getpid(), signal.SIGTERM)  # (torchrun's: the other rank exited first)
+        print("teardown went on", flush=True)
+
+    error = {error}
+    error.said_here = True  # (this rank says the job's ending)
+    run = TrainingRun(get_plugin_manager(load_entrypoints=False), None, train_iters=2,
+                      teardown=teardown)
+    try:
+        with run:
+            with run.train_step(0):
+                raise error
+    except PLAIN_ENDINGS as ended:
+        sys.exit(print_ending(ended))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "error, said",
+    [
+        ("KeyboardInterrupt()", "[rank 0] interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)"),
+        (
+            'PeerFailed(1, "exception: boom", "rank 1 (h, pid 7) failed: exception: boom")',
+            "[rank 0] run ended: rank 1 (h, pid 7) failed: exception: boom",
+        ),
+        ('RuntimeError("boom on rank 0")', "RuntimeError: boom on rank 0"),
+    ],
+    ids=["interrupted", "told", "failed"],
+)
+def test_a_sigterm_during_the_hosts_teardown_waits_for_it_and_the_ending_is_said(
+    tmp_path, error, said
+):
+    """(2026-12-06, `make test`, a 2-rank gloo job given a SIGINT on every rank: the silent
+    rank exited first, and torchrun's SIGTERM ended the rank that says the job's Ctrl-C in
+    its teardown of the process groups, after the run: nothing said it.) In the run's
+    ``teardown`` the signal waits for the teardown, the ending is said, then the signal
+    ends the process."""
+    script = tmp_path / "teardown.py"
+    script.write_text(
+        _SIGTERM_IN_TEARDOWN.replace("{error}", error).replace(
+            "from hookspecs import", "from hookspecs import PeerFailed,"
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "RANK": "0", "WORLD_SIZE": "2"},
+    )
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert done.stdout == "teardown went on\n", done.stderr
+    assert said in done.stderr.splitlines(), done.stderr
+    assert done.stderr.count("Traceback") == ("RuntimeError" in error), done.stderr

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import threading
+from typing import Any
 
 import pytest
 
@@ -381,8 +383,18 @@ def test_a_signal_held_during_shutdown_is_told_to_plugins_and_one_that_ended_the
 
 
 _TOLD_THEN_TERMINATED = """
-import os, signal
-from hookspecs import PeerFailed, TrainingRun, get_plugin_manager, hookimpl, print_peer_failure
+import os, signal, sys
+from hookspecs import (
+    ConfigurationError, PeerFailed, TrainingRun, get_plugin_manager, hookimpl,
+    print_peer_failure,
+)
+
+class Unwritable:
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        raise BrokenPipeError(32, "Broken pipe")
 
 class Told:
     @hookimpl
@@ -391,6 +403,7 @@ class Told:
 
         os.kill(os.getpid(), signal.SIGTERM)  # (torchrun's, once the failed rank exited)
         print("held:", run_signals.held_signal(), flush=True)
+        {then}
 
 pm = get_plugin_manager(load_entrypoints=False)
 pm.register(Told())
@@ -419,8 +432,18 @@ INTERRUPTED = "[rank 1] interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)"
         ("raise KeyboardInterrupt", [INTERRUPTED]),
         # (a rank whose Ctrl-C another rank says stays silent there too)
         ("error = KeyboardInterrupt(); error.said_here = False; raise error", []),
+        # (2026-12-06, a review: the rank that failed, SIGTERMed in its shutdown once a told
+        # rank exited first, as over NCCL, whose abort frees the told rank at once: ended
+        # without its traceback, the one word of why from the rank that failed)
+        ('raise RuntimeError("boom on rank 1")', ["RuntimeError: boom on rank 1"]),
+        # (the rank that refused first says it; the others are silent)
+        (
+            'error = ConfigurationError("bad value"); error.said_here = True; raise error',
+            ["error: rank 1 refused the run: bad value"],
+        ),
+        ('error = ConfigurationError("bad value"); error.said_here = False; raise error', []),
     ],
-    ids=["told", "interrupted", "interrupted-silent"],
+    ids=["told", "interrupted", "interrupted-silent", "failed", "refused", "refused-silent"],
 )
 def test_a_rank_ended_by_a_signal_held_in_its_shutdown_still_says_its_line(
     raise_it, said, subprocess_env
@@ -428,25 +451,99 @@ def test_a_rank_ended_by_a_signal_held_in_its_shutdown_still_says_its_line(
     """(2026-12-05, a review of 2-rank failure paths: torchrun's SIGTERM, sent once the
     failed rank exited, came during the told rank's shutdown; held, it then ended the
     process by the signal, and the host, which says the told rank's line, never ran)"""
+    done = _held_sigterm_job(raise_it, "pass", subprocess_env)
+    assert done.returncode == -signal.SIGTERM, done.stderr  # (still ended by the signal)
+    assert done.stdout == f"held: {int(signal.SIGTERM)}\n"  # (the process's end: told)
+    lines = [line for line in done.stderr.splitlines() if _SAID_LINE.search(line)]
+    assert lines == said, done.stderr
+    # a failure's traceback, once, as Python prints it
+    assert done.stderr.count("Traceback (most recent call last)") == ("RuntimeError" in raise_it)
+
+
+_SAID_LINE = re.compile(r"run ended:|rupted \(|^RuntimeError: |^error: ")
+
+
+def test_a_held_signal_ends_the_process_even_where_its_line_cannot_be_written(subprocess_env):
+    """(2026-12-06, a review: standard error a pipe nobody reads any more, e.g. a `| tee`
+    that died; saying the line raised BrokenPipeError, which skipped the death by the held
+    SIGTERM: the host's code ran on and the process exited 1)"""
+    done = _held_sigterm_job("raise KeyboardInterrupt", "sys.stderr = Unwritable()", subprocess_env)
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr)
+
+
+def _held_sigterm_job(raise_it: str, then: str, env: dict[str, str]) -> Any:
     import subprocess
     import sys
     from pathlib import Path
 
-    done = subprocess.run(
-        [sys.executable, "-c", _TOLD_THEN_TERMINATED.format(raise_it=raise_it)],
+    return subprocess.run(
+        [sys.executable, "-c", _TOLD_THEN_TERMINATED.format(raise_it=raise_it, then=then)],
         capture_output=True,
         text=True,
         timeout=60,
         env={
-            **subprocess_env,
+            **env,
             "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
             "RANK": "1",
             "WORLD_SIZE": "2",
         },
     )
-    assert done.returncode == -signal.SIGTERM, done.stderr  # (still ended by the signal)
-    assert done.stdout == f"held: {int(signal.SIGTERM)}\n"  # (the process's end: told)
-    lines = [
-        line for line in done.stderr.splitlines() if "run ended:" in line or "rupted (" in line
-    ]
-    assert lines == said, done.stderr
+
+
+_END_BY_SIGTERM = """
+import signal
+from hookspecs.errors import end_by_signal
+{first}
+end_by_signal(signal.SIGTERM)
+print("returned", flush=True)
+"""
+
+
+def _unshare_works() -> bool:
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return False
+    try:
+        probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True)
+    except OSError:
+        return False
+    return probe.returncode == 0
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        # the kernel drops a default-action signal that the first process of a PID namespace
+        # sends itself: as if raise_signal did nothing
+        "simulated",
+        pytest.param(
+            "pid-namespace",
+            marks=pytest.mark.skipif(
+                not _unshare_works(), reason="unshare --pid --fork is not allowed here"
+            ),
+        ),
+    ],
+)
+def test_a_process_the_signal_cannot_end_exits_with_its_shell_status(where, subprocess_env):
+    """(2026-12-06, a review: a container's `python train.py` is PID 1, whose own SIGTERM
+    with the default action the kernel ignores: the held signal's end returned, the run's
+    `__exit__` went on, and a Ctrl-C's line was said twice.) The process ends all the same,
+    with 128 + the signal number, what a shell reports for it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    first = "signal.raise_signal = lambda signum: None" if where == "simulated" else ""
+    command = [sys.executable, "-c", _END_BY_SIGTERM.format(first=first)]
+    if where == "pid-namespace":
+        command = ["unshare", "--pid", "--fork", *command]
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**subprocess_env, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    assert (done.returncode, done.stdout) == (128 + signal.SIGTERM, ""), done.stderr

@@ -345,8 +345,7 @@ def excepthook(monkeypatch):
     killed: list[int] = []
     monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(value))
     monkeypatch.setattr(errors, "_previous_excepthook", errors._previous_excepthook)
-    monkeypatch.setattr(errors.os, "kill", lambda pid, signum: killed.append(signum))
-    monkeypatch.setattr(errors.signal, "signal", lambda signum, handler: None)
+    monkeypatch.setattr(errors, "end_by_signal", killed.append)
     monkeypatch.setattr(errors.logging, "shutdown", lambda: None)
     monkeypatch.delattr(sys, "ps1", raising=False)
     return seen, killed
