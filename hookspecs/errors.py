@@ -94,6 +94,15 @@ def _say_refusal(
     return True
 
 
+def write_stderr(message: str) -> None:
+    """One write to standard error's descriptor, nothing raised: from a signal handler, or
+    a thread that then ends the process (no Python stream, its lock or its buffer)."""
+    try:
+        os.write(2, message.encode())
+    except OSError:
+        pass
+
+
 def _write(stream: Any, text: str) -> None:
     """One write, flushed: print() writes a line and its newline apart, and on an unbuffered
     stream (PYTHONUNBUFFERED) another process's log line can land between them."""
@@ -184,9 +193,14 @@ def say_ending(error: BaseException | None, stream: Any = None) -> None:
     Ctrl-C's line (:func:`say_interrupted`), a told rank's ``run ended:`` line, a refusal
     by the rank that says it (without the grace wait of :func:`print_refusal`), and a
     failure's traceback, as ``sys.excepthook`` prints it (else the process would end
-    without a word of why, on the very rank that failed). Nothing for a run that completed,
-    one ended by a handled signal (the signal says it) or by ``SystemExit``."""
-    if error is None or isinstance(error, SignalReceived | SystemExit):
+    without a word of why, on the very rank that failed), a ``SystemExit``'s message.
+    Nothing for a run that completed or one ended by a handled signal (the signal says
+    it)."""
+    if error is None or isinstance(error, SignalReceived):
+        return
+    if isinstance(error, SystemExit):  # (as Python says it: a message, not a status)
+        if error.code is not None and not isinstance(error.code, int):
+            _write(stream, f"{error.code}\n")
         return
     if isinstance(error, KeyboardInterrupt):
         say_interrupted(error, stream)

@@ -149,16 +149,13 @@ class TrainingRun(RunSignals):
         A signal that arrives while ``mcgraph_configure`` runs (inside ``__enter__``)
         propagates as :class:`SignalReceived` even when a previous Python handler returns,
         since the ``with`` body cannot be skipped.
-    :param teardown: What the host tears down once the shutdown hook has freed the graphs
-        (its process groups: ``destroy_process_group()``, or
-        ``cudagraph_plugin.abort_process_groups`` after an abnormal end), called with the
-        run right after that hook, still inside the shutdown: a signal arriving during it
-        (torchrun's SIGTERM, sent as soon as another rank exited) is held as during the
-        hook, and then ends the process after the run said its ending (a Ctrl-C's or a
-        told rank's line, a failure's traceback). Torn down after the ``with`` block
-        instead, the process ends there by the signal without a word. A teardown that
-        raises is handled as a raising shutdown hook is. Bound its waits: one blocked in C
-        holds the signal until the launcher's SIGKILL.
+    :param teardown: The host's teardown of its process groups, called with the run right
+        after the shutdown hook freed the graphs, still inside the shutdown: a signal
+        arriving there (torchrun's SIGTERM once another rank exited) is held, and ends the
+        process after the run said its ending (after the ``with`` block it would end the
+        process mid-teardown without a word). Raising, it is handled as a raising shutdown
+        hook is; reached by a signal and not returned after the stuck-signal wait
+        (``MCGRAPH_STUCK_SIGNAL_S``), it ends with the process (128 + the signal number).
 
     One plugin manager serves one run: create a new one with ``get_plugin_manager()``.
     """
@@ -497,27 +494,46 @@ class TrainingRun(RunSignals):
             return False
         # First of all: from here on a handled signal, and Ctrl-C, wait until shutdown ends.
         self._begin_shutdown()
+        self._ending = exc
         restore_sigint = self._defer_sigint()
         try:
-            reason = _classify(exc, completed=self._next_step >= self.train_iters)
-            self.shutdown_reason = reason
             try:
-                self._ending_step("mcgraph_shutdown", exc, self._call, "mcgraph_shutdown",
-                                  reason=reason, exception=exc)  # fmt: skip
+                self._shut_down(exc)
             finally:
-                if self._teardown is not None:  # (graphs freed first: they hold NCCL buffers)
-                    self._ending_step("the host's teardown", exc, self._teardown, self)
-        finally:
-            # SIGINT last: a Ctrl-C while the others go back is still held
-            try:
-                self._restore_signal_handlers()
-            finally:
-                self._finished = True
-                _release_the_process(self)
-                restore_sigint()
+                # SIGINT last: a Ctrl-C while the others go back is still held
+                try:
+                    self._restore_signal_handlers()
+                finally:
+                    self._finished = True
+                    _release_the_process(self)
+                    restore_sigint()
+        except BaseException as raised:  # (a step raised where the run ended cleanly)
+            if raised is not exc and self._held_in_shutdown and self._pending_signal is not None:
+                # the signal held meanwhile still ends the process, saying what was raised
+                self._apply_previous_signal_behaviour(raised)
+            raise
         if self._pending_sigint and not isinstance(exc, KeyboardInterrupt):
             self._act_on_deferred_sigint(exc)
         return self._apply_previous_signal_behaviour(exc)
+
+    def _shut_down(self, exc: BaseException | None) -> None:
+        """The shutdown hook, then the host's teardown (the graphs hold NCCL buffers: freed
+        first), a signal held throughout (a teardown that a signal reached is bounded: see
+        :class:`~hookspecs.run_signals.TeardownBound`)."""
+        reason = _classify(exc, completed=self._next_step >= self.train_iters)
+        self.shutdown_reason = reason
+        try:
+            self._ending_step("mcgraph_shutdown", exc, self._call, "mcgraph_shutdown",
+                              reason=reason, exception=exc)  # fmt: skip
+        finally:
+            if self._teardown is not None:
+                self._tearing_down = True
+                try:
+                    self._ending_step("the host's teardown", exc, self._teardown, self)
+                finally:
+                    self._tearing_down = False
+                    if self._teardown_bound is not None:
+                        self._teardown_bound.cancel()
 
     @staticmethod
     def _ending_step(
@@ -530,6 +546,10 @@ class TrainingRun(RunSignals):
         except BaseException as step_exc:
             if exc is None:
                 raise
+            if isinstance(step_exc, KeyboardInterrupt):  # (a Ctrl-C cut it short: one line)
+                logger.warning("%s was interrupted by a Ctrl-C", what)
+                exc.add_note(f"{what} was interrupted by a Ctrl-C")
+                return
             # (its own traceback only: its context is the original, which the host
             # prints when it receives it)
             logger.error(

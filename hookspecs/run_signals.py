@@ -18,9 +18,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from hookspecs.errors import end_by_signal, say_ending
+from hookspecs.errors import end_by_signal, say_ending, write_stderr
 from hookspecs.ranks import RankTagged, rank_tag
 from hookspecs.reasons import SignalReceived
+from hookspecs.teardown import TeardownBound, say_ending_from_a_thread
 
 logger = RankTagged("hookspecs.run")  # (the run's log lines keep their logger)
 
@@ -147,7 +148,7 @@ class StuckSignalWatch:
             not self._stopping
             and _BOUNDED_ELSEWHERE is None
             and run._pending_signal is None
-            and not run._shutting_down
+            and (not run._shutting_down or run._tearing_down)
             and signal.getsignal(signum) == run._on_signal
             and run._ends_process(signum)
         )
@@ -168,7 +169,9 @@ class StuckSignalWatch:
             if not self._still_blocked(signum, waited, where):
                 return
             waited *= 2
-        _write_stderr(
+        if self.run._tearing_down:  # (the graphs are freed: say how the run ended)
+            say_ending_from_a_thread(self.run._ending)
+        write_stderr(
             f"{_stuck_words(signum, waited)}: a collective or a store wait whose peer is "
             f"gone?): ending the process now with status {128 + signum}, without the shutdown "
             f"hooks (the wait: {STUCK_SIGNAL_VAR}, {self.seconds:g} s, or twice the longest "
@@ -195,13 +198,6 @@ def _stuck_words(signum: int, waited: float) -> str:
         f"thread has not come back to Python for {waited:.3g} s (blocked in "
         f"C{main_thread_place()}"
     )
-
-
-def _write_stderr(message: str) -> None:
-    try:
-        os.write(2, message.encode())
-    except OSError:
-        pass
 
 
 _WATCHED_FD: int | None = None
@@ -262,14 +258,14 @@ def _release_main_thread(signum: int, waited: float) -> bool:
         return False
     # said first: a release that works ends the process by the signal, maybe before a line
     # written after it
-    _write_stderr(
+    write_stderr(
         f"{_stuck_words(signum, waited)}): asking the release a plugin offered to end the "
         "blocked call, so that the shutdown hooks run\n"
     )
     try:
         return bool(release(signum))
     except Exception as exc:
-        _write_stderr(f"hookspecs.run: {rank_tag()}the release failed: {exc!r}\n")
+        write_stderr(f"hookspecs.run: {rank_tag()}the release failed: {exc!r}\n")
         return False
 
 
@@ -363,6 +359,9 @@ class RunSignals:
     _finished: bool
     _stuck_watch: StuckSignalWatch | None = None
     _held_in_shutdown: bool = False  # (the pending signal came during shutdown: held)
+    _tearing_down: bool = False  # (the host's teardown runs, inside the shutdown)
+    _teardown_bound: TeardownBound | None = None
+    _ending: BaseException | None = None  # (what the run is ending by, in its shutdown)
     _longest_step_s: float = 0.0  # (the run's longest training step so far, by TrainingRun)
     _step_began: float = 0.0
 
@@ -496,6 +495,10 @@ class RunSignals:
         if self._shutting_down or _entering_exit(self, frame):
             self._held_in_shutdown = True
             logger.warning("%s received during shutdown: acted on once shutdown ends", name)
+            if self._tearing_down and self._ends_process(signum):
+                seconds = stuck_signal_seconds()
+                if seconds:
+                    self._teardown_bound = TeardownBound(self, signum, seconds, STUCK_SIGNAL_VAR)
             return
         logger.warning("%s received: ending the run cleanly (shutdown hooks run first)", name)
         raise SignalReceived(signum)
@@ -523,9 +526,11 @@ class RunSignals:
         # the host, which says the told rank's line, the job's Ctrl-C or the refusal, and
         # Python, which prints a failure's traceback, never get the exception)
         try:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the process ends here)
             say_ending(exc)
         except BaseException as unsaid:  # (a closed pipe, a second Ctrl-C: end all the same)
-            _write_stderr(f"{rank_tag()}the run's ending could not be said: {unsaid!r}\n")
+            write_stderr(f"{rank_tag()}the run's ending could not be said: {unsaid!r}\n")
         finally:
             _terminate_by(signum)
         return False  # not reached

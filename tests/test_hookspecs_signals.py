@@ -442,8 +442,23 @@ INTERRUPTED = "[rank 1] interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)"
             ["error: rank 1 refused the run: bad value"],
         ),
         ('error = ConfigurationError("bad value"); error.said_here = False; raise error', []),
+        # (a rank told of another's refusal says nothing: that rank says it)
+        ('from hookspecs import PeerRefused; raise PeerRefused(0, "bad value")', []),
+        # (a SystemExit's message, as Python says it; a status alone, nothing)
+        ('raise SystemExit("fatal: dataset missing")', ["fatal: dataset missing"]),
+        ("raise SystemExit(3)", []),
     ],
-    ids=["told", "interrupted", "interrupted-silent", "failed", "refused", "refused-silent"],
+    ids=[
+        "told",
+        "interrupted",
+        "interrupted-silent",
+        "failed",
+        "refused",
+        "refused-silent",
+        "told-of-a-refusal",
+        "exit-message",
+        "exit-status",
+    ],
 )
 def test_a_rank_ended_by_a_signal_held_in_its_shutdown_still_says_its_line(
     raise_it, said, subprocess_env
@@ -460,7 +475,7 @@ def test_a_rank_ended_by_a_signal_held_in_its_shutdown_still_says_its_line(
     assert done.stderr.count("Traceback (most recent call last)") == ("RuntimeError" in raise_it)
 
 
-_SAID_LINE = re.compile(r"run ended:|rupted \(|^RuntimeError: |^error: ")
+_SAID_LINE = re.compile(r"run ended:|rupted \(|^RuntimeError: |^error: |^fatal: ")
 
 
 def test_a_held_signal_ends_the_process_even_where_its_line_cannot_be_written(subprocess_env):

@@ -411,3 +411,56 @@ def test_a_release_is_used_once_and_withdrawn_only_by_its_owner():
         assert calls == [signal.SIGTERM]
     finally:
         run_signals.offer_release(None)
+
+
+# A run ended by a Ctrl-C whose host's teardown (``TrainingRun(teardown=...)``, after the graphs
+# are freed) waits for good: in C (a store wait, as a graceful ``destroy_process_group()``
+# whose peer is gone) or in a wait that lets Python run the handler (the signal is then held
+# as during the shutdown hook).
+TEARDOWN_WAITS = textwrap.dedent(
+    """
+    import datetime, sys, threading
+    import torch.distributed as dist
+    from hookspecs import TrainingRun, get_plugin_manager
+
+    def teardown(run):
+        print("blocking", flush=True)
+        if sys.argv[1] == "in-c":
+            store = dist.TCPStore("127.0.0.1", 0, 1, True)
+            store.wait(["never"], datetime.timedelta(seconds=60))
+        else:
+            threading.Event().wait(60)
+        print("teardown returned", flush=True)
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    error = KeyboardInterrupt()
+    error.said_here = True
+    with TrainingRun(pm, config={}, train_iters=1, teardown=teardown):
+        raise error
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["in-c", "in-python"])
+def test_a_sigterm_held_by_a_teardown_that_waits_for_good_ends_the_process_in_time(
+    tmp_path, subprocess_env, where
+):
+    """(2026-12-06, a review: held in the run's teardown, a SIGTERM waited for a teardown that
+    never returns until the launcher's SIGKILL, or for ever under a plain kill, where after
+    the run it ended the process at once.) After the stuck-signal wait the run's ending is
+    said and the process ends with 128 + the signal number."""
+    env = {**subprocess_env, "RANK": "1", "WORLD_SIZE": "2"}
+    proc = _blocked_process(tmp_path, env, "1", TEARDOWN_WAITS, where)
+    sent = time.monotonic()
+    out, err = sigterm_and_wait(proc, 20)
+    took = time.monotonic() - sent
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "[rank 1] interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)" in err.splitlines()
+    assert "teardown returned" not in out
+    if where == "in-c":
+        assert "[rank 1] SIGTERM received, but the main thread has not come back" in err, err
+    else:
+        assert "[rank 1] SIGTERM received during the host's teardown, which has not returned" in err
+    assert "Traceback" not in err, err
+    assert took < 15, took  # the wait and the exit, not the store's or the event's 60 s
