@@ -519,7 +519,7 @@ class TrainingRun(RunSignals):
     def _shut_down(self, exc: BaseException | None) -> None:
         """The shutdown hook, then the host's teardown (the graphs hold NCCL buffers: freed
         first), a signal held throughout (a teardown that a signal reached is bounded: see
-        :class:`~hookspecs.run_signals.TeardownBound`)."""
+        :class:`~hookspecs.teardown.TeardownBound`)."""
         reason = _classify(exc, completed=self._next_step >= self.train_iters)
         self.shutdown_reason = reason
         try:

@@ -169,13 +169,15 @@ class StuckSignalWatch:
             if not self._still_blocked(signum, waited, where):
                 return
             waited *= 2
+        hooks = "without the shutdown hooks"
         if self.run._tearing_down:  # (the graphs are freed: say how the run ended)
             say_ending_from_a_thread(self.run._ending)
+            hooks = "in the host's teardown, after the shutdown hooks"
         write_stderr(
             f"{_stuck_words(signum, waited)}: a collective or a store wait whose peer is "
-            f"gone?): ending the process now with status {128 + signum}, without the shutdown "
-            f"hooks (the wait: {STUCK_SIGNAL_VAR}, {self.seconds:g} s, or twice the longest "
-            "training step after the warm-up; 0: never)\n"
+            f"gone?): ending the process now with status {128 + signum}, {hooks} (the "
+            f"wait: {STUCK_SIGNAL_VAR}, {self.seconds:g} s, or twice the longest training "
+            "step after the warm-up; 0: never)\n"
         )
         os._exit(128 + signum)
 

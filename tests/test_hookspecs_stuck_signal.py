@@ -460,6 +460,7 @@ def test_a_sigterm_held_by_a_teardown_that_waits_for_good_ends_the_process_in_ti
     assert "teardown returned" not in out
     if where == "in-c":
         assert "[rank 1] SIGTERM received, but the main thread has not come back" in err, err
+        assert "in the host's teardown, after the shutdown hooks" in err, err
     else:
         assert "[rank 1] SIGTERM received during the host's teardown, which has not returned" in err
     assert "Traceback" not in err, err
