@@ -186,6 +186,16 @@ def say_interrupted(error: KeyboardInterrupt, stream: Any = None) -> None:
         _write(stream, f"{rank_tag()}interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)\n")
 
 
+def say_ending_anyway(error: BaseException | None) -> None:
+    """:func:`say_ending` where the process ends next, whatever happens: what saying it
+    raises (a closed pipe, a second Ctrl-C) becomes one line on standard error's
+    descriptor instead of stopping that end."""
+    try:
+        say_ending(error)
+    except BaseException as unsaid:
+        write_stderr(f"{rank_tag()}the run's ending could not be said: {unsaid!r}\n")
+
+
 def say_ending(error: BaseException | None, stream: Any = None) -> None:
     """What the host (or Python, for a failure) would have said of the run's ending
     ``error``, said where a signal held during the run's shutdown ends the process first
@@ -248,21 +258,22 @@ def _quiet_hook(kind: type[BaseException], value: BaseException, tb: Any) -> Non
         return
     if hasattr(sys, "ps1") or sys.flags.interactive:
         return
-    for out in (sys.stdout, sys.stderr):
-        try:
-            out.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
-    logging.shutdown()
     end_by_signal(signal.SIGINT)
 
 
 def end_by_signal(signum: int) -> NoReturn:
     """End the process by ``signum`` with its default action, as it would have ended
-    without a Python handler (a shell sees the signal); where that action does not end it,
-    as for the first process of a PID namespace (a container's ``python train.py``, whose
-    own default-action signals the kernel drops), exit with status 128 + ``signum``, what a
+    without a Python handler (a shell sees the signal), logs and streams flushed first
+    (Python's exit handlers do not run); where that action does not end it, as for the
+    first process of a PID namespace (a container's ``python train.py``, whose own
+    default-action signals the kernel drops), exit with status 128 + ``signum``, what a
     shell reports for that signal."""
+    logging.shutdown()
+    for out in (sys.stdout, sys.stderr):
+        try:
+            out.flush()
+        except (OSError, ValueError, AttributeError):  # (a closed pipe: end all the same)
+            pass
     signal.signal(signum, signal.SIG_DFL)
     signal.raise_signal(signum)  # (delivered to this thread before it returns)
     os._exit(128 + signum)

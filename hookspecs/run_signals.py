@@ -7,7 +7,6 @@ its own during the run, or a run left from another thread) acts as the previous 
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import sys
@@ -18,10 +17,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from hookspecs.errors import end_by_signal, say_ending, write_stderr
+from hookspecs.errors import end_by_signal, say_ending_anyway, write_stderr
 from hookspecs.ranks import RankTagged, rank_tag
 from hookspecs.reasons import SignalReceived
-from hookspecs.teardown import TeardownBound, say_ending_from_a_thread
+from hookspecs.teardown import TeardownBound
 
 logger = RankTagged("hookspecs.run")  # (the run's log lines keep their logger)
 
@@ -171,7 +170,7 @@ class StuckSignalWatch:
             waited *= 2
         hooks = "without the shutdown hooks"
         if self.run._tearing_down:  # (the graphs are freed: say how the run ended)
-            say_ending_from_a_thread(self.run._ending)
+            say_ending_anyway(self.run._ending)
             hooks = "in the host's teardown, after the shutdown hooks"
         write_stderr(
             f"{_stuck_words(signum, waited)}: a collective or a store wait whose peer is "
@@ -433,7 +432,7 @@ class RunSignals:
         if callable(previous):
             previous(signal.SIGINT, frame)
             return
-        _terminate_by(signal.SIGINT)  # SIG_DFL: the process ends by the signal
+        end_by_signal(signal.SIGINT)  # SIG_DFL: the process ends by the signal
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -510,7 +509,7 @@ class RunSignals:
         if callable(previous):
             previous(signum, frame)
             return
-        _terminate_by(signum)
+        end_by_signal(signum)
 
     def _apply_previous_signal_behaviour(self, exc: BaseException | None) -> bool:
         signum = self._pending_signal
@@ -527,15 +526,10 @@ class RunSignals:
         # (the launcher's SIGTERM after another rank exited, during this rank's shutdown:
         # the host, which says the told rank's line, the job's Ctrl-C or the refusal, and
         # Python, which prints a failure's traceback, never get the exception)
-        try:
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the process ends here)
-            say_ending(exc)
-        except BaseException as unsaid:  # (a closed pipe, a second Ctrl-C: end all the same)
-            write_stderr(f"{rank_tag()}the run's ending could not be said: {unsaid!r}\n")
-        finally:
-            _terminate_by(signum)
-        return False  # not reached
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the process ends here)
+        say_ending_anyway(exc)
+        end_by_signal(signum)
 
 
 _IN_SHUTDOWN: weakref.ref[RunSignals] | None = None
@@ -568,15 +562,3 @@ def _entering_exit(run: RunSignals, frame: Any) -> bool:
         and frame.f_code.co_name == "__exit__"
         and frame.f_locals.get("self") is run
     )
-
-
-def _terminate_by(signum: int) -> None:
-    """SIG_DFL (or a handler not set from Python): die by the same signal, as the process
-    would have without the run's handler."""
-    logging.shutdown()
-    for out in (sys.stdout, sys.stderr):
-        try:
-            out.flush()
-        except (OSError, ValueError, AttributeError):  # (a closed pipe: end all the same)
-            pass
-    end_by_signal(signum)

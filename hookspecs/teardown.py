@@ -10,17 +10,8 @@ import signal
 import threading
 from typing import Any
 
-from hookspecs.errors import say_ending, write_stderr
+from hookspecs.errors import say_ending_anyway, write_stderr
 from hookspecs.ranks import rank_tag
-
-
-def say_ending_from_a_thread(ending: BaseException | None) -> None:
-    """:func:`say_ending` from a thread that then ends the process: nothing it raises stops
-    that end."""
-    try:
-        say_ending(ending)
-    except Exception as unsaid:
-        write_stderr(f"{rank_tag()}the run's ending could not be said: {unsaid!r}\n")
 
 
 class TeardownBound:
@@ -45,7 +36,7 @@ class TeardownBound:
         self._timer.cancel()
 
     def _end(self) -> None:
-        say_ending_from_a_thread(self.run._ending)
+        say_ending_anyway(self.run._ending)
         write_stderr(
             f"hookspecs.run: {rank_tag()}{signal.Signals(self.signum).name} received during "
             f"the host's teardown, which has not returned {self.seconds:g} s later: ending "

@@ -786,7 +786,7 @@ def test_a_teardown_that_is_not_callable_is_refused(pm):
 _SIGTERM_IN_TEARDOWN = textwrap.dedent(
     """
     import os, signal, sys
-    from hookspecs import TrainingRun, get_plugin_manager, print_ending, PLAIN_ENDINGS
+    from hookspecs import PeerFailed, TrainingRun, get_plugin_manager, print_ending, PLAIN_ENDINGS
 
     def teardown(run):
         os.kill(os.getpid(), signal.SIGTERM)  # (torchrun's: the other rank exited first)
@@ -827,11 +827,7 @@ def test_a_sigterm_during_the_hosts_teardown_waits_for_it_and_the_ending_is_said
     ``teardown`` the signal waits for the teardown, the ending is said, then the signal
     ends the process."""
     script = tmp_path / "teardown.py"
-    script.write_text(
-        _SIGTERM_IN_TEARDOWN.replace("{error}", error).replace(
-            "from hookspecs import", "from hookspecs import PeerFailed,"
-        )
-    )
+    script.write_text(_SIGTERM_IN_TEARDOWN.replace("{error}", error))
     done = subprocess.run(
         [sys.executable, str(script)],
         capture_output=True,
