@@ -10,8 +10,10 @@ This module owns what those jobs run:
   abort ends (:class:`DeviceStandIn`, standing in for a CUDA synchronisation behind an NCCL
   collective that can never complete), a slow shutdown, a rank that finishes late, a rank
   that swallows the ``PeerFailed`` and then blocks for good (only the exit deadline,
-  ``--exit-deadline``, ends it). Each rank writes ``rank<N>.json`` into ``--out`` at the end
-  of its shutdown (a rank that swallowed it, when it swallows it).
+  ``--exit-deadline``, ends it), a rank whose loop leaves early (``--leave``: an
+  ``early_exit``, no failure) and keeps its process and process group for a while. Each
+  rank writes ``rank<N>.json`` into ``--out`` at the end of its shutdown (a rank that
+  swallowed it, when it swallows it).
 * ``decisions``: the cross-rank decisions, each rank in turn holding the verdict: the real
   ``cudagraph_plugin.compat.any_rank`` and the real peer watch over the job's store. Each
   rank writes ``decisions<N>.json``.
@@ -87,6 +89,7 @@ class Wiring:
         self.record = record
         self.device = DeviceStandIn()
         self.watch: Any = None
+        self.progress: Any = None  # the run's StepProgress (what the plugin reads)
 
     def abort(self) -> None:
         import torch.distributed as dist
@@ -98,11 +101,15 @@ class Wiring:
         self.device.release()
 
     @hookimpl
-    def mcgraph_train_start(self, start_step: int, train_iters: int) -> None:
+    def mcgraph_train_start(self, start_step: int, train_iters: int, progress: Any) -> None:
+        self.progress = progress
         from cudagraph_plugin.runtime.peers import PeerWatch
 
         self.watch = PeerWatch.start(
-            poll_s=self.args.poll_s, abort=self.abort, exit_deadline_s=self.args.exit_deadline
+            poll_s=self.args.poll_s,
+            abort=self.abort,
+            exit_deadline_s=self.args.exit_deadline,
+            current_step=None if self.args.no_step else lambda: self.progress.step,
         )
 
     @hookimpl(wrapper=True, tryfirst=True)
@@ -181,6 +188,23 @@ def run(args: argparse.Namespace) -> int:
         return print_refusal(refused)
 
 
+def block(
+    args: argparse.Namespace, rank: int, device: DeviceStandIn, record: dict[str, Any]
+) -> None:
+    """Wait in the stand-in device wait (``--block``), recorded; with ``--swallow``, a host's
+    ``except BaseException`` around it, then a wait nothing ends."""
+    record["t_block"] = time.time()
+    try:
+        device.wait()
+    except BaseException as exc:
+        if rank not in args.swallow:
+            raise
+        record["swallowed"] = type(exc).__name__
+        _write(args.out / f"rank{rank}.json", record)
+        DeviceStandIn().wait()
+    record["t_unblocked"] = time.time()
+
+
 def train(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -190,6 +214,7 @@ def train(args: argparse.Namespace) -> int:
     rank, world_size = _init()
     record: dict[str, Any] = {"rank": rank, "world_size": world_size, "pid": os.getpid()}
     fails, blocks, lingers = _pairs(args.fail), _pairs(args.block), _pairs(args.linger)
+    leaves = {rank: step.split(":") for rank, step in _pairs(args.leave).items()}
     pm = get_plugin_manager(load_entrypoints=False)
     wiring = Wiring(args, rank, record)
     pm.register(wiring)
@@ -199,7 +224,12 @@ def train(args: argparse.Namespace) -> int:
     try:
         with training:
             for step in range(args.steps):
+                if rank in leaves and step > int(leaves[rank][0]):
+                    record["t_fault"] = time.time()
+                    break  # this rank's own loop ends early; its process group lives on
                 with training.train_step(step):
+                    if blocks.get(rank) == f"{step}:first":  # (standing in for the all-reduce)
+                        block(args, rank, wiring.device, record)
                     dist.all_reduce(torch.ones(1))
                     record["last_step"] = step
                     if fails.get(rank, "").startswith(f"{step}:"):
@@ -211,19 +241,12 @@ def train(args: argparse.Namespace) -> int:
                             raise ConfigurationError(REFUSAL.format(rank=rank, step=step))
                         raise RuntimeError(f"injected failure at step {step} on rank {rank}")
                     if blocks.get(rank) == str(step):
-                        record["t_block"] = time.time()
-                        try:
-                            wiring.device.wait()
-                        except BaseException as exc:
-                            if rank not in args.swallow:
-                                raise
-                            # a host's `except BaseException`; then a wait nothing ends
-                            record["swallowed"] = type(exc).__name__
-                            _write(args.out / f"rank{rank}.json", record)
-                            DeviceStandIn().wait()
-                        record["t_unblocked"] = time.time()
-                    if step == args.steps - 1 and rank in lingers:
+                        block(args, rank, wiring.device, record)
+                    last = int(leaves[rank][0]) if rank in leaves else args.steps - 1
+                    if step == last and rank in lingers:
                         time.sleep(float(lingers[rank]))
+        if rank in leaves:
+            time.sleep(float(leaves[rank][1]))  # (after its run ended: the store stays up)
     finally:
         _end_distributed(training.shutdown_reason)
     return 0
@@ -317,8 +340,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fail", action="append", default=[], help="RANK:STEP:raise|sigterm|refuse"
     )
-    parser.add_argument("--block", action="append", default=[], help="RANK:STEP")
-    parser.add_argument("--linger", action="append", default=[], help="RANK:SECONDS")
+    parser.add_argument(
+        "--block",
+        action="append",
+        default=[],
+        help="RANK:STEP (after the step's all-reduce) or RANK:STEP:first (instead of it)",
+    )
+    parser.add_argument(
+        "--linger", action="append", default=[], help="RANK:SECONDS in its last step"
+    )
+    parser.add_argument(
+        "--leave",
+        action="append",
+        default=[],
+        help="RANK:STEP:SECONDS: that rank's loop ends after STEP (early_exit); the process "
+        "then waits SECONDS before its teardown",
+    )
+    parser.add_argument(
+        "--no-step", action="store_true", help="the watch is not given the run's step"
+    )
     parser.add_argument("--slow-shutdown", type=float, default=0.0)
     parser.add_argument("--swallow", type=int, action="append", default=[], help="RANK")
     parser.add_argument("--exit-deadline", type=float, default=None, help="SECONDS")

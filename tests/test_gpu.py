@@ -200,10 +200,10 @@ class Scenario:
 
     @property
     def fault_step(self) -> int | None:
-        """The step a raise, SIGTERM, SIGKILL or refusal is injected at (``None`` for a
-        capture failure)."""
+        """The step a raise, SIGTERM, SIGKILL, refusal or early exit is injected at (``None``
+        for a capture failure)."""
         for var, value in self.fault:
-            if var.endswith(("_RAISE", "_SIGTERM", "_SIGKILL", "_REFUSE")):
+            if var.endswith(("_RAISE", "_SIGTERM", "_SIGKILL", "_REFUSE", "_EXIT")):
                 return int(value.split(":")[0])
         return None
 
@@ -910,6 +910,49 @@ def check_killed_without_a_word(job: TrainJob) -> None:
 def test_a_rank_killed_without_a_word_leaves_the_other_to_its_shutdown(jobs_root: Path) -> None:
     job = run_scenario_job(KILLED, "fault", KILLED.argv(), jobs_root, dict(KILLED.fault))
     check_killed_without_a_word(job)
+
+
+# Rank 1's own loop ends early after step 6 (``sys.exit(0)`` on that rank alone: no failure,
+# exit status 0) while rank 0 replays step 7, whose all-reduce waits for rank 1 for good (NCCL
+# sees no peer's exit; no launcher ends a job whose rank exited 0). Rank 0's watch reads rank
+# 1's early end and ends its run as after a peer's failure, naming rank 1 and both steps.
+LEFT_EARLY = dataclasses.replace(
+    BY_NAME["dp2_raise_rank1_full_iteration"],
+    name="dp2_exit_rank1_full_iteration",
+    end="early_exit",
+    fault=_fault("EXIT", "6:1"),
+)
+LEFT_EARLY_SAID = "ended its run early: early_exit after step 6, while rank 0 went on to step 7"
+
+
+def check_left_early(job: TrainJob) -> None:
+    check_job_ended_cleanly(job)
+    result = job.result
+    assert result.rc != 0 and result.wall_s < NO_HANG_S, job.context()
+    after_fault = end_after_fault_s(job)
+    assert after_fault is not None and after_fault < PEER_END_S, (after_fault, job.context())
+    left = job.record(1)
+    context = f"rank 1\n{job.context()}"
+    assert left["shutdown_reason"] == "early_exit", context
+    assert ["fault", "exit", LEFT_EARLY.fault_step] in left["events"], context
+    for rank in (0, 1):
+        report, facts = job.record(rank)["report"], job.record(rank)["graph_plugin"]
+        assert report is not None and facts is not None, (rank, job.context())
+        assert facts["graphs_freed"] == report["graph_count"] > 0, (rank, facts, report)
+        check_memory_back(job, rank, LEFT_EARLY.slack_mib)
+    told = job.record(0)
+    assert told["shutdown_reason"] == "peer_failed", job.context()
+    assert LEFT_EARLY_SAID in (told["exception"] or ""), job.context()
+    assert "[rank 0] run ended: rank 1 (" in result.output(), job.context()
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(DEVICE_COUNT < 2, reason=f"needs 2 CUDA devices (found {DEVICE_COUNT})")
+def test_a_rank_going_on_past_a_peers_early_end_is_ended(jobs_root: Path) -> None:
+    job = run_scenario_job(
+        LEFT_EARLY, "fault", LEFT_EARLY.argv(), jobs_root, dict(LEFT_EARLY.fault)
+    )
+    check_left_early(job)
 
 
 # -------------------------------------------------------------------------------------------

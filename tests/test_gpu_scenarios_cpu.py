@@ -535,6 +535,50 @@ def test_the_killed_rank_checks_pass_a_survivor_that_shut_down_and_catch_the_old
         assert fails(lambda job=job: test_gpu.check_killed_without_a_word(job)), job
 
 
+def test_the_early_end_checks_pass_a_told_rank_and_catch_the_hang(tmp_path: Path) -> None:
+    """``check_left_early`` (rank 1's loop ends early after step 6, rank 0 goes on): rank 1
+    ``early_exit`` with its graphs freed, rank 0 told by its watch (``peer_failed`` naming
+    the early end and both steps), every graph freed, the job ended within seconds. The old
+    end (rank 0 in step 7's all-reduce until the collective's timeout, or a failure that
+    does not name the early end) and every other defect fail it."""
+    s = test_gpu.LEFT_EARLY
+    left = {
+        **failure_record(s),
+        "losses": [2.0] * 7,
+        "events": [["step", 6], ["step_end", 6], ["fault", "exit", 6], ["report"]],
+    }
+    told = {
+        **peer_record(s),
+        "exception": f"PeerFailed('rank 1 (h, pid 7) {test_gpu.LEFT_EARLY_SAID}: ...')",
+    }
+    records = {0: told, 1: left}
+    line = "[cudagraph_plugin] [rank 0] run ended: rank 1 (h, pid 7) ended its run early: ..."
+    good = {"stderr": refusal_output(tmp_path, [line])}
+    ended = FAULT_AT + 3.0
+    test_gpu.check_left_early(job_of(s, records, rc=1, wall_s=20.0, ended_at=ended, **good))
+    bad_jobs = [
+        job_of(s, records, rc=0, wall_s=20.0, ended_at=ended, **good),
+        job_of(s, records, rc=1, wall_s=20.0, ended_at=ended, stderr=refusal_output(tmp_path, [])),
+        # the collective's timeout ended rank 0 (NCCL's watchdog, minutes later)
+        job_of(s, records, rc=1, wall_s=61.0, ended_at=ended, **good),
+        job_of(s, records, rc=1, wall_s=20.0, ended_at=FAULT_AT + 16.0, **good),
+        job_of(s, records, rc=-9, timed_out=True, wall_s=90.0, ended_at=ended, **good),
+    ]
+    for rank, path, value in (
+        (0, "shutdown_reason", "exception"),
+        (0, "exception", "DistBackendError('... rank 1 (h, pid 7) had ended its run early')"),
+        (0, "graph_plugin.graphs_freed", 0),
+        (0, "graph_plugin.allocated_after_free_mib", 300.0),
+        (1, "shutdown_reason", "completed"),
+        (1, "events", [["step", 6], ["step_end", 6]]),
+        (1, "graph_plugin.graphs_freed", 1),
+    ):
+        changed = {**records, rank: _set(records[rank], path, value)}
+        bad_jobs.append(job_of(s, changed, rc=1, wall_s=20.0, ended_at=ended, **good))
+    for job in bad_jobs:
+        assert fails(lambda job=job: test_gpu.check_left_early(job)), job
+
+
 GOOD_TWO_RANK_OUTPUT = """\
 [cudagraph_plugin] RNG tracker is CUDA-graph safe: TECudaRNGStatesTracker
 [cudagraph_plugin] [rank 0] captured 4 graph(s)

@@ -361,13 +361,21 @@ def test_a_bad_deadline_is_a_problem_naming_the_field_and_the_fix(value):
 
 
 @pytest.mark.parametrize("seconds, passed", [(7.0, 7.0), (0.0, None)])
-def test_the_run_passes_its_setting_to_the_watch(monkeypatch, seconds, passed):
+def test_the_run_passes_its_setting_and_its_step_to_the_watch(monkeypatch, seconds, passed):
     seen: list[Any] = []
     monkeypatch.setattr(compat, "distributed_world", lambda: (0, 2))
     monkeypatch.setattr(PeerWatch, "start", classmethod(lambda cls, **kw: seen.append(kw)))
-    state = types.SimpleNamespace(settings=types.SimpleNamespace(peer_exit_deadline=seconds))
+    state = types.SimpleNamespace(
+        settings=types.SimpleNamespace(peer_exit_deadline=seconds), step=None
+    )
     job_watch.JobWatch(state).watch()
-    assert seen == [{"exit_deadline_s": passed}]
+    [kwargs] = seen
+    assert kwargs["exit_deadline_s"] == passed
+    # and the run's step, read live (what an early end records, and the watch compares)
+    assert kwargs["current_step"]() is None
+    state.step = 11
+    assert kwargs["current_step"]() == 11
+    assert set(kwargs) == {"exit_deadline_s", "current_step"}
 
 
 # -- a peer gone without a word: the run's stuck-signal watch asks the peer watch ------------

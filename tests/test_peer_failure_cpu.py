@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import hookspecs
 from cudagraph_plugin import compat
-from cudagraph_plugin.runtime import job_watch, peer_mark
+from cudagraph_plugin.runtime import job_watch, peer_early, peer_mark
 from cudagraph_plugin.runtime import peers as peer_failure
 from cudagraph_plugin.runtime.peer_mark import (
     PeerFailed,
@@ -458,6 +458,124 @@ def test_a_stopped_rank_does_not_blame_an_early_end_and_a_failed_read_keeps_the_
         caplog.text
     )
     assert "not told" not in caplog.text and other._store_lost is False
+
+
+# -- a peer whose own loop ended early (cudagraph_plugin.runtime.peer_early) --------------
+
+
+def early_peer(watch: PeerWatch, rank: int, last_step: int | None) -> PeerWatch:
+    """Another rank of ``watch``'s run whose run ended after entering ``last_step``."""
+    return PeerWatch(
+        watch._store,
+        rank,
+        watch.world_size,
+        generation=watch.generation,
+        current_step=lambda: last_step,
+    )
+
+
+def test_a_rank_in_a_step_after_a_peers_early_end_is_released_and_told(store, watches, caplog):
+    """(2026-12-06: a rank whose loop ends early marked no failure, so a rank still training
+    waited in the next step's collective for good, over NCCL until its timeout.) The watch
+    ends this run as after a peer's failure, naming the early rank and both steps."""
+    stand_in = StandIn()
+    aborts = Aborts(stand_in)
+    watch = start(watches, store, abort=aborts, current_step=lambda: 6)
+    later(0.3, lambda: early_peer(watch, 1, 5).end("early_exit"))
+    with caplog.at_level(logging.ERROR, logger="cudagraph_plugin"):
+        with pytest.raises(PeerFailed) as info:
+            stand_in.wait(HANG_S)  # (standing in for step 6's all-reduce)
+    assert info.value.rank == 1 and aborts.calls == 1
+    assert info.value.reason.startswith(
+        "early_exit after step 5, while rank 0 went on to step 6: that step's collectives "
+        "wait for it for good. Fix: end the loop at the same step on every rank"
+    )
+    where = f"rank 1 ({socket.gethostname()}, pid {os.getpid()})"
+    assert str(info.value).startswith(f"{where} ended its run early: early_exit after step 5")
+    assert f"rank 0: {where} ended its run early: early_exit after step 5" in caplog.text
+    watch.end(ShutdownReason.PEER_FAILED, info.value)
+    assert watch.first_failure is None and not store.check([watch.first_key])  # no failure
+
+
+@pytest.mark.parametrize("mine", [4, 5], ids=["behind", "same_step"])
+def test_a_rank_not_past_a_peers_early_end_is_left_alone(store, watches, mine):
+    """Ranks that end early at the same step (an exit condition every rank agreed on) are
+    no failure: the rank still in that step, or behind it, is not told."""
+    steps = [mine]
+    aborts = Aborts()
+    watch = start(watches, store, abort=aborts, current_step=lambda: steps[0])
+    early_peer(watch, 1, 5).end("early_exit")
+    time.sleep(20 * POLL_S)  # the watch reads the record (this rank's step stands still)
+    assert aborts.calls == 0 and watch.peer_failure is None
+    assert watch._early is not None and watch._early.record is not None
+    steps[0] = 6  # a step after the peer's last: told, from the record it already read
+    with pytest.raises(PeerFailed) as info:
+        threading.Event().wait(HANG_S)
+    assert "went on to step 6" in info.value.reason and aborts.calls == 1
+
+
+def test_a_peer_that_ended_before_its_first_step_is_past_at_any_step(store, watches):
+    watch = start(watches, store, abort=Aborts(), current_step=lambda: 0)
+    later(0.2, lambda: early_peer(watch, 1, None).end("early_exit"))
+    with pytest.raises(PeerFailed) as info:
+        threading.Event().wait(HANG_S)
+    assert info.value.reason.startswith("early_exit before its first step, while rank 0 went on")
+
+
+@pytest.mark.parametrize(
+    "reason, current_step, recorded",
+    [
+        ("early_exit", lambda: 7, 7),
+        ("early_exit", lambda: None, peer_early.NO_STEP),
+        ("early_exit", None, None),  # a watch not given the step records none
+        ("completed", lambda: 7, "absent"),  # only an early end is recorded
+    ],
+)
+def test_an_early_end_records_the_last_step_the_rank_entered(store, reason, current_step, recorded):
+    watch = PeerWatch(store, 1, 2, generation=3, current_step=current_step)
+    watch.end(reason)
+    if recorded == "absent":
+        assert not store.check([watch.early_key])
+        return
+    record = PeerFailure.decode(store.get(watch.early_key))
+    assert (record.rank, record.reason, record.step) == (1, "early_exit", recorded)
+
+
+class CountingStore:
+    """A store that counts the reads of each key (``check`` and ``get``)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.reads: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def check(self, keys: list[str]) -> bool:
+        for key in keys:
+            self.reads[key] = self.reads.get(key, 0) + 1
+        return self.store.check(keys)
+
+
+def test_the_early_key_is_read_only_while_this_ranks_step_stands_still(store):
+    """A loop whose steps are shorter than the poll interval costs the store no read of the
+    early end's key; a step that stands still for a poll does (one read a poll)."""
+    counting = CountingStore(store)
+    steps = [None]
+    early = peer_early.EarlyEnd(0, "k/early", lambda: steps[0])
+    assert early.check(counting) is None and counting.reads == {}  # before the first step
+    for step in range(5):  # a new step at every poll
+        steps[0] = step
+        assert early.check(counting) is None
+    assert counting.reads == {}
+    assert early.check(counting) is None and early.check(counting) is None  # step 4 stands
+    assert counting.reads == {"k/early": 2}
+    store.set("k/early", PeerFailure(1, "early_exit", "h", 1, step=3).encode())
+    failure = early.check(counting)
+    assert failure is not None and failure.rank == 1 and "went on to step 4" in failure.reason
+    assert counting.reads == {"k/early": 3}
+    steps[0] = 9
+    assert early.check(counting) is not None and counting.reads == {"k/early": 3}  # (kept)
 
 
 def test_a_mark_of_an_earlier_run_is_not_seen_by_the_next(store, watches):
@@ -921,6 +1039,14 @@ JOBS: dict[str, tuple[int, str, list[str]]] = {
         "torchrun",
         ["--fail", "1:2:raise", "--block", "0:2", "--swallow", "0", "--exit-deadline", "2"],
     ),
+    # rank 1's loop ends after step 2 and its process stays 8 s; rank 0 waits in step 3
+    "left_early": (
+        2,
+        "torchrun",
+        ["--leave", "1:2:8", "--block", "0:3:first", "--exit-deadline", "12"],
+    ),
+    # both loops end after step 2; rank 0 stays in step 2 for 3 s after rank 1 ended
+    "left_together": (2, "torchrun", ["--leave", "0:2:0", "--leave", "1:2:0", "--linger", "0:3"]),
 }
 
 
@@ -1091,6 +1217,39 @@ def test_ranks_completing_at_different_times_raise_no_alarm(jobs):
         assert record["reason"] == "completed"
         assert record["peer_failure"] is None and record["first_failure"] is None
     assert "failed" not in job.result.output().lower(), job.context()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("peer_failure_jobs")
+def test_a_rank_going_on_past_a_peers_early_end_is_ended_within_seconds(jobs):
+    """Rank 1's own loop ends after step 2 (no failure; its process and process group live
+    on 8 s); rank 0 waits in step 3, in a wait only its abort ends: told by its watch, it
+    ends with peer_failed naming rank 1 and both steps, long before rank 1's process ends."""
+    job = jobs["left_early"]
+    ended_in_time(job)
+    assert job.result.rc != 0, job.context()
+    told_by(job, 0, 1, "early_exit after step 2, while rank 0 went on to step 3")
+    assert "ended its run early" in job.record(0)["exception"]
+    left = job.record(1)
+    assert (left["reason"], left["first_failure"], left["last_step"]) == ("early_exit", None, 2)
+    # the abort, not rank 1's exit (8 s after its shutdown), released rank 0
+    assert job.record(0)["t_end"] < left["t_shutdown"] + 8, job.context()
+    not_ended_by_the_deadline(job, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("peer_failure_jobs")
+def test_ranks_ending_early_at_the_same_step_raise_no_alarm(jobs):
+    job = jobs["left_together"]
+    ended_in_time(job)
+    assert job.result.rc == 0, job.context()
+    for rank in (0, 1):
+        record = job.record(rank)
+        assert (record["reason"], record["last_step"]) == ("early_exit", 2), job.context()
+        assert record["peer_failure"] is None and record["first_failure"] is None
+    # rank 0 was still in step 2 for 3 s after rank 1's early end: its watch read that end
+    assert job.record(0)["t_shutdown"] > job.record(1)["t_shutdown"] + 2, job.context()
+    assert "ended its run early" not in job.result.output(), job.context()
 
 
 @pytest.mark.slow

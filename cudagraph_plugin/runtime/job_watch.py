@@ -1,10 +1,12 @@
 """The run's side of the peer watch (:mod:`~cudagraph_plugin.runtime.peers`): when this
 run starts watching (once the process group exists, from whichever hook sees it first), the
-mark at the start of its shutdown and the wait for the peers at its end."""
+mark at the start of its shutdown (with the run's step, which an early end records) and
+the wait for the peers at its end."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from cudagraph_plugin import compat
@@ -14,12 +16,14 @@ from hookspecs import ShutdownReason
 logger = logging.getLogger("cudagraph_plugin")
 
 
-def watch_job(exit_deadline_s: float | None = None) -> PeerWatch | None:
+def watch_job(
+    exit_deadline_s: float | None = None, current_step: Callable[[], int | None] | None = None
+) -> PeerWatch | None:
     """The run's watch of its peers, once the default process group exists: ``None`` in a
     single-rank run, without a process group, or (logged) when another watch already runs
     in this process."""
     try:
-        return PeerWatch.start(exit_deadline_s=exit_deadline_s)
+        return PeerWatch.start(exit_deadline_s=exit_deadline_s, current_step=current_step)
     except RuntimeError as exc:
         logger.warning("%s: this run does not watch its peers", exc)
         return None
@@ -42,7 +46,8 @@ class JobWatch:
             return
         self._tried = True
         self.state.ranks = compat.distributed_world()
-        self.peers = watch_job(self.state.settings.peer_exit_deadline or None)
+        state = self.state
+        self.peers = watch_job(state.settings.peer_exit_deadline or None, lambda: state.step)
 
     def end(self, reason: Any, exception: BaseException | None) -> None:
         if self.peers is None and reason.abnormal and reason is not ShutdownReason.PEER_FAILED:

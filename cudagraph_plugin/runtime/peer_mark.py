@@ -79,6 +79,8 @@ class PeerFailure:
     pid: int = 0
     refusal: str = ""
     """The rank refused the run as configured: its ``ConfigurationError``'s message."""
+    step: int | None = None
+    """An early end's last step entered (``-1``: none); None where not recorded."""
 
     def encode(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -94,6 +96,7 @@ class PeerFailure:
                 str(data["host"]),
                 int(data["pid"]),
                 str(data.get("refusal", "")),
+                None if data.get("step") is None else int(data["step"]),
             )
         except (ValueError, KeyError, TypeError):
             # Not ours to parse (another writer of the key): still a failure, of unknown rank.
@@ -107,6 +110,8 @@ class PeerFailure:
 
     @property
     def outcome(self) -> str:
+        if self.reason.startswith(ShutdownReason.EARLY_EXIT.value):
+            return "ended its run early"
         return "was stopped" if self.stopped else "failed"
 
     def who(self) -> str:

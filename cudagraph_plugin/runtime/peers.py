@@ -39,6 +39,10 @@ interrupt :mod:`~cudagraph_plugin.runtime.peer_interrupt`):
   ``exit_deadline_s`` later (:class:`~cudagraph_plugin.runtime.peer_deadline.ExitDeadline`,
   ``cuda_graph_peer_exit_deadline``); a shutdown that settled (:meth:`finish`) cancels it.
 
+* **Early end.** A rank whose own loop ended its run early (``early_exit``) marks no
+  failure, but a rank that goes on into a step it never entered ends as after one
+  (:mod:`~cudagraph_plugin.runtime.peer_early`, with ``current_step``).
+
 A rank never reacts to its own mark, never interrupts its own shutdown (the handler does
 nothing once :meth:`PeerWatch.stop` began or while ``TrainingRun`` is shutting down), and a
 normal end marks nothing: no false alarm when ranks finish at different times.
@@ -56,6 +60,7 @@ from typing import Any
 
 from cudagraph_plugin import compat
 from cudagraph_plugin.runtime.peer_deadline import ExitDeadline
+from cudagraph_plugin.runtime.peer_early import EarlyEnd, named_before, with_last_step
 from cudagraph_plugin.runtime.peer_interrupt import PeerInterrupt
 from cudagraph_plugin.runtime.peer_mark import (
     ABORT_WAIT_S,
@@ -105,6 +110,7 @@ class PeerWatch(PeerInterrupt):
         interrupt_signal: int | None = None,
         generation: int = 0,
         exit_deadline_s: float | None = None,
+        current_step: Callable[[], int | None] | None = None,
     ) -> None:
         if world_size < 2 or not 0 <= rank < world_size:
             raise ValueError(
@@ -140,6 +146,8 @@ class PeerWatch(PeerInterrupt):
         self._handler_installed = False
         self._main_ident = threading.main_thread().ident
         self.deadline = ExitDeadline(rank, exit_deadline_s) if exit_deadline_s else None
+        self._current_step = current_step
+        self._early = EarlyEnd(rank, self.early_key, current_step) if current_step else None
         self._thread = threading.Thread(target=self._watch, name="mcgraph-peer-watch", daemon=True)
 
     @property
@@ -155,8 +163,8 @@ class PeerWatch(PeerInterrupt):
 
     @property
     def early_key(self) -> str:
-        """The first rank whose run ended early (``early_exit``): no failure, but the other
-        ranks' next collective may wait for it for good; a later failure names it."""
+        """The first rank whose run ended early (``early_exit``): no failure, but a rank
+        going past its last step is ended, and a later failure names it."""
         return f"{self._prefix}/early"
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -175,6 +183,7 @@ class PeerWatch(PeerInterrupt):
         interrupt: bool = True,
         exit_deadline_s: float | None = None,
         release: bool | None = None,
+        current_step: Callable[[], int | None] | None = None,
     ) -> PeerWatch | None:
         """Start watching for a peer's failure; ``None`` in a single-rank run.
 
@@ -203,6 +212,9 @@ class PeerWatch(PeerInterrupt):
         :param release: Offer :meth:`release_blocked_main_thread` to the run's stuck-signal
             watch (with a deadline only). None: over NCCL, whose abort ends a blocked
             collective (over gloo only the peer's exit does: it would delay the exit).
+        :param current_step: The step this rank runs now, or last ran (None before the
+            first): an early end records it; a rank in a step after a peer's early end
+            ends as after its failure (:mod:`~cudagraph_plugin.runtime.peer_early`).
         :raises RuntimeError: if another watch is running in this process.
         """
         global _generation, _active
@@ -234,6 +246,7 @@ class PeerWatch(PeerInterrupt):
                 else interrupt_signal,
                 generation=_generation,
                 exit_deadline_s=exit_deadline_s,
+                current_step=current_step,
             )
             _active = watch
         if interrupt:
@@ -287,6 +300,7 @@ class PeerWatch(PeerInterrupt):
             self._ended = True
             early = reason is ShutdownReason.EARLY_EXIT and self.peer_failure is None
             mine = PeerFailure(self.rank, str(reason), socket.gethostname(), os.getpid())
+            mine = with_last_step(mine, self._current_step) if early else mine
 
             def count(store: Any) -> None:
                 store.add(self.ended_key, 1)  # (first: what a failing rank waits for)
@@ -332,7 +346,9 @@ class PeerWatch(PeerInterrupt):
                 self.rank,
                 mine.outcome,
                 mine.summary,
-                "" if mine.stopped else self._early_end_before(),
+                ""
+                if mine.stopped
+                else named_before(self._optional_call, self.early_key, self.rank),
             )
         else:
             # Stopped after a peer was: most likely the whole job is being stopped (torchrun
@@ -367,23 +383,6 @@ class PeerWatch(PeerInterrupt):
             lambda store: store.compare_set(f"{self._prefix}/{what}", "", mine),
         )
         return claimed is not None and bytes(claimed).decode(errors="replace") == mine
-
-    def _early_end_before(self) -> str:
-        """Where a peer's run ended early (its own loop's exit, not the job's) before this
-        rank failed: the words that name it (a collective it no longer joins is a likely
-        cause, and nobody else would say it), else nothing. Read after the mark, in a call
-        of its own: a store too slow for it costs the words, never the mark."""
-        raw = self._optional_call(
-            "read an early end",
-            lambda store: store.check([self.early_key]) and store.get(self.early_key),
-        )
-        early = PeerFailure.decode(raw) if raw else None
-        if early is None or early.rank == self.rank:
-            return ""
-        return (
-            f" ({early.who()} had ended its run early, before this: a collective it no longer "
-            "joins may be what failed here)"
-        )
 
     def _raise_deferred(self) -> None:
         deferred, self._deferred = self._deferred, None
@@ -554,9 +553,10 @@ class PeerWatch(PeerInterrupt):
             return
         while not self._wake.wait(self.poll_s):
             try:
-                if not self._connection.check([self.first_key]):
+                if self._connection.check([self.first_key]):
+                    failure = PeerFailure.decode(self._connection.get(self.first_key))
+                elif self._early is None or not (failure := self._early.check(self._connection)):
                     continue
-                failure = PeerFailure.decode(self._connection.get(self.first_key))
             except Exception as exc:
                 self._give_up(exc)
                 return

@@ -38,6 +38,10 @@ Environment contract (``R`` is the ``RANK`` variable, 0 without torchrun):
     Write the record (the fault in it, no shutdown) and SIGKILL this process at the end of
     that step, on that rank: a rank that dies without a word (the OOM killer, a lost node),
     marking nothing for its peers.
+``MCGRAPH_PROBE_EXIT=<step>:<rank>``
+    Raise ``SystemExit(0)`` at the end of that step, on that rank: a loop that ends early
+    on one rank only (``sys.exit(0)``, a ``break`` on a condition only that rank sees); its
+    run ends ``early_exit`` and the process exits 0, while the other ranks go on.
 ``MCGRAPH_PROBE_REFUSE=<step>:<rank>``
     Raise ``hookspecs.ConfigurationError`` at the end of that step, on that rank, as a
     plugin's check of that step refuses the run (the CUDA graph plugin's "asked for graphs,
@@ -91,6 +95,7 @@ SIGTERM_VAR = "MCGRAPH_PROBE_SIGTERM"
 SIGINT_VAR = "MCGRAPH_PROBE_SIGINT"
 SIGKILL_VAR = "MCGRAPH_PROBE_SIGKILL"
 REFUSE_VAR = "MCGRAPH_PROBE_REFUSE"
+EXIT_VAR = "MCGRAPH_PROBE_EXIT"
 FAIL_CAPTURE_VAR = "MCGRAPH_PROBE_FAIL_CAPTURE"
 FAIL_CAPTURE_AT_VAR = "MCGRAPH_PROBE_FAIL_CAPTURE_AT"
 SCALE_LR_VAR = "MCGRAPH_PROBE_SCALE_LR"
@@ -104,6 +109,7 @@ PROBE_VARS = (
     SIGINT_VAR,
     SIGKILL_VAR,
     REFUSE_VAR,
+    EXIT_VAR,
     FAIL_CAPTURE_VAR,
     SCALE_LR_VAR,
     PLAIN_VAR,
@@ -212,6 +218,7 @@ class Probe:
         self.sigint_at = _step_rank(environ, SIGINT_VAR)
         self.sigkill_at = _step_rank(environ, SIGKILL_VAR)
         self.refuse_at = _step_rank(environ, REFUSE_VAR)
+        self.exit_at = _step_rank(environ, EXIT_VAR)
         self.scale_lr = _step_factor(environ.get(SCALE_LR_VAR))
         self.plain_fwd_bwd = environ.get(PLAIN_VAR) == "1"
         self.optimizer: Any = None
@@ -328,6 +335,10 @@ class Probe:
             self.record["fault_at"] = time.time()
             self.write()  # (nothing runs after the kill)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.exit_at is not None and self._due(self.exit_at, step):
+            self.events.append(["fault", "exit", step])
+            self.record["fault_at"] = time.time()
+            raise SystemExit(0)
         if self.refuse_at is not None and self._due(self.refuse_at, step):
             from hookspecs import ConfigurationError
 
