@@ -109,7 +109,7 @@ class Wiring:
             poll_s=self.args.poll_s,
             abort=self.abort,
             exit_deadline_s=self.args.exit_deadline,
-            current_step=None if self.args.no_step else lambda: self.progress.step,
+            current_step=lambda: self.progress.step,
         )
 
     @hookimpl(wrapper=True, tryfirst=True)
@@ -138,6 +138,8 @@ class Wiring:
                     "rank": first.rank,
                     "reason": first.reason,
                 }
+                early = self.watch._early.record if self.watch._early else None
+                self.record["early_end_seen"] = early and {"rank": early.rank, "step": early.step}
             self.record["t_end"] = time.time()
             _write(self.args.out / f"rank{self.rank}.json", self.record)
 
@@ -355,9 +357,6 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="RANK:STEP:SECONDS: that rank's loop ends after STEP (early_exit); the process "
         "then waits SECONDS before its teardown",
-    )
-    parser.add_argument(
-        "--no-step", action="store_true", help="the watch is not given the run's step"
     )
     parser.add_argument("--slow-shutdown", type=float, default=0.0)
     parser.add_argument("--swallow", type=int, action="append", default=[], help="RANK")

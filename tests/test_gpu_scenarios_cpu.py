@@ -549,7 +549,8 @@ def test_the_early_end_checks_pass_a_told_rank_and_catch_the_hang(tmp_path: Path
     }
     told = {
         **peer_record(s),
-        "exception": f"PeerFailed('rank 1 (h, pid 7) {test_gpu.LEFT_EARLY_SAID}: ...')",
+        "exception": "PeerFailed('rank 1 (h, pid 7) ended its run early: early_exit after step "
+        "6, while rank 0 went on to step 7: ...')",
     }
     records = {0: told, 1: left}
     line = "[cudagraph_plugin] [rank 0] run ended: rank 1 (h, pid 7) ended its run early: ..."
@@ -567,6 +568,11 @@ def test_the_early_end_checks_pass_a_told_rank_and_catch_the_hang(tmp_path: Path
     for rank, path, value in (
         (0, "shutdown_reason", "exception"),
         (0, "exception", "DistBackendError('... rank 1 (h, pid 7) had ended its run early')"),
+        (
+            0,
+            "exception",
+            "PeerFailed('... early_exit after step 6, while rank 0 went on to step 6')",
+        ),
         (0, "graph_plugin.graphs_freed", 0),
         (0, "graph_plugin.allocated_after_free_mib", 300.0),
         (1, "shutdown_reason", "completed"),

@@ -484,7 +484,7 @@ def test_a_rank_in_a_step_after_a_peers_early_end_is_released_and_told(store, wa
     later(0.3, lambda: early_peer(watch, 1, 5).end("early_exit"))
     with caplog.at_level(logging.ERROR, logger="cudagraph_plugin"):
         with pytest.raises(PeerFailed) as info:
-            stand_in.wait(HANG_S)  # (standing in for step 6's all-reduce)
+            stand_in.wait(20)  # (standing in for step 6's all-reduce)
     assert info.value.rank == 1 and aborts.calls == 1
     assert info.value.reason.startswith(
         "early_exit after step 5, while rank 0 went on to step 6: that step's collectives "
@@ -505,7 +505,7 @@ def test_a_rank_not_past_a_peers_early_end_is_left_alone(store, watches, mine):
     aborts = Aborts()
     watch = start(watches, store, abort=aborts, current_step=lambda: steps[0])
     early_peer(watch, 1, 5).end("early_exit")
-    time.sleep(20 * POLL_S)  # the watch reads the record (this rank's step stands still)
+    time.sleep(20 * POLL_S)  # the watch reads the record (the news counter moved)
     assert aborts.calls == 0 and watch.peer_failure is None
     assert watch._early is not None and watch._early.record is not None
     steps[0] = 6  # a step after the peer's last: told, from the record it already read
@@ -542,40 +542,153 @@ def test_an_early_end_records_the_last_step_the_rank_entered(store, reason, curr
 
 
 class CountingStore:
-    """A store that counts the reads of each key (``check`` and ``get``)."""
+    """A store that counts the requests naming each key (``check``, ``get``, ``add``)."""
 
     def __init__(self, store: Any) -> None:
         self.store = store
-        self.reads: dict[str, int] = {}
+        self.requests: dict[str, int] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)
 
+    def clone(self) -> Any:
+        raise NotImplementedError("shared, so that the watcher's requests are counted too")
+
+    def _count(self, key: str) -> None:
+        name = key.rsplit("/", 1)[-1]
+        self.requests[name] = self.requests.get(name, 0) + 1
+
     def check(self, keys: list[str]) -> bool:
         for key in keys:
-            self.reads[key] = self.reads.get(key, 0) + 1
+            self._count(key)
         return self.store.check(keys)
 
+    def get(self, key: str) -> Any:
+        self._count(key)
+        return self.store.get(key)
 
-def test_the_early_key_is_read_only_while_this_ranks_step_stands_still(store):
-    """A loop whose steps are shorter than the poll interval costs the store no read of the
-    early end's key; a step that stands still for a poll does (one read a poll)."""
+    def add(self, key: str, value: int) -> int:
+        self._count(key)
+        return self.store.add(key, value)
+
+
+def test_a_poll_is_one_store_request_and_the_marks_are_read_once(store, watches):
+    """The watch polls the job's news counter alone, one request a poll, whatever this
+    rank's steps do (a second key per poll would double the load of the job's store); a
+    mark is read when the counter moved, and an early end's record once, then kept."""
     counting = CountingStore(store)
-    steps = [None]
-    early = peer_early.EarlyEnd(0, "k/early", lambda: steps[0])
-    assert early.check(counting) is None and counting.reads == {}  # before the first step
-    for step in range(5):  # a new step at every poll
-        steps[0] = step
-        assert early.check(counting) is None
-    assert counting.reads == {}
-    assert early.check(counting) is None and early.check(counting) is None  # step 4 stands
-    assert counting.reads == {"k/early": 2}
-    store.set("k/early", PeerFailure(1, "early_exit", "h", 1, step=3).encode())
-    failure = early.check(counting)
-    assert failure is not None and failure.rank == 1 and "went on to step 4" in failure.reason
-    assert counting.reads == {"k/early": 3}
-    steps[0] = 9
-    assert early.check(counting) is not None and counting.reads == {"k/early": 3}  # (kept)
+    steps = [4]
+    watch = start(watches, counting, abort=Aborts(), current_step=lambda: steps[0])
+    time.sleep(10 * POLL_S)
+    polls = counting.requests["news"]
+    assert polls >= 5 and set(counting.requests) == {"news"}
+    PeerWatch(store, 1, 2, generation=watch.generation, current_step=lambda: 5).end(
+        "early_exit"
+    )  # (on the store itself: only this watch's requests are counted)
+    time.sleep(10 * POLL_S)
+    steps[0] = 5
+    time.sleep(10 * POLL_S)
+    assert counting.requests["first"] == 1  # checked once, on the news
+    assert counting.requests["early"] == 2  # checked and read once, then kept
+    assert watch.peer_failure is None and watch._early is not None
+    assert watch._early.record is not None and watch._early.record.step == 5
+
+
+def test_a_failure_mark_comes_before_an_early_end_read_at_the_same_poll(store, watches):
+    aborts = Aborts()
+    watch = start(watches, store, rank=0, world_size=3, abort=aborts, poll_s=1.0,
+                  current_step=lambda: 9)  # fmt: skip
+    PeerWatch(store, 1, 3, generation=watch.generation, current_step=lambda: 5).end("early_exit")
+    PeerWatch(store, 2, 3, generation=watch.generation).mark_failed("exception: boom")
+    with pytest.raises(PeerFailed) as info:
+        threading.Event().wait(HANG_S)
+    assert (info.value.rank, info.value.reason) == (2, "exception: boom")
+    assert aborts.calls == 1
+
+
+def test_an_early_end_without_a_step_is_not_compared_and_the_watch_goes_on(store, watches):
+    """A record with no step (a watch not given the run's step, an older version) is no
+    failure; the watch still hears of a real one afterwards."""
+    aborts = Aborts()
+    watch = start(watches, store, abort=aborts, current_step=lambda: 9)
+    PeerWatch(store, 1, 2, generation=watch.generation).end("early_exit")
+    time.sleep(10 * POLL_S)
+    assert watch._early is not None and watch._early.record is not None
+    assert watch._early.record.step is None and aborts.calls == 0
+    peer(watch, 1).mark_failed("exception: later")
+    with pytest.raises(PeerFailed) as info:
+        threading.Event().wait(HANG_S)
+    assert info.value.reason == "exception: later"
+
+
+@pytest.mark.parametrize("bad", ["raises", "not a number"])
+def test_a_step_that_cannot_be_read_turns_off_only_the_early_end_check(store, watches, caplog, bad):
+    """(a review: an error there went to the store's give-up, which ended the whole watch
+    and said the store did not answer.) Logged once; a peer's failure is still heard,
+    and this rank's own early end records no step rather than "before its first step"."""
+
+    def step() -> Any:
+        if bad == "raises":
+            raise RuntimeError("no step here")
+        return bad
+
+    aborts = Aborts()
+    with caplog.at_level(logging.INFO, logger="cudagraph_plugin"):
+        watch = start(watches, store, abort=aborts, current_step=step)
+        time.sleep(10 * POLL_S)
+        early_peer(watch, 1, 5).end("early_exit")
+        time.sleep(10 * POLL_S)
+        assert aborts.calls == 0
+        peer(watch, 1).mark_failed("exception: later")
+        with pytest.raises(PeerFailed):
+            threading.Event().wait(HANG_S)
+    said = [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()]
+    assert len(said) == 1 and "a peer's failure still is" in said[0]
+    assert "does not answer" not in caplog.text
+    own = PeerWatch(dist.HashStore(), 1, 2, generation=2, current_step=step)
+    own.end("early_exit")
+    assert PeerFailure.decode(own._store.get(own.early_key)).step is None
+
+
+def test_a_rank_told_of_a_failure_then_ending_early_records_no_early_end(store, watches):
+    watch = start(watches, store, abort=Aborts(), interrupt=False, current_step=lambda: 3)
+    peer(watch, 1).mark_failed("exception: boom")
+    deadline = time.monotonic() + HANG_S
+    while watch.peer_failure is None and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    watch.end("early_exit")
+    assert not store.check([watch.early_key])
+
+
+@pytest.mark.parametrize("mine, told", [(9, True), (5, False)], ids=["past", "same_step"])
+def test_a_clean_end_past_a_peers_early_end_is_told_at_its_end(store, watches, caplog, mine, told):
+    """(a review: a loop running ahead of its device, its steps queued without a wait,
+    could finish before the watch looked; its shutdown then waited on the device for the
+    collectives of steps the early rank never entered.) The clean end reads the early end
+    once more: past it, the abort begins, the plugin's shutdown does not wait on the
+    device, and the run ends with PeerFailed after its shutdown."""
+    import types
+
+    from cudagraph_plugin.runtime.shutdown import device_may_block
+
+    aborts = Aborts()
+    watch = start(watches, store, abort=aborts, poll_s=60.0, current_step=lambda: mine)
+    early_peer(watch, 1, 5).end("early_exit")
+    state = types.SimpleNamespace(past_peer_early_end=False, rank_and_world=lambda: (0, 2))
+    job = job_watch.JobWatch(state)
+    job.peers = watch
+    with caplog.at_level(logging.ERROR, logger="cudagraph_plugin"):
+        job.end(ShutdownReason.COMPLETED, None)
+    assert (aborts.calls == 1, state.past_peer_early_end) == (told, told)
+    assert device_may_block("completed", state) is told
+    assert not store.check([watch.first_key]) and not store.check([watch.rank_key(0)])
+    if not told:
+        job.raise_told_at_end()
+        return
+    assert "went on to step 9" in caplog.text
+    with pytest.raises(PeerFailed) as info:
+        job.raise_told_at_end()
+    assert info.value.rank == 1 and "ended its run early" in str(info.value)
 
 
 def test_a_mark_of_an_earlier_run_is_not_seen_by_the_next(store, watches):
@@ -1249,6 +1362,7 @@ def test_ranks_ending_early_at_the_same_step_raise_no_alarm(jobs):
         assert record["peer_failure"] is None and record["first_failure"] is None
     # rank 0 was still in step 2 for 3 s after rank 1's early end: its watch read that end
     assert job.record(0)["t_shutdown"] > job.record(1)["t_shutdown"] + 2, job.context()
+    assert job.record(0)["early_end_seen"] == {"rank": 1, "step": 2}, job.context()
     assert "ended its run early" not in job.result.output(), job.context()
 
 

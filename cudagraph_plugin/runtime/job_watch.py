@@ -1,7 +1,8 @@
 """The run's side of the peer watch (:mod:`~cudagraph_plugin.runtime.peers`): when this
 run starts watching (once the process group exists, from whichever hook sees it first), the
-mark at the start of its shutdown (with the run's step, which an early end records) and
-the wait for the peers at its end."""
+mark at the start of its shutdown (with the run's step, which an early end records), the
+wait for the peers at its end, and the ``PeerFailed`` after a clean end that had gone on
+past a peer's early end."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cudagraph_plugin import compat
+from cudagraph_plugin.runtime.peer_mark import PeerFailed
 from cudagraph_plugin.runtime.peers import PeerWatch
 from hookspecs import ShutdownReason
 
@@ -57,8 +59,17 @@ class JobWatch:
             self.watch()
         if self.peers is not None:
             self.peers.end(reason, exception)
+            if self.peers.told_at_end is not None:  # (no device wait, then PeerFailed)
+                self.state.past_peer_early_end = True
 
     def wait_for_peers(self) -> None:
         if self.peers is not None:
             self.peers.finish()
             self.peers.wait_for_peers()
+
+    def raise_told_at_end(self) -> None:
+        """After the shutdown: a clean end that had gone past a peer's early end ends the
+        run with :class:`PeerFailed` (its host exits non-zero, saying it in one line)."""
+        told = self.peers.told_at_end if self.peers is not None else None
+        if told is not None:
+            raise PeerFailed(told)

@@ -8,62 +8,92 @@ timeout, ten minutes or more; no launcher ends a job whose one rank exited 0).
 
 This module owns what the peer watch (:mod:`~cudagraph_plugin.runtime.peers`) does about it:
 
-* the early rank's record names the last step it entered (``PeerFailure.step``; ``-1``:
-  none), written by :meth:`PeerWatch.end` to the job's first early end's key;
-* :class:`EarlyEnd`, on every other rank's watcher, reads that key only while this rank's
-  step has not moved since the previous poll (a healthy loop whose steps are shorter than
-  the poll interval costs the store no extra request), and turns a record whose step is
-  behind this rank's into a failure to act on: this rank is in a step the early rank
-  never entered. The watch then ends this run as after a peer's failure
-  (``peer_failed``, naming the early rank and both steps).
+* the early rank's record names the last step it entered (``PeerFailure.step``;
+  :data:`NO_STEP`: none), written by :meth:`PeerWatch.end` to the job's first early end's
+  key, after which the rank adds one to the job's news counter (as a failure's mark does):
+  the watchers poll that counter alone, one store request a poll whatever happened;
+* :class:`EarlyEnd`, on every other rank, reads the record when the counter moved and
+  keeps it; at every poll it compares this rank's step with the record's: a rank in a
+  later step is in a step the early rank never entered, and the watch ends its run as
+  after a peer's failure (``peer_failed``, naming the early rank and both steps);
+* at a clean end of this rank (its loop may run ahead of its device, and finish before the
+  watch looked), :meth:`PeerWatch.end` asks once more (``EarlyEnd.check_now``): a rank
+  past the early end then begins the abort (the shutdown's device waits end) and its run
+  ends with :class:`PeerFailed` after the shutdown.
 
 Ranks that all end early at the same step (an exit condition agreed by every rank, such as
-Megatron-LM's exit interval) never trigger it: no rank goes past the early rank's step. A
-rank that waits for the early one outside a step (an evaluation after the last step) is not
-caught; a failure there still names the early end (:func:`named_before`).
+Megatron-LM's exit interval) never trigger it: no rank goes past the early rank's step.
+Not caught: a rank that waits for the early one outside a step (an evaluation after the
+last step), and an early end from inside a step before its collectives (a ``break`` in the
+``train_step`` block: that step counts as entered); a failure there still names the early
+end (:func:`named_before`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from cudagraph_plugin.runtime.peer_mark import PeerFailure
+
+logger = logging.getLogger("cudagraph_plugin")
 
 NO_STEP = -1
 """The step of an early end that came before the rank's first step."""
 
 
 class EarlyEnd:
-    """The watcher's check for a peer's early end (see the module's docstring).
+    """The watch's view of a peer's early end (see the module's docstring).
 
     :param rank: This rank.
     :param key: The store key of the job's first early end.
     :param current_step: The step this rank runs now, or the last one it ran; ``None``
-        before its first step.
+        before its first step. A callable that raises, or gives no integer, is logged once
+        and read no more (the check is then off; the rest of the watch goes on).
     """
 
-    def __init__(self, rank: int, key: str, current_step: Callable[[], int | None]) -> None:
+    def __init__(self, rank: int, key: str, current_step: Callable[[], Any]) -> None:
         self.rank = rank
         self.key = key
-        self.current_step = current_step
+        self._current_step: Callable[[], Any] | None = current_step
         self.record: PeerFailure | None = None
-        self._seen: int | None = None
 
-    def check(self, store: Any) -> PeerFailure | None:
-        """One poll (on the watcher's store connection): the failure to act on, once this
-        rank is in a step after the last one the early rank entered; else ``None``."""
-        step = self.current_step()
-        if step is None:
+    def step(self) -> int | None:
+        """This rank's step as an ``int`` (None before the first, or once unreadable)."""
+        if self._current_step is None:
             return None
-        if self.record is None:
-            moved, self._seen = step != self._seen, step
-            if moved or not store.check([self.key]):
-                return None
+        try:
+            step = self._current_step()
+            return None if step is None else int(step)
+        except Exception as exc:
+            self._current_step = None
+            logger.warning(
+                "rank %d: the run's step cannot be read (%r): a rank going on past a peer's "
+                "early end is no longer watched for (a peer's failure still is)",
+                self.rank,
+                exc,
+            )
+            return None
+
+    @property
+    def readable(self) -> bool:
+        return self._current_step is not None
+
+    def read(self, store: Any) -> None:
+        """Read the early end's record, if there is one and it is not known yet (when the
+        job's news counter moved; raises what the store raises)."""
+        if self.record is None and store.check([self.key]):
             self.record = PeerFailure.decode(store.get(self.key))
-        record = self.record
-        if record.rank == self.rank or record.step is None or step <= record.step:
+
+    def past(self) -> PeerFailure | None:
+        """The failure to act on, once this rank is in a step after the last one the early
+        rank entered; else ``None``."""
+        record, step = self.record, self.step()
+        if record is None or step is None or record.rank == self.rank or record.step is None:
+            return None  # (no step: a record of an older version, not ours to compare)
+        if step <= record.step:
             return None
         entered = "before its first step" if record.step == NO_STEP else f"after step {record.step}"
         return dataclasses.replace(
@@ -76,13 +106,18 @@ class EarlyEnd:
             ),
         )
 
+    def check_now(self, store: Any) -> PeerFailure | None:
+        """:meth:`read`, then :meth:`past`: at this rank's clean end, whatever the counter."""
+        self.read(store)
+        return self.past()
 
-def with_last_step(mine: PeerFailure, current_step: Callable[[], int | None] | None) -> PeerFailure:
+
+def with_last_step(mine: PeerFailure, early: EarlyEnd | None) -> PeerFailure:
     """This rank's early-end record with the last step it entered (``NO_STEP``: none);
-    unchanged where the watch has no ``current_step``."""
-    if current_step is None:
+    unchanged where the watch does not know the run's step."""
+    step = None if early is None else early.step()
+    if early is None or not early.readable:  # (unknown is not "before its first step")
         return mine
-    step = current_step()
     return dataclasses.replace(mine, step=NO_STEP if step is None else step)
 
 

@@ -50,6 +50,7 @@ class PeerInterrupt:
     _stopping: bool
     _acting: bool
     _abort: Callable[[], None]
+    _main_ident: int | None
     deadline: ExitDeadline | None
     released_by: str | None = None  # (the signal whose stuck wait the release ended)
 
@@ -102,6 +103,31 @@ class PeerInterrupt:
             return
         self._raised = True
         raise (PeerRefused if failure.refusal else PeerFailed)(failure)
+
+    def _act(self, failure: PeerFailure, *, late: bool = False) -> None:
+        """Act on a peer's failure: log it, arm the exit deadline, interrupt the main thread
+        (while the handler is installed), begin the abort. Once only, and never after the
+        watch began to stop, unless ``late``: a clean end of this rank that found, after its
+        watch stopped, that it had gone past a peer's early end (nothing to interrupt)."""
+        with self._lock:
+            if (self._stopping and not late) or self._acting:
+                return
+            self._acting = True
+            self.peer_failure = failure
+            logger.error(
+                "rank %d: %s; aborting this rank's process groups and ending its run",
+                self.rank,
+                failure.describe(),
+            )
+            if self.deadline is not None:
+                self.deadline.arm(failure.describe())
+            if self._handler_installed and self._main_ident is not None:
+                # Sent before the abort: the handler is pending when the blocked call returns.
+                try:
+                    signal.pthread_kill(self._main_ident, self._signum)
+                except OSError as exc:  # the main thread is gone (the interpreter is exiting)
+                    logger.info("rank %d: cannot interrupt the main thread (%s)", self.rank, exc)
+        self._begin_abort()
 
     def release_blocked_main_thread(self, signum: int) -> bool:
         """Offered to the run's stuck-signal watch (``hookspecs.run_signals.offer_release``):

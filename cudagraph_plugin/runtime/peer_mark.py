@@ -5,7 +5,8 @@ a refusal's message), :class:`PeerFailed` (:class:`PeerRefused`) what a told ran
 :class:`BoundedCall` runs one store call in a daemon thread that its caller waits for at
 most a bounded time: a TCPStore whose server no longer answers (stopped, unreachable)
 blocks its caller indefinitely, whatever the store's timeout says (measured with torch
-2.13). The watch itself is :mod:`cudagraph_plugin.runtime.peers`.
+2.13). :class:`StoreCalls` makes the watch's calls through it. The watch itself is
+:mod:`cudagraph_plugin.runtime.peers`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from cudagraph_plugin.runtime.ranklog import RankNamed
 from hookspecs import ConfigurationError, ShutdownReason
 from hookspecs import PeerFailed as _ContractPeerFailed
 from hookspecs import PeerRefused as _ContractPeerRefused
@@ -27,6 +29,7 @@ from hookspecs.reasons import refused_by
 from hookspecs.run import TrainingRun
 
 logger = logging.getLogger("cudagraph_plugin")
+rank_named = RankNamed()  # (for lines that name their rank: no "[rank 1] rank 1: ...")
 
 KEY_PREFIX = "mcgraph/peer_failure"
 """Store keys live under ``<prefix>/<generation>/``: one generation per watch started in
@@ -248,6 +251,81 @@ class BoundedCall:
                 return self._done.wait(max(0.0, deadline - time.monotonic())), interrupted
             except BaseException as exc:
                 interrupted = interrupted or exc
+
+
+class StoreCalls:
+    """The peer watch's calls to the job's store, each bounded (:class:`BoundedCall`); its
+    state is set by the watch's ``__init__``."""
+
+    rank: int
+    _store: Any
+    _connection: Any
+    _prefix: str
+    _deferred: BaseException | None
+    _store_lost: bool
+
+    def _store_call(
+        self,
+        what: str,
+        func: Callable[[Any], Any],
+        timeout_s: float = STORE_WAIT_S,
+        *,
+        quiet: bool = False,
+        defer: bool = False,
+        lose_store: bool = True,
+    ) -> Any:
+        """``func(store)`` on the watcher's connection (the shared store before it has one),
+        waited for at most ``timeout_s``; ``None`` (logged) if the store does not answer.
+        ``defer``: an interruption of the wait waits for the answer too (the other ranks
+        learn of this rank's end only from the store), kept for ``_raise_deferred``.
+        ``lose_store``: a store that failed here is not asked again (False: a read whose
+        answer is optional, its failure no sign of the store's)."""
+        store = self._connection if self._connection is not None else self._store
+        call = BoundedCall(f"peer-{what}", lambda: func(store))
+        if defer:
+            answered, interrupted = call.wait_through(timeout_s)
+            self._deferred = self._deferred or interrupted
+        else:
+            answered = call.wait(timeout_s)
+        if answered and call.error is None:
+            return call.result
+        self._store_lost = self._store_lost or lose_store
+        problem = (
+            f"did not answer within {timeout_s:.1f} s"
+            if not answered
+            else f"failed ({first_line(call.error)})"  # type: ignore[arg-type]
+        )
+        if quiet:
+            rank_named.info("rank %d: the job's store %s (%s)", self.rank, problem, what)
+        else:
+            rank_named.warning(
+                "rank %d: the job's store %s (%s); the other ranks are not told (the launcher "
+                "ends them)",
+                self.rank,
+                problem,
+                what,
+            )
+        return None
+
+    def _optional_call(self, what: str, func: Callable[[Any], Any]) -> Any:
+        """A store call whose answer only adds words to a line: short, quiet, and a store
+        that fails it is still asked the calls that matter (None: no answer)."""
+        return self._store_call(what, func, STORE_WAIT_S / 2, quiet=True, lose_store=False)
+
+    def _claim(self, what: str) -> bool:
+        """Whether this rank is the job's first to claim ``what`` (said by one rank: the
+        first to get here); False where the store does not answer (said by none)."""
+        mine = str(self.rank)
+        claimed = self._optional_call(
+            f"claim {what}",
+            lambda store: store.compare_set(f"{self._prefix}/{what}", "", mine),
+        )
+        return claimed is not None and bytes(claimed).decode(errors="replace") == mine
+
+    def _raise_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            raise deferred
 
 
 def first_line(exc: BaseException) -> str:

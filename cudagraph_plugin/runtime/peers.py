@@ -13,10 +13,12 @@ interrupt :mod:`~cudagraph_plugin.runtime.peer_interrupt`):
   host hands to ``print_refusal`` as its own refusal (it then says nothing and exits 2),
   and the refusing rank learns from the mark that its refusal came first
   (``said_here``): it says it for the job.
-* **Watch.** A daemon thread on every rank polls that key over its own connection to the
-  store (:meth:`PeerWatch.start`). A store that is gone (connection refused or reset) stops
-  the watch quietly; a store that no longer answers can stall only that thread: the main
-  thread never waits on a store call longer than a bounded time.
+* **Watch.** A daemon thread on every rank polls the job's news counter (one store
+  request a poll; every mark adds one to it after it is written) over its own connection
+  to the store (:meth:`PeerWatch.start`), and reads the mark when the counter moved. A
+  store that is gone (connection refused or reset) stops the watch quietly; a store that
+  no longer answers can stall only that thread: the main thread never waits on a store
+  call longer than a bounded time.
 * **Abort and interrupt.** On a peer's mark the watcher logs once which rank failed and
   why, sends a signal to the main thread whose handler raises :class:`PeerFailed` (a
   ``BaseException``, so a host's ``except Exception`` does not swallow it), then aborts
@@ -40,8 +42,9 @@ interrupt :mod:`~cudagraph_plugin.runtime.peer_interrupt`):
   ``cuda_graph_peer_exit_deadline``); a shutdown that settled (:meth:`finish`) cancels it.
 
 * **Early end.** A rank whose own loop ended its run early (``early_exit``) marks no
-  failure, but a rank that goes on into a step it never entered ends as after one
-  (:mod:`~cudagraph_plugin.runtime.peer_early`, with ``current_step``).
+  failure, but a rank that goes on into a step it never entered ends as after one, or,
+  where its loop finished first, its clean end does (``told_at_end``;
+  :mod:`~cudagraph_plugin.runtime.peer_early`, with ``current_step``).
 
 A rank never reacts to its own mark, never interrupts its own shutdown (the handler does
 nothing once :meth:`PeerWatch.stop` began or while ``TrainingRun`` is shutting down), and a
@@ -70,8 +73,8 @@ from cudagraph_plugin.runtime.peer_mark import (
     PEER_WAIT_S,
     POLL_S_PER_RANK,
     STORE_WAIT_S,
-    BoundedCall,
     PeerFailure,
+    StoreCalls,
     default_interrupt_signal,
     describe_end,
     first_line,
@@ -90,7 +93,7 @@ _active: PeerWatch | None = None
 _registry_lock = threading.Lock()
 
 
-class PeerWatch(PeerInterrupt):
+class PeerWatch(PeerInterrupt, StoreCalls):
     """The failure mark and the watcher of one run on one rank; create it with :meth:`start`.
 
     :ivar peer_failure: The peer failure this rank's watcher acted on, if any.
@@ -146,8 +149,8 @@ class PeerWatch(PeerInterrupt):
         self._handler_installed = False
         self._main_ident = threading.main_thread().ident
         self.deadline = ExitDeadline(rank, exit_deadline_s) if exit_deadline_s else None
-        self._current_step = current_step
         self._early = EarlyEnd(rank, self.early_key, current_step) if current_step else None
+        self.told_at_end: PeerFailure | None = None  # (its clean end went past an early end)
         self._thread = threading.Thread(target=self._watch, name="mcgraph-peer-watch", daemon=True)
 
     @property
@@ -156,6 +159,11 @@ class PeerWatch(PeerInterrupt):
 
     def rank_key(self, rank: int) -> str:
         return f"{self._prefix}/rank/{rank}"
+
+    @property
+    def news_key(self) -> str:
+        """Counts the marks written (failures, the first early end): what the watchers poll."""
+        return f"{self._prefix}/news"
 
     @property
     def ended_key(self) -> str:
@@ -264,7 +272,7 @@ class PeerWatch(PeerInterrupt):
             "peer watch: rank %d of %d polls %s every %.2f s",
             rank,
             world_size,
-            watch.first_key,
+            watch.news_key,
             watch.poll_s,
         )
         return watch
@@ -289,6 +297,8 @@ class PeerWatch(PeerInterrupt):
             # its own, which would say this rank failed too (said below, as an end after it)
             note_speaker(exception, self.peer_failure, self.rank)
         self.stop()
+        if not reason.abnormal:
+            self._past_early_end()
         if self.peer_failure is not None and reason is not ShutdownReason.PEER_FAILED:
             logger.warning(
                 "rank %d: the run ended (%s) after %s",
@@ -300,12 +310,13 @@ class PeerWatch(PeerInterrupt):
             self._ended = True
             early = reason is ShutdownReason.EARLY_EXIT and self.peer_failure is None
             mine = PeerFailure(self.rank, str(reason), socket.gethostname(), os.getpid())
-            mine = with_last_step(mine, self._current_step) if early else mine
+            mine = with_last_step(mine, self._early) if early else mine
 
             def count(store: Any) -> None:
                 store.add(self.ended_key, 1)  # (first: what a failing rank waits for)
                 if early:  # (the first to end early is kept, as the first failure is)
                     store.compare_set(self.early_key, "", mine.encode())
+                    store.add(self.news_key, 1)
 
             # A normal end must not complain when the store is gone (rank 0, which hosted
             # it, may have finished first): only a rank that failed waits for this count.
@@ -332,6 +343,7 @@ class PeerWatch(PeerInterrupt):
         def record(store: Any) -> PeerFailure:
             store.set(self.rank_key(self.rank), mine.encode())
             first = PeerFailure.decode(store.compare_set(self.first_key, "", mine.encode()))
+            store.add(self.news_key, 1)  # (after the mark: a watcher reads it on news)
             store.add(self.ended_key, 1)
             return first
 
@@ -368,26 +380,6 @@ class PeerWatch(PeerInterrupt):
             )
         self._raise_deferred()
         return first
-
-    def _optional_call(self, what: str, func: Callable[[Any], Any]) -> Any:
-        """A store call whose answer only adds words to a line: short, quiet, and a store
-        that fails it is still asked the calls that matter (None: no answer)."""
-        return self._store_call(what, func, STORE_WAIT_S / 2, quiet=True, lose_store=False)
-
-    def _claim(self, what: str) -> bool:
-        """Whether this rank is the job's first to claim ``what`` (said by one rank: the
-        first to get here); False where the store does not answer (said by none)."""
-        mine = str(self.rank)
-        claimed = self._optional_call(
-            f"claim {what}",
-            lambda store: store.compare_set(f"{self._prefix}/{what}", "", mine),
-        )
-        return claimed is not None and bytes(claimed).decode(errors="replace") == mine
-
-    def _raise_deferred(self) -> None:
-        deferred, self._deferred = self._deferred, None
-        if deferred is not None:
-            raise deferred
 
     def wait_for_peers(self, timeout_s: float | None = None) -> bool:
         """On the rank that failed, the last thing of its shutdown: wait until every rank
@@ -442,49 +434,6 @@ class PeerWatch(PeerInterrupt):
                 )
                 return False
             time.sleep(min(0.1, left))
-
-    def _store_call(
-        self,
-        what: str,
-        func: Callable[[Any], Any],
-        timeout_s: float = STORE_WAIT_S,
-        *,
-        quiet: bool = False,
-        defer: bool = False,
-        lose_store: bool = True,
-    ) -> Any:
-        """``func(store)`` on the watcher's connection (the shared store before it has one),
-        waited for at most ``timeout_s``; ``None`` (logged) if the store does not answer.
-        ``defer``: an interruption of the wait waits for the answer too (the other ranks
-        learn of this rank's end only from the store), kept for ``_raise_deferred``.
-        ``lose_store``: a store that failed here is not asked again (False: a read whose
-        answer is optional, its failure no sign of the store's)."""
-        store = self._connection if self._connection is not None else self._store
-        call = BoundedCall(f"peer-{what}", lambda: func(store))
-        if defer:
-            answered, interrupted = call.wait_through(timeout_s)
-            self._deferred = self._deferred or interrupted
-        else:
-            answered = call.wait(timeout_s)
-        if answered and call.error is None:
-            return call.result
-        self._store_lost = self._store_lost or lose_store
-        problem = (
-            f"did not answer within {timeout_s:.1f} s"
-            if not answered
-            else f"failed ({first_line(call.error)})"  # type: ignore[arg-type]
-        )
-        if quiet:
-            logger.info("rank %d: the job's store %s (%s)", self.rank, problem, what)
-        else:
-            logger.warning(
-                "rank %d: the job's store %s (%s); the other ranks are not told (the launcher "
-                "ends them)",
-                self.rank,
-                problem,
-                what,
-            )
-        return None
 
     def stop(self) -> None:
         """Stop watching (idempotent). Waits for the watcher's current poll, or for it to
@@ -551,19 +500,43 @@ class PeerWatch(PeerInterrupt):
         except Exception as exc:
             self._give_up(exc)
             return
+        seen = 0
         while not self._wake.wait(self.poll_s):
             try:
-                if self._connection.check([self.first_key]):
-                    failure = PeerFailure.decode(self._connection.get(self.first_key))
-                elif self._early is None or not (failure := self._early.check(self._connection)):
-                    continue
+                failure, seen = self._poll(seen)
             except Exception as exc:
                 self._give_up(exc)
                 return
-            if failure.rank == self.rank:
-                return  # this rank's own mark: it is shutting down already
-            self._act(failure)
+            failure = failure or (self._early.past() if self._early is not None else None)
+            if failure is None:
+                continue
+            if failure.rank != self.rank:  # (its own mark: this rank is shutting down)
+                self._act(failure)
             return
+
+    def _poll(self, seen: int) -> tuple[PeerFailure | None, int]:
+        """One poll: the job's news counter (one store request); on news, the failure mark,
+        else the early end's record (kept by ``_early``)."""
+        connection = self._connection
+        news = int(connection.add(self.news_key, 0))
+        if news <= seen:
+            return None, seen
+        if connection.check([self.first_key]):
+            return PeerFailure.decode(connection.get(self.first_key)), news
+        if self._early is not None:
+            self._early.read(connection)
+        return None, news
+
+    def _past_early_end(self) -> None:
+        """A clean end of this rank after it went on past a peer's early end (a loop ahead
+        of its device may finish before the watch looked): acted on now (the abort ends the
+        shutdown's device waits), and the run ends with it (``told_at_end``)."""
+        if self._early is None or self.peer_failure is not None or self._store_lost:
+            return
+        failure = self._optional_call("read an early end", self._early.check_now)
+        if failure is not None:
+            self.told_at_end = failure
+            self._act(failure, late=True)
 
     def _give_up(self, exc: BaseException) -> None:
         self._store_lost = True
@@ -577,24 +550,3 @@ class PeerWatch(PeerInterrupt):
             self.rank,
             first_line(exc),
         )
-
-    def _act(self, failure: PeerFailure) -> None:
-        with self._lock:
-            if self._stopping or self._acting:
-                return
-            self._acting = True
-            self.peer_failure = failure
-            logger.error(
-                "rank %d: %s; aborting this rank's process groups and ending its run",
-                self.rank,
-                failure.describe(),
-            )
-            if self.deadline is not None:
-                self.deadline.arm(failure.describe())
-            if self._handler_installed and self._main_ident is not None:
-                # Sent before the abort: the handler is pending when the blocked call returns.
-                try:
-                    signal.pthread_kill(self._main_ident, self._signum)
-                except OSError as exc:  # the main thread is gone (the interpreter is exiting)
-                    logger.info("rank %d: cannot interrupt the main thread (%s)", self.rank, exc)
-        self._begin_abort()

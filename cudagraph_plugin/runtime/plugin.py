@@ -262,6 +262,7 @@ class CudaGraphPlugin:
             self.job.wait_for_peers()
         if mark_error is not None:
             raise mark_error
+        self.job.raise_told_at_end()
         return result
 
     def _end_job(self, reason: Any, exception: BaseException | None) -> BaseException | None:

@@ -154,6 +154,6 @@ def device_may_block(reason: Any, state: RunState) -> bool:
     peer's failure always is such an end (its process groups are aborted by then, so the
     world size is the one cached while they lived)."""
     reason = ShutdownReason(reason)
-    if reason is ShutdownReason.PEER_FAILED:
+    if reason is ShutdownReason.PEER_FAILED or state.past_peer_early_end:
         return True
     return reason.abnormal and state.rank_and_world()[1] > 1

@@ -66,6 +66,9 @@ class RunState:
     post_warmup_fired: bool = False
     # the ranks' settings were compared (runtime.agreement: once the process group exists)
     settings_agreed: bool = False
+    # this rank's clean end came after it went on past a peer's early end: its last steps'
+    # collectives wait for that peer (runtime.peer_early), as after a peer's failure
+    past_peer_early_end: bool = False
 
     # the step as the step hooks last said it, for a host that fires them without a
     # TrainingRun (no progress)
