@@ -598,9 +598,11 @@ def test_a_failure_mark_comes_before_an_early_end_read_at_the_same_poll(store, w
     aborts = Aborts()
     watch = start(watches, store, rank=0, world_size=3, abort=aborts, poll_s=1.0,
                   current_step=lambda: 9)  # fmt: skip
-    PeerWatch(store, 1, 3, generation=watch.generation, current_step=lambda: 5).end("early_exit")
-    PeerWatch(store, 2, 3, generation=watch.generation).mark_failed("exception: boom")
-    with pytest.raises(PeerFailed) as info:
+    with pytest.raises(PeerFailed) as info:  # (both marks well within the first poll)
+        PeerWatch(store, 1, 3, generation=watch.generation, current_step=lambda: 5).end(
+            "early_exit"
+        )
+        PeerWatch(store, 2, 3, generation=watch.generation).mark_failed("exception: boom")
         threading.Event().wait(HANG_S)
     assert (info.value.rank, info.value.reason) == (2, "exception: boom")
     assert aborts.calls == 1
@@ -615,7 +617,7 @@ def test_an_early_end_without_a_step_is_not_compared_and_the_watch_goes_on(store
     time.sleep(10 * POLL_S)
     assert watch._early is not None and watch._early.record is not None
     assert watch._early.record.step is None and aborts.calls == 0
-    peer(watch, 1).mark_failed("exception: later")
+    later(0.2, lambda: peer(watch, 1).mark_failed("exception: later"))
     with pytest.raises(PeerFailed) as info:
         threading.Event().wait(HANG_S)
     assert info.value.reason == "exception: later"
@@ -639,7 +641,7 @@ def test_a_step_that_cannot_be_read_turns_off_only_the_early_end_check(store, wa
         early_peer(watch, 1, 5).end("early_exit")
         time.sleep(10 * POLL_S)
         assert aborts.calls == 0
-        peer(watch, 1).mark_failed("exception: later")
+        later(0.2, lambda: peer(watch, 1).mark_failed("exception: later"))
         with pytest.raises(PeerFailed):
             threading.Event().wait(HANG_S)
     said = [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()]

@@ -236,6 +236,49 @@ def test_a_ctrl_c_while_the_failure_is_marked_for_the_peers_does_not_skip_the_re
     assert seen.reasons == ["completed"]
 
 
+def test_a_clean_end_past_a_peers_early_end_frees_the_graphs_then_raises_peer_failed(
+    fake_graphs, monkeypatch, caplog
+):
+    """The example loop finishes its 6 steps (queued ahead of the device, its watch never
+    looked) after a peer's loop ended early after step 2: at its clean end the watch is
+    told, the plugin's shutdown runs without waiting on the device and frees the graph
+    once, and the run then ends with PeerFailed (the host says it in one line, exit 1)."""
+    import torch.distributed as dist
+
+    from cudagraph_plugin.runtime import shutdown
+    from cudagraph_plugin.runtime.job_watch import JobWatch
+    from cudagraph_plugin.runtime.peer_mark import PeerFailed
+    from cudagraph_plugin.runtime.peers import PeerWatch
+
+    store = dist.HashStore()
+    aborts: list[int] = []
+    PeerWatch(store, 1, 2, current_step=lambda: 2).end("early_exit")  # (its record)
+
+    def watch(self):  # a 2-rank job's watch, over this store; its thread never polls
+        if self.peers is None:
+            state = self.state
+            self.peers = PeerWatch(store, 0, 2, abort=lambda: aborts.append(1),
+                                   settle=lambda seconds: True,
+                                   current_step=lambda: state.step)  # fmt: skip
+
+    monkeypatch.setattr(JobWatch, "watch", watch)
+    decided = []
+    decide = shutdown.device_may_block
+    monkeypatch.setattr(
+        shutdown, "device_may_block", lambda *a: decided.append(decide(*a)) or decided[-1]
+    )
+    seen = ShutdownSeen()
+    with caplog.at_level(logging.ERROR, logger="cudagraph_plugin"):
+        with pytest.raises(PeerFailed) as raised:
+            run(*FULL, "--cuda-graph-warmup-steps", "1", plugins=[seen])
+    assert raised.value.rank == 1
+    assert "early_exit after step 2, while rank 0 went on to step 5" in raised.value.reason
+    assert seen.reasons == ["completed"] and aborts == [1] and decided == [True]
+    [graph] = fake_graphs.graphs
+    assert graph.resets == 1
+    assert "ended its run early" in caplog.text
+
+
 def test_a_ctrl_c_before_the_report_does_not_skip_the_release(fake_graphs, monkeypatch):
     """The first thing the plugin's shutdown does is decide whether the device may block;
     a Ctrl-C landing there (before the report's own guard) is left to the safety net."""

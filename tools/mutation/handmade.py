@@ -908,6 +908,29 @@ MUTANTS = [
         (PEERS + "test_a_clean_end_past_a_peers_early_end_is_told_at_its_end[past]",),
     ),
     Mutant(
+        "told-at-end-not-raised",
+        "a run told at its clean end that it went past a peer's early end ends cleanly (exit 0)",
+        "cudagraph_plugin/runtime/plugin.py",
+        "        self.job.raise_told_at_end()\n",
+        "        pass\n",
+        (
+            "tests/test_run_guarantees.py::"
+            "test_a_clean_end_past_a_peers_early_end_frees_the_graphs_then_raises_peer_failed",
+        ),
+    ),
+    Mutant(
+        "past-early-end-device-waits",
+        "the shutdown of a run past a peer's early end waits on the device (the collectives "
+        "of steps that peer never entered)",
+        "cudagraph_plugin/runtime/shutdown.py",
+        "    if reason is ShutdownReason.PEER_FAILED or state.past_peer_early_end:\n",
+        "    if reason is ShutdownReason.PEER_FAILED:\n",
+        (
+            "tests/test_run_guarantees.py::"
+            "test_a_clean_end_past_a_peers_early_end_frees_the_graphs_then_raises_peer_failed",
+        ),
+    ),
+    Mutant(
         "refusal-names-no-spread",
         "ranks whose settings differ are refused naming only the speaker's own value",
         "cudagraph_plugin/runtime/agreement.py",
