@@ -540,11 +540,11 @@ class TrainingRun(RunSignals):
         what: str, exc: BaseException | None, call: Any, *args: Any, **kwargs: Any
     ) -> None:
         """``call(*args, **kwargs)``, one step of the shutdown: what it raises goes on where
-        the run ended cleanly, else it is logged and noted on ``exc``, which goes on."""
+        the run ended cleanly (``sys.exit(0)`` too), else it is logged and noted on ``exc``."""
         try:
             call(*args, **kwargs)
         except BaseException as step_exc:
-            if exc is None:
+            if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
                 raise
             if isinstance(step_exc, KeyboardInterrupt):  # (a Ctrl-C cut it short: one line)
                 logger.warning("%s was interrupted by a Ctrl-C", what)

@@ -121,7 +121,9 @@ class Wiring:
         context = exception.__context__ if exception else None
         self.record["exception_context"] = str(context) if context else None
         try:
-            if self.watch is not None:
+            if self.watch is not None:  # (what the watcher read, before end() reads it too)
+                early = self.watch._early.record if self.watch._early else None
+                self.record["early_end_seen"] = early and {"rank": early.rank, "step": early.step}
                 self.watch.end(reason, exception)
             return (yield)
         finally:
@@ -138,8 +140,6 @@ class Wiring:
                     "rank": first.rank,
                     "reason": first.reason,
                 }
-                early = self.watch._early.record if self.watch._early else None
-                self.record["early_end_seen"] = early and {"rank": early.rank, "step": early.step}
             self.record["t_end"] = time.time()
             _write(self.args.out / f"rank{self.rank}.json", self.record)
 

@@ -778,6 +778,35 @@ def test_a_raising_teardown_propagates_after_a_clean_end_and_is_noted_after_a_fa
     assert "the host's teardown raised while the run was ending" in caplog.text
 
 
+@pytest.mark.parametrize("code", [0, None, 3])
+def test_a_shutdown_raising_after_sys_exit_0_propagates_as_after_a_clean_end(pm, caplog, code):
+    """``sys.exit(0)`` in the loop is a clean end (``early_exit``): what the shutdown
+    raises then goes on to the host, as after any clean end (a peer's ``PeerFailed``, said
+    at this rank's clean end, included), with the exit as its context; it was logged and
+    the process exited 0. A failing exit status still goes on itself, the error noted."""
+
+    class TellsAtTheEnd:
+        @hookimpl
+        def mcgraph_shutdown(self):
+            raise PeerFailed(1, "early_exit after step 0, while rank 0 went on to step 1")
+
+    pm.register(TellsAtTheEnd())
+    exit_ = SystemExit(code)
+    with pytest.raises((PeerFailed, SystemExit)) as excinfo:
+        with TrainingRun(pm, None, train_iters=3) as run:
+            loop(run, 1)
+            raise exit_
+    assert run.shutdown_reason is (
+        ShutdownReason.EARLY_EXIT if code in (0, None) else ShutdownReason.EXCEPTION
+    )
+    if code in (0, None):
+        assert isinstance(excinfo.value, PeerFailed) and excinfo.value.__context__ is exit_
+        assert "raised while the run was ending" not in caplog.text
+    else:
+        assert excinfo.value is exit_
+        assert "mcgraph_shutdown raised while the run was ending" in caplog.text
+
+
 def test_a_teardown_that_is_not_callable_is_refused(pm):
     with pytest.raises(TypeError, match="teardown must be callable"):
         TrainingRun(pm, None, train_iters=1, teardown="end_distributed")

@@ -573,25 +573,56 @@ class CountingStore:
 
 
 def test_a_poll_is_one_store_request_and_the_marks_are_read_once(store, watches):
-    """The watch polls the job's news counter alone, one request a poll, whatever this
-    rank's steps do (a second key per poll would double the load of the job's store); a
-    mark is read when the counter moved, and an early end's record once, then kept."""
+    """The watch polls the job's news counter, one request a poll whatever this rank's
+    steps do (a second key per poll would double the load of the job's store), and the
+    failure mark every RECHECK_POLLS-th poll besides; a mark is read when the counter
+    moved, and an early end's record once, then kept."""
     counting = CountingStore(store)
     steps = [4]
     watch = start(watches, counting, abort=Aborts(), current_step=lambda: steps[0])
-    time.sleep(10 * POLL_S)
-    polls = counting.requests["news"]
-    assert polls >= 5 and set(counting.requests) == {"news"}
+    time.sleep(25 * POLL_S)
+    polls, rechecks = counting.requests["news"], counting.requests.get("first", 0)
+    assert polls >= 10 and set(counting.requests) <= {"news", "first"}
+    assert rechecks <= polls // peer_mark.RECHECK_POLLS  # (not one a poll)
     PeerWatch(store, 1, 2, generation=watch.generation, current_step=lambda: 5).end(
         "early_exit"
     )  # (on the store itself: only this watch's requests are counted)
     time.sleep(10 * POLL_S)
     steps[0] = 5
     time.sleep(10 * POLL_S)
-    assert counting.requests["first"] == 1  # checked once, on the news
+    polls_after = counting.requests["news"] - polls
+    first_after = counting.requests["first"] - rechecks
+    assert 1 <= first_after <= 1 + polls_after // peer_mark.RECHECK_POLLS + 1
     assert counting.requests["early"] == 2  # checked and read once, then kept
     assert watch.peer_failure is None and watch._early is not None
     assert watch._early.record is not None and watch._early.record.step == 5
+
+
+def test_a_mark_is_found_through_its_news_alone(store, watches, monkeypatch):
+    """Without the every-RECHECK_POLLS-th check, the news counter alone leads the watch to
+    the mark, at the first poll after it: one request a poll until then."""
+    monkeypatch.setattr(peer_failure, "RECHECK_POLLS", 10**9)
+    counting = CountingStore(store)
+    watch = start(watches, counting, abort=Aborts())
+    time.sleep(5 * POLL_S)
+    assert "first" not in counting.requests
+    with pytest.raises(PeerFailed) as info:
+        later(0.0, lambda: peer(watch, 1, store).mark_failed("exception: news"))
+        threading.Event().wait(HANG_S)
+    assert info.value.reason == "exception: news" and counting.requests["first"] == 2  # check, get
+
+
+def test_a_mark_whose_news_was_never_added_is_still_found(store, watches):
+    """(a review: the news is added after the mark, in the same bounded store call; one
+    that ran out of time between the two left a mark no watcher would read.) Every
+    RECHECK_POLLS-th poll checks the failure mark without news."""
+    watch = start(watches, store, abort=Aborts())
+    half = PeerFailure(1, "exception: half-written", "h", 7)
+    with pytest.raises(PeerFailed) as info:
+        store.compare_set(watch.first_key, "", half.encode())  # (and no news)
+        threading.Event().wait(HANG_S)
+    assert info.value.reason == "exception: half-written"
+    assert int(store.add(watch.news_key, 0)) == 0
 
 
 def test_a_failure_mark_comes_before_an_early_end_read_at_the_same_poll(store, watches):
@@ -660,6 +691,25 @@ def test_a_rank_told_of_a_failure_then_ending_early_records_no_early_end(store, 
         time.sleep(POLL_S)
     watch.end("early_exit")
     assert not store.check([watch.early_key])
+
+
+@pytest.mark.parametrize("mine, told", [(9, True), (5, False)], ids=["past", "same_step"])
+def test_an_early_end_recorded_after_this_ranks_clean_end_is_still_told(store, watches, mine, told):
+    """(a review: the clean end read the early end once; the early rank writes its record
+    at the start of its own shutdown, which may come a moment after this rank's end.) A
+    late watch keeps looking until the shutdown's end (``finish``)."""
+    aborts = Aborts()
+    watch = start(watches, store, abort=aborts, poll_s=POLL_S, current_step=lambda: mine)
+    watch.end(ShutdownReason.COMPLETED)
+    assert watch.told_at_end is None and aborts.calls == 0  # (nothing to read yet)
+    early_peer(watch, 1, 5).end("early_exit")
+    if told:
+        assert aborts.done.wait(HANG_S)
+    else:
+        time.sleep(20 * POLL_S)
+    watch.finish(1.0)
+    assert (watch.told_at_end is not None, aborts.calls) == (told, int(told))
+    assert watch._late is not None and not watch._late._thread.is_alive()
 
 
 @pytest.mark.parametrize("mine, told", [(9, True), (5, False)], ids=["past", "same_step"])

@@ -17,9 +17,11 @@ This module owns what the peer watch (:mod:`~cudagraph_plugin.runtime.peers`) do
   later step is in a step the early rank never entered, and the watch ends its run as
   after a peer's failure (``peer_failed``, naming the early rank and both steps);
 * at a clean end of this rank (its loop may run ahead of its device, and finish before the
-  watch looked), :meth:`PeerWatch.end` asks once more (``EarlyEnd.check_now``): a rank
-  past the early end then begins the abort (the shutdown's device waits end) and its run
-  ends with :class:`PeerFailed` after the shutdown.
+  watch looked), :meth:`PeerWatch.end` asks once more (``EarlyEnd.check_now``), and, with
+  no record there yet, a :class:`LateWatch` keeps asking until the shutdown's end (the
+  early rank writes its record at the start of its own shutdown, which may come a moment
+  later): a rank past the early end then begins the abort (a device wait of its shutdown
+  on the collective ends) and its run ends with ``PeerFailed`` after the shutdown.
 
 Ranks that all end early at the same step (an exit condition agreed by every rank, such as
 Megatron-LM's exit interval) never trigger it: no rank goes past the early rank's step.
@@ -33,15 +35,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-from cudagraph_plugin.runtime.peer_mark import PeerFailure
+from cudagraph_plugin.runtime.peer_mark import PeerFailure, own_connection
 
 logger = logging.getLogger("cudagraph_plugin")
 
 NO_STEP = -1
 """The step of an early end that came before the rank's first step."""
+
+LATE_WATCH_S = 60.0
+"""How long, at most, a :class:`LateWatch` looks for an early end after this rank's clean
+end (it stops with the shutdown, at the watch's ``finish``)."""
 
 
 class EarlyEnd:
@@ -70,8 +78,9 @@ class EarlyEnd:
         except Exception as exc:
             self._current_step = None
             logger.warning(
-                "rank %d: the run's step cannot be read (%r): a rank going on past a peer's "
-                "early end is no longer watched for (a peer's failure still is)",
+                "rank %d: the run's step cannot be read (%r): an early end of this rank "
+                "records no step, and going on past a peer's is no longer watched for (a "
+                "peer's failure still is)",
                 self.rank,
                 exc,
             )
@@ -110,6 +119,39 @@ class EarlyEnd:
         """:meth:`read`, then :meth:`past`: at this rank's clean end, whatever the counter."""
         self.read(store)
         return self.past()
+
+
+class LateWatch:
+    """After a clean end of this rank with no early end to compare yet: polls the early
+    end's key on a connection of its own (the shutdown's thread uses the watch's) until
+    :meth:`stop` (the watch's ``finish``), at most :data:`LATE_WATCH_S`, and calls
+    ``tell(failure)`` once this rank is found past it. A store that fails ends it quietly
+    (the job is ending)."""
+
+    def __init__(
+        self, early: EarlyEnd, store: Any, poll_s: float, tell: Callable[[PeerFailure], None]
+    ) -> None:
+        self._early, self._store, self._poll_s, self._tell = early, store, poll_s, tell
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mcgraph-late-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(self._poll_s + 1.0)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + LATE_WATCH_S
+        try:
+            connection = own_connection(self._store)
+            while not self._done.wait(self._poll_s) and time.monotonic() < deadline:
+                failure = self._early.check_now(connection)
+                if failure is not None:
+                    self._tell(failure)
+                if failure is not None or self._early.record is not None:
+                    return  # (a record not behind this ended rank's step never will be)
+        except Exception as exc:  # (gone with the job: nothing left to tell)
+            logger.debug("late watch for an early end: the store failed (%r)", exc)
 
 
 def with_last_step(mine: PeerFailure, early: EarlyEnd | None) -> PeerFailure:

@@ -104,14 +104,15 @@ class PeerInterrupt:
         self._raised = True
         raise (PeerRefused if failure.refusal else PeerFailed)(failure)
 
-    def _act(self, failure: PeerFailure, *, late: bool = False) -> None:
+    def _act(self, failure: PeerFailure, *, late: bool = False) -> bool:
         """Act on a peer's failure: log it, arm the exit deadline, interrupt the main thread
         (while the handler is installed), begin the abort. Once only, and never after the
         watch began to stop, unless ``late``: a clean end of this rank that found, after its
-        watch stopped, that it had gone past a peer's early end (nothing to interrupt)."""
+        watch stopped, that it had gone past a peer's early end (nothing to interrupt).
+        Returns whether it acted."""
         with self._lock:
             if (self._stopping and not late) or self._acting:
-                return
+                return False
             self._acting = True
             self.peer_failure = failure
             logger.error(
@@ -128,6 +129,7 @@ class PeerInterrupt:
                 except OSError as exc:  # the main thread is gone (the interpreter is exiting)
                     logger.info("rank %d: cannot interrupt the main thread (%s)", self.rank, exc)
         self._begin_abort()
+        return True
 
     def release_blocked_main_thread(self, signum: int) -> bool:
         """Offered to the run's stuck-signal watch (``hookspecs.run_signals.offer_release``):

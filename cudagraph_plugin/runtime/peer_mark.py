@@ -36,6 +36,9 @@ KEY_PREFIX = "mcgraph/peer_failure"
 this process, so a second run in the same job never sees the first run's mark (ranks start
 their runs in the same order)."""
 
+RECHECK_POLLS = 10
+"""Every this many polls the watchers check the failure mark even without news."""
+
 MIN_POLL_S = 0.5
 """Poll interval of a small job: a peer's failure is seen within about this long."""
 
@@ -62,7 +65,7 @@ STOPPED = frozenset({ShutdownReason.SIGNAL.value, ShutdownReason.INTERRUPTED.val
 
 MAX_REFUSAL_CHARS = 20_000
 """A refusal's message is kept whole (every problem with its fix): the other ranks print it.
-The watchers poll the key's existence, never its value."""
+The watchers poll the news counter and read a mark's value once."""
 
 
 def default_interrupt_signal() -> int:

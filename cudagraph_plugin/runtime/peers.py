@@ -63,7 +63,7 @@ from typing import Any
 
 from cudagraph_plugin import compat
 from cudagraph_plugin.runtime.peer_deadline import ExitDeadline
-from cudagraph_plugin.runtime.peer_early import EarlyEnd, named_before, with_last_step
+from cudagraph_plugin.runtime.peer_early import EarlyEnd, LateWatch, named_before, with_last_step
 from cudagraph_plugin.runtime.peer_interrupt import PeerInterrupt
 from cudagraph_plugin.runtime.peer_mark import (
     ABORT_WAIT_S,
@@ -72,6 +72,7 @@ from cudagraph_plugin.runtime.peer_mark import (
     MIN_POLL_S,
     PEER_WAIT_S,
     POLL_S_PER_RANK,
+    RECHECK_POLLS,
     STORE_WAIT_S,
     PeerFailure,
     StoreCalls,
@@ -151,6 +152,7 @@ class PeerWatch(PeerInterrupt, StoreCalls):
         self.deadline = ExitDeadline(rank, exit_deadline_s) if exit_deadline_s else None
         self._early = EarlyEnd(rank, self.early_key, current_step) if current_step else None
         self.told_at_end: PeerFailure | None = None  # (its clean end went past an early end)
+        self._late: LateWatch | None = None
         self._thread = threading.Thread(target=self._watch, name="mcgraph-peer-watch", daemon=True)
 
     @property
@@ -476,6 +478,8 @@ class PeerWatch(PeerInterrupt, StoreCalls):
         only after its shutdown freed the graphs. Returns True at once where the watcher
         never acted.
         """
+        if self._late is not None:
+            self._late.stop()
         if not self._acting:
             return True
         if self.deadline is not None:  # stop waiting in time to end by the deadline's own log
@@ -500,7 +504,7 @@ class PeerWatch(PeerInterrupt, StoreCalls):
         except Exception as exc:
             self._give_up(exc)
             return
-        seen = 0
+        seen, self._polls = 0, 0
         while not self._wake.wait(self.poll_s):
             try:
                 failure, seen = self._poll(seen)
@@ -516,27 +520,35 @@ class PeerWatch(PeerInterrupt, StoreCalls):
 
     def _poll(self, seen: int) -> tuple[PeerFailure | None, int]:
         """One poll: the job's news counter (one store request); on news, the failure mark,
-        else the early end's record (kept by ``_early``)."""
+        else the early end's record (kept by ``_early``). Every ``RECHECK_POLLS``-th poll
+        checks the failure mark all the same (a mark whose news was never added: the
+        failing rank's store call ran out of time between the two)."""
         connection = self._connection
         news = int(connection.add(self.news_key, 0))
-        if news <= seen:
-            return None, seen
-        if connection.check([self.first_key]):
-            return PeerFailure.decode(connection.get(self.first_key)), news
-        if self._early is not None:
+        self._polls += 1
+        if news > seen or self._polls % RECHECK_POLLS == 0:
+            if connection.check([self.first_key]):
+                return PeerFailure.decode(connection.get(self.first_key)), news
+        if news > seen and self._early is not None:
             self._early.read(connection)
         return None, news
 
     def _past_early_end(self) -> None:
         """A clean end of this rank after it went on past a peer's early end (a loop ahead
         of its device may finish before the watch looked): acted on now (the abort ends the
-        shutdown's device waits), and the run ends with it (``told_at_end``)."""
+        shutdown's device waits), and the run ends with it (``told_at_end``); where no
+        record is there yet, a :class:`LateWatch` looks until :meth:`finish`."""
         if self._early is None or self.peer_failure is not None or self._store_lost:
             return
         failure = self._optional_call("read an early end", self._early.check_now)
         if failure is not None:
+            self._tell_late(failure)
+        elif not self._store_lost:
+            self._late = LateWatch(self._early, self._store, self.poll_s, self._tell_late)
+
+    def _tell_late(self, failure: PeerFailure) -> None:
+        if self._act(failure, late=True):
             self.told_at_end = failure
-            self._act(failure, late=True)
 
     def _give_up(self, exc: BaseException) -> None:
         self._store_lost = True

@@ -884,11 +884,57 @@ MUTANTS = [
     ),
     Mutant(
         "marks-read-every-poll",
-        "every poll reads the failure mark and the early end's key, not only on news",
+        "every poll checks the failure mark, not only on news (and every tenth poll)",
         "cudagraph_plugin/runtime/peers.py",
-        "        if news <= seen:\n",
-        "        if False:\n",
+        "        if news > seen or self._polls % RECHECK_POLLS == 0:\n",
+        "        if True:\n",
         (PEERS + "test_a_poll_is_one_store_request_and_the_marks_are_read_once",),
+    ),
+    Mutant(
+        "early-read-every-poll",
+        "every poll reads the early end's key, not only on news",
+        "cudagraph_plugin/runtime/peers.py",
+        "        if news > seen and self._early is not None:\n",
+        "        if self._early is not None:\n",
+        (PEERS + "test_a_poll_is_one_store_request_and_the_marks_are_read_once",),
+    ),
+    Mutant(
+        "early-end-adds-no-news",
+        "an early end does not move the news counter: no watcher reads it",
+        "cudagraph_plugin/runtime/peers.py",
+        "                    store.add(self.news_key, 1)\n",
+        "                    pass\n",
+        (PEERS + "test_a_rank_in_a_step_after_a_peers_early_end_is_released_and_told",),
+    ),
+    Mutant(
+        "news-never-rechecked",
+        "a failure mark whose news was never added (the store call timed out between the "
+        "two) is never read",
+        "cudagraph_plugin/runtime/peers.py",
+        "        if news > seen or self._polls % RECHECK_POLLS == 0:\n",
+        "        if news > seen:\n",
+        (PEERS + "test_a_mark_whose_news_was_never_added_is_still_found",),
+    ),
+    Mutant(
+        "no-late-watch",
+        "a clean end reads the early end once: a record written a moment later is missed",
+        "cudagraph_plugin/runtime/peers.py",
+        "            self._late = LateWatch("
+        "self._early, self._store, self.poll_s, self._tell_late)\n",
+        "            pass\n",
+        (PEERS + "test_an_early_end_recorded_after_this_ranks_clean_end_is_still_told[past]",),
+    ),
+    Mutant(
+        "sys-exit-0-swallows-the-shutdowns-error",
+        "after sys.exit(0) in the loop, what the shutdown raises is logged and the process "
+        "exits 0 (a PeerFailed said at the clean end included)",
+        "hookspecs/run.py",
+        "            if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):\n",
+        "            if exc is None:\n",
+        (
+            "tests/test_hookspecs_shutdown.py::"
+            "test_a_shutdown_raising_after_sys_exit_0_propagates_as_after_a_clean_end[0]",
+        ),
     ),
     Mutant(
         "mark-adds-no-news",
@@ -896,7 +942,7 @@ MUTANTS = [
         "cudagraph_plugin/runtime/peers.py",
         "            store.add(self.news_key, 1)  # (after the mark: a watcher reads it on news)\n",
         "            pass\n",
-        (PEERS + "test_the_interrupt_wakes_a_wait_that_python_runs",),
+        (PEERS + "test_a_mark_is_found_through_its_news_alone",),
     ),
     Mutant(
         "clean-end-past-early-end-not-told",
