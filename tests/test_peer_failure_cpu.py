@@ -1375,13 +1375,18 @@ def test_two_ranks_failing_at_once_each_finish_their_own_shutdown(jobs):
 @pytest.mark.xdist_group("peer_failure_jobs")
 def test_ranks_completing_at_different_times_raise_no_alarm(jobs):
     job = jobs["completed"]
+    ended_without_alarm(job, "completed")
+    assert "failed" not in job.result.output().lower(), job.context()
+
+
+def ended_without_alarm(job: Job, reason: str) -> None:
+    """Both ranks ended in time with ``reason`` and exit 0, neither told nor marked."""
     ended_in_time(job)
     assert job.result.rc == 0, job.context()
     for rank in (0, 1):
         record = job.record(rank)
-        assert record["reason"] == "completed"
+        assert record["reason"] == reason, job.context()
         assert record["peer_failure"] is None and record["first_failure"] is None
-    assert "failed" not in job.result.output().lower(), job.context()
 
 
 @pytest.mark.slow
@@ -1406,12 +1411,8 @@ def test_a_rank_going_on_past_a_peers_early_end_is_ended_within_seconds(jobs):
 @pytest.mark.xdist_group("peer_failure_jobs")
 def test_ranks_ending_early_at_the_same_step_raise_no_alarm(jobs):
     job = jobs["left_together"]
-    ended_in_time(job)
-    assert job.result.rc == 0, job.context()
-    for rank in (0, 1):
-        record = job.record(rank)
-        assert (record["reason"], record["last_step"]) == ("early_exit", 2), job.context()
-        assert record["peer_failure"] is None and record["first_failure"] is None
+    ended_without_alarm(job, "early_exit")
+    assert [job.record(rank)["last_step"] for rank in (0, 1)] == [2, 2], job.context()
     # rank 0 was still in step 2 for 3 s after rank 1's early end: its watch read that end
     assert job.record(0)["t_shutdown"] > job.record(1)["t_shutdown"] + 2, job.context()
     assert job.record(0)["early_end_seen"] == {"rank": 1, "step": 2}, job.context()

@@ -519,7 +519,7 @@ MUTANTS = [
         "exit-deadline-never-armed",
         "a rank whose watch acted on a peer's failure has no exit deadline: stuck in C, it "
         "waits for torchrun's SIGKILL",
-        "cudagraph_plugin/runtime/peers.py",
+        "cudagraph_plugin/runtime/peer_interrupt.py",
         "                self.deadline.arm(failure.describe())\n",
         "                pass\n",
         (
@@ -949,7 +949,7 @@ MUTANTS = [
         "a rank whose loop finished past a peer's early end before its watch looked ends "
         "cleanly, its shutdown waiting on the device",
         "cudagraph_plugin/runtime/peers.py",
-        "            self.told_at_end = failure\n            self._act(failure, late=True)\n",
+        "            self._tell_late(failure)\n",
         "            pass\n",
         (PEERS + "test_a_clean_end_past_a_peers_early_end_is_told_at_its_end[past]",),
     ),
