@@ -110,13 +110,15 @@ def start(watches: list[PeerWatch], store: Any, rank: int = 0, **kwargs: Any) ->
     return watch
 
 
-def peer(watch: PeerWatch, rank: int, store: Any = None) -> PeerWatch:
-    """Another rank of ``watch``'s run (same store and generation), not watching."""
+def peer(watch: PeerWatch, rank: int, store: Any = None, **kwargs: Any) -> PeerWatch:
+    """Another rank of ``watch``'s run (same store and generation), not watching;
+    ``kwargs`` go to ``PeerWatch``."""
     return PeerWatch(
         store if store is not None else watch._store,
         rank,
         watch.world_size,
         generation=watch.generation,
+        **kwargs,
     )
 
 
@@ -463,15 +465,9 @@ def test_a_stopped_rank_does_not_blame_an_early_end_and_a_failed_read_keeps_the_
 # -- a peer whose own loop ended early (cudagraph_plugin.runtime.peer_early) --------------
 
 
-def early_peer(watch: PeerWatch, rank: int, last_step: int | None) -> PeerWatch:
-    """Another rank of ``watch``'s run whose run ended after entering ``last_step``."""
-    return PeerWatch(
-        watch._store,
-        rank,
-        watch.world_size,
-        generation=watch.generation,
-        current_step=lambda: last_step,
-    )
+def early_peer(watch: PeerWatch, rank: int, last_step: int | None, store: Any = None) -> PeerWatch:
+    """Another rank of ``watch``'s run whose run ends after entering ``last_step``."""
+    return peer(watch, rank, store, current_step=lambda: last_step)
 
 
 def test_a_rank_in_a_step_after_a_peers_early_end_is_released_and_told(store, watches, caplog):
@@ -584,9 +580,8 @@ def test_a_poll_is_one_store_request_and_the_marks_are_read_once(store, watches)
     polls, rechecks = counting.requests["news"], counting.requests.get("first", 0)
     assert polls >= 10 and set(counting.requests) <= {"news", "first"}
     assert rechecks <= polls // peer_mark.RECHECK_POLLS  # (not one a poll)
-    PeerWatch(store, 1, 2, generation=watch.generation, current_step=lambda: 5).end(
-        "early_exit"
-    )  # (on the store itself: only this watch's requests are counted)
+    # (on the store itself: only this watch's requests are counted)
+    early_peer(watch, 1, 5, store).end("early_exit")
     time.sleep(10 * POLL_S)
     steps[0] = 5
     time.sleep(10 * POLL_S)
@@ -630,10 +625,8 @@ def test_a_failure_mark_comes_before_an_early_end_read_at_the_same_poll(store, w
     watch = start(watches, store, rank=0, world_size=3, abort=aborts, poll_s=1.0,
                   current_step=lambda: 9)  # fmt: skip
     with pytest.raises(PeerFailed) as info:  # (both marks well within the first poll)
-        PeerWatch(store, 1, 3, generation=watch.generation, current_step=lambda: 5).end(
-            "early_exit"
-        )
-        PeerWatch(store, 2, 3, generation=watch.generation).mark_failed("exception: boom")
+        early_peer(watch, 1, 5).end("early_exit")
+        peer(watch, 2).mark_failed("exception: boom")
         threading.Event().wait(HANG_S)
     assert (info.value.rank, info.value.reason) == (2, "exception: boom")
     assert aborts.calls == 1
@@ -644,7 +637,7 @@ def test_an_early_end_without_a_step_is_not_compared_and_the_watch_goes_on(store
     failure; the watch still hears of a real one afterwards."""
     aborts = Aborts()
     watch = start(watches, store, abort=aborts, current_step=lambda: 9)
-    PeerWatch(store, 1, 2, generation=watch.generation).end("early_exit")
+    peer(watch, 1).end("early_exit")  # (not given the run's step)
     time.sleep(10 * POLL_S)
     assert watch._early is not None and watch._early.record is not None
     assert watch._early.record.step is None and aborts.calls == 0
