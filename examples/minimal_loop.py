@@ -15,6 +15,7 @@ import logging
 import sys
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from cudagraph_plugin import JobArgumentParser  # says a usage error once per job, exit 2
 from hookspecs import (
@@ -111,6 +112,7 @@ def train(run: TrainingRun, args: argparse.Namespace, cuda: bool) -> None:
         model[0].train()
 
 
+@record  # a failure's traceback in torchrun's summary of the failed job
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)

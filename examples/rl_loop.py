@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 from step_clock import StepClock
+from torch.distributed.elastic.multiprocessing.errors import record
 
 import train_gpt
 from cudagraph_plugin import (
@@ -533,6 +534,7 @@ def run(argv: Sequence[str] | None = None, plugins: Sequence[Any] = ()) -> dict[
     )
 
 
+@record  # a failure's traceback in torchrun's summary of the failed job
 def main() -> int:
     """Command-line entry point: run, print a short summary, return the exit code."""
     train_gpt.configure_logging()

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from lr_schedule import lr_scheduler
 from step_clock import StepClock
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from cpu_redirect import cpu_redirect, cpu_run_blocker, mcore_without_te_fixes
 from cudagraph_plugin import JobArgumentParser
@@ -989,6 +990,7 @@ def configure_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+@record  # a failure's traceback in torchrun's summary of the failed job
 def main() -> int:
     """Command-line entry point: train, print a short summary, return the exit code."""
     configure_logging()

@@ -11,10 +11,16 @@ rank's failure, a Ctrl-C) go to :func:`print_ending`, which hands each to its pr
 :func:`print_refusal`, :func:`print_peer_failure` or :func:`print_interrupted` (which says
 the Ctrl-C and raises it again: it stops the host's callers too, and the process ends by
 SIGINT).
+
+Each of those endings, and a failure's traceback said where a signal ends the process in
+its shutdown (:func:`say_ending`), is also left where a launcher asks its workers to say
+why they failed (:func:`tell_launcher`: torchrun's error file), so that the launcher's own
+summary of the failed job says it too instead of "To enable traceback see ...".
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -86,12 +92,23 @@ def _say_refusal(
     rank = launcher_rank()[0]
     if said is not None:
         _write(stream, (f"[rank {rank}] " if rank != 0 else "") + said)
+        _tell_launcher_refused(error)
         return True
     said = refused_by(rank, str(error)) if rank != 0 else str(error)
     # which plugin refused (the note TrainingRun adds naming it), on a line of its own
     who = [n for n in getattr(error, "__notes__", ()) if n.startswith("raised by plugin ")]
     _write(stream, f"error: {said}\n" + "".join(f"  ({note})\n" for note in who))
+    _tell_launcher_refused(error)
     return True
+
+
+def _tell_launcher_refused(error: ConfigurationError | PeerRefused) -> None:
+    # the launcher's summary points at the refusal said above: printed there again, it
+    # would not be said once per job
+    tell_launcher(
+        f"{type(error).__name__}: the run was refused as configured; the refusal is printed "
+        "above, once for the job, without a traceback"
+    )
 
 
 def write_stderr(message: str) -> None:
@@ -101,6 +118,42 @@ def write_stderr(message: str) -> None:
         os.write(2, message.encode())
     except OSError:
         pass
+
+
+LAUNCHER_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+"""The variable in which a launcher names the file where a worker says why it failed
+(torchrun sets it for each worker)."""
+
+
+def tell_launcher(message: str, detail: str | None = None) -> bool:
+    """Leave ``message`` and its ``detail`` (a traceback; else the message itself) in the
+    file a launcher gave this worker to say why it failed (:data:`LAUNCHER_ERROR_FILE`),
+    where it gave one; whether it did. The format is the one torch's
+    ``torch.distributed.elastic`` ``ErrorHandler.record_exception`` writes (what its
+    ``record`` decorator leaves for an exception that reaches the top): torchrun reads it
+    for each failed worker and prints ``detail`` as that worker's entry in its summary of
+    the failed job, the entry with the earliest time as the job's root cause; without the
+    file an entry says only "To enable traceback see ...". A file that cannot be written
+    is one line on standard error, nothing raised: the process is ending."""
+    path = os.environ.get(LAUNCHER_ERROR_FILE)
+    if not path:
+        return False
+    entry = {
+        "message": {
+            "message": message,
+            "extraInfo": {
+                "py_callstack": message if detail is None else detail,
+                "timestamp": str(int(time.time())),
+            },
+        }
+    }
+    try:
+        with open(path, "w") as out:
+            json.dump(entry, out)
+    except (OSError, ValueError) as unwritten:
+        write_stderr(f"{rank_tag()}the launcher's error file {path} was not written: {unwritten}\n")
+        return False
+    return True
 
 
 def _write(stream: Any, text: str) -> None:
@@ -129,6 +182,7 @@ def print_peer_failure(error: PeerFailed, stream: Any = None) -> int:
 def _say_peer_failure(error: PeerFailed, stream: Any) -> None:
     said = " | ".join(line.strip() for line in str(error).splitlines() if line.strip())
     _write(stream, f"{rank_tag()}run ended: {said}\n")
+    tell_launcher(f"{type(error).__name__}: this rank's run ended because of another rank: {said}")
 
 
 def speaker(error: BaseException) -> bool:
@@ -219,7 +273,9 @@ def say_ending(error: BaseException | None, stream: Any = None) -> None:
     elif isinstance(error, PeerFailed):
         _say_peer_failure(error, stream)
     else:
-        _write(stream, "".join(traceback.format_exception(error)))
+        said = "".join(traceback.format_exception(error))
+        _write(stream, said)
+        tell_launcher(f"{type(error).__name__}: {error}", said)
 
 
 def _told_which(error: KeyboardInterrupt) -> BaseException:

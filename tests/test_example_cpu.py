@@ -685,6 +685,14 @@ def test_a_rank_failing_ends_a_two_rank_job_with_every_process_group_aborted(tmp
     )
     for record in (failed, told):
         assert record.get("at_exit") == {"process_group_initialized": False}, job.context()
+    # torchrun's summary of the failed job says it too (each entry was "To enable traceback
+    # see ..."): rank 1's traceback (the example's @record), rank 0's reason naming rank 1
+    summary = job.result.output().split("ChildFailedError:", 1)[-1]
+    assert "RuntimeError: mcgraph probe: injected failure at step 2 on rank 1" in summary, (
+        job.context()
+    )
+    assert "this rank's run ended because of another rank: rank 1 (" in summary, job.context()
+    assert "To enable traceback" not in summary, job.context()
 
 
 def test_a_rank_failing_before_any_hook_started_the_watch_still_tells_the_others(

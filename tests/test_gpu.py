@@ -798,6 +798,11 @@ def check_failure(scenario: Scenario, job: TrainJob) -> None:
         check_refusal_said_once(scenario, job)
 
 
+# What the rank that says a refusal, and a told rank, leave in torchrun's summary.
+REFUSAL_ENTRY = "the run was refused as configured; the refusal is printed above"
+TOLD_ENTRY = "PeerFailed: this rank's run ended because of another rank: "
+
+
 def check_refusal_said_once(scenario: Scenario, job: TrainJob) -> None:
     """A run refused at a step by one rank: the refusal said once, by that rank (naming
     itself unless it is rank 0), with no worker's traceback."""
@@ -808,6 +813,8 @@ def check_refusal_said_once(scenario: Scenario, job: TrainJob) -> None:
     assert said == [probe_refusal_said(rank, scenario.fault_step)], (said, job.context())
     if scenario.nproc > 1:  # the speaker exited first, with the refusal's status
         assert first_failure(2, rank) in output, job.context()
+        # its entry in torchrun's summary points at the refusal (hookspecs.errors.tell_launcher)
+        assert REFUSAL_ENTRY in output, job.context()
     # torchrun's own ChildFailedError at most; nothing from a worker
     assert output.count("Traceback") <= 1, job.context()
     assert 'train_gpt.py", line' not in output, job.context()
@@ -826,8 +833,10 @@ def check_peer_ended(scenario: Scenario, job: TrainJob, rank: int) -> None:
         assert refused_by(failing, "") in exception, context
     else:
         assert f"rank {failing}" in exception, context
-        # said in one line, no traceback of its own (print_peer_failure)
+        # said in one line, no traceback of its own (print_peer_failure), and left for
+        # torchrun's summary of the failed job (hookspecs.errors.tell_launcher)
         assert f"[rank {rank}] run ended: rank {failing} (" in job.result.output(), context
+        assert f"{TOLD_ENTRY}rank {failing} (" in job.result.output(), context
     report, facts = record["report"], record["graph_plugin"]
     assert report is not None and facts is not None, context
     assert facts["graphs_freed"] == report["graph_count"], (facts, report)
@@ -950,6 +959,7 @@ def check_left_early(job: TrainJob) -> None:
     said = LEFT_EARLY_SAID.search(told["exception"] or "")
     assert said is not None and int(said.group(1)) >= 7, job.context()
     assert "[rank 0] run ended: rank 1 (" in result.output(), job.context()
+    assert f"{TOLD_ENTRY}rank 1 (" in result.output(), job.context()
 
 
 @pytest.mark.multigpu
@@ -1063,6 +1073,7 @@ def test_asked_for_graphs_got_none_on_two_ranks(name, graphs, env, phrase, accep
         speaker = 1 if said[0].startswith("error: " + refused_by(1, "")) else 0
         # the speaker exited first, with the refusal's status
         assert first_failure(2, speaker) in output, job.context()
+        assert REFUSAL_ENTRY in output, job.context()  # (its entry in torchrun's summary)
         assert "--cuda-graph-accept-eager" in said[0], said
         # torchrun's own ChildFailedError at most; nothing from a worker
         assert output.count("Traceback") <= 1, job.context()

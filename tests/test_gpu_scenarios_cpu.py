@@ -408,7 +408,8 @@ def test_the_failure_checks_pass_an_ended_job_and_catch_a_hang_or_a_leak(
         line = probe_refusal_said(who, s.fault_step)
         # under torchrun the speaker exits first, with the refusal's status
         first = (2, who) if s.nproc > 1 else None
-        said = {"stderr": refusal_output(tmp_path, [line], first)}
+        entry = [f"  traceback : CudaGraphConfigError: {test_gpu.REFUSAL_ENTRY}, ..."]
+        said = {"stderr": refusal_output(tmp_path, [line] + entry * (s.nproc > 1), first)}
         # the same refusal, its rank named where it should not be, or not where it should
         if who:
             misnamed = line.replace(f"rank {who} refused the run: ", "")
@@ -421,15 +422,22 @@ def test_the_failure_checks_pass_an_ended_job_and_catch_a_hang_or_a_leak(
         if s.nproc > 1:  # said, but another rank exited first, or the speaker with status 1
             other = 1 - who
             bad_output += [
-                refusal_output(tmp_path, [line], exit_line)
+                refusal_output(tmp_path, [line, *entry], exit_line)
                 for exit_line in (None, (2, other), (1, who))
             ]
+            bad_output.append(refusal_output(tmp_path, [line], first))  # (no summary entry)
 
     elif peers:  # each told rank says its end in one line (print_peer_failure)
         failing = ", ".join(str(r) for r in s.failing_ranks)
         told = [f"[rank {p}] run ended: rank {failing} (h, pid 7) failed: ..." for p in peers]
-        said = {"stderr": refusal_output(tmp_path, told)}
-        bad_output = [refusal_output(tmp_path, [])]  # (its traceback instead)
+        entries = [
+            f"  traceback : {test_gpu.TOLD_ENTRY}rank {failing} (h, pid 7) ..." for _ in peers
+        ]
+        said = {"stderr": refusal_output(tmp_path, told + entries)}
+        bad_output = [
+            refusal_output(tmp_path, []),  # (its traceback instead)
+            refusal_output(tmp_path, told),  # (torchrun's summary: "To enable traceback ...")
+        ]
 
     def job_of_s(records: dict[int, dict[str, Any]], **result: Any) -> TrainJob:
         return job_of(s, records, **{**said, **result})
@@ -554,12 +562,17 @@ def test_the_early_end_checks_pass_a_told_rank_and_catch_the_hang(tmp_path: Path
     }
     records = {0: told, 1: left}
     line = "[cudagraph_plugin] [rank 0] run ended: rank 1 (h, pid 7) ended its run early: ..."
-    good = {"stderr": refusal_output(tmp_path, [line])}
+    entry = f"  traceback : {test_gpu.TOLD_ENTRY}rank 1 (h, pid 7) ended its run early: ..."
+    good = {"stderr": refusal_output(tmp_path, [line, entry])}
     ended = FAULT_AT + 3.0
     test_gpu.check_left_early(job_of(s, records, rc=1, wall_s=20.0, ended_at=ended, **good))
     bad_jobs = [
         job_of(s, records, rc=0, wall_s=20.0, ended_at=ended, **good),
         job_of(s, records, rc=1, wall_s=20.0, ended_at=ended, stderr=refusal_output(tmp_path, [])),
+        # said, but not in torchrun's summary ("To enable traceback see ...")
+        job_of(
+            s, records, rc=1, wall_s=20.0, ended_at=ended, stderr=refusal_output(tmp_path, [line])
+        ),
         # the collective's timeout ended rank 0 (NCCL's watchdog, minutes later)
         job_of(s, records, rc=1, wall_s=61.0, ended_at=ended, **good),
         job_of(s, records, rc=1, wall_s=20.0, ended_at=FAULT_AT + 16.0, **good),
