@@ -12,10 +12,13 @@ rank's failure, a Ctrl-C) go to :func:`print_ending`, which hands each to its pr
 the Ctrl-C and raises it again: it stops the host's callers too, and the process ends by
 SIGINT).
 
-Each of those endings, and a failure's traceback said where a signal ends the process in
-its shutdown (:func:`say_ending`), is also left where a launcher asks its workers to say
-why they failed (:func:`tell_launcher`: torchrun's error file), so that the launcher's own
-summary of the failed job says it too instead of "To enable traceback see ...".
+Where a launcher asks its workers to say why they failed (torchrun's error file), what a
+rank says of its ending is left there too (:func:`tell_launcher`), so that the launcher's
+own summary of the failed job says it instead of "To enable traceback see ...": a told
+rank's reason (naming the rank that failed), a pointer to a refusal from the rank that
+says it (the silent ranks leave nothing), and a failure's traceback said where a signal
+ends the process in its shutdown (:func:`say_ending`). A Ctrl-C leaves nothing: the
+signal says it.
 """
 
 from __future__ import annotations
@@ -90,15 +93,14 @@ def _say_refusal(
     if not speaker(error):
         return False
     rank = launcher_rank()[0]
+    _tell_launcher_refused(error)  # (first, as a told rank's: see _say_peer_failure)
     if said is not None:
         _write(stream, (f"[rank {rank}] " if rank != 0 else "") + said)
-        _tell_launcher_refused(error)
         return True
     said = refused_by(rank, str(error)) if rank != 0 else str(error)
     # which plugin refused (the note TrainingRun adds naming it), on a line of its own
     who = [n for n in getattr(error, "__notes__", ()) if n.startswith("raised by plugin ")]
     _write(stream, f"error: {said}\n" + "".join(f"  ({note})\n" for note in who))
-    _tell_launcher_refused(error)
     return True
 
 
@@ -106,8 +108,8 @@ def _tell_launcher_refused(error: ConfigurationError | PeerRefused) -> None:
     # the launcher's summary points at the refusal said above: printed there again, it
     # would not be said once per job
     tell_launcher(
-        f"{type(error).__name__}: the run was refused as configured; the refusal is printed "
-        "above, once for the job, without a traceback"
+        f"{type(error).__name__}: the run was refused as configured; its problems and fixes "
+        "are printed on this rank's standard error (once for the job, without a traceback)"
     )
 
 
@@ -133,8 +135,13 @@ def tell_launcher(message: str, detail: str | None = None) -> bool:
     ``record`` decorator leaves for an exception that reaches the top): torchrun reads it
     for each failed worker and prints ``detail`` as that worker's entry in its summary of
     the failed job, the entry with the earliest time as the job's root cause; without the
-    file an entry says only "To enable traceback see ...". A file that cannot be written
-    is one line on standard error, nothing raised: the process is ending."""
+    file an entry says only "To enable traceback see ..." (or the signal that ended it).
+
+    The file appears whole or not at all (written aside, then renamed over it): the process
+    is ending, and a launcher's SIGTERM, a Ctrl-C or the run's exit deadline may end it
+    mid-write, where a file cut short would stop torchrun's own report of the failed job (it
+    raises on an entry it cannot parse). A file that cannot be written is one line on
+    standard error, nothing raised but an interrupt."""
     path = os.environ.get(LAUNCHER_ERROR_FILE)
     if not path:
         return False
@@ -147,13 +154,26 @@ def tell_launcher(message: str, detail: str | None = None) -> bool:
             },
         }
     }
+    aside = f"{path}.{os.getpid()}.part"
     try:
-        with open(path, "w") as out:
-            json.dump(entry, out)
+        with open(aside, "w") as out:
+            out.write(json.dumps(entry))
+        os.replace(aside, path)
     except (OSError, ValueError) as unwritten:
+        _remove(aside)
         write_stderr(f"{rank_tag()}the launcher's error file {path} was not written: {unwritten}\n")
         return False
+    except BaseException:
+        _remove(aside)
+        raise
     return True
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _write(stream: Any, text: str) -> None:
@@ -181,8 +201,10 @@ def print_peer_failure(error: PeerFailed, stream: Any = None) -> int:
 
 def _say_peer_failure(error: PeerFailed, stream: Any) -> None:
     said = " | ".join(line.strip() for line in str(error).splitlines() if line.strip())
-    _write(stream, f"{rank_tag()}run ended: {said}\n")
+    # the launcher's entry first: a line said is then never without it, whatever ends the
+    # process next (torchrun's SIGTERM once the failing rank exited)
     tell_launcher(f"{type(error).__name__}: this rank's run ended because of another rank: {said}")
+    _write(stream, f"{rank_tag()}run ended: {said}\n")
 
 
 def speaker(error: BaseException) -> bool:

@@ -799,7 +799,10 @@ def check_failure(scenario: Scenario, job: TrainJob) -> None:
 
 
 # What the rank that says a refusal, and a told rank, leave in torchrun's summary.
-REFUSAL_ENTRY = "the run was refused as configured; the refusal is printed above"
+REFUSAL_ENTRY = (
+    "the run was refused as configured; its problems and fixes are printed on this rank's "
+    "standard error"
+)
 TOLD_ENTRY = "PeerFailed: this rank's run ended because of another rank: "
 
 

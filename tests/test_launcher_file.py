@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import time
+import types
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -25,7 +26,6 @@ def error_file(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     path = tmp_path / "error.json"
     monkeypatch.setenv(errors.LAUNCHER_ERROR_FILE, str(path))
-    monkeypatch.setattr(errors.time, "sleep", lambda s: None)  # (a silent rank's grace wait)
     return path
 
 
@@ -57,11 +57,11 @@ def test_the_rank_that_says_a_refusal_points_at_it_and_the_silent_ranks_leave_no
     problems = "1 problem(s) with the CUDA graph configuration:\n  1. scope attn: fix it"
     assert errors.print_refusal(ConfigurationError(problems), stream=io.StringIO()) == 2
     _, said = summary(error_file, exitcode=2)
-    assert "the run was refused as configured; the refusal is printed above" in said
+    assert "the run was refused as configured; its problems and fixes are printed on" in said
     assert "problem(s)" not in said  # (said once per job: not again in torchrun's summary)
     error_file.unlink()
     told = PeerRefused(1, "exception: ConfigurationError", refusal=problems)
-    assert errors.print_refusal(told, stream=io.StringIO()) == 2
+    assert errors.print_refusal(told, stream=io.StringIO(), grace_s=0) == 2
     assert not error_file.exists()  # (rank 1 says it; this rank's entry stays torchrun's own)
     stream = io.StringIO()  # a host's own words for its refusal (argparse's usage error)
     errors.print_refusal(ConfigurationError("bad"), stream=stream, said="prog: error: bad\n")
@@ -103,3 +103,20 @@ def test_a_file_that_cannot_be_written_is_one_line_and_the_ending_goes_on(
         f"[rank 0] the launcher's error file {error_file.parent} was not written: "
     )
     assert err.count("\n") == 1
+
+
+def test_an_interrupt_mid_write_leaves_the_file_whole(error_file, monkeypatch) -> None:
+    """A launcher's SIGTERM, a Ctrl-C or the exit deadline may end the process while it
+    writes: the entry written before stays whole (a file cut short stops torchrun's own
+    report of the failed job: its reader raises on it), and nothing is left aside."""
+    errors.print_peer_failure(PeerFailed(1, "x", "rank 1 failed first"), stream=io.StringIO())
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(errors, "json", types.SimpleNamespace(dumps=interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        errors.tell_launcher("RuntimeError: later")
+    failure, _ = summary(error_file)
+    assert failure.message["message"].endswith("rank 1 failed first")
+    assert sorted(p.name for p in error_file.parent.iterdir()) == ["error.json"]

@@ -209,7 +209,9 @@ def _said_once_by_one_worker(job, *said: str) -> None:
     assert "pluggy" not in output and 'train_gpt.py", line' not in output, job.tail()
     assert "exitcode  : 2" in output, job.tail()
     # the speaker's entry there points at the refusal (it was "To enable traceback see ...")
-    assert "the run was refused as configured; the refusal is printed above" in output, job.tail()
+    assert "the run was refused as configured; its problems and fixes are printed" in output, (
+        job.tail()
+    )
 
 
 @pytest.mark.slow
