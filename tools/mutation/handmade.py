@@ -1170,6 +1170,36 @@ MUTANTS = [
             "tests/test_minimal_loop.py::test_a_bad_command_line_is_refused_in_two_lines_once_per_job",
         ),
     ),
+    Mutant(
+        "told-rank-tells-no-launcher",
+        "a told rank's entry in torchrun's summary says only 'To enable traceback see ...'",
+        "hookspecs/errors.py",
+        "    tell_launcher(f\"{type(error).__name__}: this rank's run ended because of another "
+        'rank: {said}")\n',
+        "",
+        (
+            "tests/test_launcher_file.py::test_a_told_rank_leaves_its_reason_naming_the_rank_that_failed",
+            "tests/test_example_cpu.py::test_a_rank_failing_ends_a_two_rank_job_with_every_process_group_aborted",
+        ),
+    ),
+    Mutant(
+        "launcher-file-written-in-place",
+        "an interrupt mid-write leaves torchrun an error file cut short (its report then raises)",
+        "hookspecs/errors.py",
+        '    aside = f"{path}.{os.getpid()}.part"\n',
+        "    aside = path\n",
+        ("tests/test_launcher_file.py::test_an_interrupt_mid_write_leaves_the_file_whole",),
+    ),
+    Mutant(
+        "example-main-not-recorded",
+        "the failing rank's entry in torchrun's summary has no traceback (main() not under record)",
+        "examples/train_gpt.py",
+        "@record  # a failure's traceback in torchrun's summary of the failed job\n",
+        "",
+        (
+            "tests/test_probe_jobs_cpu.py::test_two_gloo_ranks_end_non_zero_in_time_when_rank_1_raises",
+        ),
+    ),
 ]
 
 
