@@ -246,6 +246,9 @@ def test_a_told_rank_says_its_line_when_torchruns_sigterm_comes_during_its_shutd
     said = [line for line in result.output().splitlines() if " run ended: " in line]
     assert said == [said[0]] and said[0].startswith("[rank 0] run ended: rank 1 ("), job.context()
     assert "was stopped: signal" in said[0]
+    # and left for torchrun's summary of the failed job, whichever of the two said it
+    summary = result.output().split("ChildFailedError:", 1)[-1]
+    assert "this rank's run ended because of another rank: rank 1 (" in summary, job.context()
 
 
 def test_a_rank_killed_without_a_word_over_gloo_leaves_the_other_to_its_shutdown(

@@ -1180,6 +1180,7 @@ MUTANTS = [
         (
             "tests/test_launcher_file.py::test_a_told_rank_leaves_its_reason_naming_the_rank_that_failed",
             "tests/test_example_cpu.py::test_a_rank_failing_ends_a_two_rank_job_with_every_process_group_aborted",
+            "tests/test_probe_jobs_cpu.py::test_a_told_rank_says_its_line_when_torchruns_sigterm_comes_during_its_shutdown",
         ),
     ),
     Mutant(
