@@ -105,7 +105,7 @@ def _say_refusal(
 
 
 def _tell_launcher_refused(error: ConfigurationError | PeerRefused) -> None:
-    # the launcher's summary points at the refusal said above: printed there again, it
+    # the launcher's summary points at the refusal this rank said: printed there again, it
     # would not be said once per job
     tell_launcher(
         f"{type(error).__name__}: the run was refused as configured; its problems and fixes "
