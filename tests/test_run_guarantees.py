@@ -495,6 +495,76 @@ def test_an_optimizer_step_that_bypasses_the_graph_stops_at_the_capture_step(opt
             "--lr-decay-style", "constant", plugins=[BypassesTheOptimizerGraph()])  # fmt: skip
 
 
+class ReportSink:
+    """A third-party consumer of the report (a metrics service)."""
+
+    def __init__(self) -> None:
+        self.reports: list[RunReport] = []
+
+    @hookimpl
+    def mcgraph_report(self, report):
+        self.reports.append(report)
+
+
+class FolderTurnedFile:
+    """The report's folder becomes a file during the run (gone, replaced: what a full disk
+    or a cleaned-up scratch space does after the configure check passed)."""
+
+    def __init__(self, folder) -> None:
+        self.folder = folder
+
+    @hookimpl
+    def mcgraph_train_step_end(self, step, metrics):
+        if self.folder.is_dir():
+            self.folder.rmdir()
+            self.folder.write_text("not a folder any more")
+
+
+def test_a_report_json_that_cannot_be_written_names_the_field_after_every_sink_had_it(
+    fake_graphs, tmp_path
+) -> None:
+    """(Before: the write's OSError came first, so no mcgraph_report implementation received
+    the report, and the error said a path but not the setting or its fix.)"""
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    sink = ReportSink()
+    asked = str(folder / "report.json")
+    with pytest.raises(OSError) as raised:
+        run(*FULL, "--cuda-graph-warmup-steps", "1", "--cuda-graph-report-json", asked,
+            plugins=[sink, FolderTurnedFile(folder)])  # fmt: skip
+    [report] = sink.reports  # (the sink had it, graphs captured and all)
+    assert report.graphs_captured and report.shutdown_reason == "completed"
+    notes = "\n".join(raised.value.__notes__)
+    assert f"cuda_graph_report_json={asked!r}" in notes
+    assert "fix: point cuda_graph_report_json (--cuda-graph-report-json) at a file" in notes
+    [graph] = fake_graphs.graphs
+    assert graph.resets == 1  # (freed all the same)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reports"]  # (nothing left aside)
+
+
+def test_the_report_json_is_written_whole_or_not_at_all(fake_graphs, tmp_path, monkeypatch):
+    """An interrupt mid-write (the process ending) leaves the report written before whole,
+    and nothing aside."""
+    import os
+    import types
+
+    from cudagraph_plugin.runtime import report as report_module
+
+    _, rec = run(*FULL, "--cuda-graph-warmup-steps", "1")
+    path = tmp_path / "report.json"
+    path.write_text('{"before": true}\n')
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    fake_os = types.SimpleNamespace(getpid=os.getpid, replace=interrupted)
+    monkeypatch.setattr(report_module, "os", fake_os)
+    with pytest.raises(KeyboardInterrupt):
+        rec.report.write_json(path)
+    assert path.read_text() == '{"before": true}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
+
+
 # -- replays per graph ---------------------------------------------------------------------------
 
 

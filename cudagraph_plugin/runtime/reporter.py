@@ -87,18 +87,39 @@ class Reporter:
                 sum(1 for row in self.report.buckets if row["capture_steps"]),
                 "; ".join(bucket_key(row) for row in unpaid),
             )
-        settings = self.state.settings
-        if settings.report_json:
-            path = self.report.write_json(rank_path(settings.report_json, rank))
-            logger.info("CUDA graph report written to %s", path)
+        # A JSON that cannot be written (its folder gone, a full disk since the configure
+        # check) keeps no mcgraph_report implementation from the report: raised after them.
+        unwritten = self._write_json(self.report, rank)
         try:
             call_hook(self.state.pm, "mcgraph_report", report=self.report)
         except BaseException as exc:
             exc.add_note(
                 "(in a mcgraph_report implementation: the report was built, logged and "
-                "written; the implementations after this one did not receive it)"
+                + ("written" if unwritten is None else f"not written ({unwritten})")
+                + "; the implementations after this one did not receive it)"
             )
             raise
+        if unwritten is not None:
+            raise unwritten
+
+    def _write_json(self, report: RunReport, rank: int) -> OSError | None:
+        """Write this rank's JSON where ``cuda_graph_report_json`` asks; what the write
+        raised, with a note naming the field, its value and the fix."""
+        asked = self.state.settings.report_json
+        if not asked:
+            return None
+        try:
+            path = report.write_json(rank_path(asked, rank))
+        except OSError as unwritten:
+            unwritten.add_note(
+                f"(writing the run report's JSON, cuda_graph_report_json={asked!r}: the report "
+                "was logged and handed to every mcgraph_report implementation, and the CUDA "
+                "graphs are freed; fix: point cuda_graph_report_json (--cuda-graph-report-json) "
+                "at a file this rank can write, or leave it unset)"
+            )
+            return unwritten
+        logger.info("CUDA graph report written to %s", path)
+        return None
 
     def build(self, reason: str, peak_at_end: float | None, *, sync: bool) -> RunReport:
         state, captures = self.state, self.captures

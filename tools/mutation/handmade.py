@@ -1201,6 +1201,24 @@ MUTANTS = [
             "tests/test_probe_jobs_cpu.py::test_two_gloo_ranks_end_non_zero_in_time_when_rank_1_raises",
         ),
     ),
+    Mutant(
+        "report-json-before-the-sinks",
+        "a report JSON that cannot be written keeps every mcgraph_report implementation from it",
+        "cudagraph_plugin/runtime/reporter.py",
+        "            return unwritten\n",
+        "            raise unwritten\n",
+        (
+            "tests/test_run_guarantees.py::test_a_report_json_that_cannot_be_written_names_the_field_after_every_sink_had_it",
+        ),
+    ),
+    Mutant(
+        "report-json-written-in-place",
+        "an interrupt mid-write leaves the report JSON cut short (or gone)",
+        "cudagraph_plugin/runtime/report.py",
+        '        aside = path.with_name(f"{path.name}.{os.getpid()}.part")\n',
+        "        aside = path\n",
+        ("tests/test_run_guarantees.py::test_the_report_json_is_written_whole_or_not_at_all",),
+    ),
 ]
 
 
