@@ -617,6 +617,19 @@ def test_a_report_path_that_is_not_a_path_is_a_problem_of_the_check():
     assert check_config({**graphs, "cuda_graph_report_json": Path("r.json")}).ok
 
 
+@pytest.mark.parametrize("path", ["r\0.json", "reports/\0/r.json"])
+def test_a_report_path_with_a_nul_is_a_problem_of_the_check(path, tmp_path, monkeypatch):
+    """A NUL passed the writability check (``Path.exists`` says False for it) and the run
+    trained to its end, then the JSON's write raised ``ValueError: embedded null byte``."""
+    from cudagraph_plugin import check_config
+
+    monkeypatch.chdir(tmp_path)
+    graphs = {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"}
+    [problem] = check_config({**graphs, "cuda_graph_report_json": path}).problems
+    assert problem.fields == ("cuda_graph_report_json",)
+    assert problem.problem == "a file path with a NUL character in it"
+
+
 @pytest.mark.parametrize("spelling", ["tuple of members", "mixed list", "set"])
 def test_scope_forms_megatron_core_refuses_are_rewritten_and_then_build(spelling):
     """A tuple of enum members, a list mixing members and names, a set: the check said OK

@@ -539,30 +539,23 @@ def test_a_report_json_that_cannot_be_written_names_the_field_after_every_sink_h
     assert "fix: point cuda_graph_report_json (--cuda-graph-report-json) at a file" in notes
     [graph] = fake_graphs.graphs
     assert graph.resets == 1  # (freed all the same)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["reports"]  # (nothing left aside)
 
 
-def test_the_report_json_is_written_whole_or_not_at_all(fake_graphs, tmp_path, monkeypatch):
-    """An interrupt mid-write (the process ending) leaves the report written before whole,
-    and nothing aside."""
-    import os
-    import types
-
-    from cudagraph_plugin.runtime import report as report_module
-
-    _, rec = run(*FULL, "--cuda-graph-warmup-steps", "1")
-    path = tmp_path / "report.json"
-    path.write_text('{"before": true}\n')
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    fake_os = types.SimpleNamespace(getpid=os.getpid, replace=interrupted)
-    monkeypatch.setattr(report_module, "os", fake_os)
-    with pytest.raises(KeyboardInterrupt):
-        rec.report.write_json(path)
-    assert path.read_text() == '{"before": true}\n'
-    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
+def test_an_unwritten_report_json_is_said_where_a_sink_raised_too(fake_graphs, tmp_path, caplog):
+    """A consumer that raises ends the run with its own error; the JSON's error, with its
+    note naming the setting and the fix, is then logged rather than lost."""
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    asked = str(folder / "report.json")
+    sinks = [RaisingReportSink(RuntimeError("sink down")), FolderTurnedFile(folder)]
+    with pytest.raises(RuntimeError, match="sink down") as raised:
+        run(*FULL, "--cuda-graph-warmup-steps", "1", "--cuda-graph-report-json", asked,
+            plugins=sinks)  # fmt: skip
+    assert "the report was built, logged and not written (logged above)" in "\n".join(
+        raised.value.__notes__
+    )
+    [logged] = [r for r in caplog.records if r.getMessage().startswith("the run report's JSON")]
+    assert f"cuda_graph_report_json={asked!r}" in "\n".join(logged.exc_info[1].__notes__)
 
 
 # -- replays per graph ---------------------------------------------------------------------------

@@ -334,6 +334,11 @@ def _to_path(value: Any) -> Any:
             f"not a file path ({type(value).__name__})",
             "give the report's path as a string, e.g. report.json, or leave it out",
         )
+    if "\0" in os.fsdecode(value):  # (no file system takes one: the write would fail at the end)
+        raise _Unreadable(
+            "a file path with a NUL character in it",
+            "give the report's path without it, e.g. report.json",
+        )
     return value
 
 

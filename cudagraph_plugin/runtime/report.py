@@ -9,10 +9,8 @@ captures and sends it out.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -159,18 +157,9 @@ class RunReport:
         return data
 
     def write_json(self, path: str | Path) -> Path:
-        """Write the report to ``path`` whole or not at all (written aside, then renamed
-        over it: the process may be ending, and a file cut short reads as no report)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        aside = path.with_name(f"{path.name}.{os.getpid()}.part")
-        try:
-            aside.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-            os.replace(aside, path)
-        except BaseException:
-            with contextlib.suppress(OSError):  # (the write's own error goes on)
-                aside.unlink(missing_ok=True)
-            raise
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
         return path
 
     def _captured_row(self, at: str) -> str:

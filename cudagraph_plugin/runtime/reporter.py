@@ -93,16 +93,18 @@ class Reporter:
         try:
             call_hook(self.state.pm, "mcgraph_report", report=self.report)
         except BaseException as exc:
+            if unwritten is not None:  # (said here: only this exception goes on)
+                logger.error("the run report's JSON was not written", exc_info=unwritten)
             exc.add_note(
                 "(in a mcgraph_report implementation: the report was built, logged and "
-                + ("written" if unwritten is None else f"not written ({unwritten})")
+                + ("written" if unwritten is None else "not written (logged above)")
                 + "; the implementations after this one did not receive it)"
             )
             raise
         if unwritten is not None:
             raise unwritten
 
-    def _write_json(self, report: RunReport, rank: int) -> OSError | None:
+    def _write_json(self, report: RunReport, rank: int) -> OSError | ValueError | None:
         """Write this rank's JSON where ``cuda_graph_report_json`` asks; what the write
         raised, with a note naming the field, its value and the fix."""
         asked = self.state.settings.report_json
@@ -110,7 +112,7 @@ class Reporter:
             return None
         try:
             path = report.write_json(rank_path(asked, rank))
-        except OSError as unwritten:
+        except (OSError, ValueError) as unwritten:  # (ValueError: a NUL in the path)
             unwritten.add_note(
                 f"(writing the run report's JSON, cuda_graph_report_json={asked!r}: the report "
                 "was logged and handed to every mcgraph_report implementation, and the CUDA "
