@@ -433,10 +433,10 @@ def mcgraph_report(report: Report) -> None:
     ``mcgraph_shutdown`` runs, and while the graphs are still held (see
     :func:`mcgraph_shutdown`). The report is logged and its JSON written before the hook is
     called (a JSON that cannot be written then, its folder gone since the run started, does
-    not stop the call: its error, naming the setting and the fix, ends the run once every
-    implementation had the report). An implementation that raises ends the call (pluggy's
-    rule): the ones after it do not receive the report, and the run then ends with that
-    exception, its plugin named in a note.
+    not stop the call: its error, naming the setting and the fix, ends a run that completed
+    once every implementation had the report). An implementation that raises ends the call
+    (pluggy's rule): the ones after it do not receive the report, and the run then ends with
+    that exception, its plugin named in a note.
 
     :param report: The run report. ``report.to_dict()`` gives its fields as JSON-ready
         values, following the schema in "The run report" above (versioned by its
