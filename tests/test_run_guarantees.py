@@ -535,7 +535,7 @@ def test_a_report_json_that_cannot_be_written_names_the_field_after_every_sink_h
     [report] = sink.reports  # (the sink had it, graphs captured and all)
     assert report.graphs_captured and report.shutdown_reason == "completed"
     notes = "\n".join(raised.value.__notes__)
-    assert f"cuda_graph_report_json={asked!r}" in notes
+    assert f"cuda_graph_report_json={asked!r}: the report was logged and handed to every " in notes
     assert "fix: point cuda_graph_report_json (--cuda-graph-report-json) at a file" in notes
     [graph] = fake_graphs.graphs
     assert graph.resets == 1  # (freed all the same)
@@ -555,7 +555,9 @@ def test_an_unwritten_report_json_is_said_where_a_sink_raised_too(fake_graphs, t
         raised.value.__notes__
     )
     [logged] = [r for r in caplog.records if r.getMessage().startswith("the run report's JSON")]
-    assert f"cuda_graph_report_json={asked!r}" in "\n".join(logged.exc_info[1].__notes__)
+    said = "\n".join(logged.exc_info[1].__notes__)
+    assert f"cuda_graph_report_json={asked!r}: the report was logged and handed to the " in said
+    assert "before the one that raised" in said
 
 
 # -- replays per graph ---------------------------------------------------------------------------

@@ -94,6 +94,8 @@ class Reporter:
             call_hook(self.state.pm, "mcgraph_report", report=self.report)
         except BaseException as exc:
             if unwritten is not None:  # (said here: only this exception goes on)
+                self._note_unwritten(unwritten, "and handed to the mcgraph_report "
+                                     "implementations before the one that raised")  # fmt: skip
                 logger.error("the run report's JSON was not written", exc_info=unwritten)
             exc.add_note(
                 "(in a mcgraph_report implementation: the report was built, logged and "
@@ -102,26 +104,30 @@ class Reporter:
             )
             raise
         if unwritten is not None:
+            self._note_unwritten(unwritten, "and handed to every mcgraph_report implementation")
             raise unwritten
 
     def _write_json(self, report: RunReport, rank: int) -> OSError | ValueError | None:
         """Write this rank's JSON where ``cuda_graph_report_json`` asks; what the write
-        raised, with a note naming the field, its value and the fix."""
+        raised (:meth:`_note_unwritten` says it once the hook ran)."""
         asked = self.state.settings.report_json
         if not asked:
             return None
         try:
             path = report.write_json(rank_path(asked, rank))
         except (OSError, ValueError) as unwritten:  # (ValueError: a NUL in the path)
-            unwritten.add_note(
-                f"(writing the run report's JSON, cuda_graph_report_json={asked!r}: the report "
-                "was logged and handed to every mcgraph_report implementation, and the CUDA "
-                "graphs are freed; fix: point cuda_graph_report_json (--cuda-graph-report-json) "
-                "at a file this rank can write, or leave it unset)"
-            )
             return unwritten
         logger.info("CUDA graph report written to %s", path)
         return None
+
+    def _note_unwritten(self, unwritten: BaseException, handed: str) -> None:
+        """The note naming the setting, its value and the fix, and where the report went."""
+        unwritten.add_note(
+            "(writing the run report's JSON, cuda_graph_report_json="
+            f"{self.state.settings.report_json!r}: the report was logged {handed}, and the "
+            "CUDA graphs are freed; fix: point cuda_graph_report_json "
+            "(--cuda-graph-report-json) at a file this rank can write, or leave it unset)"
+        )
 
     def build(self, reason: str, peak_at_end: float | None, *, sync: bool) -> RunReport:
         state, captures = self.state, self.captures
