@@ -157,8 +157,10 @@ class LateWatch:
 def with_last_step(mine: PeerFailure, early: EarlyEnd | None) -> PeerFailure:
     """This rank's early-end record with the last step it entered (``NO_STEP``: none);
     unchanged where the watch does not know the run's step."""
-    step = None if early is None else early.step()
-    if early is None or not early.readable:  # (unknown is not "before its first step")
+    if early is None:
+        return mine
+    step = early.step()  # (first: a step that cannot be read makes it unreadable)
+    if not early.readable:  # (unknown is not "before its first step")
         return mine
     return dataclasses.replace(mine, step=NO_STEP if step is None else step)
 
